@@ -1,0 +1,42 @@
+# tunelab: the same commands CI runs. Every target installs what it needs first.
+PYTHON ?= python3
+VENV ?= .venv
+# The torch build to install before anything else asks for torch (a CPU wheel here; on a CUDA
+# machine e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128").
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tunelab-installed
+
+export TORCHAO_FORCE_SKIP_LOADING_SO_FILES ?= 1
+
+.PHONY: install demo test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/tunelab run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora output_dir=outputs/demo
+	$(VENV)/bin/tunelab run generate --config tiny/generate checkpoint_dir=outputs/demo/epoch_0 adapter_dir=null
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check framework recipes tests bench
+	$(VENV)/bin/ruff format --check framework recipes tests bench
+
+format: install
+	$(VENV)/bin/ruff check --fix framework recipes tests bench
+	$(VENV)/bin/ruff format framework recipes tests bench
+
+bench: install
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

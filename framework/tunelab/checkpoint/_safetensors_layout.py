@@ -1,0 +1,283 @@
+"""Byte layout of safetensors files, computed before any data is written.
+
+A safetensors file is ``[u64 little-endian N][N bytes of JSON header][tensor data]``. The
+header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` with
+offsets relative to the start of the data, and the format forbids gaps between tensors. Knowing
+every tensor's global shape and dtype is therefore enough to know, before writing, at which
+byte of which file every element lands: that is what lets every rank write its own slices
+straight into the final files.
+
+Alignment: the header is padded with spaces so the data starts at a multiple of 8, and tensors
+are ordered by element size (largest first), so each tensor starts at a multiple of its own
+element size without any padding between tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tunelab.checkpoint.hf import SAFE_WEIGHTS_NAME
+from tunelab.errors import CheckpointError
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):  # unsigned types beyond uint8 exist in torch >= 2.3 only
+        _DTYPE_NAMES[getattr(torch, _name)] = _code
+
+# pwrite on Linux moves at most 0x7ffff000 bytes per call; stay well below it.
+_MAX_WRITE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Global name, dtype and shape of one tensor to be written."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        """Size of the whole tensor's data in bytes."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype, tensor_name: str) -> str:
+    """Return the safetensors dtype code of ``dtype``.
+
+    Raises:
+        CheckpointError: If safetensors cannot store the dtype.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise CheckpointError(f"tensor {tensor_name!r} has dtype {dtype}, which safetensors cannot store")
+    return _DTYPE_NAMES[dtype]
+
+
+def assign_files(
+    specs: Sequence[TensorSpec],
+    fqn_to_file: Mapping[str, str] | None,
+    max_shard_size: int,
+) -> dict[str, list[TensorSpec]]:
+    """Group tensors into output files.
+
+    With ``fqn_to_file`` each tensor goes to the named file (files named only by keys that are
+    not written are skipped). Without it, tensors are packed greedily in the given order into
+    files of at most ``max_shard_size`` bytes (a bigger tensor gets a file of its own), named
+    ``model-0000k-of-0000n.safetensors``, or ``model.safetensors`` when one file suffices, as
+    ``transformers``' ``save_pretrained`` does.
+
+    Args:
+        specs: Tensors in key order.
+        fqn_to_file: Key to file name, e.g. a base model index's ``weight_map``; or None.
+        max_shard_size: Greedy file size limit in bytes, used when ``fqn_to_file`` is None.
+
+    Returns:
+        File name to its tensors, in key order.
+
+    Raises:
+        CheckpointError: If a key has no file in ``fqn_to_file`` or a file name is not a plain
+            ``*.safetensors`` name.
+    """
+    if fqn_to_file is not None:
+        missing = [spec.name for spec in specs if spec.name not in fqn_to_file]
+        if missing:
+            raise CheckpointError(
+                f"fqn_to_file names no file for {len(missing)} key(s), first {missing[:3]}"
+            )
+        files: dict[str, list[TensorSpec]] = {}
+        for spec in specs:
+            file_name = fqn_to_file[spec.name]
+            if os.path.basename(file_name) != file_name or not file_name.endswith(".safetensors"):
+                raise CheckpointError(
+                    f"fqn_to_file maps {spec.name!r} to {file_name!r}; expected a plain "
+                    "file name ending in .safetensors"
+                )
+            files.setdefault(file_name, []).append(spec)
+        return dict(sorted(files.items()))
+    groups: list[list[TensorSpec]] = [[]]
+    group_bytes = 0
+    for spec in specs:
+        if groups[-1] and group_bytes + spec.num_bytes > max_shard_size:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(spec)
+        group_bytes += spec.num_bytes
+    if len(groups) == 1:
+        return {SAFE_WEIGHTS_NAME: groups[0]}
+    num_files = len(groups)
+    return {
+        f"model-{k:05d}-of-{num_files:05d}.safetensors": group
+        for k, group in enumerate(groups, start=1)
+    }
+
+
+@dataclass
+class FileLayout:
+    """Where every tensor of one safetensors file lives.
+
+    Attributes:
+        name: File name inside the output folder.
+        header: The length prefix and the space-padded JSON header, written at offset 0.
+        tensor_offsets: Tensor name to the absolute byte offset of its first element.
+        total_size: Exact size of the finished file in bytes.
+    """
+
+    name: str
+    header: bytes
+    tensor_offsets: dict[str, int] = field(default_factory=dict)
+    total_size: int = 0
+
+
+def build_file_layout(name: str, specs: Sequence[TensorSpec]) -> FileLayout:
+    """Compute the header and the tensor offsets of one file.
+
+    Tensors are ordered by element size, largest first, then by name; with a header padded to
+    a multiple of 8 every tensor then starts aligned to its element size and no gaps are needed.
+
+    Args:
+        name: File name.
+        specs: The file's tensors.
+
+    Returns:
+        The file's layout.
+    """
+    ordered = sorted(specs, key=lambda spec: (-spec.dtype.itemsize, spec.name))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    relative: dict[str, int] = {}
+    cursor = 0
+    for spec in ordered:
+        header[spec.name] = {
+            "dtype": dtype_name(spec.dtype, spec.name),
+            "shape": list(spec.shape),
+            "data_offsets": [cursor, cursor + spec.num_bytes],
+        }
+        relative[spec.name] = cursor
+        cursor += spec.num_bytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # 8-byte length prefix + padded JSON keeps data 8-aligned
+    data_start = 8 + len(text)
+    return FileLayout(
+        name=name,
+        header=struct.pack("<Q", len(text)) + text,
+        tensor_offsets={key: data_start + offset for key, offset in relative.items()},
+        total_size=data_start + cursor,
+    )
+
+
+def contiguous_runs(
+    global_shape: Sequence[int], chunk_offsets: Sequence[int], chunk_sizes: Sequence[int]
+) -> tuple[Iterator[int], int]:
+    """Decompose a chunk of a row-major tensor into its maximal contiguous runs.
+
+    With ``j`` the first dimension after which the chunk spans every dimension fully, each run
+    holds ``sizes[j] * prod(shape[j+1:])`` elements and there are ``prod(sizes[:j])`` runs; the
+    run at outer index ``i`` starts at element ``sum((offsets[d] + i[d]) * stride[d], d < j) +
+    offsets[j] * stride[j]``. A ``Shard(0)`` chunk is one run; a ``Shard(1)`` chunk of a matrix
+    is one run per row. Runs come in the chunk's own row-major order.
+
+    Args:
+        global_shape: Shape of the whole tensor.
+        chunk_offsets: Global offset of the chunk in each dimension.
+        chunk_sizes: Size of the chunk in each dimension.
+
+    Returns:
+        An iterator over each run's first element index in the whole tensor, and the run
+        length in elements (0 when the chunk is empty).
+    """
+    num_dims = len(global_shape)
+    if num_dims == 0:
+        return iter([0]), 1
+    if math.prod(chunk_sizes) == 0:
+        return iter([]), 0
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(num_dims)]
+    split_dim = num_dims - 1
+    while split_dim > 0 and chunk_sizes[split_dim] == global_shape[split_dim]:
+        split_dim -= 1
+    run_length = chunk_sizes[split_dim] * strides[split_dim]
+    base = chunk_offsets[split_dim] * strides[split_dim]
+    outer = itertools.product(*(range(chunk_sizes[d]) for d in range(split_dim)))
+    starts = (
+        base + sum((chunk_offsets[d] + i) * strides[d] for d, i in enumerate(index))
+        for index in outer
+    )
+    return starts, run_length
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``, in pieces small enough for one ``pwrite`` each.
+
+    ``os.pwrite`` may write fewer bytes than asked (and Linux caps one call near 2 GiB), so
+    this loops until everything is written.
+    """
+    written = 0
+    while written < len(data):
+        end = min(len(data), written + _MAX_WRITE_BYTES)
+        count = os.pwrite(fd, data[written:end], offset + written)
+        if count <= 0:
+            raise OSError(f"pwrite wrote {count} bytes at offset {offset + written}")
+        written += count
+
+
+def write_chunk(
+    fd: int,
+    chunk: torch.Tensor,
+    global_shape: Sequence[int],
+    chunk_offsets: Sequence[int],
+    tensor_offset: int,
+) -> int:
+    """Write one chunk of a tensor into a file as its contiguous byte runs.
+
+    A contiguous CPU chunk is written from a zero-copy byte view (bf16 included); any other
+    chunk is copied once to a contiguous CPU tensor of its own size, never to a whole tensor.
+
+    Args:
+        fd: File descriptor open for writing.
+        chunk: The chunk's data, shaped like the chunk.
+        global_shape: Shape of the whole tensor.
+        chunk_offsets: Global offset of the chunk in each dimension.
+        tensor_offset: Absolute file offset of the whole tensor's first element.
+
+    Returns:
+        The number of bytes written.
+    """
+    if chunk.numel() == 0:
+        return 0
+    local = chunk.detach().to("cpu").contiguous().reshape(-1)
+    raw = memoryview(local.view(torch.uint8).numpy())
+    itemsize = local.element_size()
+    starts, run_length = contiguous_runs(global_shape, chunk_offsets, tuple(chunk.shape))
+    run_bytes = run_length * itemsize
+    for position, start in enumerate(starts):
+        piece = raw[position * run_bytes : (position + 1) * run_bytes]
+        pwrite_all(fd, piece, tensor_offset + start * itemsize)
+    return len(raw)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

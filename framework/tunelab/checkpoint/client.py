@@ -1,0 +1,316 @@
+"""``CheckpointClient``: the only checkpoint object recipes touch.
+
+Lifecycle (see docs/checkpointing.md):
+
+1. Built after the process group exists (a multi-process run without one is an error).
+2. :meth:`save` writes a resumable DCP checkpoint of the trainable state into
+   ``step_{N}/``; with async checkpointing it returns once the state is staged to CPU.
+3. Every save, export and :meth:`close` first waits for the save in flight.
+4. A step directory counts once rank 0 has committed it (an atomic manifest), after every
+   rank's files are durable; retention then prunes older committed ones.
+5. :meth:`export` writes ``epoch_{E}/``: for LoRA the PEFT adapter first, then the merged
+   model, merged shard-locally out of place and written by every rank in parallel.
+6. :meth:`load_latest` restores the newest committed, intact checkpoint at any world size.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from tunelab.checkpoint import layout
+from tunelab.checkpoint.dcp import DCPSaver, WriterFactory, default_writer, load, saved_keys
+from tunelab.checkpoint.export import export_hf
+from tunelab.checkpoint.state import (
+    TRAINER_STATE_NAME,
+    gather_rng_states,
+    restore_rng_states,
+    to_json,
+)
+from tunelab.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """The LoRA settings a checkpoint was trained with (part of its fingerprint)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    use_rslora: bool = False
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What :meth:`CheckpointClient.load_latest` hands back to the recipe."""
+
+    step: int
+    """The global step the checkpoint was taken after."""
+    epoch: int
+    """The epoch it was taken in."""
+    progress: dict[str, Any]
+    """The recipe's own progress record (sampler position, step in epoch, ...)."""
+    path: Path
+    """The step directory it came from."""
+
+
+class CheckpointClient:
+    """Saves, commits, exports and restores a run's checkpoints.
+
+    Args:
+        output_dir: The run's output folder (``step_{N}/``, ``epoch_{E}/`` go there).
+        model: The (possibly FSDP2-sharded) model.
+        optimizer: Its optimizer.
+        lr_scheduler: Its LR scheduler, or None.
+        base_checkpoint_dir: The Hugging Face folder the model was loaded from (config,
+            tokenizer and file names of exports come from it).
+        lora: The LoRA settings for LoRA recipes, None for full fine-tuning.
+        enable_async: Release the trainer once the state is staged; write in background.
+        keep_last_n: Keep this many committed step checkpoints (None keeps all).
+        config_hash: Hash of the resolved run config, recorded in manifests.
+        writer_factory: Storage writer for step checkpoints (tests inject slow writers).
+
+    Raises:
+        CheckpointError: A multi-process run built the client before the process group.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any | None,
+        base_checkpoint_dir: str | os.PathLike,
+        lora: LoRASpec | None = None,
+        enable_async: bool = False,
+        keep_last_n: int | None = None,
+        config_hash: str = "",
+        writer_factory: WriterFactory = default_writer,
+    ) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            raise CheckpointError(
+                "CheckpointClient was built before the process group: call "
+                "tunelab.distributed.init_distributed() first in a multi-process run"
+            )
+        self.output_dir = Path(output_dir)
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.base_checkpoint_dir = Path(base_checkpoint_dir)
+        self.lora = lora
+        self.keep_last_n = keep_last_n
+        self.config_hash = config_hash
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
+        self._fingerprint = self._make_fingerprint()
+
+    # -- intermediate, resumable checkpoints -------------------------------------------
+
+    def save(self, step: int, epoch: int, progress: dict[str, Any]) -> Path:
+        """Save the resumable state after ``step`` into ``step_{step}/``.
+
+        Waits for the save in flight first. With async checkpointing, returns once the
+        state is staged; the step is committed when its write completes.
+
+        Args:
+            step: The global optimizer step just completed.
+            epoch: The current epoch.
+            progress: JSON-able progress of the recipe (sampler position, step in epoch).
+
+        Returns:
+            The step directory.
+        """
+        self._saver.wait()
+        path = layout.step_dir(self.output_dir, step)
+        if layout.read_manifest(path) is not None:
+            # Overwriting a committed checkpoint in place would break it mid-write.
+            raise CheckpointError(f"{path} is already a committed checkpoint")
+        tensors, param_groups = self._tensor_state()
+        trainer_state = {
+            "step": step,
+            "epoch": epoch,
+            "progress": progress,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+            "optimizer_param_groups": param_groups,
+            "rng": gather_rng_states(),
+        }
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            layout.write_atomic(path / TRAINER_STATE_NAME, to_json(trainer_state))
+        manifest = {"step": step, "epoch": epoch, **self._manifest_common()}
+        self._saver.save(tensors, path, on_done=lambda: self._commit(path, manifest))
+        return path
+
+    def _commit(self, path: Path, manifest: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        layout.commit(path, manifest)
+        logger.info("committed checkpoint %s", path)
+        if self.keep_last_n is not None:
+            for deleted in layout.prune(self.output_dir, self.keep_last_n):
+                logger.info("pruned checkpoint %s", deleted)
+
+    def _tensor_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        # Hyper-parameters (lr, betas, ...) go to the JSON trainer state: DCP would pickle them.
+        param_groups = optim_sd.pop("param_groups")
+        return {"model": model_sd, "optimizer": optim_sd}, param_groups
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed."""
+        self._saver.wait()
+
+    # -- resume ------------------------------------------------------------------------
+
+    def load_latest(self) -> ResumeState | None:
+        """Restore the newest committed, intact checkpoint into the model and optimizer.
+
+        A newest checkpoint that is incomplete or unreadable is reported and the previous
+        committed one is used.
+
+        Returns:
+            Where training stopped, or None when there is no committed checkpoint.
+
+        Raises:
+            CheckpointError: The checkpoint was made with another base model, LoRA setup
+                or recipe, or no committed checkpoint is intact.
+        """
+        checkpoints = layout.committed_checkpoints(self.output_dir)
+        problems = []
+        for checkpoint in reversed(checkpoints):
+            self._check_fingerprint(checkpoint)
+            problem = layout.verify(checkpoint.path, checkpoint.manifest)
+            if problem is None:
+                try:
+                    return self._load(checkpoint)
+                except CheckpointError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - any unreadable file means "skip"
+                    problem = f"{type(error).__name__}: {error}"
+            logger.warning("skipping checkpoint %s: %s", checkpoint.path, problem)
+            problems.append(f"{checkpoint.path}: {problem}")
+        if problems:
+            raise CheckpointError("no intact committed checkpoint: " + "; ".join(problems))
+        return None
+
+    def _load(self, checkpoint: layout.CommittedCheckpoint) -> ResumeState:
+        trainer_state = json.loads((checkpoint.path / TRAINER_STATE_NAME).read_text())
+        tensors, param_groups = self._tensor_state()
+        missing = {f"model.{key}" for key in tensors["model"]} - saved_keys(checkpoint.path)
+        if missing:
+            raise CheckpointError(
+                f"{checkpoint.path} does not hold {sorted(missing)[0]} "
+                f"(and {len(missing) - 1} more): it was made for another model or adapter"
+            )
+        load(tensors, checkpoint.path)
+        for group, saved in zip(param_groups, trainer_state["optimizer_param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        optim_sd = {**tensors["optimizer"], "param_groups": param_groups}
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=tensors["model"],
+            optim_state_dict=optim_sd,
+            options=_OPTIONS,
+        )
+        if self.lr_scheduler is not None and trainer_state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
+        restore_rng_states(trainer_state["rng"])
+        return ResumeState(
+            step=trainer_state["step"],
+            epoch=trainer_state["epoch"],
+            progress=trainer_state["progress"],
+            path=checkpoint.path,
+        )
+
+    def _check_fingerprint(self, checkpoint: layout.CommittedCheckpoint) -> None:
+        saved = checkpoint.manifest.get("fingerprint", {})
+        for key, value in self._fingerprint.items():
+            if saved.get(key) != value:
+                raise CheckpointError(
+                    f"{checkpoint.path} was made with another {key.replace('_', ' ')}: "
+                    f"checkpoint has {saved.get(key)!r}, this run has {value!r}. "
+                    "Use another output_dir or set checkpoint.resume_from_checkpoint=false."
+                )
+
+    # -- export ------------------------------------------------------------------------
+
+    def export(self, epoch: int) -> Path:
+        """Write ``epoch_{epoch}/`` in Hugging Face format (and ``adapter/`` for LoRA).
+
+        Waits for the save in flight first. Never modifies live parameters.
+
+        Returns:
+            The export folder.
+        """
+        self._saver.wait()
+        return export_hf(
+            self.model,
+            layout.epoch_dir(self.output_dir, epoch),
+            base_checkpoint_dir=self.base_checkpoint_dir,
+            lora=self.lora,
+        )
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the checkpoint process group."""
+        self._saver.close()
+
+    # -- manifest ----------------------------------------------------------------------
+
+    def _make_fingerprint(self) -> dict[str, Any]:
+        config_path = self.base_checkpoint_dir / "config.json"
+        base_hash = (
+            hashlib.sha256(config_path.read_bytes()).hexdigest()[:16] if config_path.is_file() else None
+        )
+        trainable = sorted(
+            (name, list(_global_shape(param)))
+            for name, param in self.model.named_parameters()
+            if param.requires_grad
+        )
+        trainable_hash = hashlib.sha256(json.dumps(trainable).encode()).hexdigest()[:16]
+        return {
+            "base_model_config": base_hash,
+            "lora": None if self.lora is None else _lora_record(self.lora),
+            "trainable_parameters": trainable_hash,
+        }
+
+    def _manifest_common(self) -> dict[str, Any]:
+        import tunelab
+
+        return {
+            "world_size": self.world_size,
+            "config_hash": self.config_hash,
+            "fingerprint": self._fingerprint,
+            "versions": {
+                "tunelab": tunelab.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+        }
+
+
+def _global_shape(param: torch.Tensor) -> torch.Size:
+    return param.shape if not isinstance(param, DTensor) else param.size()
+
+
+def _lora_record(lora: LoRASpec) -> dict[str, Any]:
+    # Dropout may change between runs without invalidating the adapter.
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.targets), "use_rslora": lora.use_rslora}

@@ -1,0 +1,400 @@
+"""Write final Hugging Face safetensors files from sharded state, through DCP.
+
+``HFSafetensorsWriter`` is a ``torch.distributed.checkpoint`` storage writer. DCP's planner
+tells the coordinator every rank's chunks with global shapes and dtypes, so the coordinator
+lays out every output file once (``prepare_global_plan``) and sends each rank the byte offset
+of each of its chunks. Every rank then ``pwrite``s its chunks straight into the final,
+pre-sized files; a ``Shard(0)`` chunk of a row-major tensor is one contiguous byte range, and
+other placements are written as their contiguous runs. DCP's finish step (coordinator only,
+after all writes) writes the headers, sets the exact file sizes, renames the files into place
+and writes ``model.safetensors.index.json``. Every byte is written once, by one rank, with no
+temporary shard folder and no whole-file buffers.
+
+Usage::
+
+    dcp.save(state_dict, storage_writer=HFSafetensorsWriter(out, fqn_to_file=weight_map))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from tunelab.checkpoint._safetensors_layout import (
+    FileLayout,
+    TensorSpec,
+    assign_files,
+    build_file_layout,
+    fsync_dir,
+    pwrite_all,
+    write_chunk,
+)
+from tunelab.checkpoint.hf import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    copy_model_files,
+    parse_size,
+)
+from tunelab.errors import CheckpointError, ConfigError, TunelabError
+
+__all__ = ["HFSafetensorsWriter", "save_hf_sharded"]
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def _temp_name(file_name: str) -> str:
+    return f".{file_name}.partial"
+
+
+class HFSafetensorsWriter(StorageWriter):
+    """DCP storage writer that writes consolidated Hugging Face safetensors files directly.
+
+    The output folder gets the safetensors files and, unless the only file is
+    ``model.safetensors``, ``model.safetensors.index.json`` (what ``save_pretrained`` does).
+    No DCP ``.metadata`` file is written: Hugging Face readers ignore it, and
+    ``dcp.HuggingFaceStorageReader`` rebuilds DCP metadata from the safetensors headers.
+    Only tensors (plain or ``DTensor``, any placement) can be saved.
+
+    Args:
+        path: Output folder; created by the coordinator if missing.
+        fqn_to_file: Key to output file name, e.g. the base model index's ``weight_map``, so
+            the export keeps the base model's file names. None packs files greedily.
+        max_shard_size: File size limit for greedy packing (bytes, or e.g. ``"5GB"``).
+        sync_files: fsync every file before it is renamed into place.
+        thread_count: Threads per rank writing chunks concurrently.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        fqn_to_file: Mapping[str, str] | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        sync_files: bool = True,
+        thread_count: int = 1,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.fqn_to_file = dict(fqn_to_file) if fqn_to_file is not None else None
+        self.max_shard_size = parse_size(max_shard_size)
+        if self.max_shard_size <= 0:
+            raise ConfigError(f"max_shard_size must be positive, got {max_shard_size!r}")
+        self.sync_files = sync_files
+        self.thread_count = max(1, int(thread_count))
+        self.is_coordinator = False
+        self.rank = 0
+        self._layouts: list[FileLayout] = []
+        self._weight_map: dict[str, str] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a new save, optionally into the folder ``checkpoint_id``."""
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self._layouts = []
+        self._weight_map = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any local folder path can hold an export."""
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def storage_meta(self) -> StorageMeta | None:
+        """Name the output folder in the planner's storage metadata."""
+        return StorageMeta(checkpoint_id=str(self.path))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Remember whether this rank lays out the files and finishes them."""
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Check that only tensors are saved and record this rank's key order.
+
+        Raises:
+            CheckpointError: If the state dict holds something other than a tensor.
+        """
+        key_order: list[str] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                raise CheckpointError(
+                    f"state dict key {item.index.fqn!r} is not a tensor; safetensors stores tensors only"
+                )
+            if not key_order or key_order[-1] != item.index.fqn:
+                key_order.append(item.index.fqn)
+        return dataclasses.replace(plan, storage_data=key_order)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Lay out every file once and tell each rank where its chunks go.
+
+        Runs on the coordinator with every rank's deduplicated write items. It also creates
+        the output folder and the pre-sized temporary files, before any rank writes.
+
+        Returns:
+            The plans, each with ``storage_data`` mapping chunk index to (temporary file name,
+            byte offset of the tensor's first element).
+
+        Raises:
+            CheckpointError: If ranks disagree on a tensor, the chunks do not cover a tensor
+                exactly once, or ``fqn_to_file`` misses a key.
+        """
+        specs = self._collect_specs(plans)
+        files = assign_files(list(specs.values()), self.fqn_to_file, self.max_shard_size)
+        self._layouts = [build_file_layout(name, file_specs) for name, file_specs in files.items()]
+        self._weight_map = {spec.name: name for name, group in files.items() for spec in group}
+        where = {
+            key: (_temp_name(layout.name), offset)
+            for layout in self._layouts
+            for key, offset in layout.tensor_offsets.items()
+        }
+        self.path.mkdir(parents=True, exist_ok=True)
+        for layout in self._layouts:
+            # Truncate to zero first so no byte of an older crashed attempt survives, then
+            # pre-size so the filesystem can allocate the file once.
+            with open(self.path / _temp_name(layout.name), "wb") as handle:
+                handle.truncate(layout.total_size)
+        return [
+            dataclasses.replace(plan, storage_data={i.index.fqn: where[i.index.fqn] for i in plan.items})
+            for plan in plans
+        ]
+
+    def _collect_specs(self, plans: list[SavePlan]) -> dict[str, TensorSpec]:
+        key_order: dict[str, None] = {}
+        for plan in plans:
+            key_order.update(dict.fromkeys(plan.storage_data or []))
+        specs: dict[str, TensorSpec] = {}
+        covered: dict[str, int] = dict.fromkeys(key_order, 0)
+        for plan in plans:
+            for item in plan.items:
+                data = item.tensor_data
+                assert data is not None, "tensor write items always carry tensor_data"
+                spec = TensorSpec(item.index.fqn, data.properties.dtype, tuple(data.size))
+                if specs.setdefault(spec.name, spec) != spec:
+                    raise CheckpointError(
+                        f"ranks disagree on tensor {spec.name!r}: {specs[spec.name]} vs {spec}"
+                    )
+                covered[spec.name] += torch.Size(data.chunk.sizes).numel()
+        for name, spec in specs.items():
+            if covered[name] != torch.Size(spec.shape).numel():
+                raise CheckpointError(
+                    f"tensor {name!r}: ranks write {covered[name]} elements, the tensor has "
+                    f"{torch.Size(spec.shape).numel()} (a placement such as Partial cannot be saved)"
+                )
+        return {name: specs[name] for name in key_order if name in specs}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's chunks into the pre-sized files at their offsets.
+
+        Returns:
+            A completed future with one ``WriteResult`` per chunk.
+        """
+        where: dict[str, tuple[str, int]] = plan.storage_data or {}
+        fds: dict[str, int] = {}
+        try:
+            for temp_name, _ in where.values():
+                if temp_name not in fds:
+                    # No O_TRUNC: other ranks write into the same file concurrently.
+                    fds[temp_name] = os.open(self.path / temp_name, os.O_WRONLY | os.O_CREAT, 0o644)
+
+            def write_item(item: WriteItem) -> WriteResult:
+                temp_name, tensor_offset = where[item.index.fqn]
+                tensor = planner.resolve_data(item)
+                chunk = item.tensor_data.chunk
+                assert tuple(tensor.shape) == tuple(chunk.sizes), f"{item.index.fqn}: chunk shape"
+                num_bytes = write_chunk(
+                    fds[temp_name], tensor, item.tensor_data.size, chunk.offsets, tensor_offset
+                )
+                return WriteResult(
+                    index=item.index,
+                    size_in_bytes=num_bytes,
+                    storage_data=(temp_name, tensor_offset),
+                )
+
+            # Ranks start on different files: writes to one file contend for its inode lock.
+            files = sorted(fds)
+            items = sorted(
+                plan.items,
+                key=lambda item: (files.index(where[item.index.fqn][0]) - self.rank) % len(files),
+            )
+            if self.thread_count > 1 and len(items) > 1:
+                with ThreadPoolExecutor(self.thread_count) as pool:
+                    results = list(pool.map(write_item, items))
+            else:
+                results = [write_item(item) for item in items]
+            if self.sync_files:
+                for fd in fds.values():
+                    os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write headers, set exact sizes, rename files into place and write the index.
+
+        Runs on the coordinator after every rank's ``write_data`` returned.
+
+        Raises:
+            CheckpointError: If the ranks did not write exactly the planned number of bytes.
+        """
+        written = sum(result.size_in_bytes for rank in results for result in rank)
+        expected = sum(layout.total_size - len(layout.header) for layout in self._layouts)
+        if written != expected:
+            raise CheckpointError(
+                f"export to {self.path}: ranks wrote {written} tensor bytes, expected {expected}"
+            )
+        for layout in self._layouts:
+            temp_path = self.path / _temp_name(layout.name)
+            fd = os.open(temp_path, os.O_WRONLY)
+            try:
+                pwrite_all(fd, memoryview(layout.header), 0)
+                os.ftruncate(fd, layout.total_size)
+                if self.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp_path, self.path / layout.name)
+        index_path = self.path / SAFE_WEIGHTS_INDEX_NAME
+        if [layout.name for layout in self._layouts] == [SAFE_WEIGHTS_NAME]:
+            # One model.safetensors needs no index; an older one would describe other files.
+            index_path.unlink(missing_ok=True)
+        else:
+            index = {
+                "metadata": {"total_size": expected},
+                "weight_map": dict(sorted(self._weight_map.items())),
+            }
+            temp_index = self.path / _temp_name(SAFE_WEIGHTS_INDEX_NAME)
+            with open(temp_index, "w", encoding="utf-8") as handle:
+                json.dump(index, handle, indent=2)
+                handle.write("\n")
+                handle.flush()
+                if self.sync_files:
+                    os.fsync(handle.fileno())
+            os.replace(temp_index, index_path)
+        if self.sync_files:
+            fsync_dir(self.path)
+
+
+def save_hf_sharded(
+    state_dict: dict[str, torch.Tensor],
+    output_dir: str | os.PathLike,
+    *,
+    fqn_to_file: Mapping[str, str] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    process_group: dist.ProcessGroup | None = None,
+    source_dir: str | os.PathLike | None = None,
+    torch_dtype: torch.dtype | None = None,
+    sync_files: bool = True,
+    thread_count: int = 1,
+) -> Path:
+    """Export a (possibly sharded) HF-keyed state dict as a Hugging Face model folder.
+
+    All ranks of ``process_group`` call this. The files are written into a sibling temporary
+    folder (``.{name}.partial``) which rank 0 renames to ``output_dir`` at the end, so a crash
+    never leaves a partial export over a good one. An existing ``output_dir`` is replaced;
+    its entries that are not weights and that the export does not write (e.g. ``adapter/``)
+    are kept.
+
+    Args:
+        state_dict: HF key to tensor or ``DTensor``.
+        output_dir: Final model folder.
+        fqn_to_file: Key to file name (see ``HFSafetensorsWriter``).
+        max_shard_size: Greedy file size limit when ``fqn_to_file`` is None.
+        process_group: Group for the collective save; None uses the default group, or a
+            single-process save when no group is initialised.
+        source_dir: Base model folder whose config, generation config and tokenizer files
+            are copied next to the weights; None copies nothing.
+        torch_dtype: dtype recorded in the copied ``config.json``.
+        sync_files: fsync files before they are renamed into place.
+        thread_count: Writer threads per rank.
+
+    Returns:
+        The output folder.
+
+    Raises:
+        CheckpointError: If the state cannot be exported (see ``HFSafetensorsWriter``).
+    """
+    final = Path(output_dir)
+    staging = final.parent / _temp_name(final.name)
+    distributed = dist.is_available() and dist.is_initialized()
+    is_rank_zero = not distributed or dist.get_rank(process_group) == 0
+    if is_rank_zero:
+        # No rank writes before the plan step, in which rank 0 takes part after this.
+        shutil.rmtree(staging, ignore_errors=True)
+    writer = HFSafetensorsWriter(
+        staging,
+        fqn_to_file=fqn_to_file,
+        max_shard_size=max_shard_size,
+        sync_files=sync_files,
+        thread_count=thread_count,
+    )
+    try:
+        dcp.save(
+            state_dict,
+            storage_writer=writer,
+            process_group=process_group,
+            no_dist=not distributed,
+        )
+    except CheckpointException as error:
+        for failure, _ in error.failures.values():
+            if isinstance(failure, TunelabError):
+                raise failure from error
+        raise
+    failure = None
+    if is_rank_zero:
+        try:
+            if source_dir is not None:
+                copy_model_files(source_dir, staging, torch_dtype)
+            _swap_into_place(staging, final, sync_files)
+        except (OSError, TunelabError) as error:
+            failure = error
+    if distributed:
+        # Instead of a barrier: the other ranks learn whether rank 0 finished, and never hang.
+        message = [None if failure is None else str(failure)]
+        dist.broadcast_object_list(message, group=process_group, group_src=0)
+        if failure is None and message[0] is not None:
+            raise CheckpointError(f"rank 0 could not finish the export to {final}: {message[0]}")
+    if failure is not None:
+        raise failure
+    return final
+
+
+def _is_weights_name(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".index.json", ".partial"))
+
+
+def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
+    """Rename ``staging`` to ``final``, replacing an existing ``final`` folder.
+
+    Entries of the existing folder that the new export does not write and that are not
+    weights (a LoRA ``adapter/`` folder written just before, say) move into the new folder;
+    the old weights are deleted, never mixed with the new ones.
+    """
+    previous = final.parent / f".{final.name}.old"
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        produced = {entry.name for entry in staging.iterdir()}
+        for entry in final.iterdir():
+            if entry.name not in produced and not _is_weights_name(entry.name):
+                os.replace(entry, staging / entry.name)
+        os.replace(final, previous)
+    os.replace(staging, final)
+    shutil.rmtree(previous, ignore_errors=True)
+    if sync_files:
+        fsync_dir(final.parent)

@@ -1,0 +1,83 @@
+"""Hugging Face exports for inference: ``epoch_{E}/`` (and ``epoch_{E}/adapter/`` for LoRA).
+
+For LoRA the small PEFT adapter is written first, into its own folder: with peft installed,
+transformers treats a folder holding ``adapter_config.json`` as an adapter and would apply it
+again on top of merged weights. Then the merged model: each rank merges its own rows of
+``W + scale * B @ A`` into new tensors (live weights are never touched; FSDP2's state dict
+aliases them) and every rank writes its rows straight into the final safetensors files
+through DCP, whose finish step writes the headers and the index. No rank gathers the model.
+"""
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import tunelab.peft as peft
+from tunelab.checkpoint.consolidate import save_hf_sharded
+from tunelab.checkpoint.hf import HFCheckpointReader
+
+if TYPE_CHECKING:
+    from tunelab.checkpoint.client import LoRASpec
+
+
+def export_hf(
+    model: nn.Module,
+    output_dir: str | os.PathLike,
+    *,
+    base_checkpoint_dir: str | os.PathLike,
+    lora: "LoRASpec | None" = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Export a (possibly sharded) model in Hugging Face format.
+
+    Args:
+        model: The model, sharded with FSDP2 or not.
+        output_dir: The export folder, ``epoch_{E}``.
+        base_checkpoint_dir: The base model's folder: its file names, config and tokenizer
+            files are carried over.
+        lora: The LoRA settings when the model carries adapters; the adapter goes to
+            ``output_dir/adapter`` and the merged weights to ``output_dir``.
+        process_group: Group for the collective write (default group when None).
+
+    Returns:
+        The export folder.
+    """
+    output_dir = Path(output_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    base_checkpoint_dir = Path(base_checkpoint_dir)
+    if lora is not None:
+        adapter = {name: _full(tensor) for name, tensor in peft.adapter_state_dict(model).items()}
+        if rank == 0:
+            config = peft.adapter_config(
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                targets=list(lora.targets),
+                use_rslora=lora.use_rslora,
+                base_model_name_or_path=str(base_checkpoint_dir),
+            )
+            peft.save_peft_adapter(adapter, config, output_dir / "adapter")
+        state_dict = peft.merged_state_dict(model)
+    else:
+        state_dict = dict(model.state_dict())
+    hf_state_dict = model.state_dict_adapter.to_hf(state_dict)
+    dtype = next(iter(hf_state_dict.values())).dtype
+    save_hf_sharded(
+        hf_state_dict,
+        output_dir,
+        fqn_to_file=HFCheckpointReader(base_checkpoint_dir).fqn_to_file,
+        process_group=process_group,
+        source_dir=base_checkpoint_dir,
+        torch_dtype=dtype,
+    )
+    return output_dir
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    # Adapters are small (rank r rows or columns); gathering them is cheap, unlike the model.
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()

@@ -1,0 +1,60 @@
+"""Load a config and validate it against its recipe: shared by ``validate`` and ``run``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from tunelab.cli._discovery import load_recipe_args, resolve_recipe
+from tunelab.config import load_config, parse_args, resolve_config_path
+from tunelab.errors import ConfigError
+
+
+def recipe_of_config(cfg: DictConfig, config_path: Path) -> Path:
+    """Return the recipe script a config's ``recipe`` key names.
+
+    Args:
+        cfg: The loaded config.
+        config_path: Its file; a relative recipe path may be relative to its folder.
+
+    Returns:
+        The recipe script.
+
+    Raises:
+        ConfigError: If the config has no string ``recipe`` key.
+        TunelabError: If the recipe it names does not exist.
+    """
+    recipe = cfg.get("recipe")
+    if not isinstance(recipe, str) or not recipe:
+        raise ConfigError(
+            f"config {config_path} has no 'recipe' key: add `recipe: <name or path>` naming "
+            "the recipe it belongs to"
+        )
+    return resolve_recipe(recipe, relative_to=config_path.parent)
+
+
+def check_config(
+    config: str, overrides: Sequence[str], recipe: str | None = None
+) -> tuple[Path, Path]:
+    """Load a config with overrides and validate it against a recipe's ``ARGS``.
+
+    Args:
+        config: A built-in config name or a YAML path.
+        overrides: ``key=value`` / ``~key`` strings.
+        recipe: The recipe (name or path); None takes the config's ``recipe`` key.
+
+    Returns:
+        The config file and the recipe script.
+
+    Raises:
+        TunelabError: If anything is missing or the config does not validate.
+    """
+    recipe_path = resolve_recipe(recipe) if recipe else None
+    config_path = resolve_config_path(config)
+    cfg = load_config(str(config_path), overrides)
+    if recipe_path is None:
+        recipe_path = recipe_of_config(cfg, config_path)
+    parse_args(cfg, load_recipe_args(recipe_path))
+    return config_path, recipe_path

@@ -1,0 +1,71 @@
+"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``download``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from tunelab.cli import _cp, _download, _ls, _run, _validate
+from tunelab.config._entry import debug_enabled
+from tunelab.errors import TunelabError
+
+_COMMANDS = {"ls": _ls, "cp": _cp, "validate": _validate, "download": _download}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``tunelab`` command."""
+    # --debug is accepted before and after the subcommand; SUPPRESS keeps a subcommand's
+    # default from overwriting a --debug given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show tracebacks (also TUNELAB_DEBUG=1)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="tunelab",
+        description="PyTorch-native fine-tuning of decoder LLMs: YAML recipes on FSDP2.",
+        parents=[common],
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in ("ls", "cp", "run", "validate", "download"):
+        module = _run if name == "run" else _COMMANDS[name]
+        module.add_parser(subparsers, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``tunelab`` command and exit with its code.
+
+    A ``TunelabError`` prints ``tunelab: error: <message>`` and exits 1 (argparse usage errors
+    exit 2); ``--debug`` or ``TUNELAB_DEBUG=1`` shows the traceback as well.
+
+    Args:
+        argv: The arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit code (also passed to ``sys.exit`` when run as the console script).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    debug = debug_enabled(argv)
+    parser = build_parser()
+    try:
+        if argv and argv[0] == "run" or argv[:2] == ["--debug", "run"]:
+            code = _run.run_command(argv[argv.index("run") + 1 :], debug)
+        else:
+            namespace = parser.parse_args(argv)
+            if namespace.command is None:
+                parser.print_help(sys.stderr)
+                code = 2
+            else:
+                code = _COMMANDS[namespace.command].run(namespace)
+    except TunelabError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"tunelab: error: {err}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,30 @@
+"""Configs: YAML load, overrides, ``_component_`` instantiation, typed and strict recipe settings.
+
+A config is a YAML file (a built-in one by name, e.g. ``tiny/lora``, or any path). A recipe
+declares its settings as a ``RecipeArgs`` dataclass; ``parse_args`` checks a config against it
+and ``instantiate`` builds the swappable parts (``_component_`` nodes).
+"""
+
+from tunelab.config._args import Component, ComponentSpec, RecipeArgs, component, field_docs
+from tunelab.config._entry import parse_recipe_cli, recipe_main
+from tunelab.config._instantiate import import_component, instantiate
+from tunelab.config._load import apply_overrides, builtin_configs, load_config, resolve_config_path
+from tunelab.config._validate import parse_args, validate
+
+__all__ = [
+    "Component",
+    "ComponentSpec",
+    "RecipeArgs",
+    "apply_overrides",
+    "builtin_configs",
+    "component",
+    "field_docs",
+    "import_component",
+    "instantiate",
+    "load_config",
+    "parse_args",
+    "parse_recipe_cli",
+    "recipe_main",
+    "resolve_config_path",
+    "validate",
+]

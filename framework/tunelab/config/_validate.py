@@ -1,0 +1,260 @@
+"""Strict validation of a config against a recipe's settings dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import typing
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from tunelab.config._args import ComponentSpec, component_spec, field_docs
+from tunelab.config._instantiate import COMPONENT_KEY, import_component
+from tunelab.config._types import TypeMismatch, coerce
+from tunelab.errors import ConfigError
+
+T = TypeVar("T")
+_NO_VALUE = object()
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _first_line(err: Exception) -> str:
+    # OmegaConf appends "full_key: ... object_type=..." lines; the first line says it all.
+    return str(getattr(err, "msg", err)).splitlines()[0]
+
+
+def _join(path: str, key: str | int) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _suggest(key: str, known: typing.Iterable[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f"; did you mean '{_join(prefix, close[0])}'?" if close else ""
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """Return the dataclass a field holds (``Args`` or ``Args | None``), else None."""
+    candidates = [hint, *typing.get_args(hint)] if typing.get_origin(hint) else [hint]
+    for candidate in candidates:
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _is_list(hint: Any) -> bool:
+    return typing.get_origin(hint) in (list, tuple, typing.Sequence) or any(
+        typing.get_origin(arg) is list for arg in typing.get_args(hint)
+    )
+
+
+class _Checker:
+    """Walks a config and a dataclass tree together, collecting every problem."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def read(self, node: DictConfig | ListConfig, key: Any, path: str) -> Any:
+        """Read one child with interpolations resolved; record a problem and return _NO_VALUE."""
+        try:
+            return node[key]
+        except MissingMandatoryValue:
+            self.problems.append(f"key '{path}' has no value (???): set it, e.g. {path}=...")
+        except OmegaConfBaseException as err:
+            self.problems.append(f"key '{path}': {_first_line(err)}")
+        return _NO_VALUE
+
+    def plain(self, value: Any, path: str) -> Any:
+        if not isinstance(value, (DictConfig, ListConfig)):
+            return value
+        try:
+            return OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
+        except OmegaConfBaseException as err:
+            self.problems.append(f"key '{path}': {_first_line(err)}")
+            return _NO_VALUE
+
+    def dataclass(self, node: DictConfig, cls: type, path: str) -> Any:
+        fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
+        hints = typing.get_type_hints(cls)
+        for key in node.keys():
+            if key not in fields:
+                self.problems.append(
+                    f"unknown key '{_join(path, key)}' in config" + _suggest(str(key), fields, path)
+                )
+        kwargs: dict[str, Any] = {}
+        for name, field in fields.items():
+            key_path = _join(path, name)
+            spec = component_spec(field)
+            if name not in node.keys():  # `in` is False for ??? values
+                if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                    doc = field_docs(cls).get(name)
+                    self.problems.append(
+                        f"missing required key '{key_path}'" + (f" ({doc})" if doc else "")
+                    )
+                elif spec is not None and _is_list(hints[name]) and field.default is None:
+                    kwargs[name] = []
+                continue
+            value = self.read(node, name, key_path)
+            if value is _NO_VALUE:
+                continue
+            if spec is not None:
+                kwargs[name] = self.component_field(value, hints[name], spec, key_path)
+            elif (nested := _dataclass_of(hints[name])) is not None and value is not None:
+                if not isinstance(value, DictConfig):
+                    self.problems.append(
+                        f"key '{key_path}': expected a mapping of {nested.__name__} settings, "
+                        f"got {type(value).__name__} {value!r}"
+                    )
+                    continue
+                kwargs[name] = self.dataclass(value, nested, key_path)
+            else:
+                value = self.plain(value, key_path)
+                if value is _NO_VALUE:
+                    continue
+                try:
+                    kwargs[name] = coerce(value, hints[name])
+                except TypeMismatch as err:
+                    self.problems.append(f"key '{key_path}': {err}")
+        if self.problems:
+            return None
+        return cls(**kwargs)
+
+    def component_field(self, value: Any, hint: Any, spec: ComponentSpec, path: str) -> Any:
+        many = _is_list(hint)
+        if value is None:
+            if spec.required:
+                expected = "a list of nodes" if many else "a node"
+                self.problems.append(
+                    f"key '{path}' is required: expected {expected} with {COMPONENT_KEY}, got null"
+                )
+            return [] if many else None
+        if not many:
+            self.component(value, path, spec.call_args)
+            return value
+        if not isinstance(value, ListConfig):
+            self.problems.append(
+                f"key '{path}': expected a list of nodes with {COMPONENT_KEY}, "
+                f"got {type(value).__name__}"
+            )
+            return value
+        for index, item in enumerate(value):
+            self.component(item, _join(path, index), spec.call_args)
+        return list(value)
+
+    def component(self, node: Any, path: str, call_args: tuple[str, ...]) -> None:
+        if not isinstance(node, DictConfig) or COMPONENT_KEY not in node:
+            self.problems.append(
+                f"key '{path}': expected a node with {COMPONENT_KEY}: <dotted.path>, "
+                f"got {self.plain(node, path)!r}"
+            )
+            return
+        dotted = self.read(node, COMPONENT_KEY, _join(path, COMPONENT_KEY))
+        if dotted is _NO_VALUE:
+            return
+        try:
+            target = import_component(dotted, _join(path, COMPONENT_KEY))
+        except ConfigError as err:
+            self.problems.append(str(err))
+            return
+        keys = [str(key) for key in node.keys() if key != COMPONENT_KEY]
+        self.signature(target, dotted, keys, path, call_args)
+        for key in keys:
+            child = self.read(node, key, _join(path, key))
+            self.nested_components(child, _join(path, key))
+
+    def nested_components(self, value: Any, path: str) -> None:
+        """Check components inside a component's arguments; these get no call-site args."""
+        if isinstance(value, DictConfig):
+            if COMPONENT_KEY in value:
+                self.component(value, path, ())
+                return
+            for key in value.keys():
+                self.nested_components(self.read(value, key, _join(path, key)), _join(path, key))
+        elif isinstance(value, ListConfig):
+            for index in range(len(value)):
+                self.nested_components(self.read(value, index, _join(path, index)), _join(path, index))
+        else:
+            self.plain(value, path)
+
+    def signature(
+        self, target: Any, dotted: str, keys: list[str], path: str, call_args: tuple[str, ...]
+    ) -> None:
+        try:
+            params = inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            return  # No signature to check against (some builtins).
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        by_keyword = [name for name, p in params.items() if p.kind in _BY_KEYWORD]
+        for key in keys:
+            if key in call_args:
+                self.problems.append(
+                    f"key '{_join(path, key)}': the recipe passes '{key}' itself; "
+                    "remove it from the config"
+                )
+            elif key not in by_keyword and not takes_any:
+                self.problems.append(
+                    f"key '{_join(path, key)}': {dotted} has no argument '{key}'"
+                    + _suggest(key, by_keyword, path)
+                )
+        for name in call_args:
+            if name not in by_keyword and not takes_any:
+                self.problems.append(
+                    f"key '{path}': {dotted} takes no argument '{name}', which the recipe passes"
+                )
+        for name, param in params.items():
+            if param.kind in _BY_KEYWORD or param.kind is inspect.Parameter.POSITIONAL_ONLY:
+                given = name in keys or name in call_args
+                if param.default is inspect.Parameter.empty and not given:
+                    self.problems.append(
+                        f"key '{path}': missing required argument '{name}' of {dotted}"
+                    )
+
+
+def validate(cfg: DictConfig, args_cls: type) -> list[str]:
+    """Return every problem of a config against a recipe's settings dataclass.
+
+    Checks unknown keys (with the closest known key), missing required keys, value types,
+    and every ``_component_``: it must import, its config arguments must exist in its
+    signature, and its required arguments must be given by the config or the recipe.
+
+    Args:
+        cfg: The loaded config (overrides applied).
+        args_cls: The recipe's ``RecipeArgs`` subclass.
+
+    Returns:
+        One message per problem; empty when the config is valid.
+    """
+    checker = _Checker()
+    checker.dataclass(cfg, args_cls, "")
+    return checker.problems
+
+
+def parse_args(cfg: DictConfig, args_cls: type[T]) -> T:
+    """Validate a config strictly and return the recipe's typed settings.
+
+    Scalars are converted to the field types; nested dataclasses are built; component fields
+    keep their ``DictConfig`` node (a list of nodes for list fields), ready for ``instantiate``.
+
+    Args:
+        cfg: The loaded config (overrides applied).
+        args_cls: The recipe's ``RecipeArgs`` subclass.
+
+    Returns:
+        An instance of ``args_cls``.
+
+    Raises:
+        ConfigError: Listing every problem, one per line, if the config does not validate.
+    """
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"a config is a mapping of keys to values, got {type(cfg).__name__}")
+    checker = _Checker()
+    args = checker.dataclass(cfg, args_cls, "")
+    if checker.problems:
+        if len(checker.problems) == 1:
+            raise ConfigError(checker.problems[0])
+        lines = "\n".join(f"  - {problem}" for problem in checker.problems)
+        raise ConfigError(f"{len(checker.problems)} problems in the config:\n{lines}")
+    return args
+

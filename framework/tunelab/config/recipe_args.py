@@ -1,0 +1,155 @@
+"""The typed settings of the built-in recipes.
+
+Each default lives here, once; recipes read ``args.<field>`` and never ``cfg.get(key, default)``.
+A copied recipe can subclass these or declare its own ``RecipeArgs`` dataclass.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tunelab.config._args import Component, RecipeArgs, component
+
+
+@dataclass(kw_only=True)
+class LoRAArgs:
+    """LoRA adapter settings."""
+
+    rank: int = 8
+    """Rank r of the low-rank update B @ A."""
+    alpha: float = 16.0
+    """Scale numerator: the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head), or ["all-linear"]."""
+    use_rslora: bool = False
+    """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
+
+
+@dataclass(kw_only=True)
+class CheckpointArgs:
+    """Intermediate checkpoints, resume and exports."""
+
+    save_every_n_steps: int | None = None
+    """Save a resumable checkpoint every N optimizer steps (None: only at epoch ends)."""
+    enable_async_checkpointing: bool = False
+    """Return from a save once the state is staged to CPU and write it in the background."""
+    keep_last_n_checkpoints: int | None = None
+    """Keep only the newest N committed step checkpoints (None keeps all)."""
+    resume_from_checkpoint: bool = False
+    """Continue from the newest committed step checkpoint in output_dir."""
+    export_every_n_epochs: int = 1
+    """Export a Hugging Face model every N epochs; the last epoch always exports."""
+
+
+@dataclass(kw_only=True)
+class FinetuneArgs(RecipeArgs):
+    """Settings shared by the supervised fine-tuning recipes."""
+
+    output_dir: str
+    """Folder for checkpoints (step_N/), exports (epoch_E/) and logs (logs/)."""
+    checkpoint_dir: str
+    """The base model: a Hugging Face folder (config.json, safetensors, tokenizer files)."""
+    seed: int = 0
+    """Seed for initialisation, data order and dropout."""
+    device: Literal["cpu", "cuda"] | None = None
+    """Device to train on (None: CUDA when available)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter dtype."""
+    mixed_precision: bool = False
+    """Compute in bf16 with fp32 parameters and gradient reduction (FSDP2 MixedPrecisionPolicy)."""
+    tokenizer: Component = component()
+    """The tokenizer (tunelab.data.load_tokenizer)."""
+    dataset: Component = component(call_args=("tokenizer",))
+    """The training dataset; the recipe passes the tokenizer."""
+    val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
+    """An optional validation dataset, evaluated every run_val_every_n_steps and at epoch ends."""
+    optimizer: Component = component(call_args=("params",))
+    """The optimizer; the recipe passes the trainable parameters."""
+    lr_scheduler: Component | None = component(
+        required=False, call_args=("optimizer", "num_training_steps")
+    )
+    """The LR schedule, stepped once per optimizer step (None: constant LR)."""
+    loss: Component = component()
+    """The loss: returns the summed token loss and the number of target tokens."""
+    metric_loggers: list[Component] | None = component(required=False)
+    """Where per-step metrics go (stdout, JSONL, TensorBoard, W&B)."""
+    batch_size: int = 2
+    """Samples per micro-batch per process."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    epochs: int = 1
+    """Passes over the training data."""
+    max_steps_per_epoch: int | None = None
+    """Cap on optimizer steps per epoch (None: the whole dataset)."""
+    clip_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    log_every_n_steps: int = 1
+    """Log metrics every N optimizer steps."""
+    run_val_every_n_steps: int | None = None
+    """Evaluate val_dataset every N optimizer steps (it is always evaluated at epoch ends)."""
+    enable_activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward to save memory."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after each block's forward."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile."""
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    """Intermediate checkpoints, resume and exports."""
+
+
+@dataclass(kw_only=True)
+class FullFinetuneArgs(FinetuneArgs):
+    """Settings of full_finetune_distributed."""
+
+
+@dataclass(kw_only=True)
+class LoRAFinetuneArgs(FinetuneArgs):
+    """Settings of lora_finetune_distributed."""
+
+    lora: LoRAArgs = field(default_factory=LoRAArgs)
+    """The LoRA adapters."""
+    adapter_dir: str | None = None
+    """Start from an existing PEFT adapter folder instead of a fresh adapter."""
+
+
+@dataclass(kw_only=True)
+class GenerateArgs(RecipeArgs):
+    """Settings of the generate recipe."""
+
+    checkpoint_dir: str
+    """A Hugging Face model folder (a base model or an epoch_E export)."""
+    adapter_dir: str | None = None
+    """A PEFT adapter folder to apply on top of the model."""
+    prompt: str = "Hello"
+    """The user prompt."""
+    template: str | None = None
+    """Chat template to wrap the prompt in (llama3, chatml, instruct), or None for raw text."""
+    max_new_tokens: int = 64
+    """Tokens to generate at most."""
+    temperature: float = 0.0
+    """Sampling temperature (0: greedy)."""
+    top_k: int | None = None
+    """Sample only among the k most likely tokens."""
+    seed: int = 0
+    """Seed for sampling."""
+    device: Literal["cpu", "cuda"] | None = None
+    """Device (None: CUDA when available)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Model dtype."""
+
+
+@dataclass(kw_only=True)
+class LoRADPOArgs(LoRAFinetuneArgs):
+    """Settings of lora_dpo_distributed: LoRA preference tuning with the DPO family of losses."""
+
+    dataset: Component = component(call_args=("tokenizer",))
+    """The preference dataset (tunelab.data.preference_dataset); the recipe passes the tokenizer."""
+    val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
+    """An optional preference dataset whose loss and rewards are logged with a val_ prefix."""
+    loss: Component = component()
+    """The preference loss (tunelab.losses.DPOLoss, IPOLoss, HingeLoss, SimPOLoss)."""
+    batch_size: int = 2
+    """Preference pairs per micro-batch per process (the forward sees twice as many rows)."""
+    adapter_dir: str | None = None
+    """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""

@@ -1,0 +1,25 @@
+"""Process groups, FSDP2 wrapping and small collective helpers."""
+
+from tunelab.distributed.fsdp import (
+    apply_activation_checkpointing,
+    reshard,
+    resolve_dtype,
+    shard_model,
+)
+from tunelab.distributed.process_group import (
+    DistInfo,
+    all_reduce_sum,
+    destroy_distributed,
+    init_distributed,
+)
+
+__all__ = [
+    "DistInfo",
+    "all_reduce_sum",
+    "apply_activation_checkpointing",
+    "destroy_distributed",
+    "init_distributed",
+    "reshard",
+    "resolve_dtype",
+    "shard_model",
+]

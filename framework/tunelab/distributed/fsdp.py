@@ -1,0 +1,71 @@
+"""FSDP2 wrapping and activation checkpointing.
+
+Each transformer block is sharded with ``fully_shard``, then the root, so parameters become
+``DTensor`` with ``Shard(0)`` placements. World size 1 skips FSDP entirely.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name (``fp32``, ``bf16``, ``fp16``) to a torch dtype."""
+    return _DTYPES[name]
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    reshard_after_forward: bool = True,
+    mixed_precision: bool = False,
+) -> nn.Module:
+    """Shard a model with FSDP2: each transformer block, then the root.
+
+    Args:
+        model: A decoder exposing ``model.layers`` (its transformer blocks).
+        reshard_after_forward: Free the unsharded parameters after each block's forward
+            (less memory, one more all-gather in backward).
+        mixed_precision: Compute in bf16 with fp32 gradient reduction (parameters stay
+            in their own dtype).
+
+    Returns:
+        The same module, sharded in place. Unchanged when the world size is 1.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block's activations in backward.
+
+    Uses the composable ``checkpoint``, which, unlike ``checkpoint_wrapper``, keeps
+    parameter names unchanged (no ``_checkpoint_wrapped_module.`` prefix in checkpoints).
+    """
+    from torch.distributed._composable import checkpoint
+
+    for block in model.layers:
+        checkpoint(block)
+
+
+def reshard(model: nn.Module) -> None:
+    """Reshard an FSDP2 root whose forward ran under ``no_grad``.
+
+    After such a forward the root keeps unsharded parameters; editing sharded parameters
+    in place (loading a checkpoint) without resharding leaves the next forward stale.
+    """
+    reshard_fn = getattr(model, "reshard", None)
+    if reshard_fn is not None:
+        reshard_fn()

@@ -1,0 +1,21 @@
+"""The small family of errors tunelab raises for a user's mistake.
+
+The CLI prints any ``TunelabError`` as one line and exits non-zero; every other exception
+is a bug and keeps its traceback.
+"""
+
+
+class TunelabError(Exception):
+    """A user-facing error: bad input, a missing file, an invalid config."""
+
+
+class ConfigError(TunelabError, ValueError):
+    """A config file or override is malformed or does not validate."""
+
+
+class CheckpointError(TunelabError):
+    """A checkpoint is missing, corrupt, incomplete, or does not match the config."""
+
+
+class DataError(TunelabError, ValueError):
+    """A dataset file or row is malformed."""

@@ -1,0 +1,29 @@
+"""Losses: memory-lean cross-entropy for SFT and the DPO family for preference tuning.
+
+See docs/losses.md for the normalisation, the formulas and the metric names.
+"""
+
+from tunelab.losses.cross_entropy import CrossEntropyLoss, token_count
+from tunelab.losses.metrics import (
+    COUNT_KEY,
+    accumulate_metrics,
+    preference_metrics,
+    reduce_metrics,
+)
+from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
+from tunelab.losses.sequence import sequence_logps
+
+__all__ = [
+    "COUNT_KEY",
+    "CrossEntropyLoss",
+    "DPOLoss",
+    "HingeLoss",
+    "IPOLoss",
+    "PreferenceLoss",
+    "SimPOLoss",
+    "accumulate_metrics",
+    "preference_metrics",
+    "reduce_metrics",
+    "sequence_logps",
+    "token_count",
+]

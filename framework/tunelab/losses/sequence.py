@@ -1,0 +1,54 @@
+"""Per-sequence log-probabilities of the completion, for the DPO family."""
+
+from __future__ import annotations
+
+import torch
+
+from tunelab.losses._token_logps import target_logps
+
+__all__ = ["sequence_logps"]
+
+
+def sequence_logps(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    num_chunks: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed log-probability of each row's completion tokens.
+
+    ``log pi(y | x) = sum_t log p(labels[:, t+1] | tokens[:, :t+1])`` over the positions
+    whose label is not ``ignore_index`` (the prompt and the padding are masked by the data
+    pipeline). Labels are aligned with the tokens; the shift happens here. The fp32 upcast
+    is done chunk by chunk along the sequence (see :class:`CrossEntropyLoss`).
+
+    Args:
+        logits: ``[batch, seq, vocab]`` in any float dtype.
+        labels: ``[batch, seq]`` integer labels aligned with the tokens.
+        ignore_index: label value that marks a position as not a completion token.
+        num_chunks: number of sequence chunks for the fp32 upcast.
+
+    Returns:
+        ``(sum_logps, num_tokens, mean_logits)``, each ``[batch]``: the summed completion
+        log-probs in fp32 (differentiable), the number of completion tokens (int64), and
+        the mean logit over the vocabulary and the completion positions (fp32, detached;
+        the ``logits/chosen`` and ``logits/rejected`` metrics). A row without completion
+        tokens has sum 0 and mean logit 0.
+
+    Raises:
+        ValueError: if the shapes do not line up.
+    """
+    logps, mask = target_logps(logits, labels, ignore_index, num_chunks)
+    num_tokens = mask.sum(dim=-1)
+    with torch.no_grad():
+        # Per-chunk fp32 sums over the vocabulary; never a full fp32 copy of the logits.
+        shifted = logits[:, :-1]
+        chunks = max(1, min(num_chunks, shifted.shape[1]))
+        logit_sums = torch.cat(
+            [chunk.sum(dim=-1, dtype=torch.float32) for chunk in shifted.tensor_split(chunks, 1)],
+            dim=1,
+        )
+        completion_logit_sums = (logit_sums * mask).sum(dim=-1)
+        mean_logits = completion_logit_sums / (num_tokens.clamp(min=1) * logits.shape[-1])
+    return logps.sum(dim=-1), num_tokens, mean_logits

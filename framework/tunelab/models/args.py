@@ -1,0 +1,168 @@
+"""The hyper-parameters of a decoder, and their parsing from a Hugging Face ``config.json``."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tunelab.errors import ConfigError
+from tunelab.modules.rotary import rope_type_of
+
+
+@dataclass
+class ModelArgs:
+    """Shape and numerics of a decoder transformer."""
+
+    vocab_size: int
+    """Rows of the token embedding and of ``lm_head``."""
+    dim: int
+    """Model (residual stream) dimension, HF ``hidden_size``."""
+    num_layers: int
+    """Transformer blocks, HF ``num_hidden_layers``."""
+    num_heads: int
+    """Query heads, HF ``num_attention_heads``."""
+    num_kv_heads: int
+    """Key/value heads (GQA); equals ``num_heads`` for plain multi-head attention."""
+    intermediate_dim: int
+    """Hidden size of the SwiGLU MLP, HF ``intermediate_size``."""
+    head_dim: int = 0
+    """Per-head size; 0 means ``dim // num_heads``."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon, HF ``rms_norm_eps``."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict[str, Any] | None = None
+    """HF ``rope_scaling`` dict (``rope_type`` default, linear or llama3), or None."""
+    max_seq_len: int = 4096
+    """Longest sequence the model was trained for, HF ``max_position_embeddings``."""
+    tie_embeddings: bool = False
+    """``lm_head`` shares the token embedding's weight."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    output_bias: bool = False
+    """Bias on ``o_proj``."""
+    mlp_bias: bool = False
+    """Bias on the MLP projections."""
+    family: str = "llama"
+    """Which family's ``StateDictAdapter`` and HF config layout apply (``llama`` or ``qwen2``)."""
+    extra_hf_config: dict[str, Any] = field(default_factory=dict)
+    """Token ids and other HF config keys carried through to exported ``config.json``."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.num_heads
+        for name in (
+            "vocab_size",
+            "dim",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelArgs.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope_type_of(self.rope_scaling)
+
+
+# Keys an HF config must have; the error names the first one missing.
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+# Carried into exported config.json files so generation and tokenizers keep working.
+_CARRIED_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _rope_from_hf(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Read ``(rope_theta, rope_scaling)`` from transformers 4 or 5 style keys."""
+    # transformers 5 writes one `rope_parameters` dict holding rope_theta; 4.x writes
+    # `rope_theta` plus a `rope_scaling` dict (type under `rope_type` or the older `type`).
+    parameters = dict(config.get("rope_parameters") or {})
+    theta = float(parameters.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = dict(config.get("rope_scaling") or parameters or {})
+    if rope_type_of(scaling) == "default":
+        return theta, None
+    scaling.pop("rope_theta", None)
+    return theta, scaling
+
+
+def args_from_hf_config(config: Mapping[str, Any], family: str, **overrides: Any) -> ModelArgs:
+    """Build ``ModelArgs`` from the keys Llama and Qwen2 share.
+
+    Args:
+        config: the parsed ``config.json``.
+        family: the family name to record.
+        **overrides: family-specific fields (e.g. ``qkv_bias=True``).
+
+    Returns:
+        The arguments.
+
+    Raises:
+        ConfigError: a required key is missing or a feature is unsupported.
+    """
+    for key in _REQUIRED_HF_KEYS:
+        if key not in config:
+            raise ConfigError(f"config.json has no {key!r}; is this a {family} checkpoint?")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
+    theta, scaling = _rope_from_hf(config)
+    num_heads = int(config["num_attention_heads"])
+    return ModelArgs(
+        vocab_size=int(config["vocab_size"]),
+        dim=int(config["hidden_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        intermediate_dim=int(config["intermediate_size"]),
+        head_dim=int(config.get("head_dim") or 0),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=int(config.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        family=family,
+        extra_hf_config={k: config[k] for k in _CARRIED_HF_KEYS if k in config},
+        **overrides,
+    )
+
+
+def common_hf_config(args: ModelArgs) -> dict[str, Any]:
+    """The HF config keys Llama and Qwen2 share, written in the transformers 4 layout.
+
+    transformers 5 reads ``rope_theta`` / ``rope_scaling`` and converts them itself, so this
+    layout loads in both major versions.
+
+    Args:
+        args: the model's arguments.
+
+    Returns:
+        A config dict without ``model_type``/``architectures``/dtype (the family adds them).
+    """
+    config: dict[str, Any] = {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.intermediate_dim,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": dict(args.rope_scaling) if args.rope_scaling else None,
+        "tie_word_embeddings": args.tie_embeddings,
+        "use_cache": True,
+    }
+    config.update(args.extra_hf_config)
+    return config

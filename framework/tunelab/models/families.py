@@ -1,0 +1,108 @@
+"""Which family a Hugging Face checkpoint belongs to, and building a model from its config."""
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunelab.errors import CheckpointError, ConfigError
+from tunelab.models.args import ModelArgs
+from tunelab.models.decoder import TransformerDecoder
+from tunelab.models.llama import LlamaStateDictAdapter, llama_args_from_hf
+from tunelab.models.qwen2 import Qwen2StateDictAdapter, qwen2_args_from_hf
+from tunelab.models.state_dict_adapter import StateDictAdapter
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to read one family's ``config.json`` and map its keys."""
+
+    args_from_hf: Callable[[Mapping[str, Any]], ModelArgs]
+    adapter: type[StateDictAdapter]
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(llama_args_from_hf, LlamaStateDictAdapter),
+    "qwen2": Family(qwen2_args_from_hf, Qwen2StateDictAdapter),
+}
+_ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
+
+
+def adapter_for(args: ModelArgs) -> StateDictAdapter:
+    """The ``StateDictAdapter`` of ``args.family``.
+
+    Raises:
+        ConfigError: unknown family.
+    """
+    if args.family not in FAMILIES:
+        raise ConfigError(f"unknown model family {args.family!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[args.family].adapter(args)
+
+
+def read_hf_config(checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """Return a checkpoint's ``config.json`` as a dict (a dict passes through).
+
+    Raises:
+        CheckpointError: the file is missing or not JSON.
+    """
+    if isinstance(checkpoint_dir_or_config, Mapping):
+        return dict(checkpoint_dir_or_config)
+    path = Path(checkpoint_dir_or_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a Hugging Face checkpoint needs config.json")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return config
+
+
+def family_of(config: Mapping[str, Any]) -> str:
+    """The family named by ``model_type``, else by ``architectures``.
+
+    Raises:
+        ConfigError: neither names a supported family.
+    """
+    model_type = config.get("model_type")
+    if model_type in FAMILIES:
+        return model_type
+    for architecture in config.get("architectures") or []:
+        if architecture in _ARCHITECTURES:
+            return _ARCHITECTURES[architecture]
+    raise ConfigError(
+        f"unsupported model: model_type={model_type!r}, architectures="
+        f"{config.get('architectures')}; supported model_type values: {sorted(FAMILIES)}"
+    )
+
+
+def args_from_hf(checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any]) -> ModelArgs:
+    """Parse ``ModelArgs`` from a checkpoint directory, a ``config.json`` path or a dict."""
+    config = read_hf_config(checkpoint_dir_or_config)
+    return FAMILIES[family_of(config)].args_from_hf(config)
+
+
+def from_hf_config(
+    checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any],
+) -> TransformerDecoder:
+    """Build the model a Hugging Face ``config.json`` describes (weights not loaded).
+
+    Parameters are created on the current default device; build under
+    ``torch.device("meta")`` to allocate nothing.
+
+    Args:
+        checkpoint_dir_or_config: a checkpoint directory, its ``config.json``, or the dict.
+
+    Returns:
+        The model, randomly initialised (or on meta).
+
+    Raises:
+        CheckpointError: no readable ``config.json``.
+        ConfigError: an unsupported family or feature.
+    """
+    return TransformerDecoder(args_from_hf(checkpoint_dir_or_config))

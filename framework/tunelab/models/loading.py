@@ -1,0 +1,157 @@
+"""Filling a model from a Hugging Face checkpoint: whole tensors, or only a rank's rows."""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from tunelab.checkpoint.hf import HFCheckpointReader
+from tunelab.errors import CheckpointError
+from tunelab.models.decoder import TransformerDecoder
+from tunelab.models.families import from_hf_config, read_hf_config
+
+# Wrappers that insert a path component without changing what a parameter is.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@dataclass
+class LoadResult:
+    """What ``load_hf_into_model`` did not fill."""
+
+    missing: list[str] = field(default_factory=list)
+    """Model parameters absent from the checkpoint (only LoRA parameters are allowed)."""
+
+
+def _clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _local_slices(param: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The local tensor to fill and its ``(offset, length)`` in each global dimension."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(param, DTensor):
+        local_shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        return param.to_local(), list(zip(offset, local_shape))
+    return param, [(0, size) for size in param.shape]
+
+
+def _read_local(reader: HFCheckpointReader, key: str, spans: list[tuple[int, int]]) -> torch.Tensor:
+    if not spans:  # a scalar
+        return reader.get(key)
+    start, length = spans[0]
+    # Only dimension 0 is read partially from disk (FSDP's Shard(0) is a contiguous byte range);
+    # other sharded dimensions are cut after reading those rows.
+    tensor = reader.get_rows(key, start, start + length)
+    for dim, (offset, size) in enumerate(spans[1:], start=1):
+        tensor = tensor.narrow(dim, offset, size)
+    return tensor
+
+
+@torch.no_grad()
+def load_hf_into_model(
+    model: TransformerDecoder, checkpoint_dir: str | os.PathLike, *, strict: bool = True
+) -> LoadResult:
+    """Copy HF checkpoint tensors into a materialised model, in place.
+
+    Works on plain parameters (the full tensor is copied) and on FSDP2-sharded ``DTensor``
+    parameters (each rank reads only its own rows from disk). Keys go through
+    ``model.state_dict_adapter``; a tied ``lm_head.weight`` in the file is accepted only if it
+    equals the embedding.
+
+    Args:
+        model: a model whose parameters are allocated (not meta), e.g. after ``to_empty``.
+        checkpoint_dir: the HF checkpoint directory.
+        strict: raise on checkpoint keys the model does not have.
+
+    Returns:
+        A ``LoadResult``; ``missing`` lists LoRA parameters (names containing ``lora_``),
+        which a base checkpoint does not have.
+
+    Raises:
+        CheckpointError: a missing or unexpected key, or a shape that differs from the model.
+    """
+    reader = HFCheckpointReader(checkpoint_dir)
+    adapter = model.state_dict_adapter
+    tied = adapter.tied_hf_keys()
+    result = LoadResult()
+    expected: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        native = _clean_name(name)
+        if "lora_" in native:
+            result.missing.append(name)
+            continue
+        hf_key = adapter.to_hf_key(native)
+        if hf_key not in tied:
+            expected[hf_key] = tensor
+    missing = [key for key in expected if key not in reader]
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint_dir}: missing key {missing[0]!r} (the config expects it)"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    unexpected = [key for key in reader.keys() if key not in expected and key not in tied]
+    if strict and unexpected:
+        raise CheckpointError(
+            f"{reader.file_of(unexpected[0])}: unexpected key {unexpected[0]!r} (not in the model)"
+        )
+    for key, param in expected.items():
+        if tuple(param.shape) != reader.shape(key):
+            raise CheckpointError(
+                f"{reader.file_of(key)}: {key!r} has shape {reader.shape(key)} but the config "
+                f"gives {tuple(param.shape)}"
+            )
+        local, spans = _local_slices(param)
+        if local.numel():
+            local.copy_(_read_local(reader, key, spans))
+    for key, partner in tied.items():
+        if key in reader:
+            local, spans = _local_slices(expected[partner])
+            if not torch.equal(_read_local(reader, key, spans).to(local.dtype), local):
+                raise CheckpointError(
+                    f"{reader.file_of(key)}: {key!r} differs from {partner!r}, but the config "
+                    "ties word embeddings"
+                )
+    reader.close()
+    return result
+
+
+def load_pretrained(
+    checkpoint_dir: str | os.PathLike,
+    dtype: torch.dtype | str | None = torch.float32,
+    device: torch.device | str = "cpu",
+) -> TransformerDecoder:
+    """Build the model of an HF checkpoint and load its weights, ready for ``eval``.
+
+    The model is built on the meta device, allocated once on ``device`` in ``dtype`` and filled
+    tensor by tensor, so peak memory is about one model.
+
+    Args:
+        checkpoint_dir: a directory with ``config.json`` and safetensors weights.
+        dtype: parameter dtype; None uses the config's ``torch_dtype`` (or ``dtype``).
+        device: where the parameters live.
+
+    Returns:
+        The model in eval mode; ``model(tokens)`` gives logits ``[batch, seq, vocab]``.
+
+    Raises:
+        CheckpointError: missing/corrupt files, missing/unexpected keys, shape mismatches.
+        ConfigError: an unsupported family or feature.
+    """
+    if dtype is None:
+        config = read_hf_config(checkpoint_dir)
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    with torch.device("meta"):
+        model = from_hf_config(checkpoint_dir)
+    model.to(dtype=dtype)  # free on meta
+    model.to_empty(device=device)
+    model.tie_weights()
+    load_hf_into_model(model, checkpoint_dir)
+    return model.eval()

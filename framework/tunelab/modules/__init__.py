@@ -1,0 +1,27 @@
+"""Transformer building blocks: attention, feed-forward, norms, rotary embeddings, masks."""
+
+from tunelab.modules.attention import Attention
+from tunelab.modules.feed_forward import FeedForward
+from tunelab.modules.kv_cache import KVCache
+from tunelab.modules.masks import (
+    causal_mask,
+    document_causal_mask,
+    padding_mask,
+    positions_from_document_ids,
+)
+from tunelab.modules.norm import RMSNorm
+from tunelab.modules.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "KVCache",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "causal_mask",
+    "document_causal_mask",
+    "inverse_frequencies",
+    "padding_mask",
+    "positions_from_document_ids",
+]

@@ -1,0 +1,65 @@
+"""A static key/value cache for incremental decoding."""
+
+import torch
+from torch import nn
+
+
+class KVCache(nn.Module):
+    """Keys and values of past positions, one slot per position.
+
+    Slot ``p`` holds the key/value of rotary position ``p``: a forward with ``input_pos``
+    writes its keys there, and attention then reads the whole cache under a mask that hides
+    slots after each query's position. Buffers are non-persistent, so they never enter a
+    ``state_dict`` or a checkpoint.
+
+    Args:
+        batch_size: rows decoded together.
+        num_kv_heads: key/value heads.
+        max_seq_len: number of slots (prompt plus generated tokens).
+        head_dim: per-head feature size.
+        dtype: cache dtype (the activations' dtype).
+        device: cache device.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.max_seq_len = max_seq_len
+
+    def reset(self) -> None:
+        """Clear every slot."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+    def update(
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values at their positions and return the full cache.
+
+        Args:
+            input_pos: long ``[batch, seq]`` slots to write.
+            k: ``[batch, num_kv_heads, seq, head_dim]``.
+            v: same shape as ``k``.
+
+        Returns:
+            ``(k_cache, v_cache)``, each ``[batch, num_kv_heads, max_seq_len, head_dim]``.
+        """
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        # Advanced indices on dims 0 and 2 put [batch, seq] first: values are [b, s, heads, dim].
+        self.k_cache[rows, :, input_pos] = k.transpose(1, 2).to(self.k_cache.dtype)
+        self.v_cache[rows, :, input_pos] = v.transpose(1, 2).to(self.v_cache.dtype)
+        return self.k_cache, self.v_cache

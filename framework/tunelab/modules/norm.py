@@ -1,0 +1,44 @@
+"""Root-mean-square layer normalisation."""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich, 2019, https://arxiv.org/abs/1910.07467).
+
+    ``y = weight * x / sqrt(mean(x**2, dim=-1) + eps)``. The statistic is computed in fp32 and
+    the result cast back to the input dtype before the weight is applied, which is the order
+    Hugging Face Llama/Qwen2 use; keeping it makes bf16 logits match theirs bit for bit.
+
+    Args:
+        dim: size of the last dimension.
+        eps: added to the mean square for numerical stability.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        """Set the scale to one."""
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its last dimension.
+
+        Args:
+            x: input of shape ``[..., dim]``.
+
+        Returns:
+            The normalised tensor, same shape and dtype as ``x``.
+        """
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        """Shown by ``print(module)``."""
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,167 @@
+"""Rotary position embeddings, with the Llama 3 frequency-scaling rule.
+
+RoPE (Su et al., 2021, https://arxiv.org/abs/2104.09864) rotates each pair of query/key
+features by an angle ``position * inv_freq[i]`` with ``inv_freq[i] = theta ** (-2i / head_dim)``.
+The pairs follow Hugging Face's "rotate half" layout (feature ``i`` pairs with
+``i + head_dim / 2``), so HF q/k weights load with no permutation.
+"""
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tunelab.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
+    """Return the rope type named by an HF ``rope_scaling`` dict (``rope_type`` or ``type``).
+
+    Args:
+        scaling: the dict, or None for plain RoPE.
+
+    Returns:
+        ``"default"``, ``"linear"`` or ``"llama3"``.
+
+    Raises:
+        ConfigError: the type is not supported.
+    """
+    if not scaling:
+        return "default"
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    return rope_type
+
+
+def _require(scaling: Mapping[str, Any], key: str) -> float:
+    if key not in scaling:
+        raise ConfigError(f"rope_scaling of type {rope_type_of(scaling)!r} needs the key {key!r}")
+    return float(scaling[key])
+
+
+def inverse_frequencies(
+    head_dim: int,
+    theta: float,
+    scaling: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Compute the ``head_dim / 2`` rotary inverse frequencies, fp32.
+
+    With ``rope_type == "llama3"`` (Llama 3.1 report, https://arxiv.org/abs/2407.21783) and
+    ``wavelen = 2 pi / inv_freq``, ``L = original_max_position_embeddings``:
+
+    * ``wavelen < L / high_freq_factor``: unchanged;
+    * ``wavelen > L / low_freq_factor``: divided by ``factor``;
+    * otherwise, with ``s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``:
+      ``(1 - s) * inv_freq / factor + s * inv_freq``.
+
+    ``"linear"`` divides every frequency by ``factor``.
+
+    Args:
+        head_dim: per-head feature size (even).
+        theta: the RoPE base (``rope_theta``).
+        scaling: an HF ``rope_scaling`` dict, or None.
+        device: where to build the tensor.
+
+    Returns:
+        Tensor of shape ``[head_dim // 2]``.
+
+    Raises:
+        ConfigError: unsupported scaling type or missing scaling keys.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = rope_type_of(scaling)
+    if rope_type == "linear":
+        return inv_freq / _require(scaling, "factor")
+    if rope_type == "llama3":
+        factor = _require(scaling, "factor")
+        low_freq_factor = _require(scaling, "low_freq_factor")
+        high_freq_factor = _require(scaling, "high_freq_factor")
+        old_context_len = _require(scaling, "original_max_position_embeddings")
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces the ``cos`` / ``sin`` tables for given positions.
+
+    It holds no buffers on purpose: a model built on the meta device and materialised with
+    ``to_empty`` would otherwise carry uninitialised frequencies. The frequencies are computed
+    once per device and kept in a plain dict.
+
+    Args:
+        head_dim: per-head feature size.
+        theta: the RoPE base.
+        scaling: an HF ``rope_scaling`` dict, or None.
+    """
+
+    def __init__(
+        self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        rope_type_of(scaling)  # fail at build time, not at the first forward
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = dict(scaling) if scaling else None
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = inverse_frequencies(
+                self.head_dim, self.theta, self.scaling, device
+            )
+        return self._inv_freq[device]
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute ``cos`` and ``sin`` for the given positions.
+
+        Args:
+            positions: integer positions ``[batch, seq]``.
+            dtype: dtype of the returned tables (the activations' dtype).
+
+        Returns:
+            ``(cos, sin)``, each ``[batch, seq, head_dim]``.
+        """
+        inv_freq = self._frequencies(positions.device)
+        freqs = positions.float()[..., None] * inv_freq  # [b, s, head_dim / 2], fp32
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` by the angles whose cosines and sines are given.
+
+    Args:
+        x: ``[batch, heads, seq, head_dim]``.
+        cos: ``[batch, seq, head_dim]``.
+        sin: ``[batch, seq, head_dim]``.
+
+    Returns:
+        ``x * cos + rotate_half(x) * sin``, same shape as ``x``.
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin

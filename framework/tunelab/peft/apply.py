@@ -1,0 +1,237 @@
+"""Apply LoRA to any model as one generic module swap, and switch adapters on and off.
+
+Targets are the last component of a module's name (``q_proj``, ``down_proj``, ``lm_head``),
+the names users know from Hugging Face, so one function serves every family and size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tunelab.errors import TunelabError
+from tunelab.peft._names import clean_fqn
+from tunelab.peft.lora import LoRALinear, validate_lora_options
+
+ALL_LINEAR = "all-linear"
+"""Target every ``nn.Linear`` except the output layer ``lm_head``, as PEFT does."""
+
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
+"""The target names of the decoder families tunelab ships."""
+
+_OUTPUT_LAYER = "lm_head"
+_ADAPTER_CHILDREN = ("lora_A", "lora_B")
+
+
+def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` by FQN, leaving out the adapters' own ``lora_A``/``lora_B``."""
+    lora_prefixes = [f"{name}." for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and not any(name.startswith(p) for p in lora_prefixes)
+    }
+
+
+def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str) -> list[str]:
+    if isinstance(targets, str) and targets == ALL_LINEAR:
+        selected = [name for name in linears if name.rpartition(".")[2] != _OUTPUT_LAYER]
+        if not selected:
+            raise TunelabError(f"lora targets {ALL_LINEAR!r}: the model has no nn.Linear to adapt")
+        return selected
+    wanted = [targets] if isinstance(targets, str) else list(targets)
+    if not wanted:
+        raise TunelabError("lora targets is empty: name at least one module, or 'all-linear'")
+    short_names = sorted({name.rpartition(".")[2] for name in linears})
+    for target in wanted:
+        if not any(_matches(name, target) for name in linears):
+            raise TunelabError(
+                f"lora target {target!r} matches no nn.Linear in the model; "
+                f"available linear names: {', '.join(short_names) or '(none)'}"
+            )
+    return [name for name in linears if any(_matches(name, target) for target in wanted)]
+
+
+def _matches(fqn: str, target: str) -> bool:
+    # PEFT's rule for a list of names: the whole FQN, or a suffix at a name boundary.
+    return fqn == target or fqn.endswith("." + target)
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    targets: Sequence[str] | str,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_rslora: bool = False,
+) -> list[str]:
+    """Replace each targeted ``nn.Linear`` with a ``LoRALinear`` over the same parameters.
+
+    Call it before ``fully_shard`` (the swap needs plain parameters). The model may live on
+    the meta device; then call ``init_lora_parameters`` after ``to_empty``. Afterwards only
+    the adapter parameters require grad.
+
+    Args:
+        model: Any module with ``nn.Linear`` children.
+        targets: Names to adapt: a module matches a target equal to its FQN or to a
+            dot-separated suffix of it, as in PEFT (e.g. ``["q_proj", "v_proj"]`` or
+            ``"self_attn.q_proj"``); or ``"all-linear"`` for every linear layer except
+            ``lm_head``.
+        rank: Adapter rank ``r``.
+        alpha: LoRA ``alpha`` (scale ``alpha / r``).
+        dropout: Dropout probability on the adapter input.
+        use_rslora: Scale by ``alpha / sqrt(r)`` (rsLoRA).
+
+    Returns:
+        The FQNs of the swapped modules, in module order.
+
+    Raises:
+        ConfigError: If ``rank``, ``alpha`` or ``dropout`` is out of range.
+        TunelabError: If a target matches no linear layer (the message lists the available
+            names), if LoRA was already applied, or if the model is already sharded.
+    """
+    validate_lora_options(rank, alpha, dropout)
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise TunelabError("apply_lora: the model already has LoRA layers; apply it once")
+    linears = _linear_modules(model)
+    selected = _select_targets(linears, targets)
+    for fqn in selected:
+        linear = linears[fqn]
+        if isinstance(linear.weight, DTensor):
+            raise TunelabError(
+                f"apply_lora: {fqn}.weight is already sharded; apply LoRA before fully_shard"
+            )
+        parent_name, _, child_name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lora = LoRALinear.from_linear(
+            linear, rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora
+        )
+        setattr(parent, child_name, lora)
+    set_trainable_params(model)
+    return selected
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every ``LoRALinear`` of ``model`` by FQN.
+
+    Args:
+        model: A model, with or without LoRA.
+
+    Returns:
+        The LoRA layers in module order (empty if there are none).
+    """
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def lora_target_names(model: nn.Module) -> list[str]:
+    """The short names of the adapted modules, as ``adapter_config.json`` lists them.
+
+    Args:
+        model: A LoRA-applied model.
+
+    Returns:
+        Sorted unique last name components, e.g. ``["q_proj", "v_proj"]``.
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    modules = _require_lora(model, "lora_target_names")
+    return sorted({name.rpartition(".")[2] for name in modules})
+
+
+def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear]:
+    modules = lora_modules(model)
+    if not modules:
+        raise TunelabError(f"{caller}: the model has no LoRA layers; call apply_lora first")
+    return modules
+
+
+def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The adapter parameters (``lora_A``/``lora_B`` weights) by FQN.
+
+    Args:
+        model: A LoRA-applied model.
+
+    Returns:
+        ``{"<module>.lora_A.weight": param, "<module>.lora_B.weight": param, ...}``.
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    params = {}
+    for fqn, module in _require_lora(model, "get_adapter_params").items():
+        for child in _ADAPTER_CHILDREN:
+            params[clean_fqn(f"{fqn}.{child}.weight")] = getattr(module, child).weight
+    return params
+
+
+def set_trainable_params(model: nn.Module) -> None:
+    """Make the adapter parameters the only trainable ones.
+
+    Args:
+        model: A LoRA-applied model.
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    adapter = get_adapter_params(model)
+    adapter_ids = {id(p) for p in adapter.values()}
+    for param in model.parameters():
+        param.requires_grad_(id(param) in adapter_ids)
+
+
+def init_lora_parameters(model: nn.Module) -> None:
+    """Initialise every adapter (``A`` Kaiming-uniform, ``B`` zero).
+
+    The recipe calls this after ``model.to_empty(...)`` on a meta-built model, sharded or
+    not; with the same seed on every rank the values match a one-process run.
+
+    Args:
+        model: A LoRA-applied model with materialised parameters.
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    for module in _require_lora(model, "init_lora_parameters").values():
+        module.reset_lora_parameters()
+
+
+@contextlib.contextmanager
+def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` as its base model inside the ``with`` block.
+
+    Sets a flag on each ``LoRALinear`` instead of touching parameters, so it works under
+    FSDP2 (no parameter is swapped, resharded or copied). DPO uses it for the reference
+    forward. The previous flags come back on exit, also when the block raises.
+
+    Args:
+        model: A LoRA-applied model.
+
+    Yields:
+        The same model.
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    modules = list(_require_lora(model, "disable_adapter").values())
+    previous = [m.disabled for m in modules]
+    for module in modules:
+        module.disabled = True
+    try:
+        yield model
+    finally:
+        for module, was_disabled in zip(modules, previous, strict=True):
+            module.disabled = was_disabled

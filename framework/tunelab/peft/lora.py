@@ -1,0 +1,216 @@
+"""``LoRALinear``: a frozen linear layer plus a trainable low-rank update.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
+arXiv:2106.09685) keeps the pretrained weight ``W`` (``[out_dim, in_dim]``) frozen and
+learns a rank-``r`` update ``ΔW = B A`` with ``A`` ``[r, in_dim]`` and ``B`` ``[out_dim, r]``:
+
+    y = x W^T + b + scale * B(A(dropout(x)))
+
+with ``scale = alpha / r``, or ``alpha / sqrt(r)`` for rank-stabilised LoRA (rsLoRA,
+Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA",
+arXiv:2312.03732). ``A`` starts Kaiming-uniform (``a = sqrt(5)``, as PEFT does) and ``B``
+at zero, so a fresh adapter leaves the model's output unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tunelab.errors import ConfigError
+
+
+def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
+    """The factor applied to ``B A``.
+
+    Args:
+        rank: The adapter rank ``r``.
+        alpha: The LoRA ``alpha``.
+        use_rslora: Use ``alpha / sqrt(r)`` (rsLoRA) instead of ``alpha / r``.
+
+    Returns:
+        ``alpha / sqrt(rank)`` with rsLoRA, else ``alpha / rank``.
+    """
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def validate_lora_options(rank: int, alpha: float, dropout: float) -> None:
+    """Check the LoRA hyper-parameters a user wrote in a config.
+
+    Args:
+        rank: Must be a positive integer.
+        alpha: Must be a positive number.
+        dropout: Must lie in ``[0, 1)``.
+
+    Raises:
+        ConfigError: Naming the first bad option.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ConfigError(f"lora rank must be a positive integer, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        raise ConfigError(f"lora alpha must be a positive number, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"lora dropout must be in [0, 1), got {dropout!r}")
+
+
+def _init_full_then_copy(param: torch.Tensor, init_fn) -> None:
+    """Initialise ``param`` as if it were one whole tensor, also when it is a sharded DTensor.
+
+    Every rank draws the full (small) tensor from its own RNG, seeded alike by the recipe,
+    and keeps its shard, so the values do not depend on the world size.
+    """
+    if param.is_meta:
+        return
+    if not isinstance(param, DTensor):
+        init_fn(param)
+        return
+    local = param.to_local()
+    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+    init_fn(full)
+    # src_data_rank=None: each rank slices its own copy, no communication.
+    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    local.copy_(shard.to_local())
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer with a trainable low-rank adapter.
+
+    The base parameters are the module's own ``weight`` (and ``bias``), so the base
+    checkpoint keys stay ``<name>.weight``; the adapter adds ``<name>.lora_A.weight`` and
+    ``<name>.lora_B.weight``, the names PEFT uses. Forward:
+    ``y = F.linear(x, weight, bias) + scale * lora_B(lora_A(dropout(x)))``; while
+    ``disabled`` is set the adapter term is skipped, so the output is the base model's.
+
+    Args:
+        in_dim: Input features.
+        out_dim: Output features.
+        rank: Adapter rank ``r``.
+        alpha: LoRA ``alpha``; the update is scaled by ``alpha / r``.
+        dropout: Dropout probability applied to the adapter's input only.
+        use_rslora: Scale by ``alpha / sqrt(r)`` instead (rsLoRA).
+        bias: Whether the base layer has a bias.
+
+    Raises:
+        ConfigError: If ``rank``, ``alpha`` or ``dropout`` is out of range.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        validate_lora_options(rank, alpha, dropout)
+        self.in_dim = in_dim
+        self.out_dim = out_dim
+        self.rank = rank
+        self.alpha = alpha
+        self.use_rslora = use_rslora
+        self.scale = lora_scale(rank, alpha, use_rslora)
+        self.disabled = False
+        self.weight = nn.Parameter(torch.empty(out_dim, in_dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_dim), requires_grad=False) if bias else None
+        self.dropout = nn.Dropout(dropout) if dropout > 0.0 else nn.Identity()
+        self.lora_A = nn.Linear(in_dim, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_dim, bias=False)
+        self._reset_base_parameters()
+        self.reset_lora_parameters()
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+    ) -> LoRALinear:
+        """Wrap an existing ``nn.Linear``, reusing (not copying) its parameters.
+
+        Sharing the very ``Parameter`` objects keeps tied weights tied (a tied ``lm_head``
+        still shares the embedding) and costs no memory. The base is frozen.
+
+        Args:
+            linear: The layer to adapt; may live on the meta device.
+            rank: Adapter rank ``r``.
+            alpha: LoRA ``alpha``.
+            dropout: Dropout probability on the adapter input.
+            use_rslora: Use the rsLoRA scale ``alpha / sqrt(r)``.
+
+        Returns:
+            A ``LoRALinear`` whose adapter lives on the base weight's device and dtype.
+        """
+        weight = linear.weight
+        with torch.device("meta"):
+            module = cls(
+                linear.in_features,
+                linear.out_features,
+                rank=rank,
+                alpha=alpha,
+                dropout=dropout,
+                use_rslora=use_rslora,
+                bias=linear.bias is not None,
+            )
+        module.weight = weight
+        module.bias = linear.bias
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        module.lora_A = nn.Linear(linear.in_features, rank, bias=False, **factory)
+        module.lora_B = nn.Linear(rank, linear.out_features, bias=False, **factory)
+        module.weight.requires_grad_(False)
+        if module.bias is not None:
+            module.bias.requires_grad_(False)
+        module.reset_lora_parameters()
+        return module
+
+    def _reset_base_parameters(self) -> None:
+        # nn.Linear's own init, so a standalone module is never uninitialised memory; real
+        # runs overwrite the base from a checkpoint.
+        _init_full_then_copy(self.weight, lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_dim) if self.in_dim > 0 else 0.0
+            _init_full_then_copy(self.bias, lambda t: nn.init.uniform_(t, -bound, bound))
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """(Re-)initialise the adapter: ``A`` Kaiming-uniform (``a = sqrt(5)``), ``B`` zeros.
+
+        Call it after ``model.to_empty(...)`` when the model was built on the meta device.
+        It also works after ``fully_shard``: each rank draws the whole ``A`` from its RNG
+        and keeps its rows, so with the same seed the values match a one-process run.
+        """
+        _init_full_then_copy(
+            self.lora_A.weight, lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+        )
+        _init_full_then_copy(self.lora_B.weight, nn.init.zeros_)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the base layer and, unless disabled, the scaled adapter.
+
+        Args:
+            x: Input ``[..., in_dim]``.
+
+        Returns:
+            Output ``[..., out_dim]``.
+        """
+        out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+
+    def extra_repr(self) -> str:
+        """The sizes and LoRA settings shown by ``print(module)``."""
+        return (
+            f"in_dim={self.in_dim}, out_dim={self.out_dim}, rank={self.rank}, "
+            f"alpha={self.alpha}, use_rslora={self.use_rslora}, bias={self.bias is not None}"
+        )

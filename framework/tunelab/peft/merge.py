@@ -1,0 +1,124 @@
+"""Merge LoRA adapters into their base weights, shard-locally and out of place.
+
+For each ``LoRALinear`` the merged weight is
+
+    W' = W + scale * B A        (scale = alpha / r, or alpha / sqrt(r) with rsLoRA)
+
+computed in fp32 and cast back to the base dtype (a bf16 base would otherwise round the
+update before adding it). Under FSDP2 ``W`` and ``B`` are ``Shard(0)`` DTensors sharded
+alike, and row ``i`` of ``W'`` needs only row ``i`` of ``W``, row ``i`` of ``B`` and all of
+``A``; so each rank merges its own rows with the gathered, small ``A`` (``r x in_dim``) and no
+rank ever holds a whole base weight.
+
+The merge never writes the live parameters: FSDP2's ``model.state_dict()`` aliases them, and
+merging into it in place would silently turn training weights into ``W + ΔW`` at each export.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tunelab.errors import TunelabError
+from tunelab.peft._names import clean_fqn
+from tunelab.peft.apply import lora_modules
+
+
+def _rows_are_local(weight: DTensor, lora_b: torch.Tensor) -> bool:
+    """Whether each rank's rows of ``weight`` and ``lora_b`` are the same rows."""
+    return (
+        isinstance(lora_b, DTensor)
+        and lora_b.device_mesh == weight.device_mesh
+        and tuple(lora_b.placements) == tuple(weight.placements)
+        and all(p == Shard(0) or isinstance(p, Replicate) for p in weight.placements)
+    )
+
+
+def _merge_plain(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    merged = weight.to(torch.float32) + scale * (
+        lora_b.to(torch.float32) @ lora_a.to(torch.float32)
+    )
+    return merged.to(weight.dtype)
+
+
+def merge_weight(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``weight + scale * lora_b @ lora_a`` in fp32, cast to ``weight.dtype``, in a new tensor.
+
+    Collective when the inputs are DTensors (``lora_a`` is gathered): call on every rank.
+
+    Args:
+        weight: Base weight ``[out_dim, in_dim]``, plain or a DTensor.
+        lora_a: Adapter ``A`` ``[rank, in_dim]``, plain or a DTensor.
+        lora_b: Adapter ``B`` ``[out_dim, rank]``, sharded like ``weight``.
+        scale: The LoRA scale.
+
+    Returns:
+        The merged weight; for a DTensor ``weight`` a DTensor with its mesh, placements,
+        shape and stride, built from this rank's rows only.
+    """
+    if not isinstance(weight, DTensor):
+        return _merge_plain(weight, lora_a, lora_b, scale)
+    if _rows_are_local(weight, lora_b):
+        lora_a_full = lora_a.full_tensor() if isinstance(lora_a, DTensor) else lora_a
+        local = _merge_plain(weight.to_local(), lora_a_full, lora_b.to_local(), scale)
+        return DTensor.from_local(
+            local,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
+    # Other layouts (e.g. tensor-parallel Shard(1)): let DTensor plan the communication,
+    # then return the base's layout.
+    return _merge_plain(weight, lora_a, lora_b, scale).redistribute(
+        weight.device_mesh, weight.placements
+    )
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every LoRA update merged into its base weight.
+
+    Out of place: merged weights are new tensors; all other parameters and buffers are the
+    model's own ``state_dict()`` values, not copies (treat them as read-only). Keys are the
+    base FQNs (``...q_proj.weight``); no ``lora_A``/``lora_B`` key remains. Under FSDP2 the
+    merge is shard-local (see the module docstring) and this is a collective: call it on
+    every rank. A tied ``lm_head`` with LoRA gets its own merged ``lm_head.weight``, which no
+    longer equals the embedding: export it untied.
+
+    Args:
+        model: A LoRA-applied model, sharded or not.
+
+    Returns:
+        ``{fqn: tensor}`` with DTensors where the model's parameters are DTensors.
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    modules = {clean_fqn(name): module for name, module in lora_modules(model).items()}
+    if not modules:
+        raise TunelabError("merged_state_dict: the model has no LoRA layers; call apply_lora first")
+    state = {clean_fqn(key): value for key, value in model.state_dict().items()}
+    merged = {}
+    for key, value in state.items():
+        owner, _, leaf = key.rpartition(".")
+        if owner in modules and leaf == "weight":
+            merged[key] = merge_weight(
+                value,
+                state[f"{owner}.lora_A.weight"],
+                state[f"{owner}.lora_B.weight"],
+                modules[owner].scale,
+            )
+        elif owner.rpartition(".")[0] in modules and owner.rpartition(".")[2] in (
+            "lora_A",
+            "lora_B",
+        ):
+            continue
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,115 @@
+"""Small pieces of the training step shared by the recipes."""
+
+import resource
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tunelab.distributed import all_reduce_sum, reshard
+from tunelab.losses import token_count
+from tunelab.modules.masks import document_causal_mask
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move every tensor of a batch to ``device``."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Run the model on a collated batch; packed batches get their document mask.
+
+    Returns:
+        Logits ``[batch, seq, vocab]``.
+    """
+    if "document_ids" in batch:
+        mask = document_causal_mask(batch["document_ids"])
+        return model(batch["tokens"], mask=mask, input_pos=batch["input_pos"])
+    return model(batch["tokens"])
+
+
+def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Target tokens of one optimizer step, summed over micro-batches and ranks.
+
+    The loss of a step is ``sum of token losses / this count``, so every token weighs the
+    same whatever the padding, the micro-batching or the world size.
+    """
+    count = sum(token_count(batch["labels"]) for batch in micro_batches)
+    return all_reduce_sum(count.to(torch.float64)).clamp_min(1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loader: DataLoader, loss_fn: nn.Module, device: torch.device
+) -> float:
+    """Mean token loss over a whole validation loader, over all ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in loader:
+        batch = to_device(batch, device)
+        loss_sum, num_tokens = loss_fn(forward(model, batch), batch["labels"])
+        totals += torch.stack([loss_sum.double(), num_tokens.double()])
+    all_reduce_sum(totals)
+    # An FSDP2 root keeps unsharded parameters after a no_grad forward (TORCH_NOTES).
+    reshard(model)
+    model.train(was_training)
+    return (totals[0] / totals[1].clamp_min(1)).item()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocations, or resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    return max_rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def sft_backward(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    world_size: int,
+) -> tuple[float, float]:
+    """Forward and backward over one optimizer step's micro-batches.
+
+    The gradient is that of ``sum of token losses over all ranks and micro-batches / number
+    of target tokens over all ranks and micro-batches``.
+
+    Returns:
+        The step's global mean token loss and its global number of target tokens (the same
+        on every rank).
+    """
+    num_tokens = global_token_count(micro_batches)
+    total_loss = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
+    for batch in micro_batches:
+        loss_sum, _ = loss_fn(forward(model, batch), batch["labels"])
+        # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
+        (loss_sum * world_size / num_tokens).backward()
+        total_loss += loss_sum.detach()
+    return (all_reduce_sum(total_loss) / num_tokens).item(), num_tokens.item()
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    *,
+    clip_grad_norm: float | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> dict[str, float]:
+    """Clip, step the optimizer and the schedule, zero the gradients.
+
+    Returns:
+        ``lr`` (the rate this step used) and, when clipping, ``grad_norm`` (before clipping).
+    """
+    metrics = {"lr": optimizer.param_groups[0]["lr"]}
+    if clip_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    return metrics

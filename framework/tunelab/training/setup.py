@@ -1,0 +1,141 @@
+"""Model and data set-up shared by the recipes.
+
+A model is built on the meta device, adapted (LoRA), wrapped (activation checkpointing,
+compile, FSDP2), materialised shard by shard and filled from the Hugging Face checkpoint:
+no rank ever holds the full model unless the world size is 1.
+"""
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import tunelab.peft as peft
+from tunelab.checkpoint.hf import load_hf_into_model
+from tunelab.config.recipe_args import LoRAArgs
+from tunelab.data import StatefulDistributedSampler
+from tunelab.distributed import apply_activation_checkpointing, shard_model
+from tunelab.models import from_hf_config
+
+
+def build_model(
+    checkpoint_dir: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    lora: LoRAArgs | None = None,
+    adapter_dir: str | None = None,
+    activation_checkpointing: bool = False,
+    compile_blocks: bool = False,
+    reshard_after_forward: bool = True,
+    mixed_precision: bool = False,
+    seed: int = 0,
+) -> nn.Module:
+    """Build, shard and load a model from a Hugging Face folder.
+
+    Args:
+        checkpoint_dir: The base model's Hugging Face folder.
+        device: Where the parameters live.
+        dtype: Parameter dtype.
+        lora: Adapter settings; only adapter parameters train when given.
+        adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
+        activation_checkpointing: Recompute block activations in backward.
+        compile_blocks: ``torch.compile`` each transformer block.
+        reshard_after_forward: FSDP2's ``reshard_after_forward``.
+        mixed_precision: bf16 compute with fp32 reduction under FSDP2.
+        seed: Seed of the fresh adapter's initialisation (the same on every rank, so the
+            values do not depend on the world size).
+
+    Returns:
+        The ready model, sharded with FSDP2 when the world size is above 1.
+    """
+    with torch.device("meta"):
+        model = from_hf_config(checkpoint_dir)
+        model.to(dtype)
+        if lora is not None:
+            peft.apply_lora(
+                model,
+                targets=lora.targets,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                use_rslora=lora.use_rslora,
+            )
+            peft.set_trainable_params(model)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile_blocks:
+        for block in model.layers:
+            block.compile()
+    shard_model(model, reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision)
+    model.to_empty(device=device)
+    model.tie_weights()
+    load_hf_into_model(model, checkpoint_dir)
+    if lora is not None:
+        torch.manual_seed(seed)
+        peft.init_lora_parameters(model)
+        if adapter_dir is not None:
+            peft.load_peft_adapter(model, adapter_dir)
+    return model
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    collate_fn: Callable[..., dict[str, torch.Tensor]],
+    seed: int,
+    shuffle: bool = True,
+    **collate_kwargs: Any,
+) -> tuple[DataLoader, StatefulDistributedSampler]:
+    """A loader over this rank's share of ``dataset`` and its resumable sampler.
+
+    Args:
+        dataset: A map-style dataset.
+        batch_size: Samples per micro-batch on this rank.
+        collate_fn: Turns a list of samples into a batch of tensors.
+        seed: Seed of the per-epoch shuffle.
+        shuffle: Shuffle each epoch.
+        **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
+
+    Returns:
+        The loader and its sampler (whose position the checkpoint saves).
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sampler = StatefulDistributedSampler(
+        len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=partial(collate_fn, **collate_kwargs),
+        drop_last=True,
+    )
+    return loader, sampler
+
+
+def config_fingerprint(args: Any) -> str:
+    """A short hash of a recipe's resolved settings, recorded in checkpoint manifests."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from omegaconf import DictConfig, OmegaConf
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, DictConfig):
+            return OmegaConf.to_container(value, resolve=True)
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return value
+
+    text = json.dumps(plain(args), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

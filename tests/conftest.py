@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built with transformers."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=301,  # odd, so FSDP's row split is uneven
+    rms_norm_eps=1e-5,
+    # Larger than HF's 0.02 so attention is sharp enough for a rotary error to show in logits.
+    initializer_range=0.1,
+)
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Family name -> (config class name, config kwargs). rope_theta 500000 with head_dim 16 puts
+# the rotary frequencies in all three bands of the llama3 rule.
+TINY_FAMILIES = {
+    "llama3_2": (
+        "LlamaConfig",
+        dict(
+            _COMMON,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rope_scaling={**_LLAMA3_SCALING, "factor": 32.0},
+        ),
+    ),
+    "llama3_1": (
+        "LlamaConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rope_scaling={**_LLAMA3_SCALING, "factor": 8.0},
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        dict(_COMMON, tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model_dir(tmp_path_factory):
+    """Factory ``make(family, sharded=False) -> Path`` of a tiny random HF checkpoint (fp32).
+
+    ``family`` is one of ``TINY_FAMILIES``; ``sharded=True`` saves with a small
+    ``max_shard_size`` so the weights span several files plus an index. Each checkpoint is
+    built once per session (seeded) and must be treated as read-only.
+    """
+    transformers = pytest.importorskip("transformers")
+    built: dict[tuple[str, bool], Path] = {}
+
+    def make(family: str, sharded: bool = False) -> Path:
+        if (family, sharded) not in built:
+            config_class, kwargs = TINY_FAMILIES[family]
+            config = getattr(transformers, config_class)(**kwargs)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            # Give the norms non-trivial scales so a dropped norm weight would show in logits.
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name or name.endswith(".bias"):
+                        param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            path = tmp_path_factory.mktemp(f"hf_{family}_{'sharded' if sharded else 'single'}")
+            model.save_pretrained(path, max_shard_size=40_000 if sharded else "5GB")
+            built[(family, sharded)] = path
+        return built[(family, sharded)]
+
+    return make

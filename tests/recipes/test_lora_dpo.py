@@ -1,0 +1,291 @@
+"""lora_dpo_distributed: the preference step on a tiny model, then the real recipe.
+
+The first tests run the step helpers of ``tunelab.training.preference`` in one process on a
+tiny random checkpoint (reference exactness, normalisation). The slow tests launch the real
+``tunelab run --nproc_per_node 2 lora_dpo_distributed --config tiny/lora_dpo`` and read
+``<output_dir>/logs/metrics.jsonl``; the runs are module-scoped and shared between tests.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tunelab.peft as peft
+from tunelab.losses import DPOLoss, SimPOLoss
+from tunelab.models import load_pretrained
+from tunelab.training.preference import (
+    ReferenceModel,
+    policy_forward,
+    preference_backward,
+)
+
+TUNELAB = Path(sys.executable).with_name("tunelab")
+LN2 = math.log(2.0)
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+# -- the preference step, one process -------------------------------------------------------
+
+
+def _pairs_batch(num_pairs: int, seq_len: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows; 3 prompt tokens masked; some rows right-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (2 * num_pairs, seq_len), generator=gen)
+    labels = tokens.clone()
+    labels[:, :3] = -100
+    for row in range(0, 2 * num_pairs, 3):
+        labels[row, seq_len - 2 :] = -100
+    return {"tokens": tokens, "labels": labels}
+
+
+def _lora_model(checkpoint_dir: Path, *, random_b: bool) -> torch.nn.Module:
+    model = load_pretrained(checkpoint_dir)
+    peft.apply_lora(model, targets=TARGETS, rank=4, alpha=8.0, dropout=0.0, use_rslora=False)
+    torch.manual_seed(0)
+    peft.init_lora_parameters(model)
+    if random_b:
+        with torch.no_grad():
+            for name, param in peft.get_adapter_params(model).items():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_hf_model_dir):
+    return tiny_hf_model_dir("llama3_2")
+
+
+def test_reference_is_the_base_model_with_adapters_disabled(tiny_dir):
+    batch = _pairs_batch(2, 12, 301, seed=1)
+    with torch.no_grad():
+        base = policy_forward(load_pretrained(tiny_dir), batch)
+    model = _lora_model(tiny_dir, random_b=True)
+    reference = ReferenceModel(model, freeze_current_adapter=False)
+    ref = reference.logps([batch])[0]
+    with torch.no_grad():
+        policy = policy_forward(model, batch)
+    torch.testing.assert_close(ref.chosen_logps, base.chosen_logps, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ref.rejected_logps, base.rejected_logps, rtol=0, atol=1e-6)
+    # The adapter does change the policy, so the equality above is not vacuous.
+    assert (policy.chosen_logps - base.chosen_logps).abs().max() > 1e-3
+
+
+def test_reference_from_sft_adapter_stays_frozen_and_policy_is_restored(tiny_dir):
+    batches = [_pairs_batch(1, 10, 301, seed=2), _pairs_batch(2, 10, 301, seed=3)]
+    model = _lora_model(tiny_dir, random_b=True)  # the "SFT adapter"
+    model.train()
+    with torch.no_grad():
+        expected = [policy_forward(model, b) for b in batches]
+    reference = ReferenceModel(model, freeze_current_adapter=True)
+    adapter = peft.get_adapter_params(model)
+    with torch.no_grad():  # "training" moves the policy's adapter away from the SFT one
+        for param in adapter.values():
+            param.add_(0.03 * torch.randn_like(param))
+    trained = {name: param.detach().clone() for name, param in adapter.items()}
+
+    refs = reference.logps(batches)
+
+    for ref, want in zip(refs, expected, strict=True):
+        torch.testing.assert_close(ref.chosen_logps, want.chosen_logps, rtol=0, atol=0)
+        torch.testing.assert_close(ref.rejected_logps, want.rejected_logps, rtol=0, atol=0)
+    for name, param in adapter.items():
+        assert torch.equal(param, trained[name]), name
+    assert model.training
+    with torch.no_grad():
+        now = policy_forward(model, batches[0])
+    assert (now.chosen_logps - expected[0].chosen_logps).abs().max() > 1e-3
+
+
+def test_step_is_the_mean_over_pairs_and_starts_at_ln2(tiny_dir):
+    # 1 + 3 pairs in two micro-batches must give the gradient of the mean over the 4 pairs.
+    small, large = _pairs_batch(1, 9, 301, seed=4), _pairs_batch(3, 9, 301, seed=5)
+    loss_fn = DPOLoss(beta=0.1)
+    model = _lora_model(tiny_dir, random_b=False)  # B = 0: policy == reference
+    reference = ReferenceModel(model, freeze_current_adapter=False)
+    metrics, num_tokens = preference_backward(model, loss_fn, reference, [small, large], 1)
+    grads = {n: p.grad.clone() for n, p in peft.get_adapter_params(model).items()}
+
+    assert metrics["loss"] == pytest.approx(LN2, abs=1e-6)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert metrics[name] == 0.0, name
+    assert num_tokens == sum(int((b["labels"][:, 1:] != -100).sum()) for b in (small, large))
+
+    # Reference: one batch of the 4 pairs, loss mean, plain autograd.
+    model.zero_grad(set_to_none=True)
+    joined = {
+        key: torch.cat([small[key][:1], large[key][:3], small[key][1:], large[key][3:]])
+        for key in ("tokens", "labels")
+    }
+    with torch.no_grad(), peft.disable_adapter(model):
+        ref = policy_forward(model, joined)
+    policy = policy_forward(model, joined)
+    losses, _, _ = loss_fn(
+        policy.chosen_logps, policy.rejected_logps, ref.chosen_logps, ref.rejected_logps
+    )
+    losses.mean().backward()
+    for name, param in peft.get_adapter_params(model).items():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-8)
+    assert any(g.abs().max() > 0 for g in grads.values())
+
+
+def test_reference_free_loss_skips_the_reference(tiny_dir):
+    batch = _pairs_batch(2, 9, 301, seed=6)
+    model = _lora_model(tiny_dir, random_b=True)
+    loss_fn = SimPOLoss(beta=2.0, gamma=0.5)
+
+    class NoReference(ReferenceModel):
+        def logps(self, *args, **kwargs):
+            raise AssertionError("SimPO must not run the reference forward")
+
+    metrics, _ = preference_backward(
+        model, loss_fn, NoReference(model, freeze_current_adapter=False), [batch], 1
+    )
+    with torch.no_grad():
+        out = policy_forward(model, batch)
+    chosen = out.chosen_logps / out.chosen_lengths
+    rejected = out.rejected_logps / out.rejected_lengths
+    expected = -torch.nn.functional.logsigmoid(2.0 * (chosen - rejected) - 0.5).mean()
+    assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+# -- the recipe, launched with the real CLI on 2 processes ---------------------------------
+
+STEPS = 40
+SAVE_AT = 20
+# Recorded from a verified run of tiny/lora_dpo (fp32, 2 processes, seed 0).
+GOLDEN_LOSSES = None
+
+
+def _launch(output_dir: Path, *overrides: str) -> list[dict]:
+    """Run the recipe; return the rows of its metrics.jsonl (training steps only)."""
+    env = {**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "OMP_NUM_THREADS": "1"}
+    command = [
+        str(TUNELAB),
+        "run",
+        "--nproc_per_node",
+        "2",
+        "lora_dpo_distributed",
+        "--config",
+        "tiny/lora_dpo",
+        f"output_dir={output_dir}",
+        *overrides,
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
+    rows = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
+    return [row for row in rows if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    """STEPS uninterrupted steps with an async intermediate save at SAVE_AT, then export."""
+    output_dir = tmp_path_factory.mktemp("dpo_full")
+    rows = _launch(
+        output_dir,
+        f"max_steps_per_epoch={STEPS}",
+        f"checkpoint.save_every_n_steps={SAVE_AT}",
+        "checkpoint.enable_async_checkpointing=true",
+        "checkpoint.keep_last_n_checkpoints=null",
+    )
+    return output_dir, {row["step"]: row for row in rows}
+
+
+@pytest.mark.slow
+def test_step_one_is_ln2_with_zero_rewards(full_run):
+    first = full_run[1][1]
+    assert first["loss"] == pytest.approx(LN2, abs=1e-6)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert first[name] == 0.0, name
+    for name in ("lr", "grad_norm", "tokens_per_second", "peak_memory_gib", "logps/chosen"):
+        assert name in first, name
+    assert first["logps/chosen"] > first["logps/rejected"] - 50  # finite, plausible numbers
+
+
+@pytest.mark.slow
+def test_golden_losses(full_run):
+    losses = [full_run[1][step]["loss"] for step in range(1, 6)]
+    if GOLDEN_LOSSES is None:
+        pytest.fail(f"record GOLDEN_LOSSES = {losses!r}")
+    assert losses == pytest.approx(GOLDEN_LOSSES, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_reward_accuracy_rises(full_run):
+    rows = full_run[1]
+    assert sorted(rows) == list(range(1, STEPS + 1))
+    early = sum(rows[step]["rewards/accuracies"] for step in range(1, 6)) / 5
+    late = sum(rows[step]["rewards/accuracies"] for step in range(STEPS - 4, STEPS + 1)) / 5
+    assert late > 0.8 and late > early + 0.5, (early, late)
+    assert rows[STEPS]["rewards/margins"] > 0
+    assert rows[STEPS]["loss"] < LN2 - 0.2
+
+
+@pytest.mark.slow
+def test_exact_resume_after_async_intermediate_save(full_run, tmp_path):
+    source, rows = full_run
+    # The state a run killed right after the step-SAVE_AT save would have left behind.
+    shutil.copytree(source / f"step_{SAVE_AT}", tmp_path / f"step_{SAVE_AT}")
+    resumed = _launch(
+        tmp_path,
+        f"max_steps_per_epoch={STEPS}",
+        f"checkpoint.save_every_n_steps={SAVE_AT}",
+        "checkpoint.resume_from_checkpoint=true",
+    )
+    assert [row["step"] for row in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
+    for row in resumed:
+        assert row["loss"] == pytest.approx(rows[row["step"]]["loss"], abs=1e-6), row["step"]
+        assert row["rewards/accuracies"] == rows[row["step"]]["rewards/accuracies"]
+
+
+@pytest.mark.slow
+def test_start_from_sft_adapter_uses_it_as_frozen_reference(full_run, tmp_path):
+    # The trained adapter plays the SFT adapter: at step 1 the policy (base + adapter) must
+    # equal the reference exactly, which a bare-base reference would not.
+    adapter_dir = full_run[0] / "epoch_0" / "adapter"
+    rows = _launch(
+        tmp_path,
+        f"adapter_dir={adapter_dir}",
+        "max_steps_per_epoch=3",
+        "checkpoint.save_every_n_steps=null",
+    )
+    assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+    assert rows[0]["rewards/chosen"] == 0.0 and rows[0]["rewards/rejected"] == 0.0
+    # The policy starts from the adapter (its log-probs are those of the trained run)...
+    assert rows[0]["logps/chosen"] > full_run[1][1]["logps/chosen"] + 1.0
+    # ...and then moves away from the frozen reference: the swap-back restored the policy.
+    assert rows[-1]["rewards/margins"] != 0.0
+    assert abs(rows[-1]["loss"] - LN2) > 1e-4
+
+
+@pytest.mark.slow
+def test_exports_load_in_peft_and_transformers(full_run):
+    transformers = pytest.importorskip("transformers")
+    peft_lib = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from tunelab._paths import assets_dir
+
+    export = full_run[0] / "epoch_0"
+    base = transformers.AutoModelForCausalLM.from_pretrained(assets_dir() / "tiny")
+    with_adapter = peft_lib.PeftModel.from_pretrained(base, export / "adapter").eval()
+    saved = set(load_file(export / "adapter" / "adapter_model.safetensors"))
+    loaded = {key.replace(".default", "") for key in with_adapter.state_dict() if "lora_" in key}
+    assert saved == loaded
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    tokens = torch.randint(
+        0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        want = with_adapter(tokens).logits
+        got = merged(tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # The DPO adapter is not a no-op, so the comparison above is meaningful.
+    with torch.no_grad(), with_adapter.disable_adapter():
+        assert (with_adapter(tokens).logits - want).abs().max() > 1e-3

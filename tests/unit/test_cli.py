@@ -1,0 +1,355 @@
+"""Each `tunelab` subcommand, run as a real subprocess."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tunelab.cli import builtin_recipes
+from tunelab.cli._discovery import config_recipe_name
+from tunelab.config import builtin_configs
+
+TUNELAB = Path(sys.executable).with_name("tunelab")
+ENV = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+ENV.pop("TUNELAB_DEBUG", None)
+
+RECIPE = '''
+"""A test recipe: each rank writes what it saw."""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tunelab.config import Component, RecipeArgs, component, instantiate, recipe_main
+from tunelab.errors import DataError
+
+
+@dataclass(kw_only=True)
+class ToyArgs(RecipeArgs):
+    output_dir: str
+    """Where each rank writes its file."""
+    steps: int = 2
+    """Number of steps."""
+    fail_ranks: list[int] = field(default_factory=list)
+    """Ranks that raise a DataError inside main."""
+    counter: Component | None = component(required=False)
+    """Something to build."""
+
+
+ARGS = ToyArgs
+
+
+def main(args: ToyArgs) -> None:
+    if int(os.environ["RANK"]) in args.fail_ranks:
+        raise DataError(f"row 3 of data.jsonl has no 'output' (rank {os.environ['RANK']})")
+    counter = instantiate(args.counter)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    record = {name: os.environ.get(name) for name in names}
+    record.update(steps=args.steps, counter=dict(counter or {}))
+    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    recipe_main(main, ARGS)
+'''
+
+
+def tunelab(*args, cwd=None, env=None, timeout=300):
+    return subprocess.run(
+        [str(TUNELAB), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env or ENV,
+        timeout=timeout,
+    )
+
+
+def one_error_line(result, code=1):
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tunelab: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A recipe script and a config naming it (by a path relative to the config)."""
+    (tmp_path / "toy.py").write_text(RECIPE)
+    (tmp_path / "toy.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            recipe: toy.py
+            output_dir: {tmp_path / "out"}
+            steps: 3
+            counter:
+              _component_: collections.Counter
+              a: 2
+            """
+        )
+    )
+    return tmp_path
+
+
+# --- fake built-in folders, for exact ls / cp behaviour -----------------------------------
+
+FAKE_MAIN = """
+import sys
+from pathlib import Path
+import tunelab._paths as paths
+recipes, configs = Path(sys.argv.pop(1)), Path(sys.argv.pop(1))
+paths.recipes_dir = lambda: recipes
+paths.configs_dir = lambda: configs
+from tunelab.cli.main import main
+main()
+"""
+
+
+@pytest.fixture
+def fake_builtins(tmp_path):
+    recipes, configs = tmp_path / "recipes", tmp_path / "configs"
+    for name in ("alpha", "beta", "_helpers"):
+        (recipes / f"{name}.py").parent.mkdir(parents=True, exist_ok=True)
+        (recipes / f"{name}.py").write_text(f"# recipe {name}\n")
+    for name, recipe in [("x/one", "alpha"), ("x/two", "alpha"), ("three", "beta"), ("odd", "my.py")]:
+        path = configs / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"recipe: {recipe}\nk: 1\n")
+
+    def run(*args, cwd=None):
+        command = [sys.executable, "-c", FAKE_MAIN, str(recipes), str(configs), *map(str, args)]
+        return subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=cwd)
+
+    return run
+
+
+def test_ls_groups_configs_under_their_recipe(fake_builtins):
+    result = fake_builtins("ls")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "RECIPE    CONFIG",
+        "alpha     x/one",
+        "          x/two",
+        "beta      three",
+        "(other)   odd",
+    ]
+
+
+def test_ls_lists_every_shipped_recipe_and_config():
+    result = tunelab("ls")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    first_words = {row[0] for row in rows if len(row) == 2}
+    assert set(builtin_recipes()) <= first_words
+    listed_configs = {row[-1] for row in rows}
+    for name, path in builtin_configs().items():
+        if config_recipe_name(path) in builtin_recipes():
+            assert name in listed_configs
+
+
+def test_cp_recipe_and_config(fake_builtins, tmp_path):
+    dest = tmp_path / "work"
+    result = fake_builtins("cp", "alpha", dest / "sub" / "my_alpha")
+    assert result.returncode == 0, result.stderr
+    assert (dest / "sub" / "my_alpha.py").read_text() == "# recipe alpha\n"
+    assert fake_builtins("cp", "x/one", dest / "mine").returncode == 0
+    assert (dest / "mine.yaml").read_text() == "recipe: alpha\nk: 1\n"
+    assert fake_builtins("cp", "x/two", dest / "keep.yml").returncode == 0
+    assert (dest / "keep.yml").is_file()
+    assert fake_builtins("cp", "three", dest).returncode == 0  # into an existing folder
+    assert (dest / "three.yaml").is_file()
+
+
+def test_cp_refuses_to_overwrite_without_force(fake_builtins, tmp_path):
+    dest = tmp_path / "mine.yaml"
+    dest.write_text("my edits\n")
+    line = one_error_line(fake_builtins("cp", "x/one", dest))
+    assert line == f"tunelab: error: {dest} already exists; pass --force to overwrite it"
+    assert dest.read_text() == "my edits\n"
+    assert fake_builtins("cp", "x/one", dest, "--force").returncode == 0
+    assert dest.read_text() == "recipe: alpha\nk: 1\n"
+
+
+def test_cp_unknown_name(fake_builtins, tmp_path):
+    line = one_error_line(fake_builtins("cp", "gamma", tmp_path / "g.py"))
+    assert "no built-in recipe or config named 'gamma'" in line
+    assert not (tmp_path / "g.py").exists()
+
+
+@pytest.mark.skipif(not builtin_configs(), reason="configs/ holds no YAML files yet")
+def test_cp_real_builtin_config(tmp_path):
+    name, source = next(iter(builtin_configs().items()))
+    result = tunelab("cp", name, tmp_path / "copy")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "copy.yaml").read_text() == source.read_text()
+
+
+# --- validate --------------------------------------------------------------------------------
+
+
+def test_validate_ok(project):
+    result = tunelab("validate", project / "toy.yaml", "steps=5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"OK: {project / 'toy.yaml'}"
+
+
+def test_validate_reports_did_you_mean(project):
+    line = one_error_line(tunelab("validate", project / "toy.yaml", "stpes=5"))
+    assert line == "tunelab: error: unknown key 'stpes' in config; did you mean 'steps'?"
+
+
+def test_validate_reports_type_and_component_problems(project):
+    result = tunelab("validate", project / "toy.yaml", "steps=many", "counter._component_=collections.Countr")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        "tunelab: error: 2 problems in the config:",
+        "  - key 'steps': expected int, got str 'many'",
+        "  - counter._component_: cannot import 'collections.Countr': 'collections' has no "
+        "attribute 'Countr'; did you mean 'collections.Counter'?",
+    ]
+
+
+def test_validate_bad_inputs_one_line_each(project, tmp_path):
+    (tmp_path / "broken.yaml").write_text("recipe: toy.py\nsteps: [1,\n")
+    assert "line 3" in one_error_line(tunelab("validate", tmp_path / "broken.yaml"))
+    assert "bad override 'steps'" in one_error_line(tunelab("validate", project / "toy.yaml", "steps"))
+    assert "config file not found" in one_error_line(tunelab("validate", tmp_path / "nope.yaml"))
+    (tmp_path / "norecipe.yaml").write_text("steps: 1\n")
+    assert "has no 'recipe' key" in one_error_line(tunelab("validate", tmp_path / "norecipe.yaml"))
+
+
+def test_debug_shows_the_traceback(project):
+    result = tunelab("--debug", "validate", project / "toy.yaml", "stpes=5")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    result = tunelab("validate", project / "toy.yaml", "stpes=5", env=dict(ENV, TUNELAB_DEBUG="1"))
+    assert "Traceback" in result.stderr
+
+
+# --- run -------------------------------------------------------------------------------------
+
+
+def test_run_one_process(project):
+    result = tunelab("run", project / "toy.py", "--config", project / "toy.yaml", "steps=7")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((project / "out" / "rank0.json").read_text())
+    assert record["RANK"] == record["LOCAL_RANK"] == "0"
+    assert record["WORLD_SIZE"] == record["LOCAL_WORLD_SIZE"] == "1"
+    assert record["MASTER_ADDR"] == "127.0.0.1" and int(record["MASTER_PORT"]) > 0
+    assert record["steps"] == 7
+    assert record["counter"] == {"a": 2}
+
+
+@pytest.mark.slow
+def test_run_two_processes_through_torchrun(project):
+    result = tunelab(
+        "run", "--nproc_per_node", "2", project / "toy.py", "--config", project / "toy.yaml",
+        "steps=4",
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads((project / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["RANK"] for r in records] == ["0", "1"]
+    assert {r["WORLD_SIZE"] for r in records} == {"2"}
+    assert {r["steps"] for r in records} == {4}
+
+
+def test_run_failing_recipe_prints_short_lines(project):
+    result = tunelab("run", project / "toy.py", "--config", project / "toy.yaml", "fail_ranks=[0]")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        "tunelab: error: row 3 of data.jsonl has no 'output' (rank 0)",
+        "tunelab: error: recipe toy failed (exit code 1)",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fail_ranks", "expected"),
+    [
+        # Every rank fails: rank 0 prints its message, the launcher one short line.
+        (
+            "[0,1]",
+            [
+                "tunelab: error: row 3 of data.jsonl has no 'output' (rank 0)",
+                "tunelab: error: recipe toy failed on rank 0 (exit code 1)",
+            ],
+        ),
+        # Only rank 1 fails: its message reaches the user through the launcher.
+        (
+            "[1]",
+            [
+                "tunelab: error: recipe toy failed on rank 1: "
+                "row 3 of data.jsonl has no 'output' (rank 1)"
+            ],
+        ),
+    ],
+)
+def test_run_failing_recipe_under_torchrun_prints_short_lines(project, fail_ranks, expected):
+    result = tunelab(
+        "run", "--nproc-per-node=2", project / "toy.py", "--config", project / "toy.yaml",
+        f"fail_ranks={fail_ranks}",
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == expected
+
+
+def test_run_validates_before_launching(project):
+    line = one_error_line(
+        tunelab("run", project / "toy.py", "--config", project / "toy.yaml", "stpes=1")
+    )
+    assert "did you mean 'steps'" in line
+    assert not (project / "out").exists()
+
+
+def test_run_unknown_recipe_and_config(project):
+    line = one_error_line(tunelab("run", "no_such_recipe", "--config", project / "toy.yaml"))
+    assert "unknown recipe 'no_such_recipe'" in line
+    line = one_error_line(tunelab("run", project / "missing.py", "--config", project / "toy.yaml"))
+    assert "recipe file not found" in line
+    line = one_error_line(tunelab("run", project / "toy.py", "--config", "no/such_config"))
+    assert "unknown config 'no/such_config'" in line
+
+
+def test_run_usage_errors_exit_2(project):
+    result = tunelab("run", project / "toy.py")
+    assert result.returncode == 2
+    assert "--config" in result.stderr
+    assert tunelab().returncode == 2
+
+
+# --- download --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hub_env",
+    [
+        {"HF_HUB_OFFLINE": "1"},
+        {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "1", "HF_HUB_DOWNLOAD_TIMEOUT": "1"},
+    ],
+)
+def test_download_offline_is_one_clear_line(tmp_path, hub_env):
+    env = dict(ENV, HF_HOME=str(tmp_path / "hf_home"), **hub_env)
+    env.pop("HF_TOKEN", None)
+    result = tunelab(
+        "download", "someone/some-model", "--output-dir", tmp_path / "model", env=env, timeout=60
+    )
+    line = one_error_line(result)
+    assert line.startswith(
+        "tunelab: error: cannot reach the Hugging Face hub to download someone/some-model: "
+    )
+
+
+def test_tunelab_is_installed():
+    assert TUNELAB.is_file() or shutil.which("tunelab")

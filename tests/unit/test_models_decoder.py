@@ -1,0 +1,234 @@
+"""The decoder: structure, builders, masks, KV cache, tied weights, HF config parsing."""
+
+import pytest
+import torch
+
+from tunelab.errors import CheckpointError, ConfigError
+from tunelab.models import (
+    ModelArgs,
+    TransformerDecoder,
+    args_from_hf,
+    from_hf_config,
+    llama2_7b,
+    llama3_1_8b,
+    llama3_1_70b,
+    llama3_2_1b,
+    llama3_2_3b,
+    llama3_8b,
+    qwen2_5_0_5b,
+    qwen2_5_1_5b,
+    qwen2_5_7b,
+)
+from tunelab.modules import document_causal_mask, padding_mask, positions_from_document_ids
+
+VOCAB = 97
+
+
+def tiny(tie: bool = False, family: str = "llama", **kwargs) -> TransformerDecoder:
+    torch.manual_seed(0)
+    args = ModelArgs(
+        vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_dim=64,
+        tie_embeddings=tie, family=family, qkv_bias=family == "qwen2", **kwargs,
+    )  # fmt: skip
+    model = TransformerDecoder(args).eval()
+    with torch.no_grad():  # sharper attention than the default init, so masking errors show
+        for layer in model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    return model
+
+
+def test_module_tree_mirrors_hf_llama():
+    keys = list(tiny(tie=False).state_dict())
+    layer = [
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    ]  # fmt: skip
+    expected = ["model.embed_tokens.weight"]
+    expected += [f"model.layers.{i}.{name}" for i in range(2) for name in layer]
+    expected += ["model.norm.weight", "lm_head.weight"]
+    assert keys == expected
+
+
+def test_qwen2_has_qkv_bias_only():
+    names = {n for n, _ in tiny(family="qwen2").named_parameters() if n.endswith("bias")}
+    assert names == {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv"}
+
+
+@pytest.mark.parametrize(
+    "builder, num_params, tied",
+    [
+        (llama2_7b, 6_738_415_616, False),
+        (llama3_8b, 8_030_261_248, False),
+        (llama3_1_8b, 8_030_261_248, False),
+        (llama3_1_70b, 70_553_706_496, False),
+        (llama3_2_1b, 1_235_814_400, True),
+        (llama3_2_3b, 3_212_749_824, True),
+        (qwen2_5_0_5b, 494_032_768, True),
+        (qwen2_5_1_5b, 1_543_714_304, True),
+        (qwen2_5_7b, 7_615_616_512, False),
+    ],
+)
+def test_builders_match_published_parameter_counts_on_meta(builder, num_params, tied):
+    with torch.device("meta"):
+        model = builder()
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == num_params  # model-card counts
+    assert model.args.tie_embeddings == tied
+    assert len(list(model.layers)) == model.args.num_layers
+
+
+def test_llama3_2_rope_scaling():
+    with torch.device("meta"):
+        args = llama3_2_1b().args
+    assert args.rope_theta == 500000.0
+    assert args.rope_scaling["factor"] == 32.0 and args.rope_scaling["rope_type"] == "llama3"
+
+
+def test_tie_survives_meta_to_empty():
+    with torch.device("meta"):
+        model = tiny(tie=True)
+    model.to_empty(device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(list(model.parameters())) == 1 + 2 * 9 + 1  # lm_head not counted twice
+
+
+def test_forward_shape_and_4d_mask_equals_3d_and_causal():
+    model = tiny()
+    tokens = torch.randint(0, VOCAB, (2, 6))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 6, 6)
+    with torch.no_grad():
+        causal = model(tokens)
+        three_d = model(tokens, mask=mask)
+        four_d = model(tokens, mask=mask[:, None])
+    assert causal.shape == (2, 6, VOCAB)
+    torch.testing.assert_close(three_d, causal)
+    torch.testing.assert_close(four_d, causal)
+
+
+def test_document_mask_packing_equals_separate_runs():
+    model = tiny(family="qwen2")
+    first, second = torch.randint(0, VOCAB, (1, 5)), torch.randint(0, VOCAB, (1, 7))
+    packed = torch.cat([first, second], dim=1)
+    ids = torch.tensor([[0] * 5 + [1] * 7])
+    with torch.no_grad():
+        out = model(
+            packed, mask=document_causal_mask(ids), input_pos=positions_from_document_ids(ids)
+        )
+        naive = model(packed)  # without the mask the second document sees the first
+        torch.testing.assert_close(out[:, :5], model(first), atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[:, 5:], model(second), atol=1e-5, rtol=0)
+    assert (naive[:, 5:] - out[:, 5:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_equals_unpadded(side):
+    model = tiny()
+    tokens = torch.randint(0, VOCAB, (1, 6))
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    padded = torch.cat([pad, tokens] if side == "left" else [tokens, pad], dim=1)
+    real = slice(3, 9) if side == "left" else slice(0, 6)
+    valid = torch.zeros(padded.shape, dtype=torch.bool)
+    valid[:, real] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(padded, mask=padding_mask(valid), input_pos=positions)
+        torch.testing.assert_close(out[:, real], model(tokens), atol=1e-5, rtol=0)
+        assert torch.isfinite(out).all()
+
+
+def test_kv_cache_steps_equal_full_forward():
+    model = tiny(tie=True, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    })  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        full = model(tokens)
+        model.setup_caches(batch_size=2, max_seq_len=12)
+        for _ in range(2):  # the second round proves reset_caches
+            model.reset_caches()
+            steps = [model(tokens[:, :4], input_pos=torch.arange(4).expand(2, 4))]
+            for pos in range(4, 9):
+                steps.append(model(tokens[:, pos : pos + 1], input_pos=torch.full((2, 1), pos)))
+            torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=0)
+        assert model.caches_are_enabled()
+        assert "k_cache" not in str(list(model.state_dict()))
+        with pytest.raises(ValueError, match="input_pos is required"):
+            model(tokens)
+        model.teardown_caches()
+        torch.testing.assert_close(model(tokens), full)
+
+
+def test_forward_rejects_bad_inputs():
+    model = tiny()
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, seq\]"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="bool"):
+        model(torch.zeros(1, 3, dtype=torch.long), mask=torch.ones(1, 3, 3))
+    with pytest.raises(ValueError, match="input_pos shape"):
+        model(torch.zeros(1, 3, dtype=torch.long), input_pos=torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_model_args_validation():
+    with pytest.raises(ConfigError, match="multiple of num_kv_heads"):
+        ModelArgs(
+            vocab_size=8, dim=32, num_layers=1, num_heads=4, num_kv_heads=3, intermediate_dim=8
+        )
+    assert ModelArgs(8, 32, 1, 4, 2, 8).head_dim == 8
+
+
+HF_LLAMA = {
+    "model_type": "llama", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0,
+    "rope_scaling": {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
+
+
+def test_from_hf_config_transformers4_and_5_layouts_agree():
+    v4 = args_from_hf(HF_LLAMA)
+    v5 = {k: v for k, v in HF_LLAMA.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_theta": 500000.0, **HF_LLAMA["rope_scaling"]}
+    assert args_from_hf(v5) == v4
+    assert v4.head_dim == 8 and v4.tie_embeddings and v4.rope_scaling["factor"] == 32.0
+
+
+def test_from_hf_config_picks_family_by_architecture(tmp_path):
+    config = {k: v for k, v in HF_LLAMA.items() if k != "model_type"}
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    model = from_hf_config(tmp_path)
+    assert model.args.family == "qwen2" and model.args.qkv_bias
+
+
+def test_from_hf_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unsupported model: model_type='mistral'"):
+        from_hf_config(
+            {**HF_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+        )
+    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+        from_hf_config({**HF_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="no 'hidden_size'"):
+        from_hf_config({k: v for k, v in HF_LLAMA.items() if k != "hidden_size"})
+    with pytest.raises(ConfigError, match="sliding_window"):
+        from_hf_config({**HF_LLAMA, "model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        from_hf_config(tmp_path)
+
+
+def test_state_dict_adapter_tied_head():
+    model = tiny(tie=True)
+    adapter = model.state_dict_adapter
+    hf = adapter.to_hf(model.state_dict())
+    assert "lm_head.weight" not in hf and "model.embed_tokens.weight" in hf
+    embedding = hf["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in adapter.from_hf({**hf, "lm_head.weight": embedding.clone()})
+    with pytest.raises(
+        CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"
+    ):
+        adapter.from_hf({**hf, "lm_head.weight": embedding + 1})
+    untied = tiny(tie=False)
+    assert "lm_head.weight" in untied.state_dict_adapter.to_hf(untied.state_dict())
