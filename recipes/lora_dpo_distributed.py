@@ -21,6 +21,8 @@ from tunelab.config import instantiate, recipe_main
 from tunelab.config.recipe_args import LoRADPOArgs
 from tunelab.data import padded_collate_dpo
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
+from tunelab.errors import ConfigError
+from tunelab.losses import PreferenceLoss
 from tunelab.training import ProgressBar, seed_everything
 from tunelab.training.loop import optimizer_step, peak_memory_gib, to_device
 from tunelab.training.preference import (
@@ -86,6 +88,11 @@ def main(args: LoRADPOArgs) -> None:
             num_training_steps=steps_per_epoch * args.epochs,
         )
     loss_fn = instantiate(args.loss)
+    if not isinstance(loss_fn, PreferenceLoss):
+        raise ConfigError(
+            f"loss: lora_dpo_distributed needs a preference loss (tunelab.losses.DPOLoss, "
+            f"IPOLoss, HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
+        )
     loggers = [instantiate(node) for node in args.metric_loggers] if dist_info.is_main else []
     checkpoints = CheckpointClient(
         args.output_dir,

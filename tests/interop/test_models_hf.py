@@ -37,6 +37,12 @@ def test_load_hf_checkpoint_matches_transformers(
         logits = model(tokens)
     assert logits.shape == (2, 17, model.args.vocab_size)
     assert (logits - _hf_logits(hf_model, tokens)).abs().max() <= TOLERANCE
+    # Far positions, where the llama3 rule rescales the low frequencies.
+    positions = torch.arange(20000, 20017).expand(2, 17)
+    with torch.no_grad():
+        far = model(tokens, input_pos=positions)
+        expected = hf_model(tokens, position_ids=positions).logits
+    assert (far - expected).abs().max() <= TOLERANCE
     assert model.args.family == ("qwen2" if family == "qwen2" else "llama")
     if model.args.tie_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight

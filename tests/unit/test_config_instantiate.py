@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from tunelab.config import import_component, instantiate
 from tunelab.errors import ConfigError
 
-COMPONENTS = '''
+COMPONENTS = """
 class Pair:
     def __init__(self, left, right=0):
         self.left = left
@@ -24,7 +24,7 @@ class Pair:
 
 def add(a, b=1):
     return a + b
-'''
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -103,9 +103,16 @@ def test_missing_module_and_bad_path():
 
 def test_nested_error_names_nested_path():
     cfg = OmegaConf.create(
-        {"model": {"_component_": "tl_components.Pair", "left": {"_component_": "tl_components.nope"}}}
+        {
+            "model": {
+                "_component_": "tl_components.Pair",
+                "left": {"_component_": "tl_components.nope"},
+            }
+        }
     )
-    with pytest.raises(ConfigError, match=r"^model\.left\._component_: .*'tl_components' has no attribute 'nope'"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.left\._component_: .*'tl_components' has no attribute 'nope'"
+    ):
         instantiate(cfg.model)
 
 

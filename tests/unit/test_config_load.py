@@ -40,8 +40,16 @@ def test_interpolation_follows_overrides(config_file):
 def test_overrides_parse_values_as_yaml(config_file):
     cfg = load_config(
         str(config_file),
-        ["lr=3e-4", "wd=[1e-2, 2]", "batch_size=8", "model.layers=[x, y, z]", "name=null", "flag=true", "s=abc",
-         "empty="],
+        [
+            "lr=3e-4",
+            "wd=[1e-2, 2]",
+            "batch_size=8",
+            "model.layers=[x, y, z]",
+            "name=null",
+            "flag=true",
+            "s=abc",
+            "empty=",
+        ],
     )
     assert cfg.lr == pytest.approx(3e-4) and isinstance(cfg.lr, float)
     assert list(cfg.wd) == [0.01, 2]

@@ -68,7 +68,13 @@ def problems_of(cfg):
 
 
 def test_valid_config_gives_typed_args():
-    cfg = base(lr=1, optimizer={"_component_": "torch.optim.SGD", "lr": "${lr}"}, epochs=3, lora={"rank": 4, "targets": ["q_proj", "v_proj"]}, seed=7)
+    cfg = base(
+        lr=1,
+        optimizer={"_component_": "torch.optim.SGD", "lr": "${lr}"},
+        epochs=3,
+        lora={"rank": 4, "targets": ["q_proj", "v_proj"]},
+        seed=7,
+    )
     args = parse_args(cfg, ToyArgs)
     assert isinstance(args, ToyArgs)
     assert args.lr == 1.0 and isinstance(args.lr, float)

@@ -15,6 +15,8 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter, save_hf_sharded
 from tunelab.errors import CheckpointError, ConfigError
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def _mixed_state():
     generator = torch.Generator().manual_seed(0)
@@ -89,7 +91,9 @@ def test_fqn_to_file_names_are_kept(tmp_path):
     _check_folder(tmp_path, state, files)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == mapping
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in state.values()
+    )
     for key, file_name in mapping.items():
         assert key in load_file(tmp_path / file_name)
 
@@ -106,7 +110,9 @@ def test_single_file_has_no_index_and_overwrites_stale_files(tmp_path):
 def test_output_reads_back_through_dcp_reader(tmp_path):
     state = _mixed_state()
     del state["model.empty"]  # torch's reader cannot narrow a zero-size tensor
-    dcp.save(state, storage_writer=HFSafetensorsWriter(tmp_path, max_shard_size=100, thread_count=3))
+    dcp.save(
+        state, storage_writer=HFSafetensorsWriter(tmp_path, max_shard_size=100, thread_count=3)
+    )
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path)))
     for key, value in state.items():
@@ -140,10 +146,14 @@ def world_of_one():
 def test_world_one_dtensors_replace_an_existing_export(world_of_one, tmp_path):
     state = _mixed_state()
     del state["model.scale"]  # Shard(0) needs a dimension
-    sharded = {key: distribute_tensor(value, world_of_one, [Shard(0)]) for key, value in state.items()}
+    sharded = {
+        key: distribute_tensor(value, world_of_one, [Shard(0)]) for key, value in state.items()
+    }
     source = tmp_path / "base"
     source.mkdir()
-    (source / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
+    (source / "config.json").write_text(
+        json.dumps({"model_type": "llama", "torch_dtype": "float32"})
+    )
     (source / "tokenizer.json").write_text("{}")
     out = tmp_path / "epoch_0"
     (out / "adapter").mkdir(parents=True)  # written just before, as a LoRA export does

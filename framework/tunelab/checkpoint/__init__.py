@@ -1,5 +1,10 @@
-"""The checkpoint subsystem; ``hf`` reads and writes Hugging Face safetensors checkpoints."""
+"""The checkpoint subsystem.
 
+``CheckpointClient`` is the only object recipes use; ``hf`` reads and writes Hugging Face
+safetensors checkpoints; ``consolidate`` writes them from sharded state through DCP.
+"""
+
+from tunelab.checkpoint.client import CheckpointClient, LoRASpec, ResumeState
 from tunelab.checkpoint.hf import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -11,6 +16,9 @@ from tunelab.checkpoint.hf import (
 )
 
 __all__ = [
+    "CheckpointClient",
+    "LoRASpec",
+    "ResumeState",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "HFCheckpointReader",

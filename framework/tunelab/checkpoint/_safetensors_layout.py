@@ -70,7 +70,9 @@ def dtype_name(dtype: torch.dtype, tensor_name: str) -> str:
         CheckpointError: If safetensors cannot store the dtype.
     """
     if dtype not in _DTYPE_NAMES:
-        raise CheckpointError(f"tensor {tensor_name!r} has dtype {dtype}, which safetensors cannot store")
+        raise CheckpointError(
+            f"tensor {tensor_name!r} has dtype {dtype}, which safetensors cannot store"
+        )
     return _DTYPE_NAMES[dtype]
 
 
@@ -275,7 +277,7 @@ def write_chunk(
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so renames and new entries in it are durable."""
+    """Fsync a directory so renames and new entries in it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

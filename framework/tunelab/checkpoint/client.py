@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from tunelab.checkpoint import layout
-from tunelab.checkpoint.dcp import DCPSaver, WriterFactory, default_writer, load, saved_keys
+from tunelab.checkpoint.dcp import DCPSaver, WriterFactory, load, saved_keys
 from tunelab.checkpoint.export import export_hf
 from tunelab.checkpoint.state import (
     TRAINER_STATE_NAME,
@@ -45,6 +45,9 @@ from tunelab.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# The saved state holds trainable parameters only (for LoRA, the adapter); the frozen base
+# comes from the base checkpoint, so loading must not demand the frozen keys.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class CheckpointClient:
         enable_async: bool = False,
         keep_last_n: int | None = None,
         config_hash: str = "",
-        writer_factory: WriterFactory = default_writer,
+        writer_factory: WriterFactory | None = None,
     ) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             raise CheckpointError(
@@ -124,7 +127,9 @@ class CheckpointClient:
 
     # -- intermediate, resumable checkpoints -------------------------------------------
 
-    def save(self, step: int, epoch: int, progress: dict[str, Any]) -> Path:
+    def save(
+        self, step: int, epoch: int, progress: dict[str, Any], *, blocking: bool = False
+    ) -> Path:
         """Save the resumable state after ``step`` into ``step_{step}/``.
 
         Waits for the save in flight first. With async checkpointing, returns once the
@@ -134,6 +139,8 @@ class CheckpointClient:
             step: The global optimizer step just completed.
             epoch: The current epoch.
             progress: JSON-able progress of the recipe (sampler position, step in epoch).
+            blocking: Write synchronously even with async checkpointing (the last save of a
+                run: nothing is left to overlap it with).
 
         Returns:
             The step directory.
@@ -156,7 +163,9 @@ class CheckpointClient:
             path.mkdir(parents=True, exist_ok=True)
             layout.write_atomic(path / TRAINER_STATE_NAME, to_json(trainer_state))
         manifest = {"step": step, "epoch": epoch, **self._manifest_common()}
-        self._saver.save(tensors, path, on_done=lambda: self._commit(path, manifest))
+        self._saver.save(
+            tensors, path, on_done=lambda: self._commit(path, manifest), blocking=blocking
+        )
         return path
 
     def _commit(self, path: Path, manifest: dict[str, Any]) -> None:
@@ -229,7 +238,7 @@ class CheckpointClient:
             self.optimizer,
             model_state_dict=tensors["model"],
             optim_state_dict=optim_sd,
-            options=_OPTIONS,
+            options=_LOAD_OPTIONS,
         )
         if self.lr_scheduler is not None and trainer_state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
@@ -278,7 +287,9 @@ class CheckpointClient:
     def _make_fingerprint(self) -> dict[str, Any]:
         config_path = self.base_checkpoint_dir / "config.json"
         base_hash = (
-            hashlib.sha256(config_path.read_bytes()).hexdigest()[:16] if config_path.is_file() else None
+            hashlib.sha256(config_path.read_bytes()).hexdigest()[:16]
+            if config_path.is_file()
+            else None
         )
         trainable = sorted(
             (name, list(_global_shape(param)))
@@ -313,4 +324,9 @@ def _global_shape(param: torch.Tensor) -> torch.Size:
 
 def _lora_record(lora: LoRASpec) -> dict[str, Any]:
     # Dropout may change between runs without invalidating the adapter.
-    return {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.targets), "use_rslora": lora.use_rslora}
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "targets": sorted(lora.targets),
+        "use_rslora": lora.use_rslora,
+    }

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,8 +146,8 @@ class HFSafetensorsWriter(StorageWriter):
         the output folder and the pre-sized temporary files, before any rank writes.
 
         Returns:
-            The plans, each with ``storage_data`` mapping chunk index to (temporary file name,
-            byte offset of the tensor's first element).
+            The plans, each with ``storage_data`` mapping every key the rank writes to
+            (temporary file name, byte offset of the whole tensor's first element).
 
         Raises:
             CheckpointError: If ranks disagree on a tensor, the chunks do not cover a tensor
@@ -168,7 +169,9 @@ class HFSafetensorsWriter(StorageWriter):
             with open(self.path / _temp_name(layout.name), "wb") as handle:
                 handle.truncate(layout.total_size)
         return [
-            dataclasses.replace(plan, storage_data={i.index.fqn: where[i.index.fqn] for i in plan.items})
+            dataclasses.replace(
+                plan, storage_data={i.index.fqn: where[i.index.fqn] for i in plan.items}
+            )
             for plan in plans
         ]
 
@@ -345,12 +348,15 @@ def save_hf_sharded(
         thread_count=thread_count,
     )
     try:
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            process_group=process_group,
-            no_dist=not distributed,
-        )
+        with warnings.catch_warnings():
+            # One process without a group is a supported case here, not a slip to warn about.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                process_group=process_group,
+                no_dist=not distributed,
+            )
     except CheckpointException as error:
         for failure, _ in error.failures.values():
             if isinstance(failure, TunelabError):

@@ -33,21 +33,20 @@ class DCPSaver:
     Args:
         enable_async: Return from :meth:`save` once the state is staged to CPU and write
             in a background thread.
-        writer_factory: Builds the storage writer for a checkpoint folder.
+        writer_factory: Builds the storage writer for a checkpoint folder
+            (``default_writer`` when None).
     """
 
-    def __init__(self, *, enable_async: bool, writer_factory: WriterFactory = default_writer):
+    def __init__(self, *, enable_async: bool, writer_factory: WriterFactory | None = None):
         self._distributed = dist.is_initialized()
         self.enable_async = enable_async and self._distributed
-        self._writer_factory = writer_factory
+        self._writer_factory = writer_factory or default_writer
         # Its own gloo group, so background writes never interleave with training collectives.
         self._group = dist.new_group(backend="gloo") if self._distributed else None
         self._stager = (
             # Staging options measured to work on CPU: no pinned or shared memory, no
             # non-blocking copies, asynchronous staging.
-            DefaultStager(StagingOptions(False, False, True, False))
-            if self.enable_async
-            else None
+            DefaultStager(StagingOptions(False, False, True, False)) if self.enable_async else None
         )
         self._pending: Future | None = None
         self._on_done: Callable[[], None] | None = None
@@ -59,7 +58,14 @@ class DCPSaver:
         """Whether a background write has not been waited for yet."""
         return self._pending is not None
 
-    def save(self, state_dict: dict[str, Any], path: Path, on_done: Callable[[], None]) -> None:
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        path: Path,
+        on_done: Callable[[], None],
+        *,
+        blocking: bool = False,
+    ) -> None:
         """Save ``state_dict`` to ``path`` after waiting for any save in flight.
 
         Args:
@@ -67,11 +73,12 @@ class DCPSaver:
                 caller may change the live tensors as soon as this returns.
             path: The checkpoint folder.
             on_done: Called once every rank's files are durable (commits the checkpoint).
+            blocking: Write synchronously even when async saves are enabled.
         """
         self.wait()
         os.makedirs(path, exist_ok=True)
         writer = self._writer_factory(path)
-        if not self.enable_async:
+        if blocking or not self.enable_async:
             dcp.save(state_dict, storage_writer=writer, process_group=self._group)
             on_done()
             return

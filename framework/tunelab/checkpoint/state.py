@@ -75,5 +75,3 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, tuple | set):
         return list(value)
     raise TypeError(f"cannot store {type(value).__name__} in {TRAINER_STATE_NAME}")
-
-

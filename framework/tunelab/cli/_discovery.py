@@ -49,7 +49,9 @@ def resolve_recipe(recipe: str, relative_to: Path | None = None) -> Path:
     if recipe in builtins:
         return builtins[recipe]
     path = Path(recipe).expanduser()
-    candidates = [path] if path.is_absolute() else [path, *([relative_to / path] if relative_to else [])]
+    candidates = (
+        [path] if path.is_absolute() else [path, *([relative_to / path] if relative_to else [])]
+    )
     for candidate in candidates:
         if candidate.is_file():
             return candidate
@@ -86,7 +88,9 @@ def load_recipe_args(recipe_path: Path) -> type[RecipeArgs]:
     try:
         spec.loader.exec_module(module)
     except SyntaxError as err:
-        raise TunelabError(f"recipe {recipe_path}, line {err.lineno}: syntax error: {err.msg}") from err
+        raise TunelabError(
+            f"recipe {recipe_path}, line {err.lineno}: syntax error: {err.msg}"
+        ) from err
     except ImportError as err:
         raise TunelabError(f"cannot import recipe {recipe_path}: {err}") from err
     args_cls = getattr(module, "ARGS", None)

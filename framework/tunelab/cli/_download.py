@@ -69,7 +69,9 @@ def run(namespace: argparse.Namespace) -> int:
             reason = "offline mode is on (HF_HUB_OFFLINE=1) and there is no local copy"
         else:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise TunelabError(f"cannot reach the Hugging Face hub to download {repo}: {reason}") from err
+        raise TunelabError(
+            f"cannot reach the Hugging Face hub to download {repo}: {reason}"
+        ) from err
     if not any(Path(path).rglob("*.safetensors")):
         raise TunelabError(
             f"{repo} has no safetensors weights; tunelab does not load pickled *.bin files"

@@ -30,7 +30,11 @@ or master port gets a free port of its own.
 
 # torchrun's loud INFO/WARNING lines (rendezvous banners, "failed (exitcode...)") repeat what
 # the recipe and this command already say; --debug brings them back.
-_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+_ELASTIC_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.run",
+    "torch.distributed.launcher",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -92,11 +96,15 @@ def _describe_failure(recipe: str, failures: dict) -> str:
     code = failure.exitcode
     reason = f"exit code {code}" if code > 0 else f"signal {-code}"
     if recorded(failure):
-        return f"recipe {recipe} failed on rank {rank}: {failure.message}"
+        message = failure.error_file_data["message"]
+        message = message.get("message", "") if isinstance(message, dict) else message
+        return f"recipe {recipe} failed on rank {rank}: {message}"
     return f"recipe {recipe} failed on rank {rank} ({reason})"
 
 
-def _run_torchrun(torchrun_args: list[str], recipe: Path, child_args: list[str], debug: bool) -> int:
+def _run_torchrun(
+    torchrun_args: list[str], recipe: Path, child_args: list[str], debug: bool
+) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -176,5 +184,3 @@ def _split_torchrun(argv: list[str]) -> tuple[list[str], str, list[str]]:
     split = len(argv) - len(launch.training_script_args) - 1
     assert argv[split] == launch.training_script
     return argv[:split], launch.training_script, launch.training_script_args
-
-

@@ -62,7 +62,10 @@ def _record_for_launcher(err: TunelabError) -> None:
     record = {
         "message": {
             "message": str(err),
-            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+            },
         }
     }
     try:
@@ -72,7 +75,9 @@ def _record_for_launcher(err: TunelabError) -> None:
         pass  # Only the launcher's summary loses detail.
 
 
-def recipe_main(main: Callable[[T], None], args_cls: type[T], argv: list[str] | None = None) -> None:
+def recipe_main(
+    main: Callable[[T], None], args_cls: type[T], argv: list[str] | None = None
+) -> None:
     """Run a recipe's ``main`` with its validated settings; the script's entry point.
 
     Use it as ``if __name__ == "__main__": recipe_main(main, ARGS)``. It parses

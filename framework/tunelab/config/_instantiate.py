@@ -41,7 +41,9 @@ def import_component(dotted: object, where: str = COMPONENT_KEY) -> Any:
         ConfigError: If the path is not a string or does not resolve.
     """
     if not isinstance(dotted, str) or "." not in dotted or not all(dotted.split(".")):
-        raise ConfigError(f"{where}: expected a dotted path like 'torch.optim.AdamW', got {dotted!r}")
+        raise ConfigError(
+            f"{where}: expected a dotted path like 'torch.optim.AdamW', got {dotted!r}"
+        )
     parts = dotted.split(".")
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
@@ -57,7 +59,9 @@ def import_component(dotted: object, where: str = COMPONENT_KEY) -> Any:
             if not hasattr(target, attr):
                 owner = ".".join(parts[:depth])
                 message = f"{where}: cannot import '{dotted}': '{owner}' has no attribute '{attr}'"
-                close = difflib.get_close_matches(attr, [n for n in dir(target) if not n.startswith("_")], n=1)
+                close = difflib.get_close_matches(
+                    attr, [n for n in dir(target) if not n.startswith("_")], n=1
+                )
                 if close:
                     message += f"; did you mean '{owner}.{close[0]}'?"
                 raise ConfigError(message)
@@ -145,5 +149,7 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(node, dict) and COMPONENT_KEY in node:
         return _call(node, path, args, kwargs)
     if args or kwargs:
-        raise ConfigError(f"{path or 'config'}: arguments given but the node has no {COMPONENT_KEY}")
+        raise ConfigError(
+            f"{path or 'config'}: arguments given but the node has no {COMPONENT_KEY}"
+        )
     return _build(node, path)

@@ -170,9 +170,7 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
             continue
         key, sep, text = override.partition("=")
         if not sep or not _KEY_RE.match(key):
-            raise ConfigError(
-                f"bad override '{override}': expected key=value, a.b.c=value or ~key"
-            )
+            raise ConfigError(f"bad override '{override}': expected key=value, a.b.c=value or ~key")
         value = _parse_value(text, override)
         try:
             OmegaConf.update(cfg, key, value, merge=False)

@@ -88,7 +88,10 @@ class _Checker:
             key_path = _join(path, name)
             spec = component_spec(field)
             if name not in node.keys():  # `in` is False for ??? values
-                if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                if (
+                    field.default is dataclasses.MISSING
+                    and field.default_factory is dataclasses.MISSING
+                ):
                     doc = field_docs(cls).get(name)
                     self.problems.append(
                         f"missing required key '{key_path}'" + (f" ({doc})" if doc else "")
@@ -174,7 +177,9 @@ class _Checker:
                 self.nested_components(self.read(value, key, _join(path, key)), _join(path, key))
         elif isinstance(value, ListConfig):
             for index in range(len(value)):
-                self.nested_components(self.read(value, index, _join(path, index)), _join(path, index))
+                self.nested_components(
+                    self.read(value, index, _join(path, index)), _join(path, index)
+                )
         else:
             self.plain(value, path)
 
@@ -257,4 +262,3 @@ def parse_args(cfg: DictConfig, args_cls: type[T]) -> T:
         lines = "\n".join(f"  - {problem}" for problem in checker.problems)
         raise ConfigError(f"{len(checker.problems)} problems in the config:\n{lines}")
     return args
-

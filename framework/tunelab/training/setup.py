@@ -15,11 +15,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import tunelab.peft as peft
-from tunelab.checkpoint.hf import load_hf_into_model
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.distributed import apply_activation_checkpointing, shard_model
-from tunelab.models import from_hf_config
+from tunelab.models import from_hf_config, load_hf_into_model
 
 
 def build_model(

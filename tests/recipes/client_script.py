@@ -1,0 +1,141 @@
+"""Driven by test_checkpoint_client.py under torchrun: the CheckpointClient's guarantees.
+
+Usage: client_script.py MODE BASE_DIR OUTPUT_DIR
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+import tunelab.peft as peft
+from tunelab.checkpoint import CheckpointClient, LoRASpec
+from tunelab.checkpoint import layout
+from tunelab.config.recipe_args import LoRAArgs
+from tunelab.distributed import init_distributed
+from tunelab.errors import CheckpointError
+from tunelab.losses import CrossEntropyLoss
+from tunelab.training.loop import optimizer_step, sft_backward
+from tunelab.training.setup import build_model
+
+MODE, BASE, OUT = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+LORA = LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
+VOCAB = 301
+
+
+class SlowWriter(dcp.FileSystemWriter):
+    """Delays the data write of step_3, so a save is in flight for a while."""
+
+    def write_data(self, plan, planner):
+        if Path(self.path).name == "step_3":
+            time.sleep(2.0)
+        return super().write_data(plan, planner)
+
+
+def local_snapshot(model):
+    return {
+        name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.state_dict().items()
+    }
+
+
+def assert_unchanged(model, snapshot, what):
+    for name, tensor in local_snapshot(model).items():
+        assert torch.equal(tensor, snapshot[name]), f"{what} changed {name}"
+
+
+def make_client(model, optimizer, **kwargs):
+    return CheckpointClient(
+        OUT,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=None,
+        base_checkpoint_dir=BASE,
+        lora=LoRASpec(LORA.rank, LORA.alpha, tuple(peft.lora_target_names(model))),
+        writer_factory=lambda path: SlowWriter(path, sync_files=True),
+        **kwargs,
+    )
+
+
+def train(model, optimizer, params, steps, rank, world_size):
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
+        mine = tokens[rank::world_size]
+        batch = {"tokens": mine, "labels": mine}
+        sft_backward(model, CrossEntropyLoss(), [batch], world_size)
+        optimizer_step(optimizer, params, clip_grad_norm=None, lr_scheduler=None)
+
+
+def main():
+    if MODE == "order":
+        try:
+            CheckpointClient(OUT, model=None, optimizer=None, lr_scheduler=None, base_checkpoint_dir=BASE)
+        except CheckpointError as error:
+            print("ORDER_ERROR", error, flush=True)
+        return
+    info = init_distributed("cpu")
+    model = build_model(str(BASE), device=info.device, dtype=torch.float32, lora=LORA)
+    params = list(peft.get_adapter_params(model).values())
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    train(model, optimizer, params, 3, info.rank, info.world_size)
+    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+    assert all(float(p.full_tensor().abs().max()) > 0 for p in lora_b), "B is still zero"
+
+    client = make_client(model, optimizer, enable_async=True, keep_last_n=2)
+    snapshot = local_snapshot(model)
+    start = time.perf_counter()
+    client.save(3, 0, {"note": "async"})
+    blocked = time.perf_counter() - start
+    assert_unchanged(model, snapshot, "async save")
+    # A sync save right after the slowed async one: it must wait, not hang or overlap.
+    client.save(4, 0, {"note": "sync"}, blocking=True)
+    assert_unchanged(model, snapshot, "sync save")
+    dist.barrier()
+    committed = [c.step for c in layout.committed_checkpoints(OUT)]
+    assert committed == [3, 4], committed
+    client.export(0)
+    assert_unchanged(model, snapshot, "export")
+
+    # The live model's logits, for the interop check in the test process.
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        logits = model(tokens)
+    if info.rank == 0:
+        torch.save({"tokens": tokens, "logits": logits}, OUT / "reference_logits.pt")
+
+    # Retention: a third save prunes the oldest, never the newest.
+    train(model, optimizer, params, 1, info.rank, info.world_size)
+    client.save(5, 0, {"note": "third"})
+    client.wait()
+    dist.barrier()
+    committed = [c.step for c in layout.committed_checkpoints(OUT)]
+    assert committed == [4, 5], committed
+    client.close()
+
+    # A corrupt newest checkpoint is reported and the previous committed one is used.
+    dist.barrier()
+    if info.rank == 0:
+        shard = OUT / "step_5" / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-7])
+    dist.barrier()
+    fresh = build_model(str(BASE), device=info.device, dtype=torch.float32, lora=LORA)
+    fresh_params = list(peft.get_adapter_params(fresh).values())
+    fresh_optimizer = torch.optim.AdamW(fresh_params, lr=1e-2)
+    reader = make_client(fresh, fresh_optimizer)
+    resumed = reader.load_latest()
+    assert resumed.step == 4 and resumed.progress == {"note": "sync"}, resumed
+    reader.close()
+    if info.rank == 0:
+        print("CLIENT_OK", json.dumps({"blocked_s": blocked}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    main()
