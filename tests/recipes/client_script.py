@@ -15,8 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 import tunelab.peft as peft
-from tunelab.checkpoint import CheckpointClient, LoRASpec
-from tunelab.checkpoint import layout
+from tunelab.checkpoint import CheckpointClient, LoRASpec, layout
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.errors import CheckpointError

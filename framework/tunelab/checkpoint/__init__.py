@@ -1,7 +1,7 @@
 """The checkpoint subsystem.
 
-``CheckpointClient`` is the only object recipes use; ``hf`` reads and writes Hugging Face
-safetensors checkpoints; ``consolidate`` writes them from sharded state through DCP.
+``CheckpointClient`` is the only object recipes use; ``hf`` and ``hf_write`` read and write Hugging
+Face safetensors checkpoints; ``consolidate`` writes them from sharded state through DCP.
 """
 
 from tunelab.checkpoint.client import CheckpointClient, LoRASpec, ResumeState
@@ -9,11 +9,9 @@ from tunelab.checkpoint.hf import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     HFCheckpointReader,
-    copy_model_files,
-    parse_size,
     read_safetensors_header,
-    save_hf_checkpoint,
 )
+from tunelab.checkpoint.hf_write import copy_model_files, parse_size, save_hf_checkpoint
 
 __all__ = [
     "CheckpointClient",

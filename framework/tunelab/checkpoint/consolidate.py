@@ -45,12 +45,8 @@ from tunelab.checkpoint._safetensors_layout import (
     pwrite_all,
     write_chunk,
 )
-from tunelab.checkpoint.hf import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    copy_model_files,
-    parse_size,
-)
+from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from tunelab.checkpoint.hf_write import copy_model_files, parse_size
 from tunelab.errors import CheckpointError, ConfigError, TunelabError
 
 __all__ = ["HFSafetensorsWriter", "save_hf_sharded"]

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 import tunelab.peft as peft
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.data import StatefulDistributedSampler
+from tunelab.errors import ConfigError
 from tunelab.distributed import apply_activation_checkpointing, shard_model
 from tunelab.models import from_hf_config, load_hf_into_model
 
@@ -56,6 +57,13 @@ def build_model(
         model = from_hf_config(checkpoint_dir)
         model.to(dtype)
         if lora is not None:
+            if model.args.tie_embeddings and "lm_head" in lora.targets:
+                # The merged lm_head would differ from the embedding it is tied to, and an
+                # export of the tied model has no lm_head.weight to carry the update.
+                raise ConfigError(
+                    f"lora.targets: lm_head cannot be adapted in {checkpoint_dir}, whose "
+                    "config ties it to the input embeddings (tie_word_embeddings: true)"
+                )
             peft.apply_lora(
                 model,
                 targets=lora.targets,
