@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(VENV)/bin/tunelab run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora output_dir=outputs/demo
-	$(VENV)/bin/tunelab run generate --config tiny/generate checkpoint_dir=outputs/demo/epoch_0 adapter_dir=null
+	$(VENV)/bin/tunelab run generate --config tiny/generate checkpoint_dir=outputs/demo/epoch_2
 
 test: install
 	$(PY) -m pytest -q tests

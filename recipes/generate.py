@@ -10,7 +10,7 @@ import torch
 import tunelab.peft as peft
 from tunelab.config import recipe_main
 from tunelab.config.recipe_args import GenerateArgs
-from tunelab.data import Message, load_tokenizer, tokenize_messages
+from tunelab.data import Message, get_template, load_tokenizer, tokenize_messages
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
 from tunelab.generation import generate
 from tunelab.models import load_pretrained
@@ -33,13 +33,13 @@ def main(args: GenerateArgs) -> None:
     model.eval()
 
     if args.template is None:
-        prompt = tokenizer.encode(args.prompt, add_bos=True)
+        text = args.prompt if args.input is None else f"{args.prompt}\n\n{args.input}"
+        prompt = tokenizer.encode(text, add_bos=True)
     else:
+        template = get_template(args.template)
+        content = template.join_instruction(args.prompt, args.input or "")
         prompt, _ = tokenize_messages(
-            tokenizer,
-            [Message(role="user", content=args.prompt)],
-            args.template,
-            add_generation_prompt=True,
+            tokenizer, [Message(role="user", content=content)], template, add_generation_prompt=True
         )
     generator = torch.Generator(device=dist_info.device).manual_seed(args.seed)
     completion = generate(

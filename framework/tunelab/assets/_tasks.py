@@ -17,7 +17,7 @@ WORDS = (
     "apple cake ring bell"
 ).split()
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-MAX_NUMBER = 199
+MAX_NUMBER = 299
 SYSTEM_PROMPT = "You are a helpful assistant."
 
 
@@ -87,9 +87,7 @@ def _next_number(rng: random.Random) -> Example:
         instruction, given = f"What number comes after {number}?", ""
     else:
         instruction, given = "Name the next number.", str(number)
-    return Example(
-        instruction, given, str(number + 1), str(wrong), f"Next number after {number}:"
-    )
+    return Example(instruction, given, str(number + 1), str(wrong), f"Next number after {number}:")
 
 
 def _count(rng: random.Random) -> Example:
@@ -104,13 +102,17 @@ def _count(rng: random.Random) -> Example:
 TASKS = (_reverse, _sort, _next_number, _count)
 
 
-def make_examples(rng: random.Random, count: int, exclude: set[str] | None = None) -> list[Example]:
-    """Draw ``count`` distinct examples, cycling through the tasks.
+def make_examples(
+    rng: random.Random, count: int, *, distinct: bool = True, exclude: set[str] | None = None
+) -> list[Example]:
+    """Draw ``count`` examples, cycling through the tasks.
 
     Args:
         rng: The seeded random source.
         count: How many examples to make.
-        exclude: Prompts not to produce (keeps a validation split disjoint from training).
+        distinct: Whether no two examples may share instruction and input.
+        exclude: ``instruction + input`` keys not to produce (keeps a validation split
+            disjoint from training).
 
     Returns:
         The examples, in generation order.
@@ -119,11 +121,17 @@ def make_examples(rng: random.Random, count: int, exclude: set[str] | None = Non
     examples: list[Example] = []
     while len(examples) < count:
         example = TASKS[len(examples) % len(TASKS)](rng)
-        if example.prompt in seen:
+        key = example_key(example)
+        if distinct and key in seen:
             continue
-        seen.add(example.prompt)
+        seen.add(key)
         examples.append(example)
     return examples
+
+
+def example_key(example: Example) -> str:
+    """Return the text that identifies an example's question (instruction and input)."""
+    return f"{example.instruction}|{example.input}"
 
 
 def pretraining_text(rng: random.Random, num_documents: int) -> list[str]:

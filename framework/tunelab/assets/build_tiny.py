@@ -135,7 +135,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
 def write_datasets(out: Path, rng: random.Random) -> None:
     """Write the SFT, validation, chat and preference JSONL files."""
     train = _tasks.make_examples(rng, 1600)
-    val = _tasks.make_examples(rng, 100, exclude={e.prompt for e in train})
+    val = _tasks.make_examples(rng, 100, exclude={_tasks.example_key(e) for e in train})
     alpaca = [{"instruction": e.instruction, "input": e.input, "output": e.output} for e in train]
     _write_jsonl(out / "sft.jsonl", alpaca)
     _write_jsonl(
@@ -144,14 +144,16 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     )
     chats = []
     for _ in range(300):
-        turns = _tasks.make_examples(rng, rng.randint(1, 2))
-        messages = [{"role": "system", "content": _tasks.SYSTEM_PROMPT}] if rng.random() < 0.5 else []
+        turns = _tasks.make_examples(rng, rng.randint(1, 2), distinct=False)
+        messages = (
+            [{"role": "system", "content": _tasks.SYSTEM_PROMPT}] if rng.random() < 0.5 else []
+        )
         for example in turns:
             messages.append({"role": "user", "content": example.prompt})
             messages.append({"role": "assistant", "content": example.output})
         chats.append({"messages": messages})
     _write_jsonl(out / "chat.jsonl", chats)
-    pairs = _tasks.make_examples(rng, 400)
+    pairs = _tasks.make_examples(rng, 400, distinct=False)
     _write_jsonl(
         out / "preference.jsonl",
         [{"prompt": e.prompt, "chosen": e.output, "rejected": e.wrong} for e in pairs],
@@ -192,7 +194,11 @@ def build_model(tokenizer: Tokenizer, rng: random.Random, out: Path) -> None:
     for step in range(steps):
         # Linear warm-up, then cosine decay to 10% of the peak learning rate.
         progress = max(0.0, (step - warmup) / (steps - warmup))
-        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+        scale = (
+            (step + 1) / warmup
+            if step < warmup
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+        )
         for group in optimizer.param_groups:
             group["lr"] = PRETRAIN["lr"] * scale
         batch = rows[torch.randint(len(rows), (PRETRAIN["batch_size"],), generator=generator)]
@@ -202,15 +208,47 @@ def build_model(tokenizer: Tokenizer, rng: random.Random, out: Path) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
-            print(f"pretrain step {step:4d} loss {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
+            print(
+                f"pretrain step {step:4d} loss {loss.item():.4f} ({time.perf_counter() - start:.0f}s)"
+            )
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         bos_token_id=bos_id,
-        eos_token_id=[eos_id, tokenizer.token_to_id("<|eot_id|>"), tokenizer.token_to_id("<|im_end|>")],
+        eos_token_id=[
+            eos_id,
+            tokenizer.token_to_id("<|eot_id|>"),
+            tokenizer.token_to_id("<|im_end|>"),
+        ],
         pad_token_id=pad_id,
         do_sample=False,
     ).save_pretrained(out)
+
+
+def build_text_assets(out: Path) -> Tokenizer:
+    """Write the tokenizer files and the datasets (the fast, model-free part).
+
+    Args:
+        out: The output folder.
+
+    Returns:
+        The trained tokenizer.
+    """
+    corpus_rng = random.Random(SEED)
+    corpus = _tasks.pretraining_text(corpus_rng, 4000)
+    corpus += [
+        e.prompt + " " + e.output for e in _tasks.make_examples(corpus_rng, 4000, distinct=False)
+    ]
+    # The templates' fixed text, so that it gets merges of its own.
+    corpus += [
+        f"### Instruction:\n{e.instruction}\n\n### Input:\n{e.input}\n\n### Response:\n{e.output}"
+        for e in _tasks.make_examples(corpus_rng, 500, distinct=False)
+    ]
+    corpus += ["system\n", "user\n", "assistant\n"] * 100
+    tokenizer = build_tokenizer(corpus)
+    write_tokenizer_files(tokenizer, out)
+    write_datasets(out, random.Random(SEED + 1))
+    return tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -225,19 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     out: Path = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # bitwise-reproducible reductions
-    corpus_rng = random.Random(SEED)
-    corpus = _tasks.pretraining_text(corpus_rng, 4000)
-    corpus += [e.prompt + " " + e.output for e in _tasks.make_examples(corpus_rng, 4000)]
-    # The templates' fixed text, so that it gets merges of its own.
-    corpus += [
-        f"### Instruction:\n{e.instruction}\n\n### Input:\n{e.input}\n\n### Response:\n{e.output}"
-        for e in _tasks.make_examples(corpus_rng, 500)
-    ]
-    corpus += ["system\n", "user\n", "assistant\n"] * 100
-    tokenizer = build_tokenizer(corpus)
-    write_tokenizer_files(tokenizer, out)
-    write_datasets(out, random.Random(SEED + 1))
+    tokenizer = build_text_assets(out)
     build_model(tokenizer, random.Random(SEED + 2), out)
+    (out / "model.safetensors").chmod(0o644)  # the writer leaves it private to the owner
     print(f"wrote {sorted(p.name for p in out.iterdir())} to {out}")
 
 

@@ -122,7 +122,9 @@ class GenerateArgs(RecipeArgs):
     adapter_dir: str | None = None
     """A PEFT adapter folder to apply on top of the model."""
     prompt: str = "Hello"
-    """The user prompt."""
+    """The user prompt (for instruct-style models, the instruction)."""
+    input: str | None = None
+    """Optional input joined to the prompt the way the template joins an instruct row's input."""
     template: str | None = None
     """Chat template to wrap the prompt in (llama3, chatml, instruct), or None for raw text."""
     max_new_tokens: int = 64

@@ -1,0 +1,165 @@
+"""Helpers shared by the benchmark scripts: launching, collectives, timing, the table.
+
+Benchmarks are not tests: they print one table of figures measured side by side in one run
+(tunelab's path, the alternative a user would otherwise run, their ratio, the target and
+whether it is met). Absolute times depend on the machine and its load; the ratios are the
+claim.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MiB = 2**20
+GiB = 2**30
+
+
+# -- launching ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for torchrun's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_env(nproc: int) -> dict[str, str]:
+    """The environment of a benchmark launch: one share of the cores per process."""
+    env = dict(os.environ)
+    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    # torchrun would set 1 thread per process with a warning; say it explicitly instead, and
+    # give a lone process every core.
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    return env
+
+
+def torchrun(script: str | os.PathLike, args: Sequence[str], nproc: int, **kwargs: Any):
+    """Run ``script`` under ``python -m torch.distributed.run`` with ``nproc`` processes.
+
+    Returns:
+        The ``subprocess.CompletedProcess`` (stdout and stderr go where ``kwargs`` say).
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(nproc), "--master-port", str(free_port()),
+        str(script), *args,
+    ]  # fmt: skip
+    return subprocess.run(command, env=launch_env(nproc), **kwargs)
+
+
+def relaunch_under_torchrun(nproc: int = 2) -> None:
+    """Re-run the calling script under torchrun unless it already runs under it.
+
+    Exits the launching process with torchrun's exit status.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return
+    sys.exit(torchrun(sys.argv[0], sys.argv[1:], nproc).returncode)
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0 (or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """A barrier when a process group exists."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def gather_floats(value: float) -> list[float]:
+    """``value`` of every rank, in rank order (on every rank)."""
+    if not dist.is_initialized():
+        return [value]
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    values[dist.get_rank()] = value
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def time_collective(action: Callable[[], Any]) -> float:
+    """Seconds from a barrier before ``action`` to a barrier after it (the slowest rank)."""
+    barrier()
+    start = time.perf_counter()
+    action()
+    barrier()
+    return time.perf_counter() - start
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of ``values``."""
+    return statistics.median(list(values))
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a benchmark table."""
+
+    figure: str
+    tunelab: str
+    alternative: str
+    ratio: str
+    target: str
+    met: bool | None
+    """None when the row has no target."""
+    extra: tuple[str, ...] = ()
+    """Values of the table's extra columns, if any."""
+
+
+def print_table(
+    title: str,
+    rows: Sequence[Row],
+    notes: Sequence[str] = (),
+    extra_columns: Sequence[str] = (),
+) -> None:
+    """Print a markdown table of ``rows`` under ``title``, then ``notes``.
+
+    Args:
+        title: The table's heading.
+        rows: Its lines.
+        notes: Sentences printed under the table (sizes, settings, raw values).
+        extra_columns: Names of columns after the six standard ones.
+    """
+    columns = ["figure", "tunelab", "alternative", "ratio", "target", "met", *extra_columns]
+    lines = [
+        f"\n### {title}\n",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        met = "-" if row.met is None else ("yes" if row.met else "no")
+        cells = [row.figure, row.tunelab, row.alternative, row.ratio, row.target, met, *row.extra]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.extend(f"\n{note}" if i == 0 else note for i, note in enumerate(notes))
+    print("\n".join(lines), flush=True)
+
+
+def seconds(value: float) -> str:
+    """``value`` seconds, formatted for a table."""
+    return f"{value:.3f} s"
+
+
+def mebibytes(value: float) -> str:
+    """``value`` bytes as MiB, formatted for a table."""
+    return f"{value / MiB:.0f} MiB"

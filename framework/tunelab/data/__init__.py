@@ -1,0 +1,35 @@
+"""Data: tokenizer, templates, SFT and preference datasets, packing, collate, sampler."""
+
+from tunelab.data.collate import padded_collate_dpo, padded_collate_sft
+from tunelab.data.packing import pack_samples
+from tunelab.data.preference import preference_dataset
+from tunelab.data.sampler import StatefulDistributedSampler
+from tunelab.data.sft import (
+    IGNORE_INDEX,
+    TokenizedDataset,
+    chat_dataset,
+    instruct_dataset,
+    text_dataset,
+)
+from tunelab.data.templates import TEMPLATES, Message, Template, get_template, tokenize_messages
+from tunelab.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TEMPLATES",
+    "Message",
+    "StatefulDistributedSampler",
+    "Template",
+    "TokenizedDataset",
+    "Tokenizer",
+    "chat_dataset",
+    "get_template",
+    "instruct_dataset",
+    "load_tokenizer",
+    "pack_samples",
+    "padded_collate_dpo",
+    "padded_collate_sft",
+    "preference_dataset",
+    "text_dataset",
+    "tokenize_messages",
+]

@@ -1,0 +1,73 @@
+"""Collate functions: lists of items into right-padded tensors.
+
+Use with a ``DataLoader`` through ``functools.partial(padded_collate_sft, pad_id=...)``.
+"""
+
+from typing import Any
+
+import torch
+
+
+def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+def padded_collate_sft(
+    batch: list[dict[str, Any]], pad_id: int, ignore_index: int = -100
+) -> dict[str, torch.Tensor]:
+    """Right-pad SFT items to the longest in the batch.
+
+    Args:
+        batch: Items with ``tokens`` and ``labels``; packed items also carry ``input_pos`` and
+            ``document_ids``, which are stacked too.
+        pad_id: Token id of padding.
+        ignore_index: Label of padding.
+
+    Returns:
+        ``tokens`` and ``labels`` LongTensors ``[batch, seq]``; for packed items also
+        ``input_pos`` and ``document_ids`` ``[batch, seq]``. Padded positions of packed items
+        (only when packs differ in length) take their column index as position and a
+        document id of their own.
+    """
+    length = max(len(item["tokens"]) for item in batch)
+    out = {
+        "tokens": _pad([item["tokens"] for item in batch], length, pad_id),
+        "labels": _pad([item["labels"] for item in batch], length, ignore_index),
+    }
+    if "input_pos" in batch[0]:
+        input_pos = torch.arange(length).repeat(len(batch), 1)
+        document_ids = torch.empty(len(batch), length, dtype=torch.long)
+        for i, item in enumerate(batch):
+            n = len(item["input_pos"])
+            input_pos[i, :n] = torch.as_tensor(item["input_pos"])
+            document_ids[i, :n] = torch.as_tensor(item["document_ids"])
+            document_ids[i, n:] = max(item["document_ids"], default=-1) + 1
+        out["input_pos"] = input_pos
+        out["document_ids"] = document_ids
+    return out
+
+
+def padded_collate_dpo(
+    batch: list[dict[str, Any]], pad_id: int, ignore_index: int = -100
+) -> dict[str, torch.Tensor]:
+    """Collate preference pairs into one batch: all chosen rows, then all rejected rows.
+
+    The policy then runs one forward over ``2B`` rows; row ``i`` and row ``B + i`` are the two
+    sides of pair ``i``.
+
+    Args:
+        batch: Items with ``chosen_tokens``, ``chosen_labels``, ``rejected_tokens``,
+            ``rejected_labels``.
+        pad_id: Token id of padding.
+        ignore_index: Label of padding.
+
+    Returns:
+        ``tokens`` and ``labels`` LongTensors ``[2 * batch, seq]``, padded to the longest side.
+    """
+    tokens = [item["chosen_tokens"] for item in batch] + [item["rejected_tokens"] for item in batch]
+    labels = [item["chosen_labels"] for item in batch] + [item["rejected_labels"] for item in batch]
+    length = max(len(row) for row in tokens)
+    return {"tokens": _pad(tokens, length, pad_id), "labels": _pad(labels, length, ignore_index)}

@@ -1,0 +1,223 @@
+"""A tokenizer over a Hugging Face ``tokenizer.json``, with BOS/EOS/pad from its config files.
+
+The ``tokenizers`` library does the encoding; this wrapper adds what fine-tuning needs and
+``tokenizer.json`` alone does not say: which tokens are BOS, EOS and padding, whether BOS is
+added, and which ids end a generation. Those come from ``tokenizer_config.json`` (which wins)
+and ``special_tokens_map.json``, as ``transformers`` reads them.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from tunelab.errors import DataError
+
+# End-of-turn tokens of common chat formats; generation stops at any of them when present.
+_END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+
+
+class Tokenizer:
+    """Encode and decode text; knows the special-token ids that data and generation need.
+
+    Encoding never runs the ``tokenizer.json`` post-processor (which may add BOS on its own):
+    BOS and EOS are added here, explicitly, so templates control every special token.
+
+    Attributes:
+        bos_id: Id of the beginning-of-sequence token, or ``None`` (e.g. Qwen has none).
+        eos_id: Id of the end-of-sequence token.
+        pad_id: Id used for padding: the pad token, or ``eos_id`` when there is none.
+        add_bos_token: Whether ``encode`` adds BOS by default (``add_bos_token`` in the config).
+        max_seq_len: Default maximum sequence length for datasets built with this tokenizer.
+        stop_ids: Ids that end a generation: EOS, end-of-turn tokens present in the vocabulary,
+            and any ``eos_token_id`` of ``generation_config.json``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str,
+        pad_token: str | None = None,
+        add_bos_token: bool = True,
+        max_seq_len: int | None = None,
+        extra_stop_ids: tuple[int, ...] = (),
+        source: str = "tokenizer.json",
+    ) -> None:
+        """Wrap a ``tokenizers.Tokenizer``.
+
+        Args:
+            tokenizer: The loaded ``tokenizers.Tokenizer``.
+            bos_token: BOS token text, or ``None`` when the model has no BOS.
+            eos_token: EOS token text.
+            pad_token: Padding token text; ``None`` pads with EOS.
+            add_bos_token: Whether ``encode`` adds BOS.
+            max_seq_len: Default maximum sequence length for datasets.
+            extra_stop_ids: More ids that end a generation.
+            source: Where the tokenizer came from, for error messages.
+
+        Raises:
+            DataError: If a named special token is not in the vocabulary.
+        """
+        # A copy without the post-processor: ids are unchanged, offsets stay untrimmed.
+        self._tokenizer = _HFTokenizer.from_str(tokenizer.to_str())
+        self._tokenizer.post_processor = None
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self._source = source
+        self.bos_id = self._require(bos_token, "bos_token") if bos_token is not None else None
+        self.eos_id = self._require(eos_token, "eos_token")
+        self.pad_id = (
+            self._require(pad_token, "pad_token") if pad_token is not None else self.eos_id
+        )
+        self.add_bos_token = add_bos_token and self.bos_id is not None
+        self.max_seq_len = max_seq_len
+        stops = [self.eos_id]
+        stops += [i for i in map(self.token_to_id, _END_OF_TURN_TOKENS) if i is not None]
+        stops += list(extra_stop_ids)
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+
+    def _require(self, token: str, key: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise DataError(f"{self._source}: {key} {token!r} is not in the vocabulary")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Return the id of ``token``, or ``None`` if it is not in the vocabulary."""
+        return self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
+        """Encode ``text``; special tokens written in the text become their ids.
+
+        Args:
+            text: The text.
+            add_bos: Prepend BOS (only if this tokenizer adds BOS at all: ``add_bos_token``).
+            add_eos: Append EOS.
+
+        Returns:
+            The token ids.
+        """
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if add_bos and self.add_bos_token:
+            ids = [self.bos_id, *ids]
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Encode ``text`` without BOS/EOS and return each token's character span.
+
+        Args:
+            text: The text.
+
+        Returns:
+            ``(ids, offsets)`` where ``offsets[i] = (start, end)`` in characters of ``text``.
+        """
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Decode ids to text.
+
+        Args:
+            ids: Token ids.
+            skip_special_tokens: Leave out special tokens (BOS, EOS, template markers).
+
+        Returns:
+            The text.
+        """
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as written in HF config files: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: not valid JSON ({error})") from error
+
+
+def _post_processor_adds(tokenizer: _HFTokenizer, token: str | None) -> bool:
+    """Whether ``tokenizer.json``'s post-processor starts a sequence with ``token``.
+
+    With no ``add_bos_token`` in the config, this is what ``transformers`` does (Llama 3's
+    post-processor adds ``<|begin_of_text|>``; GPT-2's adds nothing).
+    """
+    if token is None:
+        return False
+    ids = tokenizer.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == tokenizer.token_to_id(token)
+
+
+def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
+    """Load a tokenizer from a Hugging Face model folder or a ``tokenizer.json`` file.
+
+    Special tokens come from ``tokenizer_config.json``, with ``special_tokens_map.json``
+    filling what it leaves unset. Without either, BOS/EOS fall back to ``<|begin_of_text|>`` /
+    ``<|end_of_text|>`` when the vocabulary has them.
+
+    Args:
+        path: A folder holding ``tokenizer.json`` (and optionally the config files), or the
+            path of a ``tokenizer.json``.
+        max_seq_len: Default maximum sequence length for datasets built with it.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        DataError: If ``tokenizer.json`` is missing or unreadable, or no EOS token is known.
+    """
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(f"tokenizer file not found: {file}")
+    try:
+        hf_tokenizer = _HFTokenizer.from_file(str(file))
+    except Exception as error:  # the Rust side raises plain Exception for a bad file
+        raise DataError(f"{file}: cannot load tokenizer ({error})") from error
+    folder = file.parent
+    config = _read_json(folder / "tokenizer_config.json")
+    special_map = _read_json(folder / "special_tokens_map.json")
+
+    def special(key: str, fallback: str | None) -> str | None:
+        if key in config:  # an explicit null (Qwen's bos_token) means "none"
+            return _token_text(config[key])
+        if key in special_map:
+            return _token_text(special_map[key])
+        return fallback if fallback and hf_tokenizer.token_to_id(fallback) is not None else None
+
+    bos = special("bos_token", "<|begin_of_text|>")
+    eos = special("eos_token", "<|end_of_text|>")
+    if eos is None:
+        raise DataError(
+            f"{folder}: no eos_token in tokenizer_config.json or special_tokens_map.json"
+        )
+    generation = _read_json(folder / "generation_config.json")
+    extra = generation.get("eos_token_id", [])
+    extra_stop_ids = tuple(extra if isinstance(extra, list) else [extra])
+    return Tokenizer(
+        hf_tokenizer,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=special("pad_token", None),
+        add_bos_token=bool(config.get("add_bos_token", _post_processor_adds(hf_tokenizer, bos))),
+        max_seq_len=max_seq_len,
+        extra_stop_ids=extra_stop_ids,
+        source=str(file),
+    )
