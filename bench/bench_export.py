@@ -168,6 +168,12 @@ def main() -> None:
             elapsed, peak = run(name)
             times[name].append(elapsed)
             peaks[name].append(peak)
+    # Diagnostic: the adapter gathered one tensor at a time, as export_hf does (latency-bound).
+    adapter = peft.adapter_state_dict(model)
+    gather_s = median(
+        time_collective(lambda: [t.full_tensor() for t in adapter.values()])
+        for _ in range(args.repeats)
+    )
     # Per rank, the largest peak over repetitions; then every rank's, in rank order.
     new_peaks = gather_floats(max(peaks["tunelab"]))
     old_peaks = gather_floats(max(peaks["old"]))
@@ -194,7 +200,10 @@ def main() -> None:
                 f"{', '.join(TARGETS)}; {dist.get_world_size()} ranks, fsync on in both, "
                 f"median of {args.repeats} (times), max of {args.repeats} (memory); "
                 "tunelab times: " + ", ".join(f"{t:.3f}" for t in times["tunelab"]) + " s; "
-                "old: " + ", ".join(f"{t:.3f}" for t in times["old"]) + " s"
+                "old: " + ", ".join(f"{t:.3f}" for t in times["old"]) + " s",
+                f"diagnostic: gathering the {len(adapter)} adapter tensors one all-gather each "
+                f"takes {gather_s:.3f} s (export_hf does this, and gathers each lora_A again "
+                "in the merge)",
             ],
         )
     dist.destroy_process_group()
