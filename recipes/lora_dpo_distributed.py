@@ -111,6 +111,8 @@ def main(args: LoRADPOArgs) -> None:
         keep_last_n=args.checkpoint.keep_last_n_checkpoints,
         config_hash=config_fingerprint(args),
     )
+    # The SFT-adapter reference swaps adapter weights in place: never while a save stages them.
+    reference.before_swap = checkpoints.wait_for_staging
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = 0, 0

@@ -74,7 +74,9 @@ def train(model, optimizer, params, steps, rank, world_size):
 def main():
     if MODE == "order":
         try:
-            CheckpointClient(OUT, model=None, optimizer=None, lr_scheduler=None, base_checkpoint_dir=BASE)
+            CheckpointClient(
+                OUT, model=None, optimizer=None, lr_scheduler=None, base_checkpoint_dir=BASE
+            )
         except CheckpointError as error:
             print("ORDER_ERROR", error, flush=True)
         return
@@ -86,18 +88,43 @@ def main():
     lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
     assert all(float(p.full_tensor().abs().max()) > 0 for p in lora_b), "B is still zero"
 
+    # The batched gather equals per-tensor full_tensor(), uneven rows included (vocab 301).
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tunelab.distributed import gather_full_tensors
+
+    mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+    uneven = {"odd": distribute_tensor(torch.arange(15.0).view(5, 3), mesh, [Shard(0)])}
+    uneven["one_row"] = distribute_tensor(torch.ones(1, 4), mesh, [Shard(0)])
+    sharded = {**peft.adapter_state_dict(model), **uneven}
+    gathered = gather_full_tensors(sharded)
+    for name, tensor in sharded.items():
+        assert torch.equal(gathered[name], tensor.full_tensor()), name
+
     client = make_client(model, optimizer, enable_async=True, keep_last_n=2)
     snapshot = local_snapshot(model)
     start = time.perf_counter()
     client.save(3, 0, {"note": "async"})
     blocked = time.perf_counter() - start
     assert_unchanged(model, snapshot, "async save")
+    before_step = snapshot
+    # Staging runs on while training goes on; the optimizer step waits for it, so step 3
+    # must hold the weights of before this extra step.
+    train(model, optimizer, params, 1, info.rank, info.world_size)
+    snapshot = local_snapshot(model)
     # A sync save right after the slowed async one: it must wait, not hang or overlap.
     client.save(4, 0, {"note": "sync"}, blocking=True)
     assert_unchanged(model, snapshot, "sync save")
     dist.barrier()
     committed = [c.step for c in layout.committed_checkpoints(OUT)]
     assert committed == [3, 4], committed
+    for step, expected in ((3, before_step), (4, snapshot)):
+        probe = {
+            "model": {k: v.detach().clone() for k, v in peft.adapter_state_dict(model).items()}
+        }
+        dcp.load(probe, checkpoint_id=OUT / f"step_{step}")
+        for name, value in probe["model"].items():
+            assert torch.equal(value.to_local(), expected[name]), (step, name)
     client.export(0)
     assert_unchanged(model, snapshot, "export")
 

@@ -4,7 +4,8 @@ Lifecycle (see docs/checkpointing.md):
 
 1. Built after the process group exists (a multi-process run without one is an error).
 2. :meth:`save` writes a resumable DCP checkpoint of the trainable state into
-   ``step_{N}/``; with async checkpointing it returns once the state is staged to CPU.
+   ``step_{N}/``; with async checkpointing it returns at once, the state is staged to CPU
+   while the next forward and backward run, and the optimizer step waits for the staging.
 3. Every save, export and :meth:`close` first waits for the save in flight.
 4. A step directory counts once rank 0 has committed it (an atomic manifest), after every
    rank's files are durable; retention then prunes older committed ones.
@@ -124,6 +125,11 @@ class CheckpointClient:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
         self._fingerprint = self._make_fingerprint()
+        # An async save stages the state while the next forward and backward run; the
+        # optimizer step is the first thing that changes it.
+        self._step_hook = optimizer.register_step_pre_hook(
+            lambda *_: self._saver.wait_for_staging()
+        )
 
     # -- intermediate, resumable checkpoints -------------------------------------------
 
@@ -132,8 +138,9 @@ class CheckpointClient:
     ) -> Path:
         """Save the resumable state after ``step`` into ``step_{step}/``.
 
-        Waits for the save in flight first. With async checkpointing, returns once the
-        state is staged; the step is committed when its write completes.
+        Waits for the save in flight first. With async checkpointing, returns as soon as
+        staging has started; the optimizer's next step waits for it to finish, and the step
+        is committed when its write completes.
 
         Args:
             step: The global optimizer step just completed.
@@ -186,6 +193,14 @@ class CheckpointClient:
     def wait(self) -> None:
         """Block until the save in flight is committed."""
         self._saver.wait()
+
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight has copied the parameters and optimizer state.
+
+        The optimizer step waits for this by itself (a pre-step hook); call it before any
+        other in-place change of parameters, e.g. swapping adapter weights.
+        """
+        self._saver.wait_for_staging()
 
     # -- resume ------------------------------------------------------------------------
 
@@ -280,6 +295,7 @@ class CheckpointClient:
 
     def close(self) -> None:
         """Wait for the save in flight, then release the checkpoint process group."""
+        self._step_hook.remove()
         self._saver.close()
 
     # -- manifest ----------------------------------------------------------------------

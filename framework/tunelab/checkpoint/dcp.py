@@ -49,6 +49,7 @@ class DCPSaver:
             DefaultStager(StagingOptions(False, False, True, False)) if self.enable_async else None
         )
         self._pending: Future | None = None
+        self._staging: Future | None = None
         self._on_done: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -69,8 +70,9 @@ class DCPSaver:
         """Save ``state_dict`` to ``path`` after waiting for any save in flight.
 
         Args:
-            state_dict: Tensors and DTensors keyed by FQN. Staged copies are written, so the
-                caller may change the live tensors as soon as this returns.
+            state_dict: Tensors and DTensors keyed by FQN. Staged copies are written; with
+                async saves the caller may change the live tensors once
+                :meth:`wait_for_staging` returns.
             path: The checkpoint folder.
             on_done: Called once every rank's files are durable (commits the checkpoint).
             blocking: Write synchronously even when async saves are enabled.
@@ -86,8 +88,10 @@ class DCPSaver:
             state_dict, storage_writer=writer, process_group=self._group, async_stager=self._stager
         )
         if isinstance(response, AsyncSaveResponse):
-            # Staging must finish before the optimizer changes the parameters.
-            response.staging_completion.result()
+            # Staging (a copy to CPU buffers) finishes in the background while the next
+            # forward and backward run, which only read the parameters; whatever changes them
+            # (the optimizer step, an in-place edit) first calls wait_for_staging().
+            self._staging = response.staging_completion
             future = response.upload_completion
         else:
             future = response
@@ -107,8 +111,15 @@ class DCPSaver:
             except BaseException as error:  # noqa: BLE001 - re-raised by wait()
                 self._error = error
 
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight has copied the state it writes."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
+
     def wait(self) -> None:
         """Block until the save in flight is written and committed; re-raise its error."""
+        self.wait_for_staging()
         future = self._pending
         if future is None:
             return

@@ -12,14 +12,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import tunelab.peft as peft
 from tunelab.checkpoint.consolidate import save_hf_sharded
 from tunelab.checkpoint.hf import HFCheckpointReader
+from tunelab.distributed import gather_full_tensors
 
 if TYPE_CHECKING:
     from tunelab.checkpoint.client import LoRASpec
@@ -51,7 +50,8 @@ def export_hf(
     rank = dist.get_rank() if dist.is_initialized() else 0
     base_checkpoint_dir = Path(base_checkpoint_dir)
     if lora is not None:
-        adapter = {name: _full(tensor) for name, tensor in peft.adapter_state_dict(model).items()}
+        # One collective for the whole (small) adapter; the merge reuses its gathered A's.
+        adapter = gather_full_tensors(peft.adapter_state_dict(model))
         if rank == 0:
             config = peft.adapter_config(
                 rank=lora.rank,
@@ -62,7 +62,7 @@ def export_hf(
                 base_model_name_or_path=str(base_checkpoint_dir),
             )
             peft.save_peft_adapter(adapter, config, output_dir / "adapter")
-        state_dict = peft.merged_state_dict(model)
+        state_dict = peft.merged_state_dict(model, full_adapter=adapter)
     else:
         state_dict = dict(model.state_dict())
     hf_state_dict = model.state_dict_adapter.to_hf(state_dict)
@@ -76,8 +76,3 @@ def export_hf(
         torch_dtype=dtype,
     )
     return output_dir
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    # Adapters are small (rank r rows or columns); gathering them is cheap, unlike the model.
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()

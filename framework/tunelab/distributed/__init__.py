@@ -1,5 +1,6 @@
 """Process groups, FSDP2 wrapping and small collective helpers."""
 
+from tunelab.distributed.collectives import gather_full_tensors
 from tunelab.distributed.fsdp import (
     apply_activation_checkpointing,
     reshard,
@@ -18,6 +19,7 @@ __all__ = [
     "all_reduce_sum",
     "apply_activation_checkpointing",
     "destroy_distributed",
+    "gather_full_tensors",
     "init_distributed",
     "reshard",
     "resolve_dtype",

@@ -16,6 +16,8 @@ merging into it in place would silently turn training weights into ``W + ΔW`` a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -81,7 +83,9 @@ def merge_weight(
     )
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    model: nn.Module, full_adapter: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's state dict with every LoRA update merged into its base weight.
 
     Out of place: merged weights are new tensors; all other parameters and buffers are the
@@ -93,6 +97,9 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Args:
         model: A LoRA-applied model, sharded or not.
+        full_adapter: The adapter already gathered (``adapter_state_dict`` keys, full
+            tensors), e.g. for the adapter file; its ``lora_A`` weights are used instead of
+            gathering them again.
 
     Returns:
         ``{fqn: tensor}`` with DTensors where the model's parameters are DTensors.
@@ -108,9 +115,10 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for key, value in state.items():
         owner, _, leaf = key.rpartition(".")
         if owner in modules and leaf == "weight":
+            lora_a_key = f"{owner}.lora_A.weight"
             merged[key] = merge_weight(
                 value,
-                state[f"{owner}.lora_A.weight"],
+                full_adapter[lora_a_key] if full_adapter else state[lora_a_key],
                 state[f"{owner}.lora_B.weight"],
                 modules[owner].scale,
             )

@@ -13,7 +13,7 @@ then the rejected rows of the same pairs, in one ``[2 * pairs, seq]`` batch):
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +142,10 @@ class ReferenceModel:
 
     def __init__(self, model: nn.Module, *, freeze_current_adapter: bool) -> None:
         self.model = model
+        self.before_swap: Callable[[], None] = lambda: None
+        """Called before adapter weights are swapped in place (the recipe passes the
+        checkpoint client's ``wait_for_staging``, so an async save never stages a swapped
+        adapter)."""
         self._params = list(peft.get_adapter_params(model).values())
         self._frozen: list[torch.Tensor] | None = None
         if freeze_current_adapter:
@@ -158,6 +162,7 @@ class ReferenceModel:
                 with peft.disable_adapter(self.model):
                     yield
                 return
+            self.before_swap()
             _reshard_all(self.model)
             live = [_local(param).detach().clone() for param in self._params]
             try:

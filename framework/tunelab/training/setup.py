@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 import tunelab.peft as peft
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.data import StatefulDistributedSampler
-from tunelab.errors import ConfigError
 from tunelab.distributed import apply_activation_checkpointing, shard_model
+from tunelab.errors import ConfigError
 from tunelab.models import from_hf_config, load_hf_into_model
 
 
