@@ -238,3 +238,13 @@ def test_full_finetune_exact_resume(full_2p, tmp_path):
     out = _interrupted_copy(full_2p, tmp_path / "run", after_step=3)
     _run("full_finetune_distributed", "tiny/full", out, "checkpoint.resume_from_checkpoint=true")
     _assert_same_losses(losses_by_step(out), losses_by_step(full_2p), [4, 5, 6], 1e-6)
+
+
+def test_compile_on_cpu_gives_the_same_losses(tmp_path):
+    # torch.compile of each block (inductor's C++ backend on CPU), 1 process, global batch 16.
+    tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "compile=true",
+        "batch_size=16", "epochs=1", "max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
+        "~val_dataset", "checkpoint.save_every_n_steps=null", nproc=1,
+    )  # fmt: skip
+    _assert_same_losses(losses_by_step(tmp_path), LORA_GOLDEN, [1, 2], 1e-5)
