@@ -50,7 +50,9 @@ def tunelab_run(recipe: str, config: str, *overrides: str, nproc: int = 2, check
         command, capture_output=True, text=True, env=run_env(), timeout=RECIPE_TIMEOUT_S
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_client_before_process_group_is_a_clear_error(tiny_hf_model_dir, tmp_path):
     result = torchrun(SCRIPT, "order", str(tiny_hf_model_dir("llama3_1")), str(tmp_path))
-    assert result.stdout.count("ORDER_ERROR CheckpointClient was built before the process group") == 2
+    assert (
+        result.stdout.count("ORDER_ERROR CheckpointClient was built before the process group") == 2
+    )
 
 
 @pytest.fixture(scope="module")

@@ -160,7 +160,13 @@ def test_reference_free_loss_skips_the_reference(tiny_dir):
 STEPS = 40
 SAVE_AT = 20
 # Recorded from a verified run of tiny/lora_dpo (fp32, 2 processes, seed 0).
-GOLDEN_LOSSES = [0.6931471824645996, 0.6931471824645996, 0.7022895589470863, 0.6631982773542404, 0.6715724244713783]
+GOLDEN_LOSSES = [
+    0.6931471824645996,
+    0.6931471824645996,
+    0.7022895589470863,
+    0.6631982773542404,
+    0.6715724244713783,
+]
 
 
 def _launch(output_dir: Path, *overrides: str) -> list[dict]:

@@ -42,7 +42,12 @@ def test_cli_finds_builtins_in_an_unpacked_wheel(wheel, tmp_path):
         "print(tunelab.__file__); print(p.recipes_dir()); print(p.configs_dir())"
     )
     where = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     assert all(line.startswith(str(site)) for line in where), where
     listing = subprocess.run(
