@@ -178,13 +178,17 @@ def main(args: LoRADPOArgs) -> None:
                 checkpoints.export(epoch)
             if epoch_done or _every(global_step, args.checkpoint.save_every_n_steps):
                 progress_record = {"sampler": sampler.state_dict(), "epoch_done": epoch_done}
-                checkpoints.save(global_step, epoch, progress_record)
+                last = epoch_done and epoch == args.epochs - 1
+                # Nothing is left to overlap the run's last save with: write it synchronously.
+                checkpoints.save(global_step, epoch, progress_record, blocking=last)
 
     # -- clean-up -------------------------------------------------------------------------
     progress.close()
     checkpoints.close()
     for logger in loggers:
         logger.close()
+    if dist_info.is_main:
+        print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)
     destroy_distributed()
 
 
