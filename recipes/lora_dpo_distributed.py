@@ -16,7 +16,6 @@ Reads top to bottom: set-up, resume, the training loop, exports, clean-up.
 import time
 
 import tunelab.peft as peft
-from tunelab.checkpoint import CheckpointClient, LoRASpec
 from tunelab.config import instantiate, recipe_main
 from tunelab.config.recipe_args import LoRADPOArgs
 from tunelab.data import padded_collate_dpo
@@ -25,12 +24,17 @@ from tunelab.errors import ConfigError
 from tunelab.losses import PreferenceLoss
 from tunelab.training import ProgressBar, seed_everything
 from tunelab.training.loop import optimizer_step, peak_memory_gib, to_device
-from tunelab.training.preference import (
-    ReferenceModel,
-    evaluate_preference,
-    preference_backward,
+from tunelab.training.preference import ReferenceModel, evaluate_preference, preference_backward
+from tunelab.training.session import (
+    MetricLoggers,
+    Schedule,
+    build_checkpoint_client,
+    build_data,
+    build_optimizer,
+    progress_record,
+    resume,
 )
-from tunelab.training.setup import build_dataloader, build_model, config_fingerprint
+from tunelab.training.setup import build_model
 
 ARGS = LoRADPOArgs
 
@@ -56,86 +60,34 @@ def main(args: LoRADPOArgs) -> None:
     )
     # Snapshot the SFT adapter before any training or resume changes it.
     reference = ReferenceModel(model, freeze_current_adapter=args.adapter_dir is not None)
-    dataset = instantiate(args.dataset, tokenizer=tokenizer)
-    loader, sampler = build_dataloader(
-        dataset,
-        batch_size=args.batch_size,
-        collate_fn=padded_collate_dpo,
-        seed=args.seed,
-        pad_id=tokenizer.pad_id,
-    )
-    val_loader = None
-    if args.val_dataset is not None:
-        val_dataset = instantiate(args.val_dataset, tokenizer=tokenizer)
-        val_loader, _ = build_dataloader(
-            val_dataset,
-            batch_size=args.batch_size,
-            collate_fn=padded_collate_dpo,
-            seed=args.seed,
-            shuffle=False,
-            pad_id=tokenizer.pad_id,
-        )
-    steps_per_epoch = len(loader) // args.gradient_accumulation_steps
-    if args.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
+    data = build_data(args, tokenizer, padded_collate_dpo)
     trainable = list(peft.get_adapter_params(model).values())
-    optimizer = instantiate(args.optimizer, params=trainable)
-    lr_scheduler = None
-    if args.lr_scheduler is not None:
-        lr_scheduler = instantiate(
-            args.lr_scheduler,
-            optimizer=optimizer,
-            num_training_steps=steps_per_epoch * args.epochs,
-        )
+    optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
     loss_fn = instantiate(args.loss)
     if not isinstance(loss_fn, PreferenceLoss):
         raise ConfigError(
             f"loss: lora_dpo_distributed needs a preference loss (tunelab.losses.DPOLoss, "
             f"IPOLoss, HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
         )
-    loggers = [instantiate(node) for node in args.metric_loggers] if dist_info.is_main else []
-    checkpoints = CheckpointClient(
-        args.output_dir,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        base_checkpoint_dir=args.checkpoint_dir,
-        lora=LoRASpec(
-            rank=args.lora.rank,
-            alpha=args.lora.alpha,
-            targets=tuple(peft.lora_target_names(model)),
-            use_rslora=args.lora.use_rslora,
-            dropout=args.lora.dropout,
-        ),
-        enable_async=args.checkpoint.enable_async_checkpointing,
-        keep_last_n=args.checkpoint.keep_last_n_checkpoints,
-        config_hash=config_fingerprint(args),
-    )
+    loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
+    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler)
     # The SFT-adapter reference swaps adapter weights in place: never while a save stages them.
     reference.before_swap = checkpoints.wait_for_staging
+    schedule = Schedule(args)
 
     # -- resume ---------------------------------------------------------------------------
-    global_step, start_epoch = 0, 0
-    if args.checkpoint.resume_from_checkpoint:
-        resumed = checkpoints.load_latest()
-        if resumed is not None:
-            global_step, start_epoch = resumed.step, resumed.epoch
-            sampler.load_state_dict(resumed.progress["sampler"])
-            if resumed.progress["epoch_done"]:
-                start_epoch += 1
+    global_step, start_epoch = resume(args, checkpoints, data)
 
     # -- train ----------------------------------------------------------------------------
     progress = ProgressBar(
-        steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
+        data.steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
     )
     model.train()
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
-        batches = iter(loader)
-        step_in_epoch = sampler.consumed // sampler.samples_per_step(
-            args.batch_size * args.gradient_accumulation_steps
-        )
-        while step_in_epoch < steps_per_epoch:
+        data.sampler.set_epoch(epoch)
+        batches = iter(data.loader)
+        step_in_epoch = data.step_in_epoch(args)
+        while step_in_epoch < data.steps_per_epoch:
             start = time.perf_counter()
             micro_batches = [
                 to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
@@ -144,12 +96,9 @@ def main(args: LoRADPOArgs) -> None:
                 model, loss_fn, reference, micro_batches, dist_info.world_size
             )
             metrics = optimizer_step(
-                optimizer,
-                trainable,
-                clip_grad_norm=args.clip_grad_norm,
-                lr_scheduler=lr_scheduler,
+                optimizer, trainable, clip_grad_norm=args.clip_grad_norm, lr_scheduler=lr_scheduler
             )
-            sampler.advance(args.batch_size * args.gradient_accumulation_steps)
+            data.sampler.advance(args.batch_size * args.gradient_accumulation_steps)
             global_step += 1
             step_in_epoch += 1
 
@@ -157,43 +106,37 @@ def main(args: LoRADPOArgs) -> None:
             progress.update(
                 loss=step_metrics["loss"], lr=metrics["lr"], tokens_per_second=tokens_per_second
             )
-            if global_step % args.log_every_n_steps == 0:
+            if schedule.log(global_step):
                 metrics.update(
                     step_metrics,
                     tokens_per_second=tokens_per_second,
                     peak_memory_gib=peak_memory_gib(device),
                 )
-                for logger in loggers:
-                    logger.log(metrics, global_step)
-            epoch_done = step_in_epoch == steps_per_epoch
-            if val_loader is not None and (
-                epoch_done or _every(global_step, args.run_val_every_n_steps)
-            ):
-                val_metrics = evaluate_preference(model, val_loader, loss_fn, reference, device)
-                for logger in loggers:
-                    logger.log({f"val_{k}": v for k, v in val_metrics.items()}, global_step)
-            if epoch_done and (
-                epoch == args.epochs - 1 or _every(epoch + 1, args.checkpoint.export_every_n_epochs)
-            ):
+                loggers.log(metrics, global_step)
+            epoch_done = step_in_epoch == data.steps_per_epoch
+            if data.val_loader is not None and schedule.validate(global_step, epoch_done):
+                val_metrics = evaluate_preference(
+                    model, data.val_loader, loss_fn, reference, device
+                )
+                loggers.log({f"val_{k}": v for k, v in val_metrics.items()}, global_step)
+            if schedule.export(epoch, epoch_done):
                 checkpoints.export(epoch)
-            if epoch_done or _every(global_step, args.checkpoint.save_every_n_steps):
-                progress_record = {"sampler": sampler.state_dict(), "epoch_done": epoch_done}
-                last = epoch_done and epoch == args.epochs - 1
-                # Nothing is left to overlap the run's last save with: write it synchronously.
-                checkpoints.save(global_step, epoch, progress_record, blocking=last)
+            if schedule.save(global_step, epoch_done):
+                checkpoints.save(
+                    global_step,
+                    epoch,
+                    progress_record(data, epoch_done),
+                    # Nothing is left to overlap the run's last save with: write it in place.
+                    blocking=schedule.is_last(epoch, epoch_done),
+                )
 
     # -- clean-up -------------------------------------------------------------------------
     progress.close()
     checkpoints.close()
-    for logger in loggers:
-        logger.close()
+    loggers.close()
     if dist_info.is_main:
         print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)
     destroy_distributed()
-
-
-def _every(count: int, interval: int | None) -> bool:
-    return bool(interval) and count % interval == 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -213,7 +214,14 @@ class HFSafetensorsWriter(StorageWriter):
                 temp_name, tensor_offset = where[item.index.fqn]
                 tensor = planner.resolve_data(item)
                 chunk = item.tensor_data.chunk
-                assert tuple(tensor.shape) == tuple(chunk.sizes), f"{item.index.fqn}: chunk shape"
+                if tuple(tensor.shape) != tuple(chunk.sizes) or (
+                    tensor.dtype != item.tensor_data.properties.dtype
+                ):
+                    raise CheckpointError(
+                        f"tensor {item.index.fqn!r}: the data to write is {tensor.dtype} "
+                        f"{tuple(tensor.shape)}, the plan says {item.tensor_data.properties.dtype} "
+                        f"{tuple(chunk.sizes)} (a local transform must keep both)"
+                    )
                 num_bytes = write_chunk(
                     fds[temp_name], tensor, item.tensor_data.size, chunk.offsets, tensor_offset
                 )
@@ -301,6 +309,7 @@ def save_hf_sharded(
     torch_dtype: torch.dtype | None = None,
     sync_files: bool = True,
     thread_count: int = 1,
+    local_transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> Path:
     """Export a (possibly sharded) HF-keyed state dict as a Hugging Face model folder.
 
@@ -322,6 +331,11 @@ def save_hf_sharded(
         torch_dtype: dtype recorded in the copied ``config.json``.
         sync_files: fsync files before they are renamed into place.
         thread_count: Writer threads per rank.
+        local_transforms: Key to a function applied to this rank's chunk of that key just
+            before it is written; it must return a tensor of the chunk's shape and the
+            state dict value's dtype. Values computed this way (e.g. a deferred LoRA merge,
+            ``tunelab.peft.merge.lazy_merged_state_dict``) exist one at a time, and one
+            rank's compute overlaps the others' writes.
 
     Returns:
         The output folder.
@@ -350,6 +364,7 @@ def save_hf_sharded(
             dcp.save(
                 state_dict,
                 storage_writer=writer,
+                planner=_TransformingPlanner(local_transforms or {}),
                 process_group=process_group,
                 no_dist=not distributed,
             )
@@ -375,6 +390,20 @@ def save_hf_sharded(
     if failure is not None:
         raise failure
     return final
+
+
+class _TransformingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, which maps some keys' chunks through a function."""
+
+    def __init__(self, transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        super().__init__()
+        self._transforms = transforms
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        """The chunk to write, transformed if its key has a transform."""
+        data = super().resolve_data(write_item)
+        transform = self._transforms.get(write_item.index.fqn)
+        return data if transform is None else transform(data)
 
 
 def _is_weights_name(name: str) -> bool:

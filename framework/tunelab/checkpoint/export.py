@@ -6,6 +6,8 @@ again on top of merged weights. Then the merged model: each rank merges its own 
 ``W + scale * B @ A`` into new tensors (live weights are never touched; FSDP2's state dict
 aliases them) and every rank writes its rows straight into the final safetensors files
 through DCP, whose finish step writes the headers and the index. No rank gathers the model.
+Each merge runs inside the writer just before its rows are written, so one merged weight
+exists at a time and one rank's merge overlaps the other ranks' writes.
 """
 
 import os
@@ -19,6 +21,7 @@ import tunelab.peft as peft
 from tunelab.checkpoint.consolidate import save_hf_sharded
 from tunelab.checkpoint.hf import HFCheckpointReader
 from tunelab.distributed import gather_full_tensors
+from tunelab.peft.merge import lazy_merged_state_dict
 
 if TYPE_CHECKING:
     from tunelab.checkpoint.client import LoRASpec
@@ -62,9 +65,10 @@ def export_hf(
                 base_model_name_or_path=str(base_checkpoint_dir),
             )
             peft.save_peft_adapter(adapter, config, output_dir / "adapter")
-        state_dict = peft.merged_state_dict(model, full_adapter=adapter)
+        # The merges run inside the writer, one weight at a time, as each is written.
+        state_dict, merges = lazy_merged_state_dict(model, full_adapter=adapter)
     else:
-        state_dict = dict(model.state_dict())
+        state_dict, merges = dict(model.state_dict()), {}
     hf_state_dict = model.state_dict_adapter.to_hf(state_dict)
     dtype = next(iter(hf_state_dict.values())).dtype
     save_hf_sharded(
@@ -74,5 +78,6 @@ def export_hf(
         process_group=process_group,
         source_dir=base_checkpoint_dir,
         torch_dtype=dtype,
+        local_transforms={model.state_dict_adapter.to_hf_key(k): f for k, f in merges.items()},
     )
     return output_dir

@@ -16,7 +16,8 @@ merging into it in place would silently turn training weights into ``W + ΔW`` a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -40,10 +41,21 @@ def _rows_are_local(weight: DTensor, lora_b: torch.Tensor) -> bool:
 def _merge_plain(
     weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    merged = weight.to(torch.float32) + scale * (
-        lora_b.to(torch.float32) @ lora_a.to(torch.float32)
-    )
-    return merged.to(weight.dtype)
+    if isinstance(weight, DTensor):
+        # DTensor in-place ops need matching placements; let DTensor plan this one.
+        merged = weight.to(torch.float32) + scale * (
+            lora_b.to(torch.float32) @ lora_a.to(torch.float32)
+        )
+        return merged.to(weight.dtype)
+    # One new fp32 buffer, updated in place: bit for bit ``W.float() + scale * (B @ A)``
+    # (the same three roundings; + and * commute), without the two temporaries of the
+    # out-of-place form, whose fresh pages cost more than the arithmetic here. The base is
+    # upcast on the fly by ``add_`` (exact), never copied; a tensor subclass (NF4)
+    # dequantizes first.
+    merged = torch.mm(lora_b.to(torch.float32), lora_a.to(torch.float32))
+    merged.mul_(scale)
+    merged.add_(weight if type(weight) is torch.Tensor else weight.to(torch.float32))
+    return merged if weight.dtype == torch.float32 else merged.to(weight.dtype)
 
 
 def merge_weight(
@@ -83,6 +95,25 @@ def merge_weight(
     )
 
 
+def _lora_state(
+    model: nn.Module, caller: str
+) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
+    """The LoRA modules and the state dict, both under clean FQNs."""
+    modules = {clean_fqn(name): module for name, module in lora_modules(model).items()}
+    if not modules:
+        raise TunelabError(f"{caller}: the model has no LoRA layers; call apply_lora first")
+    return modules, {clean_fqn(key): value for key, value in model.state_dict().items()}
+
+
+def _role(key: str, modules: Mapping[str, nn.Module]) -> str:
+    """``"weight"`` for an adapted base weight, ``"adapter"`` for lora_A/B, else ``"other"``."""
+    owner, _, leaf = key.rpartition(".")
+    if owner in modules and leaf == "weight":
+        return "weight"
+    parent, _, name = owner.rpartition(".")
+    return "adapter" if parent in modules and name in ("lora_A", "lora_B") else "other"
+
+
 def merged_state_dict(
     model: nn.Module, full_adapter: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -107,14 +138,12 @@ def merged_state_dict(
     Raises:
         TunelabError: If the model has no LoRA layers.
     """
-    modules = {clean_fqn(name): module for name, module in lora_modules(model).items()}
-    if not modules:
-        raise TunelabError("merged_state_dict: the model has no LoRA layers; call apply_lora first")
-    state = {clean_fqn(key): value for key, value in model.state_dict().items()}
+    modules, state = _lora_state(model, "merged_state_dict")
     merged = {}
     for key, value in state.items():
-        owner, _, leaf = key.rpartition(".")
-        if owner in modules and leaf == "weight":
+        role = _role(key, modules)
+        if role == "weight":
+            owner = key.rpartition(".")[0]
             lora_a_key = f"{owner}.lora_A.weight"
             merged[key] = merge_weight(
                 value,
@@ -122,11 +151,71 @@ def merged_state_dict(
                 state[f"{owner}.lora_B.weight"],
                 modules[owner].scale,
             )
-        elif owner.rpartition(".")[0] in modules and owner.rpartition(".")[2] in (
-            "lora_A",
-            "lora_B",
-        ):
-            continue
-        else:
+        elif role == "other":
             merged[key] = value
     return merged
+
+
+def lazy_merged_state_dict(
+    model: nn.Module, full_adapter: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """``merged_state_dict`` with the merges deferred until each weight is consumed.
+
+    Same keys, shapes and dtypes as ``merged_state_dict``, but each adapted weight whose
+    rows are local (FSDP2 ``Shard(0)``, or no sharding) is still the base weight, paired with
+    a function that maps this rank's local rows of it to the merged rows, bit for bit what
+    ``merged_state_dict`` holds there. A writer that applies the function just before writing
+    each weight (``save_hf_sharded(local_transforms=...)``) never holds more than one merged
+    weight, and its merge of one weight overlaps the other ranks' writes. Weights in other
+    layouts (tensor parallel) are merged now. Collective under FSDP2: call it on every rank.
+
+    Args:
+        model: A LoRA-applied model, sharded or not.
+        full_adapter: The adapter already gathered (see ``merged_state_dict``).
+
+    Returns:
+        The state dict and ``{fqn: merge_local_rows}`` for the deferred weights. Apply a
+        function only to this rank's whole local shard of its key (a DCP write chunk).
+
+    Raises:
+        TunelabError: If the model has no LoRA layers.
+    """
+    modules, state = _lora_state(model, "lazy_merged_state_dict")
+    result: dict[str, torch.Tensor] = {}
+    deferred: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for key, value in state.items():
+        role = _role(key, modules)
+        if role == "other":
+            result[key] = value
+        if role != "weight":
+            continue
+        owner = key.rpartition(".")[0]
+        lora_a = full_adapter[f"{owner}.lora_A.weight"] if full_adapter else None
+        lora_b = state[f"{owner}.lora_B.weight"]
+        scale = modules[owner].scale
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            # A tensor subclass (NF4) shard takes the eager path: DCP's chunk lookup and
+            # planning are only known to work on plain local shards.
+            lazy = _rows_are_local(value, lora_b) and type(local) is torch.Tensor
+        else:
+            lazy = type(value) is torch.Tensor
+        if not lazy:
+            a = lora_a if lora_a is not None else state[f"{owner}.lora_A.weight"]
+            result[key] = merge_weight(value, a, lora_b, scale)
+            continue
+        if lora_a is None:
+            lora_a = state[f"{owner}.lora_A.weight"]
+        if isinstance(lora_a, DTensor):
+            lora_a = lora_a.full_tensor()
+        b_local = lora_b.to_local() if isinstance(lora_b, DTensor) else lora_b
+        result[key] = value
+        deferred[key] = functools.partial(_merge_rows, lora_a=lora_a, lora_b=b_local, scale=scale)
+    return result, deferred
+
+
+def _merge_rows(
+    weight: torch.Tensor, *, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    assert weight.shape[0] == lora_b.shape[0], "apply to the whole local shard only"
+    return _merge_plain(weight, lora_a, lora_b, scale)

@@ -1,0 +1,188 @@
+"""The bookkeeping every training recipe shares.
+
+Data loaders, optimizer and schedule, the checkpoint client, resume, when to validate /
+export / save, and metric loggers. Recipes keep the training step itself inline; what they would otherwise copy between each
+other lives here, each default once.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import tunelab.peft as peft
+from tunelab.checkpoint import CheckpointClient, LoRASpec
+from tunelab.config import instantiate
+from tunelab.config.recipe_args import FinetuneArgs
+from tunelab.data import StatefulDistributedSampler
+from tunelab.training.setup import build_dataloader, config_fingerprint
+
+
+@dataclass
+class TrainingData:
+    """A recipe's loaders and the sampler whose position checkpoints save."""
+
+    loader: DataLoader
+    """This rank's training micro-batches."""
+    sampler: StatefulDistributedSampler
+    """The resumable sampler behind ``loader``."""
+    val_loader: DataLoader | None
+    """Validation micro-batches, or None without ``val_dataset``."""
+    steps_per_epoch: int
+    """Optimizer steps per epoch (``max_steps_per_epoch`` applied)."""
+
+    def step_in_epoch(self, args: FinetuneArgs) -> int:
+        """Optimizer steps already taken in the sampler's epoch (non-zero after a resume)."""
+        per_step = args.batch_size * args.gradient_accumulation_steps
+        return self.sampler.consumed // self.sampler.samples_per_step(per_step)
+
+
+def build_data(args: FinetuneArgs, tokenizer: Any, collate_fn: Callable) -> TrainingData:
+    """Build the training (and validation) datasets and loaders from a recipe's config.
+
+    Args:
+        args: The recipe settings (``dataset``, ``val_dataset``, ``batch_size``, ...).
+        tokenizer: Passed to the dataset components.
+        collate_fn: Batches samples (``padded_collate_sft`` or ``padded_collate_dpo``).
+
+    Returns:
+        The loaders, the sampler and the number of optimizer steps per epoch.
+    """
+    common = {"batch_size": args.batch_size, "collate_fn": collate_fn, "seed": args.seed}
+    dataset = instantiate(args.dataset, tokenizer=tokenizer)
+    loader, sampler = build_dataloader(dataset, **common, pad_id=tokenizer.pad_id)
+    val_loader = None
+    if args.val_dataset is not None:
+        val_dataset = instantiate(args.val_dataset, tokenizer=tokenizer)
+        val_loader, _ = build_dataloader(
+            val_dataset, **common, shuffle=False, pad_id=tokenizer.pad_id
+        )
+    steps_per_epoch = len(loader) // args.gradient_accumulation_steps
+    if args.max_steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
+    return TrainingData(loader, sampler, val_loader, steps_per_epoch)
+
+
+def build_optimizer(
+    args: FinetuneArgs, params: Iterable[torch.Tensor], num_training_steps: int
+) -> tuple[torch.optim.Optimizer, Any]:
+    """Instantiate the optimizer over ``params`` and its LR schedule (None if not configured)."""
+    optimizer = instantiate(args.optimizer, params=params)
+    lr_scheduler = None
+    if args.lr_scheduler is not None:
+        lr_scheduler = instantiate(
+            args.lr_scheduler, optimizer=optimizer, num_training_steps=num_training_steps
+        )
+    return optimizer, lr_scheduler
+
+
+def build_checkpoint_client(
+    args: FinetuneArgs, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any
+) -> CheckpointClient:
+    """The run's ``CheckpointClient`` (call after ``init_distributed``).
+
+    A recipe whose settings have ``lora`` gets adapter-only checkpoints and LoRA exports.
+    """
+    lora = getattr(args, "lora", None)
+    spec = None
+    if lora is not None:
+        spec = LoRASpec(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            targets=tuple(peft.lora_target_names(model)),
+            use_rslora=lora.use_rslora,
+            dropout=lora.dropout,
+        )
+    return CheckpointClient(
+        args.output_dir,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        base_checkpoint_dir=args.checkpoint_dir,
+        lora=spec,
+        enable_async=args.checkpoint.enable_async_checkpointing,
+        keep_last_n=args.checkpoint.keep_last_n_checkpoints,
+        config_hash=config_fingerprint(args),
+    )
+
+
+def resume(
+    args: FinetuneArgs, checkpoints: CheckpointClient, data: TrainingData
+) -> tuple[int, int]:
+    """Restore the newest committed checkpoint when ``checkpoint.resume_from_checkpoint``.
+
+    Returns:
+        ``(global_step, start_epoch)``: ``(0, 0)`` for a fresh run.
+    """
+    if not args.checkpoint.resume_from_checkpoint:
+        return 0, 0
+    resumed = checkpoints.load_latest()
+    if resumed is None:
+        return 0, 0
+    data.sampler.load_state_dict(resumed.progress["sampler"])
+    start_epoch = resumed.epoch + 1 if resumed.progress["epoch_done"] else resumed.epoch
+    return resumed.step, start_epoch
+
+
+def progress_record(data: TrainingData, epoch_done: bool) -> dict[str, Any]:
+    """What a step checkpoint records of the recipe's progress."""
+    return {"sampler": data.sampler.state_dict(), "epoch_done": epoch_done}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When to validate, export and save, from a recipe's settings."""
+
+    args: FinetuneArgs
+
+    def validate(self, global_step: int, epoch_done: bool) -> bool:
+        """Every ``run_val_every_n_steps`` and at each epoch end."""
+        return epoch_done or _every(global_step, self.args.run_val_every_n_steps)
+
+    def export(self, epoch: int, epoch_done: bool) -> bool:
+        """At epoch ends, every ``export_every_n_epochs`` and always the last."""
+        return epoch_done and (
+            self.is_last(epoch, epoch_done)
+            or _every(epoch + 1, self.args.checkpoint.export_every_n_epochs)
+        )
+
+    def save(self, global_step: int, epoch_done: bool) -> bool:
+        """Every ``save_every_n_steps`` and at each epoch end."""
+        return epoch_done or _every(global_step, self.args.checkpoint.save_every_n_steps)
+
+    def log(self, global_step: int) -> bool:
+        """Every ``log_every_n_steps``."""
+        return _every(global_step, self.args.log_every_n_steps)
+
+    def is_last(self, epoch: int, epoch_done: bool) -> bool:
+        """Whether this step ends the run (its save has nothing left to overlap with)."""
+        return epoch_done and epoch == self.args.epochs - 1
+
+
+class MetricLoggers:
+    """The configured metric loggers on rank 0; nothing on other ranks.
+
+    Args:
+        nodes: The ``metric_loggers`` component nodes.
+        enabled: Whether this rank logs (rank 0).
+    """
+
+    def __init__(self, nodes: list, *, enabled: bool) -> None:
+        self._loggers = [instantiate(node) for node in nodes] if enabled else []
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Send ``metrics`` of ``step`` to every logger."""
+        for logger in self._loggers:
+            logger.log(metrics, step)
+
+    def close(self) -> None:
+        """Flush and close every logger."""
+        for logger in self._loggers:
+            logger.close()
+
+
+def _every(count: int, interval: int | None) -> bool:
+    return bool(interval) and count % interval == 0
