@@ -202,8 +202,7 @@ def main() -> None:
                 "tunelab times: " + ", ".join(f"{t:.3f}" for t in times["tunelab"]) + " s; "
                 "old: " + ", ".join(f"{t:.3f}" for t in times["old"]) + " s",
                 f"diagnostic: gathering the {len(adapter)} adapter tensors one all-gather each "
-                f"takes {gather_s:.3f} s (export_hf does this, and gathers each lora_A again "
-                "in the merge)",
+                f"takes {gather_s:.3f} s (export_hf gathers them in one collective instead)",
             ],
         )
     dist.destroy_process_group()

@@ -87,7 +87,8 @@ class CheckpointClient:
         base_checkpoint_dir: The Hugging Face folder the model was loaded from (config,
             tokenizer and file names of exports come from it).
         lora: The LoRA settings for LoRA recipes, None for full fine-tuning.
-        enable_async: Release the trainer once the state is staged; write in background.
+        enable_async: Release the trainer at once; stage during the next forward and
+            backward (the optimizer step waits for it), write in the background.
         keep_last_n: Keep this many committed step checkpoints (None keeps all).
         config_hash: Hash of the resolved run config, recorded in manifests.
         writer_factory: Storage writer for step checkpoints (tests inject slow writers).

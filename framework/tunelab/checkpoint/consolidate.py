@@ -44,6 +44,7 @@ from tunelab.checkpoint._safetensors_layout import (
     build_file_layout,
     fsync_dir,
     pwrite_all,
+    start_writeback,
     write_chunk,
 )
 from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
@@ -225,6 +226,10 @@ class HFSafetensorsWriter(StorageWriter):
                 num_bytes = write_chunk(
                     fds[temp_name], tensor, item.tensor_data.size, chunk.offsets, tensor_offset
                 )
+                if self.sync_files:
+                    # Overlap the disk with the next tensors' merge and writes; fsync below.
+                    whole = item.tensor_data.size.numel() * tensor.element_size()
+                    start_writeback(fds[temp_name], tensor_offset, whole)
                 return WriteResult(
                     index=item.index,
                     size_in_bytes=num_bytes,

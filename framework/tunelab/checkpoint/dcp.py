@@ -31,8 +31,8 @@ class DCPSaver:
     """Runs DCP saves one at a time, in the background when asked to.
 
     Args:
-        enable_async: Return from :meth:`save` once the state is staged to CPU and write
-            in a background thread.
+        enable_async: Return from :meth:`save` while the state is staged to CPU (see
+            :meth:`wait_for_staging`) and write it in a background thread.
         writer_factory: Builds the storage writer for a checkpoint folder
             (``default_writer`` when None).
     """

@@ -33,7 +33,7 @@ class CheckpointArgs:
     save_every_n_steps: int | None = None
     """Save a resumable checkpoint every N optimizer steps (None: only at epoch ends)."""
     enable_async_checkpointing: bool = False
-    """Return from a save once the state is staged to CPU and write it in the background."""
+    """Return from a save at once: stage to CPU during the next forward/backward, write in background."""
     keep_last_n_checkpoints: int | None = None
     """Keep only the newest N committed step checkpoints (None keeps all)."""
     resume_from_checkpoint: bool = False
