@@ -127,6 +127,20 @@ def main():
             assert torch.equal(value.to_local(), expected[name]), (step, name)
     client.export(0)
     assert_unchanged(model, snapshot, "export")
+    # The export merges each weight inside the writer, just before writing it; the files are
+    # byte-identical to writing an up-front merged state dict.
+    from tunelab.checkpoint.consolidate import save_hf_sharded
+    from tunelab.checkpoint.hf import HFCheckpointReader
+
+    upfront = model.state_dict_adapter.to_hf(peft.merged_state_dict(model))
+    save_hf_sharded(
+        upfront, OUT / "upfront", fqn_to_file=HFCheckpointReader(BASE).fqn_to_file, source_dir=BASE
+    )
+    assert_unchanged(model, snapshot, "up-front merge")
+    if info.rank == 0:
+        for path in sorted((OUT / "upfront").glob("*.safetensors")):
+            exported = OUT / "epoch_0" / path.name
+            assert exported.read_bytes() == path.read_bytes(), path.name
 
     # The live model's logits, for the interop check in the test process.
     tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(99))

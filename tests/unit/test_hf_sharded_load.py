@@ -50,6 +50,7 @@ def _worker(rank: int, init_file: str, checkpoint_dir: str, reference_file: str)
             raise AssertionError("a DTensor was accepted")
         except CheckpointError as error:
             assert "needs full tensors, got DTensor" in str(error)
+        dist.barrier()  # tear down only once both ranks are done
     finally:
         dist.destroy_process_group()
 

@@ -99,6 +99,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         means = reduce_metrics(sums, sums[COUNT_KEY])
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
             json.dump(means, handle)
+        dist.barrier()  # tear down only once both ranks are done
     finally:
         dist.destroy_process_group()
 

@@ -105,6 +105,9 @@ def _worker(rank, init_file, adapter_dir):
     )
     try:
         _check(rank, adapter_dir)
+        # Tear down only once both ranks are done: a rank destroying gloo while its peer is
+        # still finishing can abort the peer at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -68,8 +68,13 @@ def init_distributed(device: str | None = None) -> DistInfo:
 
 
 def destroy_distributed() -> None:
-    """Tear the default process group down, if one exists."""
+    """Tear the default process group down, if one exists.
+
+    Waits for every rank first: a rank tearing gloo down while a peer is still finishing its
+    last collective can abort the peer at exit.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

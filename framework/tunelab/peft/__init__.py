@@ -13,7 +13,7 @@ from tunelab.peft.apply import (
     set_trainable_params,
 )
 from tunelab.peft.lora import LoRALinear, lora_scale
-from tunelab.peft.merge import merge_weight, merged_state_dict
+from tunelab.peft.merge import lazy_merged_state_dict, merge_weight, merged_state_dict
 from tunelab.peft.peft_io import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -51,6 +51,7 @@ __all__ = [
     "lora_scale",
     "lora_target_names",
     "merge_weight",
+    "lazy_merged_state_dict",
     "merged_state_dict",
     "read_adapter_config",
     "save_peft_adapter",
