@@ -175,6 +175,7 @@ def main() -> None:
                 + " s"
             ],
         )
+    dist.barrier()  # rank 0 prints first; tear down only once all ranks are done
     dist.destroy_process_group()
 
 

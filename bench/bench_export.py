@@ -205,6 +205,7 @@ def main() -> None:
                 f"takes {gather_s:.3f} s (export_hf gathers them in one collective instead)",
             ],
         )
+    dist.barrier()  # rank 0 prints first; tear down only once all ranks are done
     dist.destroy_process_group()
 
 

@@ -149,6 +149,7 @@ def main() -> None:
                 f"{'yes' if met else 'no'} |"
             )
         print(f"\ntunelab: {gib / t_tunelab:.2f} GiB/s; raw: {gib / t_raw:.2f} GiB/s")
+    dist.barrier()  # rank 0 prints first; tear down only once all ranks are done
     dist.destroy_process_group()
 
 

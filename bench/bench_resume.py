@@ -160,6 +160,7 @@ def main() -> None:
                 f"{total_bytes / GiB / t['warm_raw']:.2f} GiB/s warm"
             ],
         )
+    dist.barrier()  # rank 0 prints first; tear down only once all ranks are done
     dist.destroy_process_group()
 
 

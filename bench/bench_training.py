@@ -191,6 +191,7 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.result).write_text(json.dumps(result))
         shutil.rmtree(out, ignore_errors=True)
     if dist.is_initialized():
+        dist.barrier()  # rank 0 writes results first; tear down only once all are done
         dist.destroy_process_group()
 
 

@@ -139,6 +139,9 @@ class DCPSaver:
                 self._stager.close()
                 self._stager = None
             if self._group is not None:
+                # Every rank must be done with the group's last collective before any rank
+                # tears its gloo connections down, or a peer still finishing one aborts.
+                dist.barrier(group=self._group)
                 dist.destroy_process_group(self._group)
                 self._group = None
 
