@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=1024, help="model width")
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     return parser.parse_args()
 
