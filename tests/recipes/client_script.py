@@ -129,8 +129,8 @@ def main():
     assert_unchanged(model, snapshot, "export")
     # The export merges each weight inside the writer, just before writing it; the files are
     # byte-identical to writing an up-front merged state dict.
-    from tunelab.checkpoint.consolidate import save_hf_sharded
     from tunelab.checkpoint.hf import HFCheckpointReader
+    from tunelab.checkpoint.hf_sharded import save_hf_sharded
 
     upfront = model.state_dict_adapter.to_hf(peft.merged_state_dict(model))
     save_hf_sharded(

@@ -63,7 +63,7 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
-    from tunelab.checkpoint.consolidate import save_hf_sharded
+    from tunelab.checkpoint.hf_sharded import save_hf_sharded
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-from tunelab.checkpoint.consolidate import HFSafetensorsWriter, save_hf_sharded
+from tunelab.checkpoint.consolidate import HFSafetensorsWriter
+from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import tunelab.peft as peft
-from tunelab.checkpoint.consolidate import save_hf_sharded
 from tunelab.checkpoint.hf import HFCheckpointReader
+from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.distributed import gather_full_tensors
 from tunelab.peft.merge import lazy_merged_state_dict
 

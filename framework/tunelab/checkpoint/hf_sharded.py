@@ -1,0 +1,161 @@
+"""Hugging Face model folders from (sharded) state: the writer, config files, a safe swap.
+
+``save_hf_sharded`` runs one ``dcp.save`` with ``HFSafetensorsWriter`` on every rank into a
+temporary sibling folder, copies config and tokenizer files, and swaps the folder into place
+on rank 0, so a crash never leaves a partial export over a good one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+from tunelab.checkpoint._safetensors_layout import fsync_dir
+from tunelab.checkpoint.consolidate import DEFAULT_MAX_SHARD_SIZE, HFSafetensorsWriter, temp_name
+from tunelab.checkpoint.hf_write import copy_model_files
+from tunelab.errors import CheckpointError, TunelabError
+
+__all__ = ["save_hf_sharded"]
+
+
+def save_hf_sharded(
+    state_dict: dict[str, torch.Tensor],
+    output_dir: str | os.PathLike,
+    *,
+    fqn_to_file: Mapping[str, str] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    process_group: dist.ProcessGroup | None = None,
+    source_dir: str | os.PathLike | None = None,
+    torch_dtype: torch.dtype | None = None,
+    sync_files: bool = True,
+    thread_count: int = 1,
+    local_transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+) -> Path:
+    """Export a (possibly sharded) HF-keyed state dict as a Hugging Face model folder.
+
+    All ranks of ``process_group`` call this. The files are written into a sibling temporary
+    folder (``.{name}.partial``) which rank 0 renames to ``output_dir`` at the end, so a crash
+    never leaves a partial export over a good one. An existing ``output_dir`` is replaced;
+    its entries that are not weights and that the export does not write (e.g. ``adapter/``)
+    are kept.
+
+    Args:
+        state_dict: HF key to tensor or ``DTensor``.
+        output_dir: Final model folder.
+        fqn_to_file: Key to file name (see ``HFSafetensorsWriter``).
+        max_shard_size: Greedy file size limit when ``fqn_to_file`` is None.
+        process_group: Group for the collective save; None uses the default group, or a
+            single-process save when no group is initialised.
+        source_dir: Base model folder whose config, generation config and tokenizer files
+            are copied next to the weights; None copies nothing.
+        torch_dtype: dtype recorded in the copied ``config.json``.
+        sync_files: fsync files before they are renamed into place.
+        thread_count: Writer threads per rank.
+        local_transforms: Key to a function applied to this rank's chunk of that key just
+            before it is written; it must return a tensor of the chunk's shape and the
+            state dict value's dtype. Values computed this way (e.g. a deferred LoRA merge,
+            ``tunelab.peft.merge.lazy_merged_state_dict``) exist one at a time, and one
+            rank's compute overlaps the others' writes.
+
+    Returns:
+        The output folder.
+
+    Raises:
+        CheckpointError: If the state cannot be exported (see ``HFSafetensorsWriter``).
+    """
+    final = Path(output_dir)
+    staging = final.parent / temp_name(final.name)
+    distributed = dist.is_available() and dist.is_initialized()
+    is_rank_zero = not distributed or dist.get_rank(process_group) == 0
+    if is_rank_zero:
+        # No rank writes before the plan step, in which rank 0 takes part after this.
+        shutil.rmtree(staging, ignore_errors=True)
+    writer = HFSafetensorsWriter(
+        staging,
+        fqn_to_file=fqn_to_file,
+        max_shard_size=max_shard_size,
+        sync_files=sync_files,
+        thread_count=thread_count,
+    )
+    try:
+        with warnings.catch_warnings():
+            # One process without a group is a supported case here, not a slip to warn about.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=_TransformingPlanner(local_transforms or {}),
+                process_group=process_group,
+                no_dist=not distributed,
+            )
+    except CheckpointException as error:
+        for failure, _ in error.failures.values():
+            if isinstance(failure, TunelabError):
+                raise failure from error
+        raise
+    failure = None
+    if is_rank_zero:
+        try:
+            if source_dir is not None:
+                copy_model_files(source_dir, staging, torch_dtype)
+            _swap_into_place(staging, final, sync_files)
+        except (OSError, TunelabError) as error:
+            failure = error
+    if distributed:
+        # Instead of a barrier: the other ranks learn whether rank 0 finished, and never hang.
+        message = [None if failure is None else str(failure)]
+        dist.broadcast_object_list(message, group=process_group, group_src=0)
+        if failure is None and message[0] is not None:
+            raise CheckpointError(f"rank 0 could not finish the export to {final}: {message[0]}")
+    if failure is not None:
+        raise failure
+    return final
+
+
+class _TransformingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, which maps some keys' chunks through a function."""
+
+    def __init__(self, transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        super().__init__()
+        self._transforms = transforms
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        """The chunk to write, transformed if its key has a transform."""
+        data = super().resolve_data(write_item)
+        transform = self._transforms.get(write_item.index.fqn)
+        return data if transform is None else transform(data)
+
+
+def _is_weights_name(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".index.json", ".partial"))
+
+
+def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
+    """Rename ``staging`` to ``final``, replacing an existing ``final`` folder.
+
+    Entries of the existing folder that the new export does not write and that are not
+    weights (a LoRA ``adapter/`` folder written just before, say) move into the new folder;
+    the old weights are deleted, never mixed with the new ones.
+    """
+    previous = final.parent / f".{final.name}.old"
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        produced = {entry.name for entry in staging.iterdir()}
+        for entry in final.iterdir():
+            if entry.name not in produced and not _is_weights_name(entry.name):
+                os.replace(entry, staging / entry.name)
+        os.replace(final, previous)
+    os.replace(staging, final)
+    shutil.rmtree(previous, ignore_errors=True)
+    if sync_files:
+        fsync_dir(final.parent)
