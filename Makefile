@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
+	rm -rf outputs/demo
 	$(VENV)/bin/tunelab run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora output_dir=outputs/demo
 	$(VENV)/bin/tunelab run generate --config tiny/generate checkpoint_dir=outputs/demo/epoch_2
 

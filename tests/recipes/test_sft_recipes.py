@@ -312,3 +312,16 @@ def test_generate_base_plus_adapter_equals_merged_export_and_transformers(lora_2
             eos_token_id=sorted(tokenizer.stop_ids), pad_token_id=tokenizer.pad_id,
         )  # fmt: skip
     assert merged_text == tokenizer.decode(output[0, len(prompt) :].tolist())
+
+
+def test_fresh_run_into_a_used_output_dir_is_refused_at_start(lora_2p, tmp_path):
+    out = _interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
+    manifest = (out / "step_3" / "tunelab_manifest.json").read_bytes()
+    result = tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *COMMON, check=False
+    )
+    assert result.returncode != 0
+    assert "already holds committed checkpoints (step_3)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_3"]
+    assert (out / "step_3" / "tunelab_manifest.json").read_bytes() == manifest

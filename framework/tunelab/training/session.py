@@ -15,9 +15,11 @@ from torch.utils.data import DataLoader
 
 import tunelab.peft as peft
 from tunelab.checkpoint import CheckpointClient, LoRASpec
+from tunelab.checkpoint.layout import committed_checkpoints
 from tunelab.config import instantiate
 from tunelab.config.recipe_args import FinetuneArgs
 from tunelab.data import StatefulDistributedSampler
+from tunelab.errors import CheckpointError
 from tunelab.training.setup import build_dataloader, config_fingerprint
 
 
@@ -116,8 +118,20 @@ def resume(
 
     Returns:
         ``(global_step, start_epoch)``: ``(0, 0)`` for a fresh run.
+
+    Raises:
+        CheckpointError: A fresh run's ``output_dir`` already holds committed checkpoints
+            (said at start, not at the first save that would collide with one).
     """
     if not args.checkpoint.resume_from_checkpoint:
+        existing = committed_checkpoints(args.output_dir)
+        if existing:
+            names = ", ".join(checkpoint.path.name for checkpoint in existing[-3:])
+            raise CheckpointError(
+                f"output_dir {args.output_dir} already holds committed checkpoints ({names}): "
+                "continue with checkpoint.resume_from_checkpoint=true, or pick another "
+                "output_dir"
+            )
         return 0, 0
     resumed = checkpoints.load_latest()
     if resumed is None:
