@@ -1,8 +1,12 @@
 """Synthetic Hugging Face checkpoints of Llama-style models, and the recipes' model build."""
 
+import argparse
 import json
 import math
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +120,51 @@ def build_model(checkpoint_dir: str | os.PathLike, **kwargs: Any) -> torch.nn.Mo
     kwargs.setdefault("device", torch.device("cpu"))
     kwargs.setdefault("dtype", torch.float32)
     return recipe_build_model(str(checkpoint_dir), **kwargs)
+
+
+def size_parser(
+    description: str, *, repeats: int = 3, full: bool = True
+) -> argparse.ArgumentParser:
+    """The flags every checkpoint benchmark shares: model size, width, vocabulary, repeats."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size-mb", type=float, default=256, help="fp32 (base) weight MB")
+    if full:
+        parser.add_argument("--full", action="store_true", help="1.1 GB of weights (the claim)")
+    parser.add_argument("--dim", type=int, default=1024, help="model width")
+    parser.add_argument("--vocab-size", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    return parser
+
+
+def parse_size_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the flags; ``--full`` raises the size to the issue's 1.1 GB."""
+    args = parser.parse_args()
+    if getattr(args, "full", False):
+        args.size_mb = max(args.size_mb, 1100)
+    return args
+
+
+@dataclass
+class Workspace:
+    """A benchmark's scratch folders and its synthetic base model."""
+
+    root: Path
+    base: Path
+    out: Path
+    config: dict[str, Any]
+    weight_bytes: int
+
+
+def prepare_workspace(args: argparse.Namespace, name: str) -> Workspace:
+    """Write the synthetic HF base model for ``args`` on rank 0 (a fresh folder), then barrier."""
+    from _common import barrier, is_main
+
+    root = Path(args.dir or tempfile.gettempdir()) / name
+    config = config_for_size(args.size_mb, dim=args.dim, vocab_size=args.vocab_size)
+    workspace = Workspace(root, root / "base", root / "out", config, 0)
+    if is_main():
+        shutil.rmtree(root, ignore_errors=True)
+        workspace.weight_bytes = write_hf_checkpoint(workspace.base, config)
+    barrier()
+    return workspace

@@ -20,8 +20,6 @@ Both clients use the library's default writer (fsync on). Target: blocked <= 5% 
 
 import argparse
 import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,22 +36,17 @@ from _common import (
     seconds,
     time_collective,
 )
-from _models import build_model, config_for_size, write_hf_checkpoint
+from _models import (
+    build_model,
+    parse_size_args,
+    prepare_workspace,
+    size_parser,
+)
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=float, default=256, help="fp32 weight MB")
-    parser.add_argument("--full", action="store_true", help="1.1 GB of weights (the claim)")
-    parser.add_argument("--dim", type=int, default=1024, help="model width")
-    parser.add_argument("--vocab-size", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
-    args = parser.parse_args()
-    if args.full:
-        args.size_mb = max(args.size_mb, 1100)
-    return args
+    return parse_size_args(size_parser(__doc__.splitlines()[0]))
 
 
 def init_optimizer_state(model, optimizer) -> None:
@@ -100,13 +93,8 @@ def main() -> None:
     from tunelab.distributed import init_distributed
 
     init_distributed("cpu")
-    root = Path(args.dir or tempfile.gettempdir()) / "tunelab_bench_async_save"
-    base, out = root / "base", root / "out"
-    config = config_for_size(args.size_mb, dim=args.dim, vocab_size=args.vocab_size)
-    if is_main():
-        shutil.rmtree(root, ignore_errors=True)
-        weight_bytes = write_hf_checkpoint(base, config)
-    barrier()
+    workspace = prepare_workspace(args, "tunelab_bench_async_save")
+    root, base, out = workspace.root, workspace.base, workspace.out
 
     model = build_model(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -165,7 +153,7 @@ def main() -> None:
                 )
             ],
             [
-                f"{weight_bytes / 1e9:.2f} GB fp32 weights, {saved_gib:.2f} GiB saved state "
+                f"{workspace.weight_bytes / 1e9:.2f} GB fp32 weights, {saved_gib:.2f} GiB saved state "
                 f"(weights + AdamW moments), {dist.get_world_size()} ranks, fsync on, "
                 f"median of {args.repeats}; plain copy of each rank's state into preallocated "
                 f"buffers (the staging floor): {floor:.3f} s; all async times: "

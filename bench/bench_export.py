@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -47,7 +46,12 @@ from _common import (
     seconds,
     time_collective,
 )
-from _models import build_model, config_for_size, write_hf_checkpoint
+from _models import (
+    build_model,
+    parse_size_args,
+    prepare_workspace,
+    size_parser,
+)
 from _system import PeakRSS
 from tunelab.checkpoint import CheckpointClient, HFCheckpointReader, LoRASpec, copy_model_files
 from tunelab.config.recipe_args import LoRAArgs
@@ -58,14 +62,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def parse_args() -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=float, default=256, help="fp32 base weight MB")
-    parser.add_argument("--dim", type=int, default=1024, help="model width")
-    parser.add_argument("--vocab-size", type=int, default=16384)
+    parser = size_parser(__doc__.splitlines()[0], repeats=7, full=False)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
-    return parser.parse_args()
+    return parse_size_args(parser)
 
 
 def gather_merge_save(model, lora: LoRASpec, base: Path, out: Path) -> None:
@@ -121,13 +120,8 @@ def main() -> None:
     """Build the LoRA model, time both exports with their memory, print the table on rank 0."""
     args = parse_args()
     init_distributed("cpu")
-    root = Path(args.dir or tempfile.gettempdir()) / "tunelab_bench_export"
-    base, out = root / "base", root / "out"
-    config = config_for_size(args.size_mb, dim=args.dim, vocab_size=args.vocab_size)
-    if is_main():
-        shutil.rmtree(root, ignore_errors=True)
-        weight_bytes = write_hf_checkpoint(base, config)
-    barrier()
+    workspace = prepare_workspace(args, "tunelab_bench_export")
+    root, base, out = workspace.root, workspace.base, workspace.out
     lora_args = LoRAArgs(rank=args.rank, alpha=2.0 * args.rank, targets=TARGETS)
     model = build_model(base, lora=lora_args)
     with torch.no_grad():  # a trained adapter: B != 0, so the merge changes every weight
@@ -196,7 +190,7 @@ def main() -> None:
             "LoRA export: shard-local merge + parallel write vs gather on rank 0",
             rows,
             [
-                f"{weight_bytes / 1e9:.2f} GB fp32 base weights, LoRA r={args.rank} on "
+                f"{workspace.weight_bytes / 1e9:.2f} GB fp32 base weights, LoRA r={args.rank} on "
                 f"{', '.join(TARGETS)}; {dist.get_world_size()} ranks, fsync on in both, "
                 f"median of {args.repeats} (times), max of {args.repeats} (memory); "
                 "tunelab times: " + ", ".join(f"{t:.3f}" for t in times["tunelab"]) + " s; "

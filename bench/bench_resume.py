@@ -21,7 +21,6 @@ again right after. No target is set by the issue: the ratio shows the restore ov
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -38,7 +37,12 @@ from _common import (
     seconds,
     time_collective,
 )
-from _models import build_model, config_for_size, write_hf_checkpoint
+from _models import (
+    build_model,
+    parse_size_args,
+    prepare_workspace,
+    size_parser,
+)
 from _system import drop_from_page_cache, files_under
 from tunelab.checkpoint import CheckpointClient
 from tunelab.distributed import init_distributed
@@ -48,17 +52,7 @@ _CHUNK = 64 * 2**20
 
 def parse_args() -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=float, default=256, help="fp32 weight MB")
-    parser.add_argument("--full", action="store_true", help="1.1 GB of weights")
-    parser.add_argument("--dim", type=int, default=1024, help="model width")
-    parser.add_argument("--vocab-size", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
-    args = parser.parse_args()
-    if args.full:
-        args.size_mb = max(args.size_mb, 1100)
-    return args
+    return parse_size_args(size_parser(__doc__.splitlines()[0]))
 
 
 def my_files(files: list[Path], rank: int, world_size: int) -> list[Path]:
@@ -89,13 +83,8 @@ def main() -> None:
     args = parse_args()
     init_distributed("cpu")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    root = Path(args.dir or tempfile.gettempdir()) / "tunelab_bench_resume"
-    base, out = root / "base", root / "out"
-    config = config_for_size(args.size_mb, dim=args.dim, vocab_size=args.vocab_size)
-    if is_main():
-        shutil.rmtree(root, ignore_errors=True)
-        write_hf_checkpoint(base, config)
-    barrier()
+    workspace = prepare_workspace(args, "tunelab_bench_resume")
+    root, base, out = workspace.root, workspace.base, workspace.out
     model = build_model(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for param in model.parameters():  # AdamW's moments exist, so they are saved and restored
