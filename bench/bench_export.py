@@ -24,7 +24,6 @@ Targets: >= 3x faster; tunelab's largest per-rank peak <= half of rank 0's in th
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -53,6 +52,7 @@ from _models import (
     size_parser,
 )
 from _system import PeakRSS
+from tunelab._fs import fsync_path
 from tunelab.checkpoint import CheckpointClient, HFCheckpointReader, LoRASpec, copy_model_files
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
@@ -79,15 +79,7 @@ def gather_merge_save(model, lora: LoRASpec, base: Path, out: Path) -> None:
     if rank != 0:
         return
     adapter = {key: value for key, value in full.items() if ".lora_" in key}
-    config = peft.adapter_config(
-        rank=lora.rank,
-        alpha=lora.alpha,
-        dropout=lora.dropout,
-        targets=list(lora.targets),
-        use_rslora=lora.use_rslora,
-        base_model_name_or_path=str(base),
-    )
-    peft.save_peft_adapter(adapter, config, out / "adapter")
+    peft.save_peft_adapter(adapter, lora.peft_config(str(base)), out / "adapter")
     merged = {}
     for name, module in peft.lora_modules(model).items():
         owner = peft.clean_fqn(name)
@@ -102,18 +94,10 @@ def gather_merge_save(model, lora: LoRASpec, base: Path, out: Path) -> None:
         files.setdefault(fqn_to_file[key], {})[key] = tensor.contiguous()
     for name, tensors in files.items():
         save_file(tensors, out / name, metadata={"format": "pt"})
-        _fsync(out / name)
+        fsync_path(out / name)
     index = {"metadata": {}, "weight_map": {key: fqn_to_file[key] for key in sorted(hf)}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     copy_model_files(base, out, torch.float32)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:

@@ -279,15 +279,6 @@ def write_chunk(
     return len(raw)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Fsync a directory so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # sync_file_range(2) flag: start writing back the range's dirty pages, do not wait.
 _SYNC_FILE_RANGE_WRITE = 2
 

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+import tunelab.peft as peft
 from tunelab.checkpoint import layout
 from tunelab.checkpoint.dcp import DCPSaver, WriterFactory, load, saved_keys
 from tunelab.checkpoint.export import export_hf
@@ -60,6 +61,17 @@ class LoRASpec:
     targets: tuple[str, ...]
     use_rslora: bool = False
     dropout: float = 0.0
+
+    def peft_config(self, base_model_name_or_path: str) -> dict[str, Any]:
+        """The ``adapter_config.json`` PEFT needs to load an adapter with these settings."""
+        return peft.adapter_config(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            targets=list(self.targets),
+            use_rslora=self.use_rslora,
+            base_model_name_or_path=base_model_name_or_path,
+        )
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tunelab._fs import fsync_path
 from tunelab.checkpoint._safetensors_layout import (
     FileLayout,
     TensorSpec,
     assign_files,
     build_file_layout,
-    fsync_dir,
     pwrite_all,
     start_writeback,
     write_chunk,
@@ -295,4 +295,4 @@ class HFSafetensorsWriter(StorageWriter):
                     os.fsync(handle.fileno())
             os.replace(temp_index, index_path)
         if self.sync_files:
-            fsync_dir(self.path)
+            fsync_path(self.path)

@@ -56,14 +56,7 @@ def export_hf(
         # One collective for the whole (small) adapter; the merge reuses its gathered A's.
         adapter = gather_full_tensors(peft.adapter_state_dict(model))
         if rank == 0:
-            config = peft.adapter_config(
-                rank=lora.rank,
-                alpha=lora.alpha,
-                dropout=lora.dropout,
-                targets=list(lora.targets),
-                use_rslora=lora.use_rslora,
-                base_model_name_or_path=str(base_checkpoint_dir),
-            )
+            config = lora.peft_config(str(base_checkpoint_dir))
             peft.save_peft_adapter(adapter, config, output_dir / "adapter")
         # The merges run inside the writer, one weight at a time, as each is written.
         state_dict, merges = lazy_merged_state_dict(model, full_adapter=adapter)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from tunelab.checkpoint._safetensors_layout import fsync_dir
+from tunelab._fs import fsync_path
 from tunelab.checkpoint.consolidate import DEFAULT_MAX_SHARD_SIZE, HFSafetensorsWriter, temp_name
 from tunelab.checkpoint.hf_write import copy_model_files
 from tunelab.errors import CheckpointError, TunelabError
@@ -158,4 +158,4 @@ def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
     os.replace(staging, final)
     shutil.rmtree(previous, ignore_errors=True)
     if sync_files:
-        fsync_dir(final.parent)
+        fsync_path(final.parent)

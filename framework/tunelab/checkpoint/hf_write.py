@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tunelab._fs import fsync_path
 from tunelab.checkpoint.hf import MODEL_FILE_PATTERNS, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from tunelab.errors import CheckpointError
 
@@ -75,14 +76,6 @@ def _to_cpu(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | No
         out[key] = tensor.clone() if storage in storages else tensor
         storages.add(storage)
     return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_config(config: Mapping, path: Path, torch_dtype: torch.dtype | None) -> None:
@@ -188,7 +181,7 @@ def save_hf_checkpoint(
         for filename, keys in plan.items():
             tensors = _to_cpu(((key, state_dict[key]) for key in keys), torch_dtype)
             save_file(tensors, temp / filename, metadata={"format": "pt"})
-            _fsync(temp / filename)
+            fsync_path(temp / filename)
             total_size += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update(dict.fromkeys(keys, filename))
             del tensors  # one file's worth of converted tensors at a time

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunelab._fs import fsync_path
 from tunelab.errors import CheckpointError
 
 MANIFEST_NAME = "tunelab_manifest.json"
@@ -44,16 +45,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temp_path, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Fsync a folder so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)
 
 
 def list_files(directory: Path) -> dict[str, int]:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tunelab._fs import fsync_path
 from tunelab.errors import CheckpointError
 from tunelab.peft.apply import lora_modules
 from tunelab.peft.state import (
@@ -34,14 +35,6 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 # Files that mean "a full model lives here"; an adapter must not be written beside them.
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_peft_adapter(
@@ -88,7 +81,7 @@ def save_peft_adapter(
             json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
         )
         for name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME):
-            _fsync_path(staging / name)
+            fsync_path(staging / name)
         os.chmod(staging, 0o755)
         if output_dir.exists():
             # A directory cannot be renamed over a non-empty one: move the old adapter aside
@@ -101,7 +94,7 @@ def save_peft_adapter(
             shutil.rmtree(retired)
         else:
             os.rename(staging, output_dir)
-        _fsync_path(output_dir.parent)
+        fsync_path(output_dir.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
