@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from tunelab.cli._discovery import load_recipe_args, resolve_recipe
 from tunelab.config import load_config, parse_args, resolve_config_path
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, TunelabError
 
 
 def recipe_of_config(cfg: DictConfig, config_path: Path) -> Path:
@@ -32,7 +32,10 @@ def recipe_of_config(cfg: DictConfig, config_path: Path) -> Path:
             f"config {config_path} has no 'recipe' key: add `recipe: <name or path>` naming "
             "the recipe it belongs to"
         )
-    return resolve_recipe(recipe, relative_to=config_path.parent)
+    try:
+        return resolve_recipe(recipe, relative_to=config_path.parent)
+    except TunelabError as err:
+        raise ConfigError(f"config {config_path}, key 'recipe': {err}") from err
 
 
 def check_config(

@@ -14,8 +14,10 @@ def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.Argument
         parents=[parent],
         help="check a config (and overrides) against its recipe",
         description="Load CONFIG with the overrides and check it strictly against the settings "
-        "(ARGS) of the recipe its `recipe:` key names: unknown keys, types, and that every "
-        "_component_ imports and its arguments bind.",
+        "(ARGS) of the recipe its `recipe:` key names: unknown keys, types, the values each "
+        "setting allows, that every _component_ exists and its arguments bind and follow its "
+        "rules, and the files it names (model folder, tokenizer, dataset files, output_dir). "
+        "Imports no torch and runs nothing.",
     )
     parser.add_argument("config", metavar="CONFIG", help="built-in config name or YAML path")
     parser.add_argument(

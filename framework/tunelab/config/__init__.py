@@ -1,8 +1,11 @@
 """Configs: YAML load, overrides, ``_component_`` instantiation, typed and strict recipe settings.
 
 A config is a YAML file (a built-in one by name, e.g. ``tiny/lora``, or any path). A recipe
-declares its settings as a ``RecipeArgs`` dataclass; ``parse_args`` checks a config against it
-and ``instantiate`` builds the swappable parts (``_component_`` nodes).
+declares its settings as a ``RecipeArgs`` dataclass, with the values each allows on its type
+(``Annotated[int, Range(ge=1)]``, see ``constraints``); ``parse_args`` checks a config against
+it and ``instantiate`` builds the swappable parts (``_component_`` nodes).
+
+Nothing here imports torch, so checking a config stays fast.
 """
 
 from tunelab.config._args import Component, ComponentSpec, RecipeArgs, component, field_docs
@@ -10,11 +13,33 @@ from tunelab.config._entry import parse_recipe_cli, recipe_main
 from tunelab.config._instantiate import import_component, instantiate
 from tunelab.config._load import apply_overrides, builtin_configs, load_config, resolve_config_path
 from tunelab.config._validate import parse_args, validate
+from tunelab.config.constraints import (
+    Constraint,
+    ExistingPath,
+    Finite,
+    ModelDir,
+    NonEmpty,
+    OneOf,
+    OutputDir,
+    PathCheck,
+    Range,
+    TokenizerPath,
+)
 
 __all__ = [
     "Component",
     "ComponentSpec",
+    "Constraint",
+    "ExistingPath",
+    "Finite",
+    "ModelDir",
+    "NonEmpty",
+    "OneOf",
+    "OutputDir",
+    "PathCheck",
+    "Range",
     "RecipeArgs",
+    "TokenizerPath",
     "apply_overrides",
     "builtin_configs",
     "component",

@@ -72,6 +72,15 @@ class RecipeArgs:
     recipe: str
     """The recipe this config belongs to: a built-in recipe name or a path to a ``.py`` file."""
 
+    def check_settings(self) -> list[str]:
+        """Return the problems that involve several settings, one message per problem.
+
+        ``parse_args`` and ``validate`` call it once every setting is valid on its own, and
+        report what it returns with the rest. Override it for a rule across settings (and
+        extend ``super().check_settings()``); each message should name the key it is about.
+        """
+        return []
+
 
 def _class_field_docs(klass: type) -> dict[str, str]:
     try:

@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tunelab.config._static import StaticCallable, StaticMissing, resolve_static
 from tunelab.errors import ConfigError
 
 COMPONENT_KEY = "_component_"
@@ -22,6 +23,19 @@ def _first_line(err: Exception) -> str:
 
 def _join(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def _check_dotted(dotted: object, where: str) -> None:
+    if not isinstance(dotted, str) or "." not in dotted or not all(dotted.split(".")):
+        raise ConfigError(
+            f"{where}: expected a dotted path like 'torch.optim.AdamW', got {dotted!r}"
+        )
+
+
+def _no_attribute(where: str, dotted: str, owner: str, attr: str, known: list[str]) -> str:
+    message = f"{where}: cannot import '{dotted}': '{owner}' has no attribute '{attr}'"
+    close = difflib.get_close_matches(attr, known, n=1)
+    return message + (f"; did you mean '{owner}.{close[0]}'?" if close else "")
 
 
 def import_component(dotted: object, where: str = COMPONENT_KEY) -> Any:
@@ -40,10 +54,7 @@ def import_component(dotted: object, where: str = COMPONENT_KEY) -> Any:
     Raises:
         ConfigError: If the path is not a string or does not resolve.
     """
-    if not isinstance(dotted, str) or "." not in dotted or not all(dotted.split(".")):
-        raise ConfigError(
-            f"{where}: expected a dotted path like 'torch.optim.AdamW', got {dotted!r}"
-        )
+    _check_dotted(dotted, where)
     parts = dotted.split(".")
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
@@ -58,18 +69,50 @@ def import_component(dotted: object, where: str = COMPONENT_KEY) -> Any:
         for depth, attr in enumerate(parts[split:], start=split):
             if not hasattr(target, attr):
                 owner = ".".join(parts[:depth])
-                message = f"{where}: cannot import '{dotted}': '{owner}' has no attribute '{attr}'"
-                close = difflib.get_close_matches(
-                    attr, [n for n in dir(target) if not n.startswith("_")], n=1
-                )
-                if close:
-                    message += f"; did you mean '{owner}.{close[0]}'?"
-                raise ConfigError(message)
+                known = [n for n in dir(target) if not n.startswith("_")]
+                raise ConfigError(_no_attribute(where, dotted, owner, attr, known))
             target = getattr(target, attr)
         if not callable(target):
             raise ConfigError(f"{where}: '{dotted}' is not callable")
         return target
     raise ConfigError(f"{where}: cannot import '{dotted}': no module named '{parts[0]}'")
+
+
+def inspect_component(dotted: object, where: str = COMPONENT_KEY) -> tuple[str, Any]:
+    """Find what a ``_component_`` names and its signature, importing only when needed.
+
+    A ``tunelab.*`` path is read from the source (``_static``), so checking the built-in
+    configs never imports torch; anything the source cannot settle, and every other package,
+    is imported with ``import_component``. Nothing is called.
+
+    Args:
+        dotted: The dotted path from the config.
+        where: The config key holding the path, for error messages.
+
+    Returns:
+        ``(name, signature)``: the defining module and qualified name (the key of the
+        component rules, e.g. ``tunelab.training.optim.adamw``), and an
+        ``inspect.Signature`` or None when the callable has none.
+
+    Raises:
+        ConfigError: If the path is not a string or does not resolve.
+    """
+    _check_dotted(dotted, where)
+    assert isinstance(dotted, str)
+    found = resolve_static(dotted)
+    if isinstance(found, StaticCallable):
+        return found.name, found.signature
+    if isinstance(found, StaticMissing):
+        raise ConfigError(
+            _no_attribute(where, dotted, found.owner, found.attribute, list(found.known))
+        )
+    target = import_component(dotted, where)
+    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        signature = None  # Some builtins have no signature.
+    return name, signature
 
 
 def check_call(target: Any, dotted: str, kwargs: dict[str, Any], where: str) -> None:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tunelab import _paths
+from tunelab.config.constraints import suggest_path
 from tunelab.errors import ConfigError
 
 _YAML_SUFFIXES = (".yaml", ".yml")
@@ -82,8 +83,17 @@ def resolve_config_path(config: str) -> Path:
     builtins = builtin_configs()
     if config in builtins:
         return builtins[config]
+    if path.is_dir():
+        raise ConfigError(f"config {config} is a folder, expected a YAML file")
     if path.suffix in _YAML_SUFFIXES or path.is_absolute() or config.startswith("."):
-        raise ConfigError(f"config file not found: {config}")
+        close = suggest_path(path)
+        raise ConfigError(
+            f"config file not found: {config}" + (f"; did you mean '{close}'?" if close else "")
+        )
+    if (_paths.recipes_dir() / f"{config}.py").is_file():
+        raise ConfigError(
+            f"'{config}' is a recipe, not a config (`tunelab ls` lists the configs of each recipe)"
+        )
     message = f"unknown config '{config}': not a YAML file and not a built-in config"
     close = difflib.get_close_matches(config, list(builtins), n=1)
     if close:

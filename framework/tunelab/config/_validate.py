@@ -1,19 +1,31 @@
-"""Strict validation of a config against a recipe's settings dataclass."""
+"""Strict validation of a config against a recipe's settings dataclass.
+
+Besides keys and types, every value is held to the constraints declared on its type
+(``Annotated[int, Range(ge=1)]``, see ``constraints``), the arguments of the built-in components
+to their rules (``_component_rules``), and paths to their checks (a model folder, a dataset
+file, an output folder). Components are looked up without importing torch where the source says
+enough (``_static``), so this stays fast enough to run before every launch.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import inspect
+import os
+import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from tunelab.config._args import ComponentSpec, component_spec, field_docs
-from tunelab.config._instantiate import COMPONENT_KEY, import_component
-from tunelab.config._types import TypeMismatch, coerce
+from tunelab.config._args import ComponentSpec, RecipeArgs, component_spec, field_docs
+from tunelab.config._component_rules import RULES, ComponentRules
+from tunelab.config._instantiate import COMPONENT_KEY, inspect_component
+from tunelab.config._types import TypeMismatch, coerce, split_annotated
+from tunelab.config.constraints import PathCheck
 from tunelab.errors import ConfigError
 
 T = TypeVar("T")
@@ -37,6 +49,7 @@ def _suggest(key: str, known: typing.Iterable[str], prefix: str) -> str:
 
 def _dataclass_of(hint: Any) -> type | None:
     """Return the dataclass a field holds (``Args`` or ``Args | None``), else None."""
+    hint = split_annotated(hint)[0]
     candidates = [hint, *typing.get_args(hint)] if typing.get_origin(hint) else [hint]
     for candidate in candidates:
         if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
@@ -45,16 +58,60 @@ def _dataclass_of(hint: Any) -> type | None:
 
 
 def _is_list(hint: Any) -> bool:
+    hint = split_annotated(hint)[0]
     return typing.get_origin(hint) in (list, tuple, typing.Sequence) or any(
         typing.get_origin(arg) is list for arg in typing.get_args(hint)
     )
 
 
+def _path_checks(hint: Any) -> list[PathCheck]:
+    """The path checks of a hint: ``Annotated[str, ModelDir()]``, also inside ``X | None``."""
+    inner, constraints = split_annotated(hint)
+    found = [c for c in constraints if isinstance(c, PathCheck)]
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):
+        for arm in typing.get_args(inner):
+            found.extend(_path_checks(arm))
+    return found
+
+
+def key_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every settings key of a dataclass, nested dataclasses included (``checkpoint.x``)."""
+    paths = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        path = _join(prefix, field.name)
+        paths.append(path)
+        nested = _dataclass_of(hints[field.name])
+        if nested is not None and component_spec(field) is None:
+            paths.extend(key_paths(nested, path))
+    return paths
+
+
 class _Checker:
     """Walks a config and a dataclass tree together, collecting every problem."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: type | None = None) -> None:
         self.problems: list[str] = []
+        self.bad_paths: set[str] = set()
+        # Every key of the whole settings tree, so a key in the wrong section finds its place.
+        self.all_keys = key_paths(root) if root is not None else []
+
+    def suggest_key(self, key: str, path: str, here: typing.Iterable[str]) -> str:
+        """A did-you-mean for an unknown key: the same name in another section first."""
+        wrong = _join(path, key)
+        elsewhere = [p for p in self.all_keys if p.rpartition(".")[2] == key and p != wrong]
+        if elsewhere:
+            return f"; did you mean '{min(elsewhere, key=len)}'?"
+        close = _suggest(key, here, path)
+        if close:
+            return close
+        leaves = {}
+        for candidate in sorted(self.all_keys, key=len, reverse=True):
+            leaves[candidate.rpartition(".")[2]] = candidate
+        match = difflib.get_close_matches(key, list(leaves), n=1)
+        return f"; did you mean '{leaves[match[0]]}'?" if match else ""
 
     def read(self, node: DictConfig | ListConfig, key: Any, path: str) -> Any:
         """Read one child with interpolations resolved; record a problem and return _NO_VALUE."""
@@ -77,11 +134,12 @@ class _Checker:
 
     def dataclass(self, node: DictConfig, cls: type, path: str) -> Any:
         fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         for key in node.keys():
             if key not in fields:
                 self.problems.append(
-                    f"unknown key '{_join(path, key)}' in config" + _suggest(str(key), fields, path)
+                    f"unknown key '{_join(path, key)}' in config"
+                    + self.suggest_key(str(key), path, fields)
                 )
         kwargs: dict[str, Any] = {}
         for name, field in fields.items():
@@ -120,9 +178,24 @@ class _Checker:
                     kwargs[name] = coerce(value, hints[name])
                 except TypeMismatch as err:
                     self.problems.append(f"key '{key_path}': {err}")
+                    continue
+                self.check_paths(kwargs[name], hints[name], key_path)
         if self.problems:
             return None
         return cls(**kwargs)
+
+    def check_paths(self, value: Any, hint: Any, path: str) -> None:
+        if value is None or not isinstance(value, (str, Path)):
+            return
+        # `tokenizer.path: ${checkpoint_dir}` is the same folder: one message about it is enough.
+        where = os.path.abspath(os.path.expanduser(value))
+        if where in self.bad_paths:
+            return
+        for check in _path_checks(hint):
+            problems = check.problems(str(value))
+            if problems:
+                self.bad_paths.add(where)
+            self.problems.extend(f"key '{path}': {problem}" for problem in problems)
 
     def component_field(self, value: Any, hint: Any, spec: ComponentSpec, path: str) -> Any:
         many = _is_list(hint)
@@ -157,15 +230,49 @@ class _Checker:
         if dotted is _NO_VALUE:
             return
         try:
-            target = import_component(dotted, _join(path, COMPONENT_KEY))
+            name, signature = inspect_component(dotted, _join(path, COMPONENT_KEY))
         except ConfigError as err:
             self.problems.append(str(err))
             return
         keys = [str(key) for key in node.keys() if key != COMPONENT_KEY]
-        self.signature(target, dotted, keys, path, call_args)
-        for key in keys:
-            child = self.read(node, key, _join(path, key))
-            self.nested_components(child, _join(path, key))
+        self.signature(signature, dotted, keys, path, call_args)
+        children = {key: self.read(node, key, _join(path, key)) for key in keys}
+        rules = RULES.get(name)
+        if rules is not None:
+            self.component_arguments(rules, children, path)
+        for key, child in children.items():
+            if child is not _NO_VALUE:
+                self.nested_components(child, _join(path, key))
+
+    def component_arguments(
+        self, rules: ComponentRules, children: dict[str, Any], path: str
+    ) -> None:
+        """Hold a built-in component's arguments to its rules (``_component_rules``)."""
+        values: dict[str, Any] = {}
+        refused = False
+        for key, child in children.items():
+            if child is _NO_VALUE:
+                refused = True
+                continue
+            if isinstance(child, DictConfig) and COMPONENT_KEY in child:
+                continue  # A nested component; checked on its own.
+            value = self.plain(child, _join(path, key))
+            if value is _NO_VALUE:
+                refused = True
+                continue
+            values[key] = value
+            if key not in rules.args:
+                continue
+            try:
+                converted = coerce(value, rules.args[key])
+            except TypeMismatch as err:
+                self.problems.append(f"key '{_join(path, key)}': {err}")
+                refused = True
+                continue
+            self.check_paths(converted, rules.args[key], _join(path, key))
+        if rules.check is not None and not refused:
+            for key, problem in rules.check(values):
+                self.problems.append(f"key '{_join(path, key)}': {problem}")
 
     def nested_components(self, value: Any, path: str) -> None:
         """Check components inside a component's arguments; these get no call-site args."""
@@ -184,12 +291,16 @@ class _Checker:
             self.plain(value, path)
 
     def signature(
-        self, target: Any, dotted: str, keys: list[str], path: str, call_args: tuple[str, ...]
+        self,
+        signature: inspect.Signature | None,
+        dotted: str,
+        keys: list[str],
+        path: str,
+        call_args: tuple[str, ...],
     ) -> None:
-        try:
-            params = inspect.signature(target).parameters
-        except (TypeError, ValueError):
+        if signature is None:
             return  # No signature to check against (some builtins).
+        params = signature.parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         by_keyword = [name for name, p in params.items() if p.kind in _BY_KEYWORD]
         for key in keys:
@@ -220,9 +331,12 @@ class _Checker:
 def validate(cfg: DictConfig, args_cls: type) -> list[str]:
     """Return every problem of a config against a recipe's settings dataclass.
 
-    Checks unknown keys (with the closest known key), missing required keys, value types,
-    and every ``_component_``: it must import, its config arguments must exist in its
-    signature, and its required arguments must be given by the config or the recipe.
+    Checks unknown keys (with the closest known key, in any section), missing required keys,
+    value types and the constraints declared on them (``Annotated[int, Range(ge=1)]``), the
+    paths they name (``ModelDir``, ``OutputDir``, ...), every ``_component_`` (it must exist,
+    its config arguments must be in its signature and follow the component's rules, and its
+    required arguments must be given by the config or the recipe), and the settings'
+    ``check_settings()``.
 
     Args:
         cfg: The loaded config (overrides applied).
@@ -231,8 +345,10 @@ def validate(cfg: DictConfig, args_cls: type) -> list[str]:
     Returns:
         One message per problem; empty when the config is valid.
     """
-    checker = _Checker()
-    checker.dataclass(cfg, args_cls, "")
+    checker = _Checker(args_cls)
+    args = checker.dataclass(cfg, args_cls, "")
+    if isinstance(args, RecipeArgs):
+        checker.problems.extend(args.check_settings())
     return checker.problems
 
 
@@ -254,8 +370,10 @@ def parse_args(cfg: DictConfig, args_cls: type[T]) -> T:
     """
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"a config is a mapping of keys to values, got {type(cfg).__name__}")
-    checker = _Checker()
+    checker = _Checker(args_cls)
     args = checker.dataclass(cfg, args_cls, "")
+    if isinstance(args, RecipeArgs):
+        checker.problems.extend(args.check_settings())
     if checker.problems:
         if len(checker.problems) == 1:
             raise ConfigError(checker.problems[0])

@@ -1,26 +1,52 @@
 """The typed settings of the built-in recipes.
 
 Each default lives here, once; recipes read ``args.<field>`` and never ``cfg.get(key, default)``.
+So do the values each setting allows (``Annotated[int, Range(ge=1)]``): ``parse_args``,
+``tunelab validate`` and the generated docs/settings.md all read them from here.
 A copied recipe can subclass these or declare its own ``RecipeArgs`` dataclass.
+
+This module must not import torch: ``tunelab validate`` imports it to check a config.
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
+
+from omegaconf import DictConfig
 
 from tunelab.config._args import Component, RecipeArgs, component
+from tunelab.config._model_dir import tokenizer_fits_model
+from tunelab.config.constraints import (
+    ExistingPath,
+    Finite,
+    ModelDir,
+    NonEmpty,
+    OneOf,
+    OutputDir,
+    Range,
+)
+
+AtLeastOne = Annotated[int, Range(ge=1)]
+"""A count or interval that must be 1 or more."""
+AdapterDir = Annotated[
+    str, ExistingPath("dir", contains=("adapter_config.json", "adapter_model.safetensors"))
+]
+"""A PEFT adapter folder."""
 
 
 @dataclass(kw_only=True)
 class LoRAArgs:
     """LoRA adapter settings."""
 
-    rank: int = 8
+    rank: AtLeastOne = 8
     """Rank r of the low-rank update B @ A."""
-    alpha: float = 16.0
+    alpha: Annotated[float, Finite(), Range(gt=0)] = 16.0
     """Scale numerator: the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA)."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Dropout on the adapter's input."""
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    targets: Annotated[list[Annotated[str, NonEmpty()]], NonEmpty()] = field(
+        default_factory=lambda: ["q_proj", "v_proj"]
+    )
     """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head), or ["all-linear"]."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
@@ -30,15 +56,15 @@ class LoRAArgs:
 class CheckpointArgs:
     """Intermediate checkpoints, resume and exports."""
 
-    save_every_n_steps: int | None = None
+    save_every_n_steps: AtLeastOne | None = None
     """Save a resumable checkpoint every N optimizer steps (None: only at epoch ends)."""
     enable_async_checkpointing: bool = False
     """Return from a save at once: stage to CPU during the next forward/backward, write in background."""
-    keep_last_n_checkpoints: int | None = None
+    keep_last_n_checkpoints: AtLeastOne | None = None
     """Keep only the newest N committed step checkpoints (None keeps all)."""
     resume_from_checkpoint: bool = False
     """Continue from the newest committed step checkpoint in output_dir."""
-    export_every_n_epochs: int = 1
+    export_every_n_epochs: AtLeastOne = 1
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
 
 
@@ -46,9 +72,9 @@ class CheckpointArgs:
 class FinetuneArgs(RecipeArgs):
     """Settings shared by the supervised fine-tuning recipes."""
 
-    output_dir: str
+    output_dir: Annotated[str, NonEmpty(), OutputDir()]
     """Folder for checkpoints (step_N/), exports (epoch_E/) and logs (logs/)."""
-    checkpoint_dir: str
+    checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
     """The base model: a Hugging Face folder (config.json, safetensors, tokenizer files)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
@@ -74,19 +100,19 @@ class FinetuneArgs(RecipeArgs):
     """The loss: returns the summed token loss and the number of target tokens."""
     metric_loggers: list[Component] | None = component(required=False)
     """Where per-step metrics go (stdout, JSONL, TensorBoard, W&B)."""
-    batch_size: int = 2
+    batch_size: AtLeastOne = 2
     """Samples per micro-batch per process."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: AtLeastOne = 1
     """Micro-batches per optimizer step."""
-    epochs: int = 1
+    epochs: AtLeastOne = 1
     """Passes over the training data."""
-    max_steps_per_epoch: int | None = None
+    max_steps_per_epoch: AtLeastOne | None = None
     """Cap on optimizer steps per epoch (None: the whole dataset)."""
-    clip_grad_norm: float | None = 1.0
+    clip_grad_norm: Annotated[float, Finite(), Range(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value (None: no clipping)."""
-    log_every_n_steps: int = 1
+    log_every_n_steps: AtLeastOne = 1
     """Log metrics every N optimizer steps."""
-    run_val_every_n_steps: int | None = None
+    run_val_every_n_steps: AtLeastOne | None = None
     """Evaluate val_dataset every N optimizer steps (it is always evaluated at epoch ends)."""
     enable_activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward to save memory."""
@@ -96,6 +122,17 @@ class FinetuneArgs(RecipeArgs):
     """Compile each transformer block with torch.compile."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
+
+    def check_settings(self) -> list[str]:
+        """Check that a tokenizer read from another folder fits the model's vocabulary."""
+        problems = super().check_settings()
+        path = self.tokenizer.get("path") if isinstance(self.tokenizer, DictConfig) else None
+        if isinstance(path, str) and path:
+            problems += [
+                f"key 'tokenizer.path': {problem}"
+                for problem in tokenizer_fits_model(Path(path), Path(self.checkpoint_dir))
+            ]
+        return problems
 
 
 @dataclass(kw_only=True)
@@ -109,7 +146,7 @@ class LoRAFinetuneArgs(FinetuneArgs):
 
     lora: LoRAArgs = field(default_factory=LoRAArgs)
     """The LoRA adapters."""
-    adapter_dir: str | None = None
+    adapter_dir: AdapterDir | None = None
     """Start from an existing PEFT adapter folder instead of a fresh adapter."""
 
 
@@ -117,21 +154,21 @@ class LoRAFinetuneArgs(FinetuneArgs):
 class GenerateArgs(RecipeArgs):
     """Settings of the generate recipe."""
 
-    checkpoint_dir: str
+    checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
     """A Hugging Face model folder (a base model or an epoch_E export)."""
-    adapter_dir: str | None = None
+    adapter_dir: AdapterDir | None = None
     """A PEFT adapter folder to apply on top of the model."""
     prompt: str = "Hello"
     """The user prompt (for instruct-style models, the instruction)."""
     input: str | None = None
     """Optional input joined to the prompt the way the template joins an instruct row's input."""
-    template: str | None = None
+    template: Annotated[str, OneOf("llama3", "chatml", "instruct")] | None = None
     """Chat template to wrap the prompt in (llama3, chatml, instruct), or None for raw text."""
-    max_new_tokens: int = 64
+    max_new_tokens: AtLeastOne = 64
     """Tokens to generate at most."""
-    temperature: float = 0.0
+    temperature: Annotated[float, Finite(), Range(ge=0)] = 0.0
     """Sampling temperature (0: greedy)."""
-    top_k: int | None = None
+    top_k: AtLeastOne | None = None
     """Sample only among the k most likely tokens."""
     seed: int = 0
     """Seed for sampling."""
@@ -151,7 +188,7 @@ class LoRADPOArgs(LoRAFinetuneArgs):
     """An optional preference dataset whose loss and rewards are logged with a val_ prefix."""
     loss: Component = component()
     """The preference loss (tunelab.losses.DPOLoss, IPOLoss, HingeLoss, SimPOLoss)."""
-    batch_size: int = 2
+    batch_size: AtLeastOne = 2
     """Preference pairs per micro-batch per process (the forward sees twice as many rows)."""
-    adapter_dir: str | None = None
+    adapter_dir: AdapterDir | None = None
     """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
