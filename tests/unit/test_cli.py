@@ -190,6 +190,38 @@ def test_cp_unknown_name(fake_builtins, tmp_path):
     assert not (tmp_path / "g.py").exists()
 
 
+def test_cp_unknown_name_suggests_the_closest(fake_builtins, tmp_path):
+    line = one_error_line(fake_builtins("cp", "x/onee", tmp_path / "g.yaml"))
+    assert (
+        line == "tunelab: error: no built-in recipe or config named 'x/onee'; did you mean 'x/one'?"
+    )
+
+
+def test_cp_to_stdout(fake_builtins):
+    result = fake_builtins("cp", "x/one", "-")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "recipe: alpha\nk: 1\n"  # The file alone: no "Copied" line.
+
+
+def test_cp_to_a_device_writes_it_and_adds_no_suffix(fake_builtins):
+    assert not Path("/dev/stdout.yaml").exists()
+    result = fake_builtins("cp", "x/one", "/dev/stdout")  # stdout is a pipe here
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "recipe: alpha\nk: 1\n"
+    assert not Path("/dev/stdout.yaml").exists()
+    assert fake_builtins("cp", "alpha", "/dev/null").returncode == 0
+
+
+def test_cp_never_adds_a_suffix_to_an_existing_file(fake_builtins, tmp_path):
+    dest = tmp_path / "noext"
+    dest.write_text("mine\n")
+    line = one_error_line(fake_builtins("cp", "x/one", dest))
+    assert line == f"tunelab: error: {dest} already exists; pass --force to overwrite it"
+    assert not (tmp_path / "noext.yaml").exists()
+    assert fake_builtins("cp", "x/one", dest, "--force").returncode == 0
+    assert dest.read_text() == "recipe: alpha\nk: 1\n"
+
+
 @pytest.mark.skipif(not builtin_configs(), reason="configs/ holds no YAML files yet")
 def test_cp_real_builtin_config(tmp_path):
     name, source = next(iter(builtin_configs().items()))
