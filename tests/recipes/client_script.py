@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 import tunelab.peft as peft
 from tunelab.checkpoint import CheckpointClient, LoRASpec, layout
+from tunelab.checkpoint.dcp import ChecksummedWriter
+from tunelab.checkpoint.dcp import load as load_step
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.errors import CheckpointError
@@ -28,7 +29,7 @@ LORA = LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
 VOCAB = 301
 
 
-class SlowWriter(dcp.FileSystemWriter):
+class SlowWriter(ChecksummedWriter):
     """Delays the data write of step_3, so a save is in flight for a while."""
 
     def write_data(self, plan, planner):
@@ -122,7 +123,7 @@ def main():
         probe = {
             "model": {k: v.detach().clone() for k, v in peft.adapter_state_dict(model).items()}
         }
-        dcp.load(probe, checkpoint_id=OUT / f"step_{step}")
+        load_step(probe, OUT / f"step_{step}")
         for name, value in probe["model"].items():
             assert torch.equal(value.to_local(), expected[name]), (step, name)
     client.export(0)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+from tunelab.checkpoint import integrity
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.errors import CheckpointError, ConfigError
@@ -73,9 +74,14 @@ def _check_folder(folder, state, expected_files):
 def test_greedy_split_mixed_dtypes(tmp_path):
     state = _mixed_state()
     # 7*4*4 = 112 bytes fills the first file; the rest (40+48+3+3+8+4+0 = 106) the second.
-    dcp.save(state, storage_writer=HFSafetensorsWriter(tmp_path, max_shard_size=120))
+    writer = HFSafetensorsWriter(tmp_path, max_shard_size=120)
+    dcp.save(state, storage_writer=writer)
     first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
     _check_folder(tmp_path, state, [first, second, "model.safetensors.index.json"])
+    # Checksums of header and every tensor piece, taken as they were written, tile each file.
+    assert sorted(writer.file_records) == [first, second, "model.safetensors.index.json"]
+    assert integrity.problems_in(tmp_path, writer.file_records) == []
+    assert len(writer.file_records[first]["ranges"]) > 1
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"] == {"total_size": 112 + 106}
     assert index["weight_map"] == {
@@ -172,7 +178,11 @@ def test_world_one_dtensors_replace_an_existing_export(world_of_one, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     weights = sorted(set(index["weight_map"].values()))
     extra = ["adapter", "config.json", "tokenizer.json", "model.safetensors.index.json"]
-    _check_folder(out, state, weights + extra)
+    _check_folder(out, state, weights + extra + ["tunelab_manifest.json"])
+    # The manifest lists every file written, with checksums taken as the bytes were written.
+    manifest = json.loads((out / "tunelab_manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(weights + extra[1:])
+    assert integrity.problems_in(out, manifest["files"]) == []
     assert (out / "adapter" / "adapter_config.json").read_text() == "{}"
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "epoch_0"]

@@ -1,27 +1,41 @@
 """The checkpoint subsystem.
 
 ``CheckpointClient`` is the only object recipes use; ``hf`` and ``hf_write`` read and write Hugging
-Face safetensors checkpoints; ``consolidate`` writes them from sharded state through DCP.
+Face safetensors checkpoints; ``consolidate`` writes them from sharded state through DCP;
+``integrity`` checksums and verifies what they write.
+
+Names are imported on first use, so ``tunelab.checkpoint.integrity`` and ``layout`` (which
+need no torch) load without torch: ``tunelab verify`` starts fast.
 """
 
-from tunelab.checkpoint.client import CheckpointClient, LoRASpec, ResumeState
-from tunelab.checkpoint.hf import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    HFCheckpointReader,
-    read_safetensors_header,
-)
-from tunelab.checkpoint.hf_write import copy_model_files, parse_size, save_hf_checkpoint
+import importlib
+from typing import Any
 
-__all__ = [
-    "CheckpointClient",
-    "LoRASpec",
-    "ResumeState",
-    "SAFE_WEIGHTS_INDEX_NAME",
-    "SAFE_WEIGHTS_NAME",
-    "HFCheckpointReader",
-    "copy_model_files",
-    "parse_size",
-    "read_safetensors_header",
-    "save_hf_checkpoint",
-]
+_EXPORTS = {
+    "CheckpointClient": "tunelab.checkpoint.client",
+    "LoRASpec": "tunelab.checkpoint.client",
+    "ResumeState": "tunelab.checkpoint.client",
+    "SAFE_WEIGHTS_INDEX_NAME": "tunelab.checkpoint.hf",
+    "SAFE_WEIGHTS_NAME": "tunelab.checkpoint.hf",
+    "HFCheckpointReader": "tunelab.checkpoint.hf",
+    "read_safetensors_header": "tunelab.checkpoint.hf",
+    "copy_model_files": "tunelab.checkpoint.hf_write",
+    "parse_size": "tunelab.checkpoint.hf_write",
+    "save_hf_checkpoint": "tunelab.checkpoint.hf_write",
+    "verify_folder": "tunelab.checkpoint.integrity",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tunelab.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

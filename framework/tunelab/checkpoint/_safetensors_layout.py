@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tunelab.checkpoint.hf import SAFE_WEIGHTS_NAME
+from tunelab.checkpoint.integrity import digest
 from tunelab.errors import CheckpointError
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -250,8 +251,8 @@ def write_chunk(
     global_shape: Sequence[int],
     chunk_offsets: Sequence[int],
     tensor_offset: int,
-) -> int:
-    """Write one chunk of a tensor into a file as its contiguous byte runs.
+) -> list[tuple[int, int, str]]:
+    """Write one chunk of a tensor into a file as its contiguous byte runs, hashing each.
 
     A contiguous CPU chunk is written from a zero-copy byte view (bf16 included); any other
     chunk is copied once to a contiguous CPU tensor of its own size, never to a whole tensor.
@@ -264,19 +265,23 @@ def write_chunk(
         tensor_offset: Absolute file offset of the whole tensor's first element.
 
     Returns:
-        The number of bytes written.
+        ``(file offset, length, digest)`` of each run written (the pieces of the file's
+        checksum record, ``tunelab.checkpoint.integrity``).
     """
     if chunk.numel() == 0:
-        return 0
+        return []
     local = chunk.detach().to("cpu").contiguous().reshape(-1)
     raw = memoryview(local.view(torch.uint8).numpy())
     itemsize = local.element_size()
     starts, run_length = contiguous_runs(global_shape, chunk_offsets, tuple(chunk.shape))
     run_bytes = run_length * itemsize
+    pieces = []
     for position, start in enumerate(starts):
         piece = raw[position * run_bytes : (position + 1) * run_bytes]
-        pwrite_all(fd, piece, tensor_offset + start * itemsize)
-    return len(raw)
+        file_offset = tensor_offset + start * itemsize
+        pwrite_all(fd, piece, file_offset)
+        pieces.append((file_offset, len(piece), digest(piece)))
+    return pieces
 
 
 # sync_file_range(2) flag: start writing back the range's dirty pages, do not wait.

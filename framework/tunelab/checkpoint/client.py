@@ -11,7 +11,9 @@ Lifecycle (see docs/checkpointing.md):
    rank's files are durable; retention then prunes older committed ones.
 5. :meth:`export` writes ``epoch_{E}/``: for LoRA the PEFT adapter first, then the merged
    model, merged shard-locally out of place and written by every rank in parallel.
-6. :meth:`load_latest` restores the newest committed, intact checkpoint at any world size.
+6. :meth:`load_latest` verifies the newest committed checkpoint against its checksums, moves
+   a bad one aside (``step_N.corrupt-<time>``) with a warning, and restores the newest good
+   one at any world size.
 """
 
 import hashlib
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 import tunelab.peft as peft
-from tunelab.checkpoint import layout
-from tunelab.checkpoint.dcp import DCPSaver, WriterFactory, load, saved_keys
+from tunelab.checkpoint import integrity, layout
+from tunelab.checkpoint._dcp_json import METADATA_JSON_NAME
+from tunelab.checkpoint.dcp import (
+    DCPSaver,
+    FileRecords,
+    WriterFactory,
+    as_checkpoint_error,
+    load,
+    saved_keys,
+)
 from tunelab.checkpoint.export import export_hf
 from tunelab.checkpoint.state import (
     TRAINER_STATE_NAME,
@@ -138,6 +149,7 @@ class CheckpointClient:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
         self._fingerprint = self._make_fingerprint()
+        self._remove_stale()
         # An async save stages the state while the next forward and backward run; the
         # optimizer step is the first thing that changes it.
         self._step_hook = optimizer.register_step_pre_hook(
@@ -171,27 +183,48 @@ class CheckpointClient:
             # Overwriting a committed checkpoint in place would break it mid-write.
             raise CheckpointError(f"{path} is already a committed checkpoint")
         tensors, param_groups = self._tensor_state()
-        trainer_state = {
-            "step": step,
-            "epoch": epoch,
-            "progress": progress,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-            "optimizer_param_groups": param_groups,
-            "rng": gather_rng_states(),
-        }
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            layout.write_atomic(path / TRAINER_STATE_NAME, to_json(trainer_state))
-        manifest = {"step": step, "epoch": epoch, **self._manifest_common()}
-        self._saver.save(
-            tensors, path, on_done=lambda: self._commit(path, manifest), blocking=blocking
+        trainer_state = to_json(
+            {
+                "step": step,
+                "epoch": epoch,
+                "progress": progress,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                "optimizer_param_groups": param_groups,
+                "rng": gather_rng_states(),
+            }
         )
+        trainer_record = None
+        if self.rank == 0:
+            # A folder left by a crashed save is written afresh, so the manifest lists only
+            # this save's files. No other rank writes into it before DCP's planning
+            # collective, which rank 0 joins after this.
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+                path.mkdir(parents=True, exist_ok=True)
+                layout.write_atomic(path / TRAINER_STATE_NAME, trainer_state)
+            except OSError as error:
+                raise as_checkpoint_error(error, path, "writing checkpoint") from error
+            trainer_record = integrity.record_of(trainer_state)
+        manifest = {"step": step, "epoch": epoch, **self._manifest_common()}
+
+        def commit(records: FileRecords) -> None:
+            self._commit(path, manifest, {**records, TRAINER_STATE_NAME: trainer_record})
+
+        self._saver.save(tensors, path, on_done=commit, blocking=blocking)
         return path
 
-    def _commit(self, path: Path, manifest: dict[str, Any]) -> None:
+    def _commit(self, path: Path, manifest: dict[str, Any], files: FileRecords) -> None:
         if self.rank != 0:
             return
-        layout.commit(path, manifest)
+        if METADATA_JSON_NAME not in files:
+            raise CheckpointError(
+                f"{path}: the storage writer recorded no checksums (use "
+                "tunelab.checkpoint.dcp.ChecksummedWriter); not committing"
+            )
+        try:
+            layout.commit(path, manifest, files)
+        except OSError as error:
+            raise as_checkpoint_error(error, path, "writing checkpoint") from error
         logger.info("committed checkpoint %s", path)
         if self.keep_last_n is not None:
             for deleted in layout.prune(self.output_dir, self.keep_last_n):
@@ -218,35 +251,100 @@ class CheckpointClient:
     # -- resume ------------------------------------------------------------------------
 
     def load_latest(self) -> ResumeState | None:
-        """Restore the newest committed, intact checkpoint into the model and optimizer.
+        """Verify and restore the newest committed checkpoint into the model and optimizer.
 
-        A newest checkpoint that is incomplete or unreadable is reported and the previous
-        committed one is used.
+        Every file of the newest committed checkpoint is checked against the checksums in its
+        manifest (the ranks split the files) before anything is loaded. A checkpoint that
+        fails, or whose manifest is unreadable, is named in one warning, moved aside to
+        ``step_N.corrupt-<time>`` (so reaching step N again commits a new ``step_N``), and the
+        next older one is tried.
 
         Returns:
             Where training stopped, or None when there is no committed checkpoint.
 
         Raises:
-            CheckpointError: The checkpoint was made with another base model, LoRA setup
-                or recipe, or no committed checkpoint is intact.
+            CheckpointError: The checkpoint was made with another base model, LoRA setup or
+                recipe, cannot be loaded although its checksums match, or every committed
+                checkpoint failed verification.
         """
-        checkpoints = layout.committed_checkpoints(self.output_dir)
-        problems = []
-        for checkpoint in reversed(checkpoints):
-            self._check_fingerprint(checkpoint)
-            problem = layout.verify(checkpoint.path, checkpoint.manifest)
-            if problem is None:
-                try:
+        candidates: list[Any] = [None]
+        if self.rank == 0:
+            committed, unreadable = layout.scan_checkpoints(self.output_dir)
+            found = [(c.step, c.path, c.manifest, None) for c in committed]
+            found += [(c.step, c.path, None, c.reason) for c in unreadable]
+            candidates = [sorted(found, key=lambda item: item[0], reverse=True)]
+        # One view of the folder for every rank: rank 0 moves bad ones aside below.
+        self._broadcast(candidates)
+        moved = []
+        for step, path, manifest, problem in candidates[0]:
+            if manifest is not None:
+                checkpoint = layout.CommittedCheckpoint(step, path, manifest)
+                self._check_fingerprint(checkpoint)
+                problem = self._verify(checkpoint)
+                if problem is None:
                     return self._load(checkpoint)
-                except CheckpointError:
-                    raise
-                except Exception as error:  # noqa: BLE001 - any unreadable file means "skip"
-                    problem = f"{type(error).__name__}: {error}"
-            logger.warning("skipping checkpoint %s: %s", checkpoint.path, problem)
-            problems.append(f"{checkpoint.path}: {problem}")
-        if problems:
-            raise CheckpointError("no intact committed checkpoint: " + "; ".join(problems))
+            if self.rank == 0:
+                aside = layout.move_aside(path)
+                moved.append(f"{path.name} ({problem})")
+                logger.warning(
+                    "skipping checkpoint %s, which failed verification: %s; moved it to %s",
+                    path.name,
+                    problem,
+                    aside.name,
+                )
+        if candidates[0]:
+            raise CheckpointError(
+                f"no intact committed checkpoint in {self.output_dir}: " + "; ".join(moved)
+                if moved
+                else f"no intact committed checkpoint in {self.output_dir}"
+            )
         return None
+
+    def _verify(self, checkpoint: layout.CommittedCheckpoint) -> str | None:
+        """Check every file of ``checkpoint`` against its checksums, ranks sharing the reads.
+
+        Returns:
+            The same on every rank: None, or the first problem (and how many more).
+        """
+        files = checkpoint.manifest["files"]
+        names = sorted(files)
+        problems = integrity.problems_in(
+            checkpoint.path, files, names=names[self.rank :: self.world_size]
+        )
+        if self.rank == 0:
+            required = (METADATA_JSON_NAME, TRAINER_STATE_NAME)
+            problems += [
+                f"{checkpoint.path / name}: not listed in the manifest"
+                for name in required
+                if name not in files
+            ]
+            problems += integrity.unlisted_files(checkpoint.path, files)
+        gathered: list[Any] = [problems]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, problems, group=self._saver.process_group)
+        everything = [problem for rank_problems in gathered for problem in rank_problems]
+        if not everything:
+            return None
+        more = f" (and {len(everything) - 1} more)" if len(everything) > 1 else ""
+        return everything[0] + more
+
+    def _broadcast(self, objects: list[Any]) -> None:
+        if self.world_size > 1:
+            dist.broadcast_object_list(objects, src=0, group=self._saver.process_group)
+
+    def _remove_stale(self) -> None:
+        """Delete what a killed run left: uncommitted step folders, temporary files."""
+        failure: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                for path in layout.remove_stale(self.output_dir):
+                    logger.info("removed %s, left by an interrupted run", path)
+            except OSError as error:
+                failure = [str(as_checkpoint_error(error, self.output_dir, "cleaning"))]
+        self._broadcast(failure)
+        if failure[0] is not None:
+            raise CheckpointError(failure[0])
 
     def _load(self, checkpoint: layout.CommittedCheckpoint) -> ResumeState:
         trainer_state = json.loads((checkpoint.path / TRAINER_STATE_NAME).read_text())
@@ -257,7 +355,15 @@ class CheckpointClient:
                 f"{checkpoint.path} does not hold {sorted(missing)[0]} "
                 f"(and {len(missing) - 1} more): it was made for another model or adapter"
             )
-        load(tensors, checkpoint.path)
+        try:
+            load(tensors, checkpoint.path)
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise CheckpointError(
+                f"{checkpoint.path} passed verification but cannot be loaded: "
+                f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+            ) from error
         for group, saved in zip(param_groups, trainer_state["optimizer_param_groups"], strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
         optim_sd = {**tensors["optimizer"], "param_groups": param_groups}
@@ -299,12 +405,13 @@ class CheckpointClient:
             The export folder.
         """
         self._saver.wait()
-        return export_hf(
-            self.model,
-            layout.epoch_dir(self.output_dir, epoch),
-            base_checkpoint_dir=self.base_checkpoint_dir,
-            lora=self.lora,
-        )
+        path = layout.epoch_dir(self.output_dir, epoch)
+        try:
+            return export_hf(
+                self.model, path, base_checkpoint_dir=self.base_checkpoint_dir, lora=self.lora
+            )
+        except OSError as error:
+            raise as_checkpoint_error(error, path, "exporting") from error
 
     def close(self) -> None:
         """Wait for the save in flight, then release the checkpoint process group."""

@@ -43,6 +43,7 @@ from tunelab.checkpoint._safetensors_layout import (
 )
 from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from tunelab.checkpoint.hf_write import parse_size
+from tunelab.checkpoint.integrity import FileRecord, digest, record_of, record_of_ranges
 from tunelab.errors import CheckpointError, ConfigError
 
 __all__ = ["HFSafetensorsWriter", "temp_name"]
@@ -94,6 +95,8 @@ class HFSafetensorsWriter(StorageWriter):
         self.rank = 0
         self._layouts: list[FileLayout] = []
         self._weight_map: dict[str, str] = {}
+        self.file_records: dict[str, FileRecord] = {}
+        """After a save, on the coordinator: each written file's checksum record."""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a new save, optionally into the folder ``checkpoint_id``."""
@@ -218,9 +221,15 @@ class HFSafetensorsWriter(StorageWriter):
                         f"{tuple(tensor.shape)}, the plan says {item.tensor_data.properties.dtype} "
                         f"{tuple(chunk.sizes)} (a local transform must keep both)"
                     )
-                num_bytes = write_chunk(
-                    fds[temp_name], tensor, item.tensor_data.size, chunk.offsets, tensor_offset
-                )
+                try:
+                    pieces = write_chunk(
+                        fds[temp_name], tensor, item.tensor_data.size, chunk.offsets, tensor_offset
+                    )
+                except OSError as error:  # pwrite names no file: name it
+                    raise OSError(
+                        error.errno, error.strerror, str(self.path / temp_name)
+                    ) from error
+                num_bytes = sum(length for _, length, _ in pieces)
                 if self.sync_files:
                     # Overlap the disk with the next tensors' merge and writes; fsync below.
                     whole = item.tensor_data.size.numel() * tensor.element_size()
@@ -228,7 +237,7 @@ class HFSafetensorsWriter(StorageWriter):
                 return WriteResult(
                     index=item.index,
                     size_in_bytes=num_bytes,
-                    storage_data=(temp_name, tensor_offset),
+                    storage_data=(temp_name, pieces),
                 )
 
             # Ranks start on different files: writes to one file contend for its inode lock.
@@ -266,6 +275,17 @@ class HFSafetensorsWriter(StorageWriter):
             raise CheckpointError(
                 f"export to {self.path}: ranks wrote {written} tensor bytes, expected {expected}"
             )
+        pieces: dict[str, list[tuple[int, int, str]]] = {}
+        for rank in results:
+            for result in rank:
+                file_name, chunk_pieces = result.storage_data
+                pieces.setdefault(file_name, []).extend(chunk_pieces)
+        records: dict[str, FileRecord] = {}
+        for layout in self._layouts:
+            header_piece = (0, len(layout.header), digest(layout.header))
+            records[layout.name] = record_of_ranges(
+                [header_piece, *pieces.get(temp_name(layout.name), [])], layout.total_size
+            )
         for layout in self._layouts:
             temp_path = self.path / temp_name(layout.name)
             fd = os.open(temp_path, os.O_WRONLY)
@@ -287,12 +307,14 @@ class HFSafetensorsWriter(StorageWriter):
                 "weight_map": dict(sorted(self._weight_map.items())),
             }
             temp_index = self.path / temp_name(SAFE_WEIGHTS_INDEX_NAME)
-            with open(temp_index, "w", encoding="utf-8") as handle:
-                json.dump(index, handle, indent=2)
-                handle.write("\n")
+            payload = (json.dumps(index, indent=2) + "\n").encode()
+            with open(temp_index, "wb") as handle:
+                handle.write(payload)
                 handle.flush()
                 if self.sync_files:
                     os.fsync(handle.fileno())
             os.replace(temp_index, index_path)
+            records[SAFE_WEIGHTS_INDEX_NAME] = record_of(payload)
         if self.sync_files:
             fsync_path(self.path)
+        self.file_records = records

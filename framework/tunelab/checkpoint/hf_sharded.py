@@ -22,7 +22,10 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from tunelab._fs import fsync_path
 from tunelab.checkpoint.consolidate import DEFAULT_MAX_SHARD_SIZE, HFSafetensorsWriter, temp_name
+from tunelab.checkpoint.dcp import as_checkpoint_error
 from tunelab.checkpoint.hf_write import copy_model_files
+from tunelab.checkpoint.integrity import MANIFEST_NAME
+from tunelab.checkpoint.layout import is_temporary_name, write_manifest
 from tunelab.errors import CheckpointError, TunelabError
 
 __all__ = ["save_hf_sharded"]
@@ -99,18 +102,17 @@ def save_hf_sharded(
                 no_dist=not distributed,
             )
     except CheckpointException as error:
-        for failure, _ in error.failures.values():
-            if isinstance(failure, TunelabError):
-                raise failure from error
-        raise
+        raise as_checkpoint_error(error, final, "exporting") from error
     failure = None
     if is_rank_zero:
         try:
+            files = dict(writer.file_records)
             if source_dir is not None:
-                copy_model_files(source_dir, staging, torch_dtype)
+                files.update(copy_model_files(source_dir, staging, torch_dtype))
+            write_manifest(staging, files, kind="export")
             _swap_into_place(staging, final, sync_files)
         except (OSError, TunelabError) as error:
-            failure = error
+            failure = as_checkpoint_error(error, final, "exporting")
     if distributed:
         # Instead of a barrier: the other ranks learn whether rank 0 finished, and never hang.
         message = [None if failure is None else str(failure)]
@@ -140,6 +142,19 @@ def _is_weights_name(name: str) -> bool:
     return name.endswith((".safetensors", ".bin", ".index.json", ".partial"))
 
 
+def _carried_over(name: str, produced: set[str]) -> bool:
+    """Whether an entry of the previous export moves into the new one (``adapter/``, say).
+
+    Not weights, not written anew, not a manifest, not a temporary of a killed write.
+    """
+    return (
+        name not in produced
+        and name != MANIFEST_NAME
+        and not _is_weights_name(name)
+        and not is_temporary_name(name)
+    )
+
+
 def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
     """Rename ``staging`` to ``final``, replacing an existing ``final`` folder.
 
@@ -152,7 +167,7 @@ def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
     if final.exists():
         produced = {entry.name for entry in staging.iterdir()}
         for entry in final.iterdir():
-            if entry.name not in produced and not _is_weights_name(entry.name):
+            if _carried_over(entry.name, produced):
                 os.replace(entry, staging / entry.name)
         os.replace(final, previous)
     os.replace(staging, final)

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from tunelab._fs import fsync_path
 from tunelab.checkpoint.hf import MODEL_FILE_PATTERNS, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from tunelab.checkpoint.integrity import FileRecord, copy_file, write_bytes
 from tunelab.errors import CheckpointError
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -78,19 +79,19 @@ def _to_cpu(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | No
     return out
 
 
-def _write_config(config: Mapping, path: Path, torch_dtype: torch.dtype | None) -> None:
+def _write_config(config: Mapping, path: Path, torch_dtype: torch.dtype | None) -> FileRecord:
     config = dict(config)
     if torch_dtype is not None:
         # transformers 4 reads `torch_dtype`, transformers 5 `dtype`: write both.
         config["torch_dtype"] = config["dtype"] = str(torch_dtype).removeprefix("torch.")
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return write_bytes(path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def copy_model_files(
     source_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
     torch_dtype: torch.dtype | None = None,
-) -> list[str]:
+) -> dict[str, FileRecord]:
     """Copy config, tokenizer and generation files (``MODEL_FILE_PATTERNS``) to ``output_dir``.
 
     Weights and adapter files are never copied: a folder with ``adapter_config.json`` next to
@@ -102,7 +103,7 @@ def copy_model_files(
         torch_dtype: if given, ``config.json`` records it as ``torch_dtype`` and ``dtype``.
 
     Returns:
-        The names copied.
+        Each copied file's name and checksum record (taken as it is written, fsynced).
 
     Raises:
         CheckpointError: ``source_dir`` does not exist or its ``config.json`` is not JSON.
@@ -110,7 +111,7 @@ def copy_model_files(
     source, output = Path(source_dir), Path(output_dir)
     if not source.is_dir():
         raise CheckpointError(f"source directory {source} does not exist")
-    copied = []
+    copied: dict[str, FileRecord] = {}
     for pattern in MODEL_FILE_PATTERNS:
         for path in sorted(source.glob(pattern)):
             if not path.is_file() or path.name in copied:
@@ -120,10 +121,9 @@ def copy_model_files(
                     config = json.loads(path.read_text())
                 except ValueError:
                     raise CheckpointError(f"{path}: not valid JSON") from None
-                _write_config(config, output / path.name, torch_dtype)
+                copied[path.name] = _write_config(config, output / path.name, torch_dtype)
             else:
-                shutil.copyfile(path, output / path.name)
-            copied.append(path.name)
+                copied[path.name] = copy_file(path, output / path.name)
     return copied
 
 

@@ -1,7 +1,8 @@
-"""Checkpoint directory layout, the commit marker, and retention.
+"""Checkpoint directory layout, the commit marker, retention and clean-up.
 
 A step directory counts only once it is committed: after every rank's files are durable,
-rank 0 writes ``MANIFEST_NAME`` atomically (temp file, fsync, rename, fsync of the folder).
+rank 0 writes ``MANIFEST_NAME`` atomically (temp file, fsync, rename, fsync of the folder),
+listing every file of the save with its size and checksums (``tunelab.checkpoint.integrity``).
 Resume, retention and every "latest" lookup ignore directories without it, so a crash
 mid-save can never leave a half-written checkpoint that looks resumable.
 """
@@ -10,17 +11,32 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunelab._fs import fsync_path
+from tunelab.checkpoint.integrity import (
+    DIGEST_NAME,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    FileRecord,
+    read_manifest_file,
+)
 from tunelab.errors import CheckpointError
 
-MANIFEST_NAME = "tunelab_manifest.json"
-"""The commit marker written last into a step directory."""
-MANIFEST_VERSION = 1
 _STEP_PATTERN = re.compile(r"^step_(\d+)$")
+# Names tunelab gives files and folders while they are being written (write_atomic's
+# ``.{name}.tmp-{pid}``, the export's ``.{name}.partial`` and ``.{name}.old``, the adapter's
+# ``.adapter.tmp-{pid}`` / ``.adapter.old-{pid}``). A run that owns the output_dir (it holds
+# the lock) removes any it finds at start: they are left by a killed run.
+_STALE_PATTERN = re.compile(r"^\..+\.((tmp|old)-[A-Za-z0-9_]+|partial|old)$")
+
+
+def is_temporary_name(name: str) -> bool:
+    """Whether ``name`` is one tunelab gives a file or folder while writing it."""
+    return bool(_STALE_PATTERN.match(name))
 
 
 def step_dir(output_dir: str | os.PathLike, step: int) -> Path:
@@ -40,64 +56,56 @@ def write_atomic(path: Path, data: bytes) -> None:
     the folder, so the rename itself survives a power loss.
     """
     temp_path = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp_path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temp_path, path)
+    try:
+        with open(temp_path, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp_path, path)
+    except BaseException:
+        temp_path.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
 
 
-def list_files(directory: Path) -> dict[str, int]:
-    """Return every file under ``directory`` (relative POSIX path) with its byte size."""
-    files = {}
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.name != MANIFEST_NAME:
-            files[path.relative_to(directory).as_posix()] = path.stat().st_size
-    return files
+def write_manifest(directory: Path, files: dict[str, FileRecord], **fields: Any) -> dict:
+    """Write ``directory``'s manifest atomically: ``fields`` plus the file records.
+
+    For a step directory this is the commit. Returns the manifest as written.
+    """
+    head = {"manifest_version": MANIFEST_VERSION, **fields, "digest": DIGEST_NAME}
+    # One line per file, so the manifest stays readable with many checksum ranges.
+    records = ",\n".join(
+        f"  {json.dumps(name)}: {json.dumps(record)}" for name, record in sorted(files.items())
+    )
+    text = json.dumps(head, indent=1)[:-2] + ',\n "files": {\n' + records + "\n }\n}\n"
+    write_atomic(directory / MANIFEST_NAME, text.encode())
+    return {**head, "files": dict(sorted(files.items()))}
 
 
-def commit(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Commit a step directory: list its files and write the manifest atomically.
+def commit(directory: Path, manifest: dict[str, Any], files: dict[str, FileRecord]) -> dict:
+    """Commit a step directory whose files every rank has made durable.
 
     Args:
-        directory: The step directory, whose files every rank has made durable.
-        manifest: Step, epoch, world size, config hash, versions and the rest; the file
-            list is added here.
+        directory: The step directory.
+        manifest: Step, epoch, world size, config hash, versions and the rest.
+        files: Every file of the save (relative POSIX path) with its checksum record.
 
     Returns:
         The manifest as written.
     """
-    manifest = {"manifest_version": MANIFEST_VERSION, **manifest, "files": list_files(directory)}
-    write_atomic(directory / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
-    return manifest
+    return write_manifest(directory, files, **manifest)
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """Return a step directory's manifest, or None when it is not committed."""
-    path = directory / MANIFEST_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: unreadable checkpoint manifest ({error})") from error
+    """Return a step directory's manifest, or None when it is not committed.
 
-
-def verify(directory: Path, manifest: dict[str, Any]) -> str | None:
-    """Check that every file the manifest lists exists with its recorded size.
-
-    Returns:
-        None when complete, else a sentence naming the first problem.
+    Raises:
+        CheckpointError: The manifest exists but is unreadable or has no checksums.
     """
-    for name, size in manifest.get("files", {}).items():
-        path = directory / name
-        if not path.is_file():
-            return f"{path} is missing"
-        actual = path.stat().st_size
-        if actual != size:
-            return f"{path} has {actual} bytes, the manifest recorded {size}"
-    return None
+    if not (directory / MANIFEST_NAME).is_file():
+        return None
+    return read_manifest_file(directory)
 
 
 @dataclass(frozen=True)
@@ -109,26 +117,113 @@ class CommittedCheckpoint:
     manifest: dict[str, Any]
 
 
-def committed_checkpoints(output_dir: str | os.PathLike) -> list[CommittedCheckpoint]:
-    """Return the committed step directories under ``output_dir``, oldest first.
+@dataclass(frozen=True)
+class UnreadableCheckpoint:
+    """A step directory with a manifest that cannot be read."""
 
-    Directories without a manifest (in flight, or left by a crash) are not listed.
+    step: int
+    path: Path
+    reason: str
+
+
+def scan_checkpoints(
+    output_dir: str | os.PathLike,
+) -> tuple[list[CommittedCheckpoint], list[UnreadableCheckpoint]]:
+    """Return the committed step directories and those whose manifest is unreadable.
+
+    Both lists are oldest first. Directories without a manifest (in flight, or left by a
+    crash) are in neither.
     """
     root = Path(output_dir)
+    committed: list[CommittedCheckpoint] = []
+    unreadable: list[UnreadableCheckpoint] = []
     if not root.is_dir():
-        return []
-    found = []
+        return committed, unreadable
     for path in root.iterdir():
         match = _STEP_PATTERN.match(path.name)
         if not match or not path.is_dir():
             continue
+        step = int(match.group(1))
         try:
             manifest = read_manifest(path)
-        except CheckpointError:
-            manifest = None
+        except CheckpointError as error:
+            unreadable.append(UnreadableCheckpoint(step, path, str(error)))
+            continue
         if manifest is not None:
-            found.append(CommittedCheckpoint(int(match.group(1)), path, manifest))
-    return sorted(found, key=lambda checkpoint: checkpoint.step)
+            committed.append(CommittedCheckpoint(step, path, manifest))
+    return (
+        sorted(committed, key=lambda checkpoint: checkpoint.step),
+        sorted(unreadable, key=lambda checkpoint: checkpoint.step),
+    )
+
+
+def committed_checkpoints(output_dir: str | os.PathLike) -> list[CommittedCheckpoint]:
+    """Return the committed step directories under ``output_dir``, oldest first.
+
+    Directories without a manifest (in flight, or left by a crash) and those whose manifest
+    is unreadable are not listed (``scan_checkpoints`` lists the latter).
+    """
+    return scan_checkpoints(output_dir)[0]
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a bad step directory to ``{name}.corrupt-{time}`` (never resumed or pruned).
+
+    Returns:
+        The new path.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    suffix = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{suffix}")
+        suffix += 1
+    os.replace(path, target)
+    fsync_path(path.parent)
+    return target
+
+
+def remove_stale(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete what killed runs left in ``output_dir``.
+
+    That is uncommitted step directories, and temporary files and folders of tunelab's
+    naming in it and in its step, epoch and adapter folders.
+
+    Call only from the process that owns ``output_dir`` (holds its lock), before it writes.
+
+    Returns:
+        The deleted paths.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    deleted = []
+    for path in list(root.iterdir()):
+        uncommitted_step = (
+            _STEP_PATTERN.match(path.name) and path.is_dir() and not (path / MANIFEST_NAME).exists()
+        )
+        if uncommitted_step or is_temporary_name(path.name):
+            _remove(path)
+            deleted.append(path)
+    folders = [
+        path
+        for path in root.iterdir()
+        if path.is_dir() and (_STEP_PATTERN.match(path.name) or path.name.startswith("epoch_"))
+    ]
+    folders += [folder / "adapter" for folder in folders if (folder / "adapter").is_dir()]
+    for folder in folders:
+        for path in list(folder.iterdir()):
+            if is_temporary_name(path.name):
+                _remove(path)
+                deleted.append(path)
+    return deleted
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def prune(output_dir: str | os.PathLike, keep_last_n: int) -> list[Path]:

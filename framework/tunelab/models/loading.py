@@ -53,6 +53,29 @@ def _read_local(reader: HFCheckpointReader, key: str, spans: list[tuple[int, int
     return tensor
 
 
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _checked(reader: HFCheckpointReader, key: str, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's rows of ``key``), refused if they cannot be trained on.
+
+    A base model whose weights hold NaN or infinity would train and export NaNs silently,
+    and integer weights (a quantised or corrupt file) would be cast silently.
+    """
+    if values.dtype not in _WEIGHT_DTYPES:
+        raise CheckpointError(
+            f"{reader.file_of(key)}: {key!r} is {str(values.dtype).removeprefix('torch.')}; "
+            "tunelab loads floating-point weights (float32, bfloat16, float16)"
+        )
+    if not torch.isfinite(values).all():
+        bad = int((~torch.isfinite(values)).sum())
+        raise CheckpointError(
+            f"{reader.file_of(key)}: {key!r} holds {bad} NaN or infinite values; the base "
+            "model is corrupt"
+        )
+    return values
+
+
 @torch.no_grad()
 def load_hf_into_model(
     model: TransformerDecoder, checkpoint_dir: str | os.PathLike, *, strict: bool = True
@@ -74,7 +97,8 @@ def load_hf_into_model(
         which a base checkpoint does not have.
 
     Raises:
-        CheckpointError: a missing or unexpected key, or a shape that differs from the model.
+        CheckpointError: a missing or unexpected key, a shape that differs from the model, a
+            weight that is not floating point, or one holding NaN or infinity.
     """
     reader = HFCheckpointReader(checkpoint_dir)
     adapter = model.state_dict_adapter
@@ -108,7 +132,7 @@ def load_hf_into_model(
             )
         local, spans = _local_slices(param)
         if local.numel():
-            local.copy_(_read_local(reader, key, spans))
+            local.copy_(_checked(reader, key, _read_local(reader, key, spans)))
     for key, partner in tied.items():
         if key in reader:
             local, spans = _local_slices(expected[partner])

@@ -1,6 +1,6 @@
 """Read and write LoRA adapters in PEFT's folder format.
 
-A PEFT adapter folder holds exactly ``adapter_config.json`` and ``adapter_model.safetensors``
+A PEFT adapter folder holds ``adapter_config.json`` and ``adapter_model.safetensors``
 (PEFT key names, ``{"format": "pt"}`` metadata). It must never share a folder with merged
 weights: with peft installed, transformers 5 loads such a folder's weights and then applies
 the adapter on top (W + 2ΔW), silently.
@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab._fs import fsync_path
+from tunelab.checkpoint.integrity import write_bytes
+from tunelab.checkpoint.layout import write_manifest
 from tunelab.errors import CheckpointError
 from tunelab.peft.apply import lora_modules
 from tunelab.peft.state import (
@@ -74,22 +75,27 @@ def save_peft_adapter(
         )
     tensors = {k: v.detach().contiguous().cpu() for k, v in to_peft_state_dict(state_dict).items()}
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    # Temporary names of tunelab's pattern (a run removes them at start if a crash left
+    # them), made with plain mkdir so modes follow the umask like every other output.
+    staging = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
+    retired = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     try:
-        save_file(tensors, staging / ADAPTER_WEIGHTS_NAME, metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG_NAME).write_text(
-            json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
-        )
-        for name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME):
-            fsync_path(staging / name)
-        os.chmod(staging, 0o755)
+        # Serialised in memory (an adapter is small) so the checksums come from the bytes
+        # as they are written.
+        weights = save(tensors, metadata={"format": "pt"})
+        config_text = (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()
+        files = {
+            ADAPTER_WEIGHTS_NAME: write_bytes(staging / ADAPTER_WEIGHTS_NAME, weights),
+            ADAPTER_CONFIG_NAME: write_bytes(staging / ADAPTER_CONFIG_NAME, config_text),
+        }
+        write_manifest(staging, files, kind="adapter")
         if output_dir.exists():
             # A directory cannot be renamed over a non-empty one: move the old adapter aside
             # first, so the folder is always either the complete old or the complete new one.
-            retired = Path(
-                tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent)
-            )
-            os.rename(output_dir, retired / output_dir.name)
+            shutil.rmtree(retired, ignore_errors=True)
+            os.rename(output_dir, retired)
             os.rename(staging, output_dir)
             shutil.rmtree(retired)
         else:

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tunelab.distributed import all_reduce_sum, reshard
+from tunelab.errors import DataError
 from tunelab.losses import token_count
 from tunelab.modules.masks import document_causal_mask
 
@@ -34,9 +35,20 @@ def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Te
 
     The loss of a step is ``sum of token losses / this count``, so every token weighs the
     same whatever the padding, the micro-batching or the world size.
+
+    Raises:
+        DataError: The step has no target token at all (on every rank alike).
     """
     count = sum(token_count(batch["labels"]) for batch in micro_batches)
-    return all_reduce_sum(count.to(torch.float64)).clamp_min(1)
+    total = all_reduce_sum(count.to(torch.float64))
+    if total.item() == 0:
+        # Training on it would give a loss of 0 and no gradient: a silent no-op step.
+        raise DataError(
+            "an optimizer step has no target token in any batch on any rank: every label is "
+            "masked (check the dataset's template, train_on_input and max_seq_len, and that "
+            "the tokenizer fits the data)"
+        )
+    return total
 
 
 @torch.no_grad()

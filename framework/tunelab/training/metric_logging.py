@@ -53,6 +53,25 @@ class JsonlLogger:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after ``step``: a resumed run logs them again.
+
+        Lines that are not JSON records (a line cut short by a crash) are dropped too.
+        """
+        self._file.close()
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        temp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        temp.write_text("".join(kept), encoding="utf-8")
+        os.replace(temp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
     def close(self) -> None:
         """Close the file."""
         self._file.close()

@@ -10,16 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 import tunelab.peft as peft
 from tunelab.checkpoint import CheckpointClient, LoRASpec
-from tunelab.checkpoint.layout import committed_checkpoints
+from tunelab.checkpoint.layout import scan_checkpoints
 from tunelab.config import instantiate
 from tunelab.config.recipe_args import FinetuneArgs
 from tunelab.data import StatefulDistributedSampler
-from tunelab.errors import CheckpointError
+from tunelab.errors import CheckpointError, DataError
 from tunelab.training.setup import build_dataloader, config_fingerprint
 
 
@@ -65,6 +66,15 @@ def build_data(args: FinetuneArgs, tokenizer: Any, collate_fn: Callable) -> Trai
     steps_per_epoch = len(loader) // args.gradient_accumulation_steps
     if args.max_steps_per_epoch is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
+    if steps_per_epoch == 0:
+        # A run of zero steps would "finish" with nothing trained and nothing exported.
+        per_step = args.batch_size * args.gradient_accumulation_steps * sampler.num_replicas
+        raise DataError(
+            f"dataset: {len(dataset)} samples, but one optimizer step takes {per_step} "
+            f"(batch_size {args.batch_size} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} x {sampler.num_replicas} processes): "
+            "no step can run; use more data or a smaller batch"
+        )
     return TrainingData(loader, sampler, val_loader, steps_per_epoch)
 
 
@@ -114,30 +124,51 @@ def build_checkpoint_client(
 def resume(
     args: FinetuneArgs, checkpoints: CheckpointClient, data: TrainingData
 ) -> tuple[int, int]:
-    """Restore the newest committed checkpoint when ``checkpoint.resume_from_checkpoint``.
+    """Restore the newest committed checkpoint as ``checkpoint.resume_from_checkpoint`` says.
+
+    ``true`` resumes and fails when there is nothing to resume; ``"auto"`` resumes when
+    ``output_dir`` holds a committed checkpoint and starts fresh otherwise (what a
+    scheduler's restart loop needs); ``false`` starts fresh. Rank 0 prints what was done.
 
     Returns:
         ``(global_step, start_epoch)``: ``(0, 0)`` for a fresh run.
 
     Raises:
         CheckpointError: A fresh run's ``output_dir`` already holds committed checkpoints
-            (said at start, not at the first save that would collide with one).
+            (said at start, not at the first save that would collide with one), or
+            ``resume_from_checkpoint: true`` finds nothing to resume.
     """
-    if not args.checkpoint.resume_from_checkpoint:
-        existing = committed_checkpoints(args.output_dir)
+    mode = args.checkpoint.resume_from_checkpoint
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    if mode is False:
+        committed, unreadable = scan_checkpoints(args.output_dir)
+        existing = sorted([c.path.name for c in committed + unreadable])
         if existing:
-            names = ", ".join(checkpoint.path.name for checkpoint in existing[-3:])
             raise CheckpointError(
-                f"output_dir {args.output_dir} already holds committed checkpoints ({names}): "
-                "continue with checkpoint.resume_from_checkpoint=true, or pick another "
-                "output_dir"
+                f"output_dir {args.output_dir} already holds committed checkpoints "
+                f"({', '.join(existing[-3:])}): continue with "
+                "checkpoint.resume_from_checkpoint=true, or pick another output_dir"
             )
         return 0, 0
     resumed = checkpoints.load_latest()
     if resumed is None:
+        if mode is True:
+            raise CheckpointError(
+                f"checkpoint.resume_from_checkpoint=true but {args.output_dir} holds no "
+                "committed checkpoint: set it to auto to start fresh when there is none"
+            )
+        if is_main:
+            print(f"no checkpoint in {args.output_dir}: starting fresh", flush=True)
         return 0, 0
     data.sampler.load_state_dict(resumed.progress["sampler"])
     start_epoch = resumed.epoch + 1 if resumed.progress["epoch_done"] else resumed.epoch
+    if is_main:
+        step_in_epoch = 0 if resumed.progress["epoch_done"] else data.step_in_epoch(args)
+        print(
+            f"resumed from {resumed.path.name} (epoch {start_epoch}, step {step_in_epoch} "
+            f"of {data.steps_per_epoch})",
+            flush=True,
+        )
     return resumed.step, start_epoch
 
 
@@ -191,6 +222,12 @@ class MetricLoggers:
         """Send ``metrics`` of ``step`` to every logger."""
         for logger in self._loggers:
             logger.log(metrics, step)
+
+    def start_at(self, step: int) -> None:
+        """Forget records after ``step`` (those a resumed run is about to log again)."""
+        for logger in self._loggers:
+            if hasattr(logger, "truncate_after"):
+                logger.truncate_after(step)
 
     def close(self) -> None:
         """Flush and close every logger."""

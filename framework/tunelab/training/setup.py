@@ -123,6 +123,9 @@ def build_dataloader(
         sampler=sampler,
         collate_fn=partial(collate_fn, **collate_kwargs),
         drop_last=True,
+        # Its own generator: creating an iterator draws a seed from it, and from the global
+        # RNG without one, which would shift dropout after a resume restored the RNG state.
+        generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler
 

@@ -1,0 +1,292 @@
+"""Content digests of checkpoint and export files, taken while the bytes are written.
+
+Every file of a step checkpoint or an export is listed in its folder's manifest with its size
+and the XXH3-128 digests of byte ranges that tile it exactly. A file written by one writer in
+one pass has one range; a safetensors export, whose tensors are written by every rank at their
+own offsets, has one range per written piece plus the header. Digests come from the buffers as
+they are written, so saving never reads a file back; verifying reads each range once.
+
+Why XXH3-128: it hashes at ~26 GB/s on one core here (SHA-256 1.7 GB/s, BLAKE2b 0.9 GB/s,
+CRC32 3.8 GB/s), so it costs well under 5% of a save even from page cache, and 128 bits make
+an accidental match impossible in practice. It detects corruption (bit rot, truncation, a
+partial copy, a hand edit), not a forger: whoever can rewrite a checkpoint can rewrite its
+manifest. What keeps a forged checkpoint harmless is that nothing in it is ever executed
+(JSON, safetensors and DCP tensor bytes only; see docs/checkpointing.md).
+
+This module imports neither torch nor anything that does, so ``tunelab verify`` starts fast.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from tunelab.errors import CheckpointError
+
+DIGEST_NAME = "xxh3_128"
+"""The digest every manifest records (its ``digest`` field)."""
+MANIFEST_NAME = "tunelab_manifest.json"
+"""The manifest of a step checkpoint (its commit marker) or of an export folder."""
+MANIFEST_VERSION = 2
+"""Version 2 adds per-file digests; version 1 manifests (sizes only) cannot be verified."""
+_READ_BYTES = 16 << 20
+
+FileRecord = dict[str, Any]
+"""``{"size": int, "ranges": [[offset, length, hex digest], ...]}``, ranges tiling the file."""
+
+
+def digest(data: bytes | memoryview) -> str:
+    """The hex XXH3-128 digest of ``data``."""
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def record_of(data: bytes | memoryview) -> FileRecord:
+    """The record of a file written in one piece from ``data``."""
+    return {"size": len(data), "ranges": [[0, len(data), digest(data)]]}
+
+
+def record_of_ranges(ranges: Iterable[tuple[int, int, str]], size: int) -> FileRecord:
+    """The record of a file written in pieces, each ``(offset, length, digest)``.
+
+    Raises:
+        CheckpointError: If the pieces do not tile ``[0, size)`` exactly (an internal error:
+            some bytes of the file were written twice or not at all).
+    """
+    ordered = sorted((int(o), int(n), h) for o, n, h in ranges if n > 0)
+    position = 0
+    for offset, length, _ in ordered:
+        if offset != position:
+            raise CheckpointError(f"written pieces leave a gap or overlap at byte {position}")
+        position += length
+    if position != size:
+        raise CheckpointError(f"written pieces cover {position} bytes of a {size}-byte file")
+    return {"size": size, "ranges": [list(piece) for piece in ordered]}
+
+
+def write_bytes(path: Path, data: bytes) -> FileRecord:
+    """Write ``data`` to a new file ``path``, fsync it, and return its record."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    return record_of(data)
+
+
+def copy_file(source: Path, target: Path) -> FileRecord:
+    """Copy ``source`` to ``target`` (hashing the bytes on their way) and return the record."""
+    with open(source, "rb") as reader, open(target, "wb") as writer:
+        hashing = HashingWriter(writer)
+        shutil.copyfileobj(reader, hashing, _READ_BYTES)
+        writer.flush()
+        os.fsync(writer.fileno())
+    return hashing.record()
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that hashes what it forwards to a file, in order.
+
+    It refuses to seek, so anything written through it is hashed in file order; ``tell``
+    reports the file's position (DCP records item offsets with it).
+
+    Args:
+        file: A binary file open for writing at offset 0.
+    """
+
+    def __init__(self, file: io.BufferedIOBase | io.RawIOBase) -> None:
+        super().__init__()
+        self._file = file
+        self._hasher = xxhash.xxh3_128()
+        self._size = 0
+
+    def writable(self) -> bool:
+        """Always writable."""
+        return True
+
+    def write(self, data: Any) -> int:
+        """Hash ``data`` and write it to the file."""
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        try:
+            written = self._file.write(view)
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # A failed write names no file; say which (what a user needs to act on it).
+            raise OSError(error.errno, error.strerror, getattr(self._file, "name", None)) from error
+        if written is not None and written != len(view):
+            raise OSError(f"short write: {written} of {len(view)} bytes")
+        self._size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        """The position in the file."""
+        return self._size
+
+    def flush(self) -> None:
+        """Flush the file."""
+        self._file.flush()
+
+    def fileno(self) -> int:
+        """The file's descriptor (for fsync)."""
+        return self._file.fileno()
+
+    def record(self) -> FileRecord:
+        """The record of everything written so far."""
+        return {"size": self._size, "ranges": [[0, self._size, self._hasher.hexdigest()]]}
+
+
+class RecordBook:
+    """Thread-safe collection of the records of files written by one save."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, FileRecord] = {}
+
+    def add(self, name: str, record: FileRecord) -> None:
+        """Record the file ``name`` (relative POSIX path)."""
+        with self._lock:
+            self._records[name] = record
+
+    def records(self) -> dict[str, FileRecord]:
+        """A copy of every record so far."""
+        with self._lock:
+            return dict(self._records)
+
+
+# -- verification ------------------------------------------------------------------------
+
+
+def check_file(path: Path, record: Mapping[str, Any]) -> str | None:
+    """Verify one file against its record.
+
+    Returns:
+        None when size and every range digest match, else what is wrong (one phrase).
+    """
+    try:
+        size, ranges = int(record["size"]), record["ranges"]
+        ranges = [(int(offset), int(length), str(expected)) for offset, length, expected in ranges]
+    except (KeyError, TypeError, ValueError):
+        return "its manifest record is malformed"
+    if not path.is_file():
+        return "is missing"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"has {actual} bytes, the manifest records {size}"
+    covered = sum(length for _, length, _ in ranges)
+    if covered != size:
+        return f"its manifest record covers {covered} of {size} bytes"
+    with open(path, "rb") as file:
+        for offset, length, expected in ranges:
+            hasher = xxhash.xxh3_128()
+            file.seek(offset)
+            remaining = length
+            while remaining:
+                block = file.read(min(remaining, _READ_BYTES))
+                if not block:
+                    return f"ends before byte {offset + length}"
+                hasher.update(block)
+                remaining -= len(block)
+            if hasher.hexdigest() != expected:
+                return f"content differs from its checksum (bytes {offset}..{offset + length})"
+    return None
+
+
+def read_manifest_file(directory: Path) -> dict[str, Any]:
+    """Read ``directory``'s manifest.
+
+    Raises:
+        CheckpointError: If it is missing, not JSON, not an object, of an unknown version, or
+            has no file records.
+    """
+    path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable manifest ({error})") from error
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: the manifest is not a JSON object")
+    version = manifest.get("manifest_version")
+    if version != MANIFEST_VERSION:
+        raise CheckpointError(
+            f"{path}: manifest version {version!r} has no checksums (written by an older "
+            f"tunelab); version {MANIFEST_VERSION} is required to verify and resume"
+        )
+    if manifest.get("digest") != DIGEST_NAME or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: the manifest has no {DIGEST_NAME} file records")
+    return manifest
+
+
+def problems_in(
+    directory: Path, files: Mapping[str, Any], *, names: Iterable[str] | None = None
+) -> list[str]:
+    """Verify the files a manifest lists; one line per problem.
+
+    Args:
+        directory: The folder the manifest describes.
+        files: Its ``files`` records.
+        names: Verify only these names (a rank's share); None verifies all.
+    """
+    problems = []
+    for name in sorted(files) if names is None else names:
+        path = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            problems.append(f"{directory}: manifest names {name!r}, outside the folder")
+            continue
+        problem = check_file(path, files[name])
+        if problem is not None:
+            problems.append(f"{path}: {problem}")
+    return problems
+
+
+def unlisted_files(directory: Path, files: Mapping[str, Any]) -> list[str]:
+    """Files under ``directory`` that its manifest does not list.
+
+    Sub-folders with a manifest of their own (an export's ``adapter/``) are theirs to list.
+    """
+    listed = set(files) | {MANIFEST_NAME}
+    extra = []
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory)
+        if not path.is_file() or relative.as_posix() in listed:
+            continue
+        owner = next(
+            (
+                parent
+                for parent in relative.parents
+                if (directory / parent / MANIFEST_NAME).is_file()
+            ),
+            None,
+        )
+        if owner is not None and owner != Path("."):
+            continue
+        extra.append(f"{path}: not listed in the manifest")
+    return extra
+
+
+def verify_folder(directory: str | os.PathLike) -> list[str]:
+    """Verify a step checkpoint or an export folder, and any sub-folder with a manifest.
+
+    Returns:
+        One line per problem (empty when everything matches its checksum).
+    """
+    directory = Path(directory)
+    try:
+        manifest = read_manifest_file(directory)
+    except CheckpointError as error:
+        return [str(error)]
+    problems = problems_in(directory, manifest["files"]) + unlisted_files(
+        directory, manifest["files"]
+    )
+    for sub_manifest in sorted(directory.glob(f"*/{MANIFEST_NAME}")):
+        problems += verify_folder(sub_manifest.parent)
+    return problems

@@ -1,0 +1,46 @@
+"""Runtime guards: a run stops with a clear error instead of training on something wrong."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tunelab.errors import CheckpointError, DataError
+from tunelab.models import load_pretrained
+from tunelab.training.loop import global_token_count
+
+
+def _edited_copy(source, target, key, edit):
+    shutil.copytree(source, target)
+    path = target / "model.safetensors"
+    tensors = load_file(path)
+    tensors[key] = edit(tensors[key])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.index_fill(0, torch.tensor([3]), float("nan")), "holds 128 NaN or infinite"),
+        (lambda t: t.index_fill(0, torch.tensor([0]), float("inf")), "NaN or infinite"),
+        (lambda t: t.to(torch.int64), "is int64; tunelab loads floating-point weights"),
+    ],
+)
+def test_weights_that_cannot_be_trained_on_are_refused_at_load(
+    tiny_hf_model_dir, tmp_path, edit, message
+):
+    key = "model.layers.1.mlp.down_proj.weight"
+    folder = _edited_copy(tiny_hf_model_dir("llama3_1"), tmp_path / "model", key, edit)
+    with pytest.raises(CheckpointError, match=message) as caught:
+        load_pretrained(folder)
+    assert "model.safetensors" in str(caught.value) and key in str(caught.value)
+
+
+def test_a_step_without_any_target_token_is_an_error():
+    masked = {"labels": torch.full((2, 5), -100)}
+    with pytest.raises(DataError, match="no target token in any batch on any rank"):
+        global_token_count([masked, masked])
+    some = {"labels": torch.tensor([[-100, 4, 5]])}
+    assert global_token_count([masked, some]).item() == 2
