@@ -323,6 +323,21 @@ CASES = [
         ("key 'tokenizer.path'", "does not fit", "vocab_size 810", "largest: 900"),
     ),
     Case(
+        "an output_dir as model",
+        generate("checkpoint_dir={models}/run"),
+        ("key 'checkpoint_dir'", "run has no config.json", "exports epoch_0, epoch_1"),
+    ),
+    Case(
+        "a step checkpoint as model",
+        generate("checkpoint_dir={models}/run/step_4"),
+        ("key 'checkpoint_dir'", "step_4 has no config.json", "resumable step checkpoint"),
+    ),
+    Case(
+        "an adapter as model",
+        generate("checkpoint_dir={models}/run/epoch_1/adapter"),
+        ("key 'checkpoint_dir'", "adapter has no config.json", "pass it as adapter_dir"),
+    ),
+    Case(
         "generate on a gpt2 folder",
         generate("checkpoint_dir={models}/gpt2"),
         ("key 'checkpoint_dir'", "model_type 'gpt2' is not supported"),
@@ -482,6 +497,13 @@ def workspace(tmp_path_factory):
         {**tokenizer["added_tokens"][-1], "id": 900, "content": "<|x|>"},
     ]
     (big / "tokenizer.json").write_text(json.dumps({**tokenizer, "added_tokens": added}))
+    run = models / "run"  # What a training run leaves: step checkpoints and exports.
+    for export in ("epoch_0", "epoch_1"):
+        (run / export / "adapter").mkdir(parents=True)
+        (run / export / "config.json").write_text("{}")
+        (run / export / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "step_4").mkdir()
+    (run / "step_4" / ".metadata").write_bytes(b"")
     (tmp / "a_file").write_text("not a folder\n")
     (tmp / "bad_recipe.yaml").write_text("recipe: lora_finetune_distributd\n")
     (tmp / "broken.yaml").write_text("recipe: x\nbatch_size: [1,\n")

@@ -258,6 +258,20 @@ def _weight_problems(folder: Path, path: str) -> list[str]:
     return [problem for file in files if (problem := _safetensors_problem(file))]
 
 
+def _instead(folder: Path) -> str:
+    """What to do about a folder without config.json: tunelab's own outputs are common here."""
+    if (folder / "adapter_config.json").is_file():
+        return "it is a PEFT adapter: pass it as adapter_dir and the base model as checkpoint_dir"
+    if (folder / ".metadata").is_file() or re.fullmatch(r"step_\d+", folder.name):
+        return (
+            "it is a resumable step checkpoint: use an epoch_E export (or resume_from_checkpoint)"
+        )
+    exports = sorted(p.name for p in folder.glob("epoch_*") if (p / "config.json").is_file())
+    if exports:
+        return f"it holds the exports {', '.join(exports)}: point checkpoint_dir at one of them"
+    return download_hint(str(folder))
+
+
 def model_dir_problems(path: str) -> list[str]:
     """Return every problem of a Hugging Face model folder (see ``constraints.ModelDir``).
 
@@ -280,9 +294,7 @@ def model_dir_problems(path: str) -> list[str]:
         return [f"{path} is a file, expected a model folder (config.json, *.safetensors, ...)"]
     config_file = folder / "config.json"
     if not config_file.is_file():
-        return [
-            f"{path} has no config.json: not a Hugging Face model folder; " + download_hint(path)
-        ]
+        return [f"{path} has no config.json: not a Hugging Face model folder; " + _instead(folder)]
     config, problem = read_json(config_file)
     if problem:
         return [problem]

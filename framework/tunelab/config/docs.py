@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     namespace = parser.parse_args(argv)
     text = settings_markdown(builtin_settings())
     output: Path = namespace.output
+    if not output.parent.is_dir():  # An installed package has no docs/ next to its recipes.
+        parser.error(f"{output.parent} does not exist: give the path of settings.md")
     if namespace.check:
         current = output.read_text(encoding="utf-8") if output.is_file() else ""
         if current != text:
