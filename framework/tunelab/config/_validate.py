@@ -107,7 +107,7 @@ class _Checker:
         close = _suggest(key, here, path)
         if close:
             return close
-        leaves = {}
+        leaves: dict[str, str] = {}  # Last name -> full key; the shortest key of a name wins.
         for candidate in sorted(self.all_keys, key=len, reverse=True):
             leaves[candidate.rpartition(".")[2]] = candidate
         match = difflib.get_close_matches(key, list(leaves), n=1)
