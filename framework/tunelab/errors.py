@@ -19,3 +19,7 @@ class CheckpointError(TunelabError):
 
 class DataError(TunelabError, ValueError):
     """A dataset file or row is malformed."""
+
+
+class TrainingError(TunelabError):
+    """Training cannot go on meaningfully: a non-finite loss or gradient, say."""

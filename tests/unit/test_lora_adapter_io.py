@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tunelab.checkpoint.integrity import verify_folder
 from tunelab.errors import CheckpointError, ConfigError, TunelabError
 from tunelab.peft import (
     adapter_config,
@@ -123,7 +124,13 @@ def test_adapter_config_fields():
 def test_save_then_load_round_trip(tmp_path):
     model, targets = _lora_model(seed=0)
     out = save_peft_adapter(adapter_state_dict(model), _config(targets), tmp_path / "adapter")
-    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(out)) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tunelab_manifest.json",
+    ]
+    # The adapter's own manifest: both files with checksums taken as they were written.
+    assert verify_folder(out) == []
     with safe_open(out / "adapter_model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight" in set(f.keys())

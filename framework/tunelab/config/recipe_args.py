@@ -62,8 +62,8 @@ class CheckpointArgs:
     """Return from a save at once: stage to CPU during the next forward/backward, write in background."""
     keep_last_n_checkpoints: AtLeastOne | None = None
     """Keep only the newest N committed step checkpoints (None keeps all)."""
-    resume_from_checkpoint: bool = False
-    """Continue from the newest committed step checkpoint in output_dir."""
+    resume_from_checkpoint: bool | Literal["auto"] = False
+    """true: continue from the newest committed step checkpoint (an error if none); auto: resume if there is one, else start fresh."""
     export_every_n_epochs: AtLeastOne = 1
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
 
@@ -110,6 +110,8 @@ class FinetuneArgs(RecipeArgs):
     """Cap on optimizer steps per epoch (None: the whole dataset)."""
     clip_grad_norm: Annotated[float, Finite(), Range(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value (None: no clipping)."""
+    skip_nonfinite_steps: Annotated[int, Range(ge=0)] = 0
+    """Skip up to N steps whose loss or gradient norm is NaN/inf (no update); the next one stops the run."""
     log_every_n_steps: AtLeastOne = 1
     """Log metrics every N optimizer steps."""
     run_val_every_n_steps: AtLeastOne | None = None

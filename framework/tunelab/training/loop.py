@@ -1,5 +1,7 @@
 """Small pieces of the training step shared by the recipes."""
 
+import logging
+import math
 import resource
 import sys
 
@@ -8,9 +10,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tunelab.distributed import all_reduce_sum, reshard
-from tunelab.errors import DataError
+from tunelab.errors import DataError, TrainingError
 from tunelab.losses import token_count
 from tunelab.modules.masks import document_causal_mask
+
+logger = logging.getLogger(__name__)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -104,22 +108,84 @@ def sft_backward(
     return (all_reduce_sum(total_loss) / num_tokens).item(), num_tokens.item()
 
 
+class NonFiniteGuard:
+    """Stops training at a step whose loss or gradient norm is NaN or infinite.
+
+    A non-finite step would write NaNs into every weight it updates, and training would go on
+    (and export) silently. With ``skip_budget`` > 0 the first ``skip_budget`` such steps are
+    skipped instead (no update, gradients dropped, a warning each), as some users prefer for a
+    rare bad batch; the next one stops the run.
+
+    Args:
+        skip_budget: Non-finite steps to skip before stopping (0: stop at the first).
+    """
+
+    def __init__(self, skip_budget: int = 0) -> None:
+        self.skip_budget = skip_budget
+        self.skipped = 0
+
+    def should_skip(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Whether to skip ``step``; False when both figures are finite.
+
+        Raises:
+            TrainingError: The step is not finite and the skip budget is spent.
+        """
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return False
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+        if self.skipped >= self.skip_budget:
+            hint = (
+                f" ({self.skipped} earlier step(s) skipped)"
+                if self.skipped
+                else "; set skip_nonfinite_steps to skip a few such steps"
+            )
+            raise TrainingError(
+                f"{what} is not finite: stopping before it changes the weights (lower the "
+                f"learning rate, check the data and the dtype){hint}"
+            )
+        self.skipped += 1
+        logger.warning(
+            "%s is not finite: skipped (%d of %d allowed)", what, self.skipped, self.skip_budget
+        )
+        return True
+
+
 def optimizer_step(
     optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],
     *,
     clip_grad_norm: float | None,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    guard: NonFiniteGuard | None = None,
+    loss: float = 0.0,
+    step: int = 0,
 ) -> dict[str, float]:
     """Clip, step the optimizer and the schedule, zero the gradients.
 
+    Args:
+        optimizer: The optimizer.
+        params: The parameters it updates (their gradient norm is measured and clipped).
+        clip_grad_norm: Clip the global gradient norm to this (None: no clipping).
+        lr_scheduler: Stepped after the optimizer, if given.
+        guard: Checks ``loss`` and the gradient norm first; a skipped step changes nothing.
+        loss: The step's loss (for ``guard``).
+        step: The step's number (for ``guard``'s messages).
+
     Returns:
-        ``lr`` (the rate this step used) and, when clipping, ``grad_norm`` (before clipping).
+        ``lr`` (the rate this step used), ``grad_norm`` (before clipping) when clipping or
+        guarding, and ``skipped`` (1.0) for a step the guard skipped.
+
+    Raises:
+        TrainingError: From ``guard``.
     """
     metrics = {"lr": optimizer.param_groups[0]["lr"]}
-    if clip_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    if clip_grad_norm is not None or guard is not None:
+        max_norm = clip_grad_norm if clip_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+        if guard is not None and guard.should_skip(step, loss, metrics["grad_norm"]):
+            optimizer.zero_grad(set_to_none=True)
+            return {**metrics, "skipped": 1.0}
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
