@@ -21,6 +21,7 @@ from tunelab.config.recipe_args import LoRADPOArgs
 from tunelab.data import padded_collate_dpo
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
 from tunelab.errors import ConfigError
+from tunelab.lifecycle import Preemption, lock_output_dir
 from tunelab.losses import PreferenceLoss
 from tunelab.training import ProgressBar, seed_everything
 from tunelab.training.loop import optimizer_step, peak_memory_gib, to_device
@@ -43,6 +44,8 @@ def main(args: LoRADPOArgs) -> None:
     """Train LoRA adapters on preference pairs and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
     dist_info = init_distributed(args.device)
+    # One run per output_dir: a second one stops here, before loading or writing anything.
+    lock_output_dir(args.output_dir)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
@@ -82,6 +85,8 @@ def main(args: LoRADPOArgs) -> None:
     progress = ProgressBar(
         data.steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
     )
+    # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
+    preemption = Preemption(checkpoints, close=(progress, loggers))
     model.train()
     for epoch in range(start_epoch, args.epochs):
         data.sampler.set_epoch(epoch)
@@ -128,6 +133,13 @@ def main(args: LoRADPOArgs) -> None:
                     progress_record(data, epoch_done),
                     # Nothing is left to overlap the run's last save with: write it in place.
                     blocking=schedule.is_last(epoch, epoch_done),
+                )
+            if preemption.stop_agreed():  # A collective: every rank asks once per step.
+                preemption.stop(
+                    global_step,
+                    epoch,
+                    progress_record(data, epoch_done),
+                    saved=schedule.save(global_step, epoch_done),
                 )
 
     # -- clean-up -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from tunelab.config import instantiate, recipe_main
 from tunelab.config.recipe_args import LoRAFinetuneArgs
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
+from tunelab.lifecycle import Preemption, lock_output_dir
 from tunelab.training import ProgressBar, seed_everything
 from tunelab.training.loop import evaluate, optimizer_step, peak_memory_gib, sft_backward, to_device
 from tunelab.training.session import (
@@ -33,6 +34,8 @@ def main(args: LoRAFinetuneArgs) -> None:
     """Train LoRA adapters on ``args.dataset`` and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
     dist_info = init_distributed(args.device)
+    # One run per output_dir: a second one stops here, before loading or writing anything.
+    lock_output_dir(args.output_dir)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
@@ -63,6 +66,8 @@ def main(args: LoRAFinetuneArgs) -> None:
     progress = ProgressBar(
         data.steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
     )
+    # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
+    preemption = Preemption(checkpoints, close=(progress, loggers))
     model.train()
     for epoch in range(start_epoch, args.epochs):
         data.sampler.set_epoch(epoch)
@@ -103,6 +108,13 @@ def main(args: LoRAFinetuneArgs) -> None:
                     progress_record(data, epoch_done),
                     # Nothing is left to overlap the run's last save with: write it in place.
                     blocking=schedule.is_last(epoch, epoch_done),
+                )
+            if preemption.stop_agreed():  # A collective: every rank asks once per step.
+                preemption.stop(
+                    global_step,
+                    epoch,
+                    progress_record(data, epoch_done),
+                    saved=schedule.save(global_step, epoch_done),
                 )
 
     # -- clean-up -------------------------------------------------------------------------

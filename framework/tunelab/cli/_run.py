@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from tunelab.cli._check import check_config
+from tunelab.config import load_config
 from tunelab.config._entry import _recipe_parser
+from tunelab.lifecycle import (
+    LAUNCHER_PID_ENV,
+    STOP_SIGNALS,
+    check_output_dir_free,
+    stop_signals_blocked,
+)
+from tunelab.lifecycle.preemption import signal_name
 
 USAGE = """\
 usage: tunelab run [TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDE ...]
@@ -26,6 +35,9 @@ Without torchrun options the recipe runs as one process (RANK=0, WORLD_SIZE=1). 
 (--nproc_per_node 2, --nnodes, --rdzv-endpoint, --master-port, ...: see `torchrun --help`) it
 is launched through torch.distributed.run; a single-node launch without a rendezvous endpoint
 or master port gets a free port of its own.
+
+SIGTERM or SIGINT (Ctrl-C) stops the run at the end of a step with a committed checkpoint and
+exit code 128 + signal; a second one stops it at once. The workers die with this command.
 """
 
 # torchrun's loud INFO/WARNING lines (rendezvous banners, "failed (exitcode...)") repeat what
@@ -35,6 +47,30 @@ _ELASTIC_LOGGERS = (
     "torch.distributed.run",
     "torch.distributed.launcher",
 )
+# The signals torchrun's launcher handles (its default --signals-to-handle; Windows has two).
+_TORCHRUN_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
+# How long torchrun waits for workers to stop after forwarding a signal before it SIGKILLs
+# them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torch's default of 30 s is short for a real model's
+# final checkpoint). The environment variable or --shutdown-timeout wins.
+SHUTDOWN_TIMEOUT_S = 300
+# A recipe that exits with these stopped on a signal and printed its own line.
+_STOP_EXIT_CODES = frozenset(128 + signum for signum in STOP_SIGNALS)
+
+
+class _StoppedBeforeStart(BaseException):
+    """A stop signal before any worker exists (while validating, or torchrun's rendezvous)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_before_start(signum: int, frame: object) -> None:
+    raise _StoppedBeforeStart(signum)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -66,18 +102,29 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()),
     )
+    env[LAUNCHER_PID_ENV] = str(os.getpid())  # The child dies with this process.
     if debug:
         env["TUNELAB_DEBUG"] = "1"
+    # The child starts with the stop signals blocked (pending until its handlers are in), and
+    # this process forwards any it gets (as torchrun does), then keeps waiting: the child
+    # finishes its step, saves and exits with 128 + signal. Signals that came during the
+    # start-up are delivered when the block ends, to the forwarding handlers.
+    with stop_signals_blocked():
+        child = subprocess.Popen([sys.executable, str(recipe), *child_args], env=env)
+        previous = {
+            signum: signal.signal(signum, lambda signum, frame: child.send_signal(signum))
+            for signum in STOP_SIGNALS
+        }
     try:
-        completed = subprocess.run([sys.executable, str(recipe), *child_args], env=env)
-    except KeyboardInterrupt:
-        return 130
-    code = completed.returncode
-    if code != 0:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if code != 0 and code not in _STOP_EXIT_CODES:
         reason = f"exit code {code}" if code > 0 else f"signal {-code}"
         print(f"tunelab: error: recipe {recipe.stem} failed ({reason})", file=sys.stderr)
         return code if code > 0 else 128 - code
-    return 0
+    return code
 
 
 def _describe_failure(recipe: str, failures: dict) -> str:
@@ -105,6 +152,7 @@ def _describe_failure(recipe: str, failures: dict) -> str:
 def _run_torchrun(
     torchrun_args: list[str], recipe: Path, child_args: list[str], debug: bool
 ) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -121,17 +169,50 @@ def _run_torchrun(
     if debug:
         os.environ["TUNELAB_DEBUG"] = "1"
     else:
-        for name in _ELASTIC_LOGGERS:
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        # torch's elastic modules give their loggers levels of their own (get_logger), so
+        # the parents' level alone does not silence them.
+        for name in [*_ELASTIC_LOGGERS, *logging.root.manager.loggerDict]:
+            if name.startswith(_ELASTIC_LOGGERS):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     # torchrun would set this with a boxed warning when several processes share a node.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # Workers die with this process.
+    if launch.nnodes in ("1", "1:1"):
+        # On several nodes every node's launcher would check, and a node joining late would
+        # find the lock taken by this very run: there, rank 0's own lock is the check.
+        _check_output_dir(child_args)
+    handlers = {signum: signal.getsignal(signum) for signum in _TORCHRUN_SIGNALS}
     try:
-        run(launch)
+        try:
+            # torchrun spawns the workers from this thread: they inherit the block, so a
+            # stop signal during their start-up waits for their handlers. This process keeps
+            # receiving signals through a helper thread; torchrun's handlers raise
+            # SignalException here, forward the signal to every worker and wait for them.
+            with stop_signals_blocked(keep_receiving=True):
+                run(launch)
+        finally:
+            for signum, handler in handlers.items():  # torchrun leaves its handlers in place.
+                signal.signal(signum, handler)
+    except SignalException as err:
+        # The workers stopped (rank 0 printed the stop line), or a second signal cut the wait
+        # short and they die with this process. Nothing to add.
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
-        print(f"tunelab: error: {_describe_failure(recipe.stem, err.failures)}", file=sys.stderr)
         codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
+        if codes and all(f.exitcode in _STOP_EXIT_CODES for f in err.failures.values()):
+            return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
+        print(f"tunelab: error: {_describe_failure(recipe.stem, err.failures)}", file=sys.stderr)
         return codes[0] if codes else 1
     return 0
+
+
+def _check_output_dir(child_args: list[str]) -> None:
+    """Stop before any process starts when another run holds the config's output_dir."""
+    config, overrides = child_args[1], child_args[2:]
+    output_dir = load_config(config, overrides).get("output_dir")
+    if isinstance(output_dir, str) and output_dir:
+        check_output_dir_free(output_dir)
 
 
 def run_command(argv: list[str], debug: bool) -> int:
@@ -142,11 +223,25 @@ def run_command(argv: list[str], debug: bool) -> int:
         debug: Whether tracebacks and torchrun's logs should show.
 
     Returns:
-        The exit code: the recipe's (non-zero on failure).
+        The exit code: the recipe's (non-zero on failure; 128 + signal when a SIGTERM or
+        SIGINT stopped it).
 
     Raises:
-        TunelabError: If the recipe or config is missing or the config does not validate.
+        TunelabError: If the recipe or config is missing, the config does not validate, or
+            another run holds the config's output_dir.
     """
+    previous = {signum: signal.signal(signum, _stop_before_start) for signum in STOP_SIGNALS}
+    try:
+        return _run_command(argv, debug)
+    except _StoppedBeforeStart as stop:
+        print(f"stopped by {signal_name(stop.signum)} before training started", flush=True)
+        return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_command(argv: list[str], debug: bool) -> int:
     if "--debug" in argv:
         argv = [arg for arg in argv if arg != "--debug"]
         debug = True
@@ -164,6 +259,7 @@ def run_command(argv: list[str], debug: bool) -> int:
     child_args = ["--config", str(config_path.resolve()), *recipe_cli.overrides]
     if torchrun_args:
         return _run_torchrun(torchrun_args, recipe_path.resolve(), child_args, debug)
+    _check_output_dir(child_args)
     return _run_one_process(recipe_path.resolve(), child_args, debug)
 
 

@@ -16,6 +16,13 @@ from omegaconf import DictConfig
 from tunelab.config._load import load_config
 from tunelab.config._validate import parse_args
 from tunelab.errors import TunelabError
+from tunelab.lifecycle import (
+    TrainingStopped,
+    exit_with_launcher,
+    install_stop_handlers,
+    signal_received,
+)
+from tunelab.lifecycle.preemption import signal_name
 
 T = TypeVar("T")
 
@@ -84,13 +91,22 @@ def recipe_main(
     ``--config CONFIG [overrides]``, validates the config against ``args_cls`` and calls
     ``main(args)``. A ``TunelabError`` becomes one line on stderr, ``tunelab: error: <message>``
     (printed by rank 0 only when ``RANK`` is set, since every rank usually fails alike; under
-    torchrun every rank also records it in its error file for the launcher), and exit code 1; ``--debug`` or ``TUNELAB_DEBUG=1`` shows the traceback instead.
+    torchrun every rank also records it in its error file for the launcher), and exit code 1;
+    ``--debug`` or ``TUNELAB_DEBUG=1`` shows the traceback instead.
+
+    Before anything else it ties the process's life to its launcher's
+    (``tunelab.lifecycle.exit_with_launcher``) and installs the stop-signal handlers: a
+    SIGTERM or SIGINT ends the process with one line on rank 0 and exit code 128 + signal,
+    after a committed checkpoint when it came during the training loop (see
+    ``tunelab.lifecycle.Preemption``).
 
     Args:
         main: The recipe's training function; it takes the settings instance.
         args_cls: The recipe's ``RecipeArgs`` subclass.
         argv: The arguments (``sys.argv[1:]`` when None).
     """
+    exit_with_launcher()
+    install_stop_handlers()
     argv = sys.argv[1:] if argv is None else argv
     debug = debug_enabled(argv)
     try:
@@ -102,3 +118,21 @@ def recipe_main(
                 traceback.print_exc()
             print(f"tunelab: error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except TrainingStopped as stop:
+        _exit_stopped(stop.signum, stop.message)
+    except Exception:
+        # After a stop signal, a peer that exited on it breaks the collective this rank was
+        # in: the stop is what happened, not this error (--debug shows it anyway).
+        signum = signal_received()
+        if signum is None or debug:
+            raise
+        _exit_stopped(signum, f"stopped by {signal_name(signum)} before a checkpoint was committed")
+    signum = signal_received()
+    if signum is not None:  # It came after the training loop: the run itself completed.
+        _exit_stopped(signum, f"stopped by {signal_name(signum)} after training ended")
+
+
+def _exit_stopped(signum: int, message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
+    sys.exit(128 + signum)

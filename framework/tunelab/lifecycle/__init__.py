@@ -1,0 +1,40 @@
+"""Process lifecycle: who owns an output_dir, how long workers live, how a run stops.
+
+Three promises (docs/recipes.md, "Stopping, preemption and orphans"):
+
+- One run owns an output_dir: rank 0 holds a lock on it for its whole life
+  (:func:`lock_output_dir`; ``tunelab run`` checks it before starting anything).
+- Workers never outlive their launcher: they die with it, even when it is SIGKILLed
+  (:func:`exit_with_launcher`, called by ``recipe_main``).
+- A stop signal (SIGTERM, SIGINT) becomes a committed checkpoint at a step every rank agrees
+  on (:class:`Preemption`), then exit code 128 + signal.
+
+Nothing here imports torch at module level: ``tunelab run`` uses the launcher half of each
+promise without it (its one-process path never loads torch). The collectives import it when
+they run.
+"""
+
+from tunelab.lifecycle.output_lock import LOCK_FILE_NAME, check_output_dir_free, lock_output_dir
+from tunelab.lifecycle.parent_death import LAUNCHER_PID_ENV, exit_with_launcher
+from tunelab.lifecycle.preemption import (
+    STOP_SIGNALS,
+    Preemption,
+    TrainingStopped,
+    install_stop_handlers,
+    signal_received,
+    stop_signals_blocked,
+)
+
+__all__ = [
+    "LAUNCHER_PID_ENV",
+    "LOCK_FILE_NAME",
+    "STOP_SIGNALS",
+    "Preemption",
+    "TrainingStopped",
+    "check_output_dir_free",
+    "exit_with_launcher",
+    "install_stop_handlers",
+    "lock_output_dir",
+    "signal_received",
+    "stop_signals_blocked",
+]

@@ -1,0 +1,262 @@
+"""tunelab.lifecycle on its own: the output_dir lock, dying with the launcher, stop signals.
+
+Each behaviour that involves signals or process death runs in a small subprocess of its own,
+so the test process keeps its handlers and its life.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tunelab.errors import CheckpointError
+from tunelab.lifecycle import LOCK_FILE_NAME, check_output_dir_free, lock_output_dir
+
+ENV = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+for name in ("RANK", "WORLD_SIZE", "TUNELAB_LAUNCHER_PID", "TORCHELASTIC_RUN_ID"):
+    ENV.pop(name, None)
+
+HOLD_LOCK = """
+import sys, time
+from tunelab.lifecycle import lock_output_dir
+lock_output_dir(sys.argv[1])
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def _python(code: str, *args, env=None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_dead(pid: int, timeout_s: float) -> float:
+    start = time.monotonic()
+    while _alive(pid):
+        assert time.monotonic() - start < timeout_s, f"pid {pid} still alive"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+# --- the output_dir lock ---------------------------------------------------------------------
+
+
+def test_a_held_output_dir_is_refused_naming_the_holder_and_freed_when_it_is_killed(tmp_path):
+    out = tmp_path / "run"
+    holder = _python(HOLD_LOCK, out)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        info = json.loads((out / LOCK_FILE_NAME).read_text())
+        assert info["pid"] == holder.pid and info["host"] == socket.gethostname()
+        with pytest.raises(CheckpointError) as launcher_check:
+            check_output_dir_free(out)
+        message = str(launcher_check.value)
+        assert f"output_dir {out} is in use by another run" in message
+        assert f"host {info['host']}, pid {holder.pid}, started {info['started']}" in message
+        with pytest.raises(CheckpointError, match=f"pid {holder.pid}"):
+            lock_output_dir(out)  # The recipes' path (world size 1 here).
+        assert json.loads((out / LOCK_FILE_NAME).read_text()) == info  # Not overwritten.
+    finally:
+        holder.send_signal(signal.SIGKILL)  # The kernel drops a killed process's flock.
+        holder.wait()
+    check_output_dir_free(out)
+    lock_output_dir(out)
+    lock_output_dir(out)  # Held by this process already: nothing to do.
+    assert json.loads((out / LOCK_FILE_NAME).read_text())["pid"] == os.getpid()
+    other = subprocess.run(  # Another process sees this one as the holder.
+        [sys.executable, "-c", HOLD_LOCK, str(out)], env=ENV, capture_output=True, text=True
+    )
+    assert other.returncode != 0 and f"pid {os.getpid()}" in other.stderr
+    with pytest.raises(CheckpointError):
+        check_output_dir_free(out)
+
+
+def test_checking_a_missing_output_dir_creates_nothing(tmp_path):
+    check_output_dir_free(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+# --- workers die with their launcher -----------------------------------------------------------
+
+# A "launcher" that starts a "worker" (which calls exit_with_launcher) and waits to be killed.
+LAUNCHER = """
+import os, subprocess, sys, time
+env = dict(os.environ, TUNELAB_LAUNCHER_PID=str(os.getpid()))
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=env)
+print(worker.pid, flush=True)
+time.sleep(300)
+"""
+WORKER = """
+import os, sys, time
+from tunelab.lifecycle import parent_death
+if {force_polling}:
+    parent_death._set_parent_death_signal = lambda signum: False
+parent_death.exit_with_launcher()
+assert "TUNELAB_LAUNCHER_PID" not in os.environ  # Its own children must not inherit it.
+open(sys.argv[1] if len(sys.argv) > 1 else os.devnull, "w").close()
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("force_polling", [False, True], ids=["prctl", "polling_thread"])
+def test_a_worker_dies_within_a_second_of_its_launcher_sigkill(force_polling):
+    launcher = _python(LAUNCHER, WORKER.format(force_polling=force_polling))
+    worker_pid = int(launcher.stdout.readline())
+    time.sleep(1.5)  # Past the worker's start-up (the import of tunelab).
+    assert _alive(worker_pid)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    assert _wait_dead(worker_pid, timeout_s=5) < 1.5
+
+
+def test_a_worker_whose_launcher_died_before_it_started_exits_at_once():
+    # TUNELAB_LAUNCHER_PID names a process that is not the parent: the launcher is gone.
+    env = dict(ENV, TUNELAB_LAUNCHER_PID=str(os.getpid() + 10_000_000))
+    worker = _python(WORKER.format(force_polling=False), env=env)
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == -signal.SIGKILL
+    assert "launcher (pid" in stderr and "is gone; exiting" in stderr
+
+
+def test_a_process_started_by_hand_is_left_alone(tmp_path):
+    marker = tmp_path / "started"
+    worker = _python(WORKER.format(force_polling=False), marker)  # No launcher variables.
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.05)
+        assert worker.poll() is None
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+# --- stop signals --------------------------------------------------------------------------------
+
+PREEMPTION = """
+import os, signal, sys, time
+from tunelab.lifecycle import Preemption, TrainingStopped, install_stop_handlers, signal_received
+
+class Checkpoints:
+    output_dir = "/tmp/run"
+    def save(self, step, epoch, progress, *, blocking=False):
+        print("save", step, epoch, progress, blocking, flush=True)
+    def wait(self):
+        print("wait", flush=True)
+    def close(self):
+        print("close checkpoints", flush=True)
+
+class Loggers:
+    def close(self):
+        print("close loggers", flush=True)
+
+install_stop_handlers()
+mode = sys.argv[1]
+if mode == "before_loop":
+    print("ready", flush=True)
+    time.sleep(60)
+preemption = Preemption(Checkpoints(), close=[Loggers()])
+assert not preemption.stop_agreed()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGINT)  # Within the repeat window: the same stop.
+time.sleep(0.1)
+assert signal_received() == signal.SIGTERM
+assert preemption.stop_agreed()
+if mode == "second_signal":
+    print("ready", flush=True)
+    time.sleep(60)
+try:
+    preemption.stop(7, 1, {"sampler": 3}, saved=mode == "saved")
+except TrainingStopped as stop:
+    print(stop.exit_code, stop.message, flush=True)
+"""
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_stop_in_the_loop_saves_synchronously_closes_and_raises(saved):
+    process = _python(PREEMPTION, "saved" if saved else "unsaved")
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    first = "wait" if saved else "save 7 1 {'sampler': 3} True"
+    assert stdout.splitlines() == [
+        first,
+        "close checkpoints",
+        "close loggers",
+        "143 stopped by SIGTERM at step 7; checkpoint step_7 committed; "
+        "resume with checkpoint.resume_from_checkpoint=true",
+    ]
+
+
+def _signal_when_ready(mode: str, signum: int, *, rank: str = "0"):
+    process = _python(PREEMPTION, mode, env=dict(ENV, RANK=rank))
+    assert process.stdout.readline() == "ready\n"
+    if mode == "second_signal":
+        time.sleep(2.2)  # Past the repeat window of the first signal.
+    start = time.monotonic()
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    return process.returncode, stdout, stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_before_the_loop_exits_at_once_with_one_line(signum):
+    code, stdout, stderr, seconds = _signal_when_ready("before_loop", signum)
+    assert code == 128 + signum and seconds < 5
+    assert stdout == f"stopped by {signal.Signals(signum).name} before training started\n"
+    assert stderr == ""
+
+
+def test_only_rank_0_prints_the_line():
+    code, stdout, stderr, _ = _signal_when_ready("before_loop", signal.SIGTERM, rank="1")
+    assert (code, stdout, stderr) == (143, "", "")
+
+
+def test_a_second_signal_exits_at_once_without_a_checkpoint():
+    code, stdout, stderr, seconds = _signal_when_ready("second_signal", signal.SIGINT)
+    assert code == 130 and seconds < 5
+    assert stdout == "stopped by a second signal (SIGINT): no checkpoint\n"
+    assert stderr == ""
+
+
+def test_children_started_with_stop_signals_blocked_get_them_when_ready(tmp_path):
+    from tunelab.lifecycle import stop_signals_blocked
+
+    child_code = """
+    import signal, time
+    blocked = next(l for l in open("/proc/self/status") if l.startswith("SigBlk:"))
+    print(int(blocked.split()[1], 16) & (1 << (signal.SIGTERM - 1)) != 0, flush=True)
+    time.sleep(1)  # The signal comes now, and waits.
+    from tunelab.lifecycle import install_stop_handlers
+    install_stop_handlers()
+    time.sleep(30)
+    """
+    with stop_signals_blocked():
+        child = _python(child_code)
+    assert child.stdout.readline() == "True\n"
+    child.send_signal(signal.SIGTERM)
+    stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == 143, stderr
+    assert stdout == "stopped by SIGTERM before training started\n"
+    assert "Traceback" not in stderr
