@@ -260,3 +260,71 @@ def test_children_started_with_stop_signals_blocked_get_them_when_ready(tmp_path
     assert child.returncode == 143, stderr
     assert stdout == "stopped by SIGTERM before training started\n"
     assert "Traceback" not in stderr
+
+
+# --- recipe_main turns a stop into one line and 128 + signal ---------------------------------
+
+TOY_RECIPE = """
+import os, signal, time
+from dataclasses import dataclass
+
+from tunelab.config import RecipeArgs, recipe_main
+from tunelab.lifecycle import Preemption
+
+
+@dataclass(kw_only=True)
+class ToyArgs(RecipeArgs):
+    mode: str
+    \"\"\"What to do after the stop signal.\"\"\"
+
+
+class Checkpoints:
+    output_dir = "/tmp/run"
+    def save(self, step, epoch, progress, *, blocking=False): pass
+    def wait(self): pass
+    def close(self): pass
+
+
+def main(args):
+    preemption = Preemption(Checkpoints())
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+    if args.mode == "agreed" and preemption.stop_agreed():
+        preemption.stop(5, 0, {}, saved=False)
+    if args.mode == "error":  # What a peer that exited on the signal does to a collective.
+        raise RuntimeError("Connection closed by peer\\nsecond line")
+    print("returned", flush=True)  # mode "after": the loop had ended.
+
+
+if __name__ == "__main__":
+    recipe_main(main, ToyArgs)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        (
+            "agreed",
+            "stopped by SIGTERM at step 5; checkpoint step_5 committed; "
+            "resume with checkpoint.resume_from_checkpoint=true\n",
+        ),
+        (
+            "error",
+            "stopped by SIGTERM before a checkpoint was committed "
+            "(RuntimeError: Connection closed by peer)\n",
+        ),
+        ("after", "returned\nstopped by SIGTERM after training ended\n"),
+    ],
+    ids=["agreed", "error", "after"],
+)
+def test_recipe_main_ends_a_stopped_run_with_one_line_and_143(tmp_path, mode, expected):
+    (tmp_path / "toy.py").write_text(TOY_RECIPE)
+    (tmp_path / "toy.yaml").write_text(f"recipe: toy.py\nmode: {mode}\n")
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "toy.py"), "--config", str(tmp_path / "toy.yaml")],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 143, result.stderr
+    assert result.stdout == expected
+    assert "Traceback" not in result.stderr

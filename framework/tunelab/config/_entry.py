@@ -120,13 +120,18 @@ def recipe_main(
         sys.exit(1)
     except TrainingStopped as stop:
         _exit_stopped(stop.signum, stop.message)
-    except Exception:
+    except Exception as err:
         # After a stop signal, a peer that exited on it breaks the collective this rank was
-        # in: the stop is what happened, not this error (--debug shows it anyway).
+        # in: one line says what happened, with the error; --debug shows its traceback.
         signum = signal_received()
         if signum is None or debug:
             raise
-        _exit_stopped(signum, f"stopped by {signal_name(signum)} before a checkpoint was committed")
+        first_line = next(iter(str(err).splitlines()), "")
+        _exit_stopped(
+            signum,
+            f"stopped by {signal_name(signum)} before a checkpoint was committed "
+            f"({type(err).__name__}: {first_line})",
+        )
     signum = signal_received()
     if signum is not None:  # It came after the training loop: the run itself completed.
         _exit_stopped(signum, f"stopped by {signal_name(signum)} after training ended")
