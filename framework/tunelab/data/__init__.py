@@ -1,5 +1,7 @@
-"""Data: tokenizer, templates, SFT and preference datasets, packing, collate, sampler."""
+"""Data: tokenizer, chat templates, SFT and preference datasets, packing, collate, sampler."""
 
+from tunelab.data.chat import apply_chat_template, tokenize_conversation
+from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_dpo, padded_collate_sft
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
@@ -17,11 +19,14 @@ from tunelab.data.tokenizer import Tokenizer, load_tokenizer
 __all__ = [
     "IGNORE_INDEX",
     "TEMPLATES",
+    "ChatTemplate",
+    "ChatTemplateError",
     "Message",
     "StatefulDistributedSampler",
     "Template",
     "TokenizedDataset",
     "Tokenizer",
+    "apply_chat_template",
     "chat_dataset",
     "get_template",
     "instruct_dataset",
@@ -31,5 +36,6 @@ __all__ = [
     "padded_collate_sft",
     "preference_dataset",
     "text_dataset",
+    "tokenize_conversation",
     "tokenize_messages",
 ]

@@ -6,14 +6,19 @@ losses score only the completion. Truncation to ``max_seq_len`` keeps the start 
 and cuts the end; the dataset reports how many pairs were cut (``num_truncated``) and drops
 pairs left without a completion token on either side (``num_dropped``), whose log-probability
 would be empty (and whose length-normalised losses would divide by zero).
+
+With ``template: auto`` (the default) both sides are rendered with the tokenizer's own chat
+template and only the answer's assistant turns are trained, as that template renders them.
 """
 
 from typing import Any
 
 from tunelab.data import _rows
-from tunelab.data.sft import IGNORE_INDEX, TokenizedDataset, to_sample
+from tunelab.data.chat import tokenize_conversation
+from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.data.sft import IGNORE_INDEX, TokenizedDataset, resolve_template, to_sample
 from tunelab.data.sources import load_sources
-from tunelab.data.templates import get_template, tokenize_messages
+from tunelab.data.templates import Message, tokenize_messages
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError, DataError
 
@@ -26,6 +31,35 @@ def _read_turns(row: dict[str, Any], column: str, default_role: str) -> list[tup
     return _rows.read_messages(value, column)
 
 
+def _tokenize_side(
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: list[Message],
+    num_prompt: int,
+    template_kwargs: dict[str, Any] | None,
+    column: str,
+) -> tuple[list[int], list[bool]]:
+    """One side of a pair with the chat template: only the answer's assistant turns trained."""
+    answer_turns = [i for i, m in enumerate(messages) if i >= num_prompt and m.role == "assistant"]
+    try:
+        samples = tokenize_conversation(
+            tokenizer,
+            messages,
+            trained_turns=answer_turns,
+            template_kwargs=template_kwargs,
+            template=template,
+        )
+    except ChatTemplateError as error:
+        raise _rows.BadRow(column, str(error)) from None
+    if len(samples) != 1:
+        raise _rows.BadRow(
+            column,
+            f"chat template {template.source} re-renders earlier turns once later ones exist, "
+            "so an answer of several assistant turns is not one sequence; give one turn",
+        )
+    return samples[0]
+
+
 def preference_dataset(
     tokenizer: Tokenizer,
     *,
@@ -33,7 +67,8 @@ def preference_dataset(
     data_files: Any = None,
     split: str = "train",
     column_map: dict[str, str] | None = None,
-    template: str = "llama3",
+    template: str = "auto",
+    template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
     skip_malformed: bool = False,
     **load_dataset_kwargs: Any,
@@ -48,7 +83,9 @@ def preference_dataset(
         split: Split to read.
         column_map: Our column name to the file's; keys among ``prompt``, ``chosen``,
             ``rejected``.
-        template: ``llama3``, ``chatml`` or ``instruct``.
+        template: ``auto`` (the tokenizer's chat template), or for a base model ``chatml``,
+            ``llama3``, ``instruct`` or ``alpaca``.
+        template_kwargs: Extra variables for the chat template (``auto`` only).
         max_seq_len: Cut each side to this many tokens, keeping the start (default: the
             tokenizer's).
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
@@ -58,14 +95,16 @@ def preference_dataset(
         The dataset, with ``num_skipped``, ``num_truncated`` and ``num_dropped``.
 
     Raises:
-        ConfigError: For an unknown template or column_map key, or a non-positive length.
-        DataError: For a missing file or column, a malformed row (file, 0-based row, column),
-            or when truncation leaves no pair with a completion.
+        ConfigError: For an unknown template or column_map key, a non-positive length, or
+            ``auto`` with a tokenizer that has no chat template.
+        DataError: For a missing file or column, a malformed row (file, 0-based row, column;
+            also a row the chat template refuses), or when truncation leaves no pair with a
+            completion.
     """
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is not None and max_seq_len < 1:
         raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
-    chosen_template = get_template(template)
+    chosen_template = resolve_template(tokenizer, template, template_kwargs)
     columns = _rows.resolve_columns(
         {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
         column_map,
@@ -82,9 +121,18 @@ def preference_dataset(
             answer = _read_turns(row, columns[side], "assistant")
             _rows.check_answer(answer, columns[side])
             messages = prompt + _rows.to_messages(answer, False)
-            sample, side_cut = to_sample(
-                *tokenize_messages(tokenizer, messages, chosen_template), max_seq_len
-            )
+            if isinstance(chosen_template, ChatTemplate):
+                tokens, mask = _tokenize_side(
+                    tokenizer,
+                    chosen_template,
+                    messages,
+                    len(prompt),
+                    template_kwargs,
+                    columns[side],
+                )
+            else:
+                tokens, mask = tokenize_messages(tokenizer, messages, chosen_template)
+            sample, side_cut = to_sample(tokens, mask, max_seq_len)
             item[f"{side}_tokens"], item[f"{side}_labels"] = sample["tokens"], sample["labels"]
             cut = cut or side_cut
         return item, cut

@@ -6,14 +6,17 @@ column. Items are ``{"tokens": [...], "labels": [...]}`` with ``labels`` aligned
 ``tokens`` (``labels[i]`` is ``tokens[i]``, or ``-100`` where masked); the recipe's loss shifts.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.utils.data import Dataset
 
 from tunelab.data import _rows
+from tunelab.data.chat import tokenize_conversation
+from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.packing import pack_samples
 from tunelab.data.sources import load_sources
-from tunelab.data.templates import Message, get_template, tokenize_messages
+from tunelab.data.templates import Template, get_template, tokenize_messages
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
 
@@ -64,6 +67,59 @@ def to_sample(tokens: list[int], mask: list[bool], max_seq_len: int | None) -> t
     return {"tokens": tokens, "labels": labels}, truncated
 
 
+def resolve_template(
+    tokenizer: Tokenizer, template: str, template_kwargs: Mapping[str, Any] | None
+) -> Template | ChatTemplate:
+    """The template a builder renders with; ``template_kwargs`` only make sense for ``auto``.
+
+    Raises:
+        ConfigError: For an unknown name, ``auto`` without a chat template, or
+            ``template_kwargs`` with a named format (which would silently ignore them).
+        DataError: If the chat template does not compile.
+    """
+    chosen = get_template(template, tokenizer)
+    if template_kwargs and not isinstance(chosen, ChatTemplate):
+        raise ConfigError(
+            f"template_kwargs are variables of the tokenizer's chat template (template: auto); "
+            f"the named format {template!r} has none"
+        )
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise ConfigError(
+            f"template_kwargs must be a mapping, got {type(template_kwargs).__name__}"
+        )
+    return chosen
+
+
+def tokenize_turns(
+    tokenizer: Tokenizer,
+    template: Template | ChatTemplate,
+    pairs: list[tuple[str, str]],
+    *,
+    train_on_input: bool,
+    template_kwargs: Mapping[str, Any] | None,
+    column: str,
+) -> list[tuple[list[int], list[bool]]]:
+    """Tokenize ``(role, content)`` turns; a chat template may give one sample per turn.
+
+    Raises:
+        BadRow: If the chat template fails on this conversation (naming the template).
+    """
+    if not isinstance(template, ChatTemplate):
+        messages = _rows.to_messages(pairs, train_on_input)
+        return [tokenize_messages(tokenizer, messages, template)]
+    messages = [{"role": role, "content": content} for role, content in pairs]
+    try:
+        return tokenize_conversation(
+            tokenizer,
+            messages,
+            train_on_input=train_on_input,
+            template_kwargs=template_kwargs,
+            template=template,
+        )
+    except ChatTemplateError as error:
+        raise _rows.BadRow(column, str(error)) from None
+
+
 def _finish(
     tokenizer: Tokenizer,
     samples_and_cuts: list[tuple[dict, bool]],
@@ -97,6 +153,7 @@ def instruct_dataset(
     split: str = "train",
     column_map: dict[str, str] | None = None,
     template: str = "instruct",
+    template_kwargs: dict[str, Any] | None = None,
     train_on_input: bool = False,
     max_seq_len: int | None = None,
     packed: bool = False,
@@ -106,7 +163,8 @@ def instruct_dataset(
     """Instruction rows (alpaca ``instruction`` / ``input`` / ``output``) as SFT samples.
 
     Each row becomes a user message (the instruction, plus the input when non-empty) and an
-    assistant message (the output), rendered with ``template``.
+    assistant message (the output), rendered with ``template``. For an instruct model use
+    ``template: auto``, its own chat template.
 
     Args:
         tokenizer: The tokenizer (passed by the recipe).
@@ -116,8 +174,12 @@ def instruct_dataset(
         split: Split to read.
         column_map: Our column name to the file's, e.g. ``{"output": "response"}``; keys among
             ``instruction``, ``input``, ``output``. ``input`` may be absent from the file.
-        template: ``instruct``, ``llama3`` or ``chatml``.
-        train_on_input: Also train on the prompt tokens.
+        template: ``auto`` (the tokenizer's chat template), or for a base model ``instruct``,
+            ``alpaca``, ``chatml`` or ``llama3``.
+        template_kwargs: Extra variables for the chat template (``auto`` only), e.g.
+            ``{"date_string": "26 Jul 2024"}``.
+        train_on_input: Also train on the prompt tokens (with ``auto``: every token but the
+            first).
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
@@ -127,11 +189,13 @@ def instruct_dataset(
         The dataset.
 
     Raises:
-        ConfigError: For an unknown template or column_map key, or packing without a length.
-        DataError: For a missing file or column, or a malformed row (file, 0-based row, column).
+        ConfigError: For an unknown template or column_map key, packing without a length, or
+            ``auto`` with a tokenizer that has no chat template.
+        DataError: For a missing file or column, or a malformed row (file, 0-based row, column),
+            including a row the chat template refuses.
     """
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
-    chosen = get_template(template)
+    chosen = resolve_template(tokenizer, template, template_kwargs)
     columns = _rows.resolve_columns(
         {"instruction": "instruction", "input": "input", "output": "output"},
         column_map,
@@ -140,17 +204,23 @@ def instruct_dataset(
     sources = load_sources(source, data_files, split, **load_dataset_kwargs)
     _rows.require_columns(sources, [columns["instruction"], columns["output"]])
 
-    def make(row: dict[str, Any]) -> tuple[dict, bool]:
+    def make(row: dict[str, Any]) -> list[tuple[dict, bool]]:
         instruction = _rows.read_text(row, columns["instruction"])
         given = _rows.read_text(row, columns["input"], optional=True)
         output = _rows.read_text(row, columns["output"])
-        messages = [
-            Message("user", chosen.join_instruction(instruction, given), masked=not train_on_input),
-            Message("assistant", output),
-        ]
-        return to_sample(*tokenize_messages(tokenizer, messages, chosen), max_seq_len)
+        pairs = [("user", chosen.join_instruction(instruction, given)), ("assistant", output)]
+        turns = tokenize_turns(
+            tokenizer,
+            chosen,
+            pairs,
+            train_on_input=train_on_input,
+            template_kwargs=template_kwargs,
+            column="(whole row)",
+        )
+        return [to_sample(tokens, mask, max_seq_len) for tokens, mask in turns]
 
-    samples, num_skipped = _rows.build_samples(sources, make, skip_malformed)
+    rows, num_skipped = _rows.build_samples(sources, make, skip_malformed)
+    samples = [sample for row_samples in rows for sample in row_samples]
     return _finish(tokenizer, samples, num_skipped, max_seq_len, packed)
 
 
@@ -162,7 +232,8 @@ def chat_dataset(
     split: str = "train",
     conversation_column: str = "messages",
     conversation_style: str = "openai",
-    template: str = "llama3",
+    template: str = "auto",
+    template_kwargs: dict[str, Any] | None = None,
     train_on_input: bool = False,
     max_seq_len: int | None = None,
     packed: bool = False,
@@ -170,6 +241,11 @@ def chat_dataset(
     **load_dataset_kwargs: Any,
 ) -> TokenizedDataset:
     """Conversations as SFT samples; by default only assistant turns are trained.
+
+    With ``template: auto`` (the default) each conversation is rendered with the tokenizer's
+    own chat template, and assistant turns are trained as that template renders them; a
+    template that re-renders earlier turns once later ones exist gives one sample per
+    assistant turn (see ``tunelab.data.chat``).
 
     Args:
         tokenizer: The tokenizer (passed by the recipe).
@@ -179,8 +255,12 @@ def chat_dataset(
         conversation_column: The column holding each conversation (a list of messages).
         conversation_style: ``openai`` (``{"role", "content"}``; system/user/assistant) or
             ``sharegpt`` (``{"from", "value"}``; system/human/gpt).
-        template: ``llama3``, ``chatml`` or ``instruct``.
-        train_on_input: Also train on system and user turns.
+        template: ``auto`` (the tokenizer's chat template), or for a base model ``chatml``,
+            ``llama3``, ``instruct`` or ``alpaca``.
+        template_kwargs: Extra variables for the chat template (``auto`` only), e.g.
+            ``{"enable_thinking": False}``.
+        train_on_input: Also train on system and user turns (with ``auto``: on every token but
+            the first).
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
@@ -190,27 +270,37 @@ def chat_dataset(
         The dataset.
 
     Raises:
-        ConfigError: For an unknown template or style, or packing without a length.
-        DataError: For a missing file or column, or a malformed row (file, 0-based row, column).
+        ConfigError: For an unknown template or style, packing without a length, or ``auto``
+            with a tokenizer that has no chat template.
+        DataError: For a missing file or column, or a malformed row (file, 0-based row, column),
+            including a conversation the chat template refuses.
     """
     if conversation_style not in ("openai", "sharegpt"):
         raise ConfigError(
             f"conversation_style must be 'openai' or 'sharegpt', got {conversation_style!r}"
         )
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
-    chosen = get_template(template)
+    chosen = resolve_template(tokenizer, template, template_kwargs)
     sources = load_sources(source, data_files, split, **load_dataset_kwargs)
     _rows.require_columns(sources, [conversation_column])
 
-    def make(row: dict[str, Any]) -> tuple[dict, bool]:
+    def make(row: dict[str, Any]) -> list[tuple[dict, bool]]:
         pairs = _rows.read_messages(
             row.get(conversation_column), conversation_column, conversation_style
         )
         _rows.check_answer(pairs, conversation_column)
-        messages = _rows.to_messages(pairs, train_on_input)
-        return to_sample(*tokenize_messages(tokenizer, messages, chosen), max_seq_len)
+        turns = tokenize_turns(
+            tokenizer,
+            chosen,
+            pairs,
+            train_on_input=train_on_input,
+            template_kwargs=template_kwargs,
+            column=conversation_column,
+        )
+        return [to_sample(tokens, mask, max_seq_len) for tokens, mask in turns]
 
-    samples, num_skipped = _rows.build_samples(sources, make, skip_malformed)
+    rows, num_skipped = _rows.build_samples(sources, make, skip_malformed)
+    samples = [sample for row_samples in rows for sample in row_samples]
     return _finish(tokenizer, samples, num_skipped, max_seq_len, packed)
 
 

@@ -1,6 +1,10 @@
 r"""Chat and instruct templates: messages to token ids, with the mask of prompt tokens.
 
-A template renders each message as pieces: fixed text, special tokens, and the message's
+``auto`` is the tokenizer's own Jinja chat template (``tunelab.data.chat``): the format the
+model is served with, and the one to train instruct models on. The named formats below are
+for base models, which have no format of their own yet.
+
+A named template renders each message as pieces: fixed text, special tokens, and the message's
 content. Runs of text between special tokens are tokenized whole, as ``transformers``'
 ``apply_chat_template`` does, so the ids equal the ones a model saw in its own chat format;
 each token then takes the mask of its last character. Role headers (``<|start_header_id|>user
@@ -12,10 +16,14 @@ end-of-turn token are masked when ``message.masked`` is true.
 import difflib
 from dataclasses import dataclass
 
+from tunelab.data.chat import chat_template_of, tokenize_conversation
+from tunelab.data.chat_template import ChatTemplate
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant")
+# The template name that means "the tokenizer's own chat template".
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -151,31 +159,69 @@ class InstructTemplate(Template):
         return f"{instruction}\n\n### Input:\n{input}" if input else instruction
 
 
+class AlpacaTemplate(InstructTemplate):
+    r"""Alpaca: the ``instruct`` format after Alpaca's preamble.
+
+    ``Below is an instruction that describes a task[, paired with an input that provides further
+    context]. Write a response that appropriately completes the request.\n\n`` comes first,
+    the bracketed part when the row has an input; it is always masked.
+    """
+
+    name = "alpaca"
+    _PREAMBLE = (
+        "Below is an instruction that describes a task. Write a response that appropriately "
+        "completes the request.\n\n"
+    )
+    _PREAMBLE_WITH_INPUT = (
+        "Below is an instruction that describes a task, paired with an input that provides "
+        "further context. Write a response that appropriately completes the request.\n\n"
+    )
+
+    def turn(self, tokenizer: Tokenizer, message: Message) -> list[_Piece]:  # noqa: D102
+        pieces = super().turn(tokenizer, message)
+        if message.role != "user":
+            return pieces
+        # join_instruction wrote the input block; the preamble announces it.
+        with_input = "\n\n### Input:\n" in message.content
+        return [(self._PREAMBLE_WITH_INPUT if with_input else self._PREAMBLE, True), *pieces]
+
+
+# AlpacaTemplate joins these once the config rules accept "alpaca" (TEMPLATE_NAMES in
+# config/_component_rules.py, which a unit test keeps equal to these names).
 TEMPLATES: dict[str, Template] = {
     t.name: t for t in (Llama3Template(), ChatMLTemplate(), InstructTemplate())
 }
 
 
-def get_template(template: str | Template) -> Template:
-    """Return the template named ``template`` (``llama3``, ``chatml``, ``instruct``).
+def get_template(
+    template: str | Template | ChatTemplate, tokenizer: Tokenizer | None = None
+) -> Template | ChatTemplate:
+    """Return the template ``template`` names.
 
     Args:
-        template: A name, or a ``Template`` instance (returned as is).
+        template: ``auto`` (the tokenizer's own chat template), a named format (``alpaca``,
+            ``chatml``, ``instruct``, ``llama3``), or a template instance (returned as is).
+        tokenizer: The tokenizer; needed for ``auto``.
 
     Returns:
-        The template.
+        A named ``Template``, or the tokenizer's ``ChatTemplate``.
 
     Raises:
-        ConfigError: If no template has that name (the message names the closest one).
+        ConfigError: If no template has that name (the message names the closest one), or
+            ``auto`` is asked of a tokenizer without a chat template.
+        DataError: If the tokenizer's chat template does not compile.
     """
-    if isinstance(template, Template):
+    if isinstance(template, (Template, ChatTemplate)):
         return template
+    if template == AUTO:
+        if tokenizer is None:
+            raise ConfigError("template 'auto' needs the tokenizer whose chat template it uses")
+        return chat_template_of(tokenizer)
     if template not in TEMPLATES:
-        close = difflib.get_close_matches(str(template), TEMPLATES, n=1)
+        known = [AUTO, *sorted(TEMPLATES)]
+        close = difflib.get_close_matches(str(template), known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"unknown template {template!r} (known: {', '.join(sorted(TEMPLATES))}){hint}"
-        )
+        raise ConfigError(f"unknown template {template!r} (known: {', '.join(known)}){hint}")
     return TEMPLATES[template]
 
 
@@ -209,16 +255,21 @@ def _tokenize_pieces(tokenizer: Tokenizer, pieces: list[_Piece]) -> tuple[list[i
 def tokenize_messages(
     tokenizer: Tokenizer,
     messages: list[Message],
-    template: str | Template,
+    template: str | Template | ChatTemplate,
     *,
     add_generation_prompt: bool = False,
 ) -> tuple[list[int], list[bool]]:
     """Render ``messages`` with ``template`` and tokenize them.
 
+    With ``auto`` (or a ``ChatTemplate``) the ids are those of ``transformers``'
+    ``apply_chat_template``, and the unmasked assistant messages are trained as the template
+    renders them (``tunelab.data.chat``); other roles are always masked.
+
     Args:
         tokenizer: The tokenizer.
         messages: The conversation, in order.
-        template: A template name (``llama3``, ``chatml``, ``instruct``) or instance.
+        template: ``auto``, a named format (``alpaca``, ``chatml``, ``instruct``, ``llama3``),
+            or a template instance.
         add_generation_prompt: Append the assistant header, ready for the model's reply
             (for generation; the added tokens are masked).
 
@@ -226,10 +277,28 @@ def tokenize_messages(
         ``(tokens, mask)``: the ids, and for each id whether it is excluded from the loss.
 
     Raises:
-        ConfigError: If the template name is unknown.
-        DataError: If the tokenizer lacks a special token the template needs.
+        ConfigError: If the template name is unknown, or ``auto`` finds no chat template.
+        DataError: If the tokenizer lacks a special token the template needs, or the chat
+            template fails on these messages (also when it re-renders earlier turns once later
+            ones exist, so the conversation is not one sample: use ``tokenize_conversation``).
     """
-    chosen = get_template(template)
+    chosen = get_template(template, tokenizer)
+    if isinstance(chosen, ChatTemplate):
+        trained = [i for i, m in enumerate(messages) if m.role == "assistant" and not m.masked]
+        samples = tokenize_conversation(
+            tokenizer,
+            messages,
+            trained_turns=trained,
+            add_generation_prompt=add_generation_prompt,
+            template=chosen,
+        )
+        if len(samples) != 1:
+            raise DataError(
+                f"chat template {chosen.source} renders earlier turns differently once later "
+                "ones exist, so these messages are one sample per assistant turn: use "
+                "tunelab.data.tokenize_conversation"
+            )
+        return samples[0]
     pieces = chosen.start(tokenizer)
     for message in messages:
         pieces += chosen.turn(tokenizer, message)

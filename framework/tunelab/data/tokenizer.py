@@ -2,8 +2,9 @@
 
 The ``tokenizers`` library does the encoding; this wrapper adds what fine-tuning needs and
 ``tokenizer.json`` alone does not say: which tokens are BOS, EOS and padding, whether BOS is
-added, and which ids end a generation. Those come from ``tokenizer_config.json`` (which wins)
-and ``special_tokens_map.json``, as ``transformers`` reads them.
+added, which ids end a generation, and the model's chat template. Those come from
+``tokenizer_config.json`` (which wins), ``special_tokens_map.json`` and ``chat_template.jinja``,
+as ``transformers`` reads them.
 """
 
 import json
@@ -12,10 +13,24 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from tunelab.errors import DataError
+from tunelab.data.chat_template import (
+    SPECIAL_TOKEN_KEYS,
+    ChatTemplate,
+    find_chat_templates,
+    select_chat_template,
+)
+from tunelab.errors import ConfigError, DataError
 
-# End-of-turn tokens of common chat formats; generation stops at any of them when present.
-_END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+# End-of-turn tokens of common chat formats; generation stops at any of them when present, and
+# chat-template training stops an assistant turn's labels after them.
+_END_OF_TURN_TOKENS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+)
 
 
 class Tokenizer:
@@ -32,6 +47,7 @@ class Tokenizer:
         max_seq_len: Default maximum sequence length for datasets built with this tokenizer.
         stop_ids: Ids that end a generation: EOS, end-of-turn tokens present in the vocabulary,
             and any ``eos_token_id`` of ``generation_config.json``.
+        chat_template: The model's own chat template (``template: auto``), or None.
     """
 
     def __init__(
@@ -45,6 +61,8 @@ class Tokenizer:
         max_seq_len: int | None = None,
         extra_stop_ids: tuple[int, ...] = (),
         source: str = "tokenizer.json",
+        chat_template: ChatTemplate | None = None,
+        no_chat_template_reason: str = "",
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -57,6 +75,9 @@ class Tokenizer:
             max_seq_len: Default maximum sequence length for datasets.
             extra_stop_ids: More ids that end a generation.
             source: Where the tokenizer came from, for error messages.
+            chat_template: The chat template ``template: auto`` renders with.
+            no_chat_template_reason: Without a chat template, a sentence saying why (for the
+                error of ``template: auto``).
 
         Raises:
             DataError: If a named special token is not in the vocabulary.
@@ -78,6 +99,8 @@ class Tokenizer:
         stops += [i for i in map(self.token_to_id, _END_OF_TURN_TOKENS) if i is not None]
         stops += list(extra_stop_ids)
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self.chat_template = chat_template
+        self.no_chat_template_reason = no_chat_template_reason or f"{source} has no chat template"
 
     def _require(self, token: str, key: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -93,6 +116,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Return the id of ``token``, or ``None`` if it is not in the vocabulary."""
         return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Return the token text of ``token_id``, or ``None`` if there is no such id."""
+        return self._tokenizer.id_to_token(token_id)
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Encode ``text``; special tokens written in the text become their ids.
@@ -165,23 +192,35 @@ def _post_processor_adds(tokenizer: _HFTokenizer, token: str | None) -> bool:
     return bool(ids) and ids[0] == tokenizer.token_to_id(token)
 
 
-def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
+def load_tokenizer(
+    path: str | Path, max_seq_len: int | None = None, chat_template: str | None = None
+) -> Tokenizer:
     """Load a tokenizer from a Hugging Face model folder or a ``tokenizer.json`` file.
 
     Special tokens come from ``tokenizer_config.json``, with ``special_tokens_map.json``
     filling what it leaves unset. Without either, BOS/EOS fall back to ``<|begin_of_text|>`` /
     ``<|end_of_text|>`` when the vocabulary has them.
 
+    The chat template is the folder's ``chat_template.jinja`` (with
+    ``additional_chat_templates/*.jinja`` as named ones), else ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of ``{"name", "template"}``); the one named
+    ``default`` is used unless ``chat_template`` says otherwise.
+
     Args:
         path: A folder holding ``tokenizer.json`` (and optionally the config files), or the
             path of a ``tokenizer.json``.
         max_seq_len: Default maximum sequence length for datasets built with it.
+        chat_template: Which chat template to use: the name of one of the tokenizer's named
+            templates, the path of a ``.jinja`` file, or the template text itself (anything
+            holding ``{{`` or ``{%``). None: the tokenizer's ``default``.
 
     Returns:
         The tokenizer.
 
     Raises:
-        DataError: If ``tokenizer.json`` is missing or unreadable, or no EOS token is known.
+        DataError: If ``tokenizer.json`` is missing or unreadable, no EOS token is known, or a
+            chat template file cannot be read.
+        ConfigError: If ``chat_template`` names no template, file or template text.
     """
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
@@ -208,6 +247,18 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         raise DataError(
             f"{folder}: no eos_token in tokenizer_config.json or special_tokens_map.json"
         )
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ConfigError(f"chat_template must be a string, got {type(chat_template).__name__}")
+    # What templates see as bos_token, eos_token, ...: the config files only, like transformers
+    # (no fallback to tokens that merely exist in the vocabulary).
+    template_tokens = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = _token_text(config[key]) if key in config else _token_text(special_map.get(key))
+        if value is not None:
+            template_tokens[key] = value
+    template, no_template_reason = select_chat_template(
+        find_chat_templates(folder, config), chat_template, template_tokens, folder
+    )
     generation = _read_json(folder / "generation_config.json")
     extra = generation.get("eos_token_id", [])
     extra_stop_ids = tuple(extra if isinstance(extra, list) else [extra])
@@ -220,4 +271,6 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         max_seq_len=max_seq_len,
         extra_stop_ids=extra_stop_ids,
         source=str(file),
+        chat_template=template,
+        no_chat_template_reason=no_template_reason,
     )

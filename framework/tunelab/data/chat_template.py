@@ -1,0 +1,478 @@
+"""A tokenizer's own ``chat_template``: found as ``transformers`` finds it, rendered as it renders it.
+
+A model is served with the Jinja template in its tokenizer files, so training renders data with
+the same template and the same rendering rules as ``transformers``' ``apply_chat_template``:
+a sandboxed environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``,
+the ``loopcontrols`` extension), the helpers templates rely on (``raise_exception``,
+``strftime_now``, a ``tojson`` filter that keeps non-ASCII text and key order), the special
+tokens of the tokenizer config as variables (``bos_token``, ``eos_token``, ...), ``messages``,
+``tools``, ``documents``, ``add_generation_prompt``, and any extra keyword arguments.
+
+Templates come from model folders, which tunelab treats as data rather than code (see the
+"Trust" section of the design): the sandbox refuses attribute access to Python internals, and
+``namespace()`` refuses underscore names, as in ``transformers``.
+
+``{% generation %}...{% endgeneration %}`` blocks mark what the assistant generates; a render
+can report their character spans (what ``return_assistant_tokens_mask`` uses).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, is_dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tunelab.errors import ConfigError, DataError
+
+# The named special tokens a template sees, as transformers' ``special_tokens_map`` lists them.
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Variables the renderer sets itself; ``template_kwargs`` may not redefine them.
+RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+# Names a message's reasoning may come under; ``transformers`` copies the first one found to
+# ``reasoning_content`` (and to ``thinking`` when unset), so templates reading either work.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_TEMPLATE_FILE = "chat_template.jinja"
+_TEMPLATE_DIR = "additional_chat_templates"
+_MIN_JINJA = (3, 1, 6)  # Older releases have known sandbox escapes.
+
+
+class ChatTemplateError(DataError):
+    """A template failed while rendering one conversation (``raise_exception``, a bad value).
+
+    Dataset builders report it as a malformed row; a template that does not compile raises a
+    plain ``DataError`` instead, since no row could be rendered with it.
+    """
+
+
+# Output rendered so far and the generation spans found, while a render tracks them.
+_TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "tunelab_generation_tracking", default=None
+)
+
+
+class _GenerationBlocks(Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body and records where it went."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:  # noqa: D102
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_record", []), [], [], body).set_lineno(lineno)
+
+    def _record(self, caller: Any) -> str:
+        text = caller()
+        tracking = _TRACKING.get()
+        if tracking is not None:
+            # The render is streamed: everything before this block has already been yielded.
+            rendered, spans = tracking
+            start = sum(map(len, rendered))
+            spans.append((start, start + len(text)))
+        return text
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters and sorts keys; chat templates expect neither.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _check_namespace_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates may not set underscore attributes on a namespace ({name!r})"
+        )
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """``namespace()`` without underscore attributes, which could reach CPython internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's own signature trick: no `self`
+        self, rest = args[0], args[1:]
+        attributes = dict(*rest, **kwargs)
+        for name in attributes:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        super().__setitem__(name, value)
+
+
+class _Dict:
+    """The ``dict`` global: builds dicts, but is not the ``dict`` type a template could dig into."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:  # noqa: D102
+        return dict.fromkeys(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    version = tuple(int(part) for part in re.findall(r"\d+", jinja2.__version__)[:3])
+    if version < _MIN_JINJA:
+        raise DataError(
+            f"chat templates need jinja2>=3.1.6 (older releases have sandbox escapes); "
+            f"found {jinja2.__version__}: pip install -U jinja2"
+        )
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    environment.globals["dict"] = _Dict()
+    environment.globals["namespace"] = _Namespace
+    return environment
+
+
+def _template_line(error: BaseException) -> int | None:
+    """The template line an error was raised on (jinja rewrites tracebacks to template lines)."""
+    line = getattr(error, "lineno", None)
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == "<template>":
+            line = traceback.tb_lineno
+        traceback = traceback.tb_next
+    return line
+
+
+def _plain(value: Any) -> Any:
+    """A copy made of JSON types only, so the template sees no Python object's methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if is_dataclass(value) and not isinstance(value, type):
+        return _plain(asdict(value))
+    for kind in (str, bool, int, float):  # subclasses (enums, numpy scalars) back to the base type
+        if isinstance(value, kind):
+            return kind(value)
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages as the template sees them, as ``transformers`` prepares them.
+
+    Keys whose value is ``None`` are dropped (templates handle a missing key, not a null one),
+    and a message's reasoning under any of ``reasoning_content``, ``thinking`` or ``reasoning``
+    is also given as ``reasoning_content`` and, unless set, ``thinking``.
+
+    Args:
+        messages: Dicts with ``role`` and ``content`` (and any other keys), or ``Message``s.
+
+    Returns:
+        Plain dicts.
+    """
+    result = []
+    for message in messages:
+        plain = _plain(message)
+        if not isinstance(plain, dict):
+            raise ChatTemplateError(f"a message must be a mapping, got {type(message).__name__}")
+        plain = {key: value for key, value in plain.items() if value is not None}
+        plain.pop("masked", None)  # tunelab's Message field, not part of the chat
+        reasoning = next((plain[key] for key in _REASONING_KEYS if key in plain), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        result.append(plain)
+    return result
+
+
+class ChatTemplate:
+    """One Jinja chat template and the special tokens its tokenizer gives it.
+
+    Attributes:
+        text: The template source.
+        source: Where it came from, for error messages (a file, or a file and key).
+        special_tokens: ``bos_token``, ``eos_token``, ... as the template sees them.
+    """
+
+    def __init__(
+        self, text: str, *, source: str, special_tokens: Mapping[str, str] | None = None
+    ) -> None:
+        """Hold ``text``; it is compiled on first use (``check`` compiles it now)."""
+        self.text = text
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(source={self.source!r})"
+
+    @property
+    def has_generation_blocks(self) -> bool:
+        """Whether the template marks assistant output with ``{% generation %}`` blocks."""
+        return bool(_GENERATION_TAG.search(self.text))
+
+    @functools.cached_property
+    def _compiled(self) -> jinja2.Template:
+        try:
+            return _environment().from_string(self.text)
+        except jinja2.TemplateSyntaxError as error:
+            raise DataError(
+                f"chat template {self.source}: line {error.lineno}: {error.message}"
+            ) from None
+
+    def check(self) -> None:
+        """Compile the template.
+
+        Raises:
+            DataError: If it is not valid Jinja (naming the source and the line).
+        """
+        self._compiled  # noqa: B018 - compiling is the point
+
+    def join_instruction(self, instruction: str, input: str) -> str:
+        """Return the user message for an instruct row (instruction plus optional input)."""
+        return f"{instruction}\n\n{input}" if input else instruction
+
+    def render(
+        self,
+        messages: Sequence[Any],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render a conversation to text, as ``apply_chat_template(..., tokenize=False)``.
+
+        Args:
+            messages: The conversation (dicts or ``Message``s).
+            add_generation_prompt: Let the template open the assistant's reply.
+            tools: JSON schemas of the tools the model may call, or None.
+            documents: Documents for retrieval-augmented templates, or None.
+            template_kwargs: Extra variables (e.g. ``{"enable_thinking": False}``); they win
+                over the special tokens of the same name.
+
+        Returns:
+            The rendered text.
+
+        Raises:
+            DataError: If the template does not compile.
+            ChatTemplateError: If rendering fails (``raise_exception`` or any other error).
+        """
+        return self._render(messages, add_generation_prompt, tools, documents, template_kwargs)[0]
+
+    def render_with_spans(
+        self,
+        messages: Sequence[Any],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """Render, and return the ``(start, end)`` character span of each generation block.
+
+        Args and Raises are as for ``render``.
+
+        Returns:
+            ``(text, spans)``; ``spans`` is empty when the template has no generation blocks.
+        """
+        return self._render(
+            messages, add_generation_prompt, tools, documents, template_kwargs, track=True
+        )
+
+    def _render(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        documents: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        track: bool = False,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        compiled = self._compiled
+        reserved = sorted(set(template_kwargs or {}) & set(RESERVED_VARIABLES))
+        if reserved:
+            raise ConfigError(
+                f"template_kwargs may not set {', '.join(reserved)}: the renderer sets them"
+            )
+        variables = {
+            **self.special_tokens,
+            **_plain(dict(template_kwargs or {})),
+            "messages": normalize_messages(messages),
+            "tools": _plain(tools),
+            "documents": _plain(documents),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        rendered: list[str] = []
+        spans: list[tuple[int, int]] = []
+        try:
+            with _tracking(rendered, spans) if track else _no_tracking():
+                for block in compiled.generate(**variables):
+                    rendered.append(block)
+        except ChatTemplateError:
+            raise
+        except Exception as error:  # The template is untrusted code: any failure is its own.
+            line = _template_line(error)
+            where = f" (line {line})" if line is not None else ""
+            message = error.message if isinstance(error, jinja2.TemplateError) else None
+            message = message or f"{type(error).__name__}: {error}"
+            raise ChatTemplateError(f"chat template {self.source}{where}: {message}") from error
+        return "".join(rendered), spans
+
+
+@contextmanager
+def _tracking(rendered: list[str], spans: list[tuple[int, int]]) -> Iterator[None]:
+    token = _TRACKING.set((rendered, spans))
+    try:
+        yield
+    finally:
+        _TRACKING.reset(token)
+
+
+@contextmanager
+def _no_tracking() -> Iterator[None]:
+    # A render inside a tracked render (none today) must not record into the outer one.
+    token = _TRACKING.set(None)
+    try:
+        yield
+    finally:
+        _TRACKING.reset(token)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: cannot read the chat template ({error})") from error
+
+
+def find_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The chat templates a tokenizer folder holds, by name, as ``transformers`` finds them.
+
+    ``chat_template.jinja`` (the ``default``) and ``additional_chat_templates/*.jinja`` take
+    priority over ``tokenizer_config.json``'s ``chat_template``, which is a string (the
+    ``default``) or a list of ``{"name", "template"}``.
+
+    Args:
+        folder: The tokenizer folder.
+        config: Its parsed ``tokenizer_config.json`` (empty when there is none).
+
+    Returns:
+        Template name to ``(text, source)``; empty when the tokenizer has no template.
+
+    Raises:
+        DataError: If ``chat_template`` in the config has an unexpected shape.
+    """
+    found: dict[str, tuple[str, str]] = {}
+    file = folder / _TEMPLATE_FILE
+    if file.is_file():
+        found["default"] = (_read_text(file), str(file))
+    extra = folder / _TEMPLATE_DIR
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            found[path.name.removesuffix(".jinja")] = (_read_text(path), str(path))
+    if found:
+        return found
+    value = config.get("chat_template")
+    source = str(folder / "tokenizer_config.json")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": (value, f"{source} (chat_template)")}
+    if isinstance(value, list) and all(
+        isinstance(item, dict)
+        and isinstance(item.get("name"), str)
+        and isinstance(item.get("template"), str)
+        for item in value
+    ):
+        return {
+            item["name"]: (item["template"], f"{source} (chat_template {item['name']!r})")
+            for item in value
+        }
+    raise DataError(
+        f"{source}: chat_template must be a string or a list of {{name, template}} objects"
+    )
+
+
+def select_chat_template(
+    found: Mapping[str, tuple[str, str]],
+    choice: str | None,
+    special_tokens: Mapping[str, str],
+    folder: Path,
+) -> tuple[ChatTemplate | None, str]:
+    """Pick the template to render with.
+
+    Args:
+        found: What ``find_chat_templates`` returned.
+        choice: None for the tokenizer's ``default``; otherwise the name of one of its templates,
+            the path of a template file, or the template text itself (it holds ``{{`` or ``{%``).
+        special_tokens: The special tokens the template sees.
+        folder: The tokenizer folder, for messages.
+
+    Returns:
+        ``(template, why_none)``: the template, or None and a sentence saying why.
+
+    Raises:
+        ConfigError: If ``choice`` is neither a template name, a file, nor template text.
+    """
+    if choice is None:
+        if "default" in found:
+            text, source = found["default"]
+            return ChatTemplate(text, source=source, special_tokens=special_tokens), ""
+        if found:
+            names = ", ".join(sorted(found))
+            return None, (
+                f"{folder} has named chat templates ({names}) but none named 'default': set "
+                "the tokenizer's chat_template to one of them"
+            )
+        return None, (
+            f"{folder} has no chat template (no chat_template in tokenizer_config.json, no "
+            f"{_TEMPLATE_FILE})"
+        )
+    if choice in found:
+        text, source = found[choice]
+        return ChatTemplate(text, source=source, special_tokens=special_tokens), ""
+    if "{{" in choice or "{%" in choice:
+        return ChatTemplate(
+            choice, source="(chat_template text)", special_tokens=special_tokens
+        ), ""
+    path = Path(choice).expanduser()
+    if path.is_file():
+        return ChatTemplate(_read_text(path), source=str(path), special_tokens=special_tokens), ""
+    names = f"the tokenizer's templates: {', '.join(sorted(found))}" if found else "none named"
+    raise ConfigError(
+        f"chat_template {choice!r} is not a template name ({names}), an existing file, "
+        "or template text"
+    )
