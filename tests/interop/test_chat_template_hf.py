@@ -11,8 +11,7 @@ import datetime as real_datetime
 import pytest
 
 from tests.chat_templates._build import SPECS, make_tokenizer_dir
-from tunelab.data import apply_chat_template, load_tokenizer, tokenize_conversation
-from tunelab.data import chat_template as tunelab_chat_template
+from tunelab.data import _jinja_env, apply_chat_template, load_tokenizer, tokenize_conversation
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,7 +171,7 @@ def test_llama_date_from_strftime_now(pairs, monkeypatch):
         def now(cls, tz=None):
             return cls(2025, 3, 14, 12, 0, 0)
 
-    monkeypatch.setattr(tunelab_chat_template, "datetime", Frozen)
+    monkeypatch.setattr(_jinja_env, "datetime", Frozen)
     monkeypatch.setattr(transformers.utils.chat_template_utils, "datetime", Frozen)
     ids = check_same(pairs["llama3_2"], TURNS[:1], add_generation_prompt=True)
     assert "Today Date: 14 Mar 2025" in pairs["llama3_2"][0].decode(ids)

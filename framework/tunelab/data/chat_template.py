@@ -19,21 +19,15 @@ can report their character spans (what ``return_assistant_tokens_mask`` uses).
 from __future__ import annotations
 
 import functools
-import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, is_dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tunelab.data._jinja_env import environment, no_tracking, template_line, tracking
 from tunelab.errors import ConfigError, DataError
 
 # The named special tokens a template sees, as transformers' ``special_tokens_map`` lists them.
@@ -54,7 +48,6 @@ _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TEMPLATE_FILE = "chat_template.jinja"
 _TEMPLATE_DIR = "additional_chat_templates"
-_MIN_JINJA = (3, 1, 6)  # Older releases have known sandbox escapes.
 
 
 class ChatTemplateError(DataError):
@@ -63,116 +56,6 @@ class ChatTemplateError(DataError):
     Dataset builders report it as a malformed row; a template that does not compile raises a
     plain ``DataError`` instead, since no row could be rendered with it.
     """
-
-
-# Output rendered so far and the generation spans found, while a render tracks them.
-_TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
-    "tunelab_generation_tracking", default=None
-)
-
-
-class _GenerationBlocks(Extension):
-    """``{% generation %}...{% endgeneration %}``: renders its body and records where it went."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:  # noqa: D102
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_record", []), [], [], body).set_lineno(lineno)
-
-    def _record(self, caller: Any) -> str:
-        text = caller()
-        tracking = _TRACKING.get()
-        if tracking is not None:
-            # The render is streamed: everything before this block has already been yielded.
-            rendered, spans = tracking
-            start = sum(map(len, rendered))
-            spans.append((start, start + len(text)))
-        return text
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters and sorts keys; chat templates expect neither.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def _check_namespace_name(name: Any) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(
-            f"chat templates may not set underscore attributes on a namespace ({name!r})"
-        )
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """``namespace()`` without underscore attributes, which could reach CPython internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's own signature trick: no `self`
-        self, rest = args[0], args[1:]
-        attributes = dict(*rest, **kwargs)
-        for name in attributes:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attributes)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        super().__setitem__(name, value)
-
-
-class _Dict:
-    """The ``dict`` global: builds dicts, but is not the ``dict`` type a template could dig into."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:  # noqa: D102
-        return dict.fromkeys(*args, **kwargs)
-
-
-@functools.lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    version = tuple(int(part) for part in re.findall(r"\d+", jinja2.__version__)[:3])
-    if version < _MIN_JINJA:
-        raise DataError(
-            f"chat templates need jinja2>=3.1.6 (older releases have sandbox escapes); "
-            f"found {jinja2.__version__}: pip install -U jinja2"
-        )
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, loopcontrols]
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    environment.globals["dict"] = _Dict()
-    environment.globals["namespace"] = _Namespace
-    return environment
-
-
-def _template_line(error: BaseException) -> int | None:
-    """The template line an error was raised on (jinja rewrites tracebacks to template lines)."""
-    line = getattr(error, "lineno", None)
-    traceback = error.__traceback__
-    while traceback is not None:
-        if traceback.tb_frame.f_code.co_filename == "<template>":
-            line = traceback.tb_lineno
-        traceback = traceback.tb_next
-    return line
 
 
 def _plain(value: Any) -> Any:
@@ -246,7 +129,7 @@ class ChatTemplate:
     @functools.cached_property
     def _compiled(self) -> jinja2.Template:
         try:
-            return _environment().from_string(self.text)
+            return environment().from_string(self.text)
         except jinja2.TemplateSyntaxError as error:
             raise DataError(
                 f"chat template {self.source}: line {error.lineno}: {error.message}"
@@ -338,37 +221,18 @@ class ChatTemplate:
         rendered: list[str] = []
         spans: list[tuple[int, int]] = []
         try:
-            with _tracking(rendered, spans) if track else _no_tracking():
+            with tracking(rendered, spans) if track else no_tracking():
                 for block in compiled.generate(**variables):
                     rendered.append(block)
         except ChatTemplateError:
             raise
         except Exception as error:  # The template is untrusted code: any failure is its own.
-            line = _template_line(error)
+            line = template_line(error)
             where = f" (line {line})" if line is not None else ""
             message = error.message if isinstance(error, jinja2.TemplateError) else None
             message = message or f"{type(error).__name__}: {error}"
             raise ChatTemplateError(f"chat template {self.source}{where}: {message}") from error
         return "".join(rendered), spans
-
-
-@contextmanager
-def _tracking(rendered: list[str], spans: list[tuple[int, int]]) -> Iterator[None]:
-    token = _TRACKING.set((rendered, spans))
-    try:
-        yield
-    finally:
-        _TRACKING.reset(token)
-
-
-@contextmanager
-def _no_tracking() -> Iterator[None]:
-    # A render inside a tracked render (none today) must not record into the outer one.
-    token = _TRACKING.set(None)
-    try:
-        yield
-    finally:
-        _TRACKING.reset(token)
 
 
 def _read_text(path: Path) -> str:
