@@ -6,11 +6,11 @@ import argparse
 import sys
 import traceback
 
-from tunelab.cli import _cp, _download, _ls, _run, _validate
+from tunelab.cli import _cp, _data, _download, _ls, _run, _validate
 from tunelab.config._entry import debug_enabled
 from tunelab.errors import TunelabError
 
-_COMMANDS = {"ls": _ls, "cp": _cp, "validate": _validate, "download": _download}
+_COMMANDS = {"ls": _ls, "cp": _cp, "validate": _validate, "download": _download, "data": _data}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in ("ls", "cp", "run", "validate", "download"):
+    for name in ("ls", "cp", "run", "validate", "download", "data"):
         module = _run if name == "run" else _COMMANDS[name]
         module.add_parser(subparsers, common)
     return parser

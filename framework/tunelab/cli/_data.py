@@ -1,0 +1,168 @@
+"""``tunelab data preview``: what a run would train on, without a model or a process group.
+
+The config is validated against its recipe and its ``tokenizer`` and ``dataset`` components
+are built exactly as the recipes build them (``instantiate(args.tokenizer)``, then
+``instantiate(args.dataset, tokenizer=tokenizer)``), so the preview is the recipe's data, not a
+re-implementation of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from tunelab.cli._check import recipe_of_config
+from tunelab.cli._discovery import load_recipe_args
+from tunelab.config import instantiate, load_config, parse_args, resolve_config_path
+from tunelab.errors import ConfigError
+
+IGNORE_INDEX = -100  # tunelab.data.IGNORE_INDEX, without importing torch to parse arguments
+_TRAINED_START, _TRAINED_END = "\x1b[1;32m", "\x1b[0m"  # bold green on a terminal
+_MARKER_START, _MARKER_END = "[[", "]]"
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return number
+
+
+def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
+    """Register the ``data`` subcommand and its ``preview`` action."""
+    parser = subparsers.add_parser(
+        "data",
+        parents=[parent],
+        help="inspect the data a config trains on",
+        description="Inspect the data a config trains on.",
+    )
+    actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    preview = actions.add_parser(
+        "preview",
+        parents=[parent],
+        help="show the first rows as the recipe tokenizes them, trained tokens marked",
+        description="Build the config's tokenizer and dataset exactly as its recipe does (no "
+        "model, no process group) and show the first items: the text with the trained tokens "
+        "highlighted (bold green on a terminal, [[...]] otherwise), or with --json one JSON "
+        'object per item, {"input_ids": [...], "labels": [...]} with labels -100 where not '
+        "trained (preference items: chosen_input_ids, chosen_labels, rejected_input_ids, "
+        "rejected_labels).",
+    )
+    preview.add_argument("config", metavar="CONFIG", help="built-in config name or YAML path")
+    preview.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="key=value or ~key")
+    preview.add_argument(
+        "--rows", type=_positive, default=3, metavar="N", help="items to show (default 3)"
+    )
+    preview.add_argument("--json", action="store_true", help="one JSON object per item")
+
+
+def build_dataset(config: str, overrides: list[str]) -> tuple[Any, Any]:
+    """Build a config's tokenizer and training dataset the way its recipe does.
+
+    Args:
+        config: A built-in config name or a YAML path.
+        overrides: ``key=value`` / ``~key`` strings.
+
+    Returns:
+        ``(tokenizer, dataset)``.
+
+    Raises:
+        TunelabError: If the config does not validate against its recipe or has no dataset.
+    """
+    config_path = resolve_config_path(config)
+    cfg = load_config(str(config_path), overrides)
+    args = parse_args(cfg, load_recipe_args(recipe_of_config(cfg, config_path)))
+    if getattr(args, "dataset", None) is None or getattr(args, "tokenizer", None) is None:
+        raise ConfigError(f"config {config_path} has no dataset to preview")
+    tokenizer = instantiate(args.tokenizer)
+    return tokenizer, instantiate(args.dataset, tokenizer=tokenizer)
+
+
+def _sequences(item: dict[str, Any]) -> Iterator[tuple[str, list[int], list[int]]]:
+    """``(name, input_ids, labels)`` of an SFT item (name "") or of each side of a pair."""
+    if "tokens" in item:
+        yield "", list(item["tokens"]), list(item["labels"])
+    else:
+        for side in ("chosen", "rejected"):
+            yield side, list(item[f"{side}_tokens"]), list(item[f"{side}_labels"])
+
+
+def _highlighted(tokenizer: Any, ids: list[int], labels: list[int], color: bool) -> str:
+    """The decoded ids, each run of trained tokens wrapped in markers (or colour)."""
+    start, end = (_TRAINED_START, _TRAINED_END) if color else (_MARKER_START, _MARKER_END)
+    pieces = []
+    run: list[int] = []
+    run_trained = False
+    for token, label in [*zip(ids, labels), (None, None)]:
+        trained = label is not None and label != IGNORE_INDEX
+        if run and (token is None or trained != run_trained):
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            pieces.append(f"{start}{text}{end}" if run_trained else text)
+            run = []
+        if token is not None:
+            run.append(token)
+            run_trained = trained
+    return "".join(pieces)
+
+
+def _summary(config: str, dataset: Any) -> str:
+    counts = [
+        f"{getattr(dataset, name, 0)} {name.removeprefix('num_')}"
+        for name in ("num_skipped", "num_truncated", "num_dropped")
+        if getattr(dataset, name, 0)
+    ]
+    kind = "packs" if getattr(dataset, "packed", False) else "items"
+    extra = f" ({', '.join(counts)})" if counts else ""
+    return f"{config}: {len(dataset)} {kind}{extra}"
+
+
+def preview(
+    config: str, overrides: list[str], rows: int, as_json: bool, out: TextIO | None = None
+) -> None:
+    """Print the first ``rows`` items of a config's dataset.
+
+    Args:
+        config: A built-in config name or a YAML path.
+        overrides: ``key=value`` / ``~key`` strings.
+        rows: How many items.
+        as_json: One JSON object per item instead of highlighted text.
+        out: Where to print (standard output by default).
+    """
+    out = out or sys.stdout
+    tokenizer, dataset = build_dataset(config, overrides)
+    count = min(rows, len(dataset))
+    if as_json:
+        for index in range(count):
+            record = {}
+            for side, ids, labels in _sequences(dataset[index]):
+                prefix = f"{side}_" if side else ""
+                record[f"{prefix}input_ids"], record[f"{prefix}labels"] = ids, labels
+            out.write(json.dumps(record) + "\n")
+        return
+    color = out.isatty() and "NO_COLOR" not in os.environ
+    out.write(_summary(config, dataset) + "\n")
+    for index in range(count):
+        for side, ids, labels in _sequences(dataset[index]):
+            num_trained = sum(label != IGNORE_INDEX for label in labels)
+            name = f"item {index}{f' {side}' if side else ''}"
+            out.write(f"\n--- {name}: {len(ids)} tokens, {num_trained} trained ---\n")
+            out.write(_highlighted(tokenizer, ids, labels, color) + "\n")
+
+
+def run(namespace: argparse.Namespace) -> int:
+    """Run ``tunelab data ACTION``.
+
+    Returns:
+        The exit code, 0 (problems raise ``TunelabError``).
+    """
+    try:
+        preview(namespace.config, namespace.overrides, namespace.rows, namespace.json)
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): not an error. Point stdout at /dev/null so the
+        # interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0

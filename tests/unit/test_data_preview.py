@@ -1,0 +1,100 @@
+"""``tunelab data preview``: the recipe's own dataset, shown without a model."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tunelab._paths import assets_dir
+from tunelab.cli import _data
+from tunelab.config import instantiate, load_config, resolve_config_path
+from tunelab.data import chat_dataset, load_tokenizer
+from tunelab.errors import ConfigError
+
+TINY = assets_dir() / "tiny"
+QWEN = Path(__file__).resolve().parents[1] / "chat_templates" / "qwen2_5_instruct.jinja"
+TUNELAB = str(Path(sys.executable).parent / "tunelab")
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def preview_text(*overrides, rows=2, out=None):
+    out = out or io.StringIO()
+    _data.preview("tiny/chat_lora", list(overrides), rows, as_json=False, out=out)
+    return out.getvalue()
+
+
+def test_json_is_the_recipe_dataset():
+    # The real command, against the dataset built in-process as the recipe builds it, and
+    # against the builders called directly.
+    override = f"tokenizer.chat_template={QWEN}"
+    result = subprocess.run(
+        [TUNELAB, "data", "preview", "tiny/chat_lora", override, "--rows", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 4
+
+    cfg = load_config(str(resolve_config_path("tiny/chat_lora")), [override])
+    tokenizer = instantiate(cfg.tokenizer)
+    recipe_dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+    direct_tokenizer = load_tokenizer(TINY, max_seq_len=256, chat_template=str(QWEN))
+    direct = chat_dataset(
+        direct_tokenizer, source="json", data_files=str(TINY / "chat.jsonl"), max_seq_len=256
+    )
+    for index, record in enumerate(records):
+        assert set(record) == {"input_ids", "labels"}
+        for dataset in (recipe_dataset, direct):
+            assert record["input_ids"] == dataset[index]["tokens"]
+            assert record["labels"] == dataset[index]["labels"]
+        text = direct_tokenizer.decode(record["input_ids"], skip_special_tokens=False)
+        assert text.startswith("<|im_start|>system\n")  # Qwen's template, not the tiny one
+        assert any(label != -100 for label in record["labels"])
+
+
+def test_text_marks_exactly_the_assistant_turns():
+    text = preview_text(rows=2)
+    assert text.splitlines()[0] == "tiny/chat_lora: 300 items"
+    assert "--- item 0: 47 tokens, 11 trained ---" in text
+    first = json.loads((TINY / "chat.jsonl").read_text().splitlines()[0])["messages"]
+    answers = [m["content"] for m in first if m["role"] == "assistant"]
+    marked = text.split("--- item 1")[0].split("[[")[1:]
+    assert [piece.split("]]")[0] for piece in marked] == [f"{a}<|eot_id|>" for a in answers]
+    assert "\x1b[" not in text
+
+
+def test_terminal_gets_colour(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    text = preview_text(rows=1, out=Terminal())
+    assert "\x1b[1;32mstar car bus cow<|eot_id|>\x1b[0m" in text and "[[" not in text
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "[[star car bus cow<|eot_id|>]]" in preview_text(rows=1, out=Terminal())
+
+
+def test_preference_items_show_both_sides():
+    out = io.StringIO()
+    _data.preview("tiny/lora_dpo", [], 1, as_json=True, out=out)
+    record = json.loads(out.getvalue())
+    assert set(record) == {
+        "chosen_input_ids",
+        "chosen_labels",
+        "rejected_input_ids",
+        "rejected_labels",
+    }
+    out = io.StringIO()
+    _data.preview("tiny/lora_dpo", [], 1, as_json=False, out=out)
+    assert "--- item 0 chosen:" in out.getvalue() and "--- item 0 rejected:" in out.getvalue()
+
+
+def test_config_without_dataset_is_one_error():
+    with pytest.raises(ConfigError, match="has no dataset to preview"):
+        _data.preview("tiny/generate", [], 1, as_json=True, out=io.StringIO())
