@@ -35,7 +35,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tunelab.data.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
+from tunelab.data.chat_template import (
+    REASONING_KEYS,
+    ChatTemplate,
+    ChatTemplateError,
+    normalize_messages,
+)
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
 
@@ -134,7 +139,6 @@ def _end_of_turn(tokenizer: Tokenizer, text: str, start: int, end: int) -> int:
 # Stands for an assistant turn's content, to find where the template starts the turn. Private
 # use characters: no real content or template text contains them.
 _MARKER = "\ue000tunelab-turn\ue001"
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 def tokenize_conversation(
@@ -173,6 +177,7 @@ def tokenize_conversation(
         ConfigError: If there is no template.
         DataError: If the template does not compile.
         ChatTemplateError: If rendering fails, or the turn cannot be told apart in the render.
+        ValueError: If ``trained_turns`` names a message that is not an assistant message.
     """
     template = template or chat_template_of(tokenizer)
     messages = normalize_messages(messages)
@@ -189,8 +194,12 @@ def tokenize_conversation(
     if train_on_input:
         ids = tokenizer.encode(full, add_bos=False)
         return [(ids, [i == 0 for i in range(len(ids))])]
+    assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if trained_turns is None:
-        trained_turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        trained_turns = assistant
+    wrong = sorted(set(trained_turns) - set(assistant))
+    if wrong:
+        raise ValueError(f"trained_turns {wrong} are not assistant messages")
     turns = []
     for index in sorted(set(trained_turns)):
         prompt = _prompt(render, messages, index)
@@ -246,7 +255,7 @@ def _turn_head(render: Any, messages: list[dict[str, Any]], index: int) -> str:
     Raises:
         ChatTemplateError: If the marker does not appear exactly once in the render.
     """
-    turn = {k: v for k, v in messages[index].items() if k not in _REASONING_KEYS}
+    turn = {k: v for k, v in messages[index].items() if k not in REASONING_KEYS}
     text, _ = render([*messages[:index], {**turn, "content": _MARKER}], False)
     if text.count(_MARKER) != 1:
         raise ChatTemplateError(

@@ -44,7 +44,7 @@ SPECIAL_TOKEN_KEYS = (
 RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 # Names a message's reasoning may come under; ``transformers`` copies the first one found to
 # ``reasoning_content`` (and to ``thinking`` when unset), so templates reading either work.
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TEMPLATE_FILE = "chat_template.jinja"
 _TEMPLATE_DIR = "additional_chat_templates"
@@ -94,7 +94,7 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"a message must be a mapping, got {type(message).__name__}")
         plain = {key: value for key, value in plain.items() if value is not None}
         plain.pop("masked", None)  # tunelab's Message field, not part of the chat
-        reasoning = next((plain[key] for key in _REASONING_KEYS if key in plain), None)
+        reasoning = next((plain[key] for key in REASONING_KEYS if key in plain), None)
         if reasoning is not None:
             plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
         result.append(plain)
