@@ -24,7 +24,7 @@ from tunelab.errors import ConfigError
 from tunelab.lifecycle import Preemption, lock_output_dir
 from tunelab.losses import PreferenceLoss
 from tunelab.training import ProgressBar, seed_everything
-from tunelab.training.loop import optimizer_step, peak_memory_gib, to_device
+from tunelab.training.loop import NonFiniteGuard, optimizer_step, peak_memory_gib, to_device
 from tunelab.training.preference import ReferenceModel, evaluate_preference, preference_backward
 from tunelab.training.session import (
     MetricLoggers,
@@ -77,9 +77,11 @@ def main(args: LoRADPOArgs) -> None:
     # The SFT-adapter reference swaps adapter weights in place: never while a save stages them.
     reference.before_swap = checkpoints.wait_for_staging
     schedule = Schedule(args)
+    nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(args, checkpoints, data)
+    loggers.start_at(global_step)
 
     # -- train ----------------------------------------------------------------------------
     progress = ProgressBar(
@@ -101,7 +103,13 @@ def main(args: LoRADPOArgs) -> None:
                 model, loss_fn, reference, micro_batches, dist_info.world_size
             )
             metrics = optimizer_step(
-                optimizer, trainable, clip_grad_norm=args.clip_grad_norm, lr_scheduler=lr_scheduler
+                optimizer,
+                trainable,
+                clip_grad_norm=args.clip_grad_norm,
+                lr_scheduler=lr_scheduler,
+                guard=nonfinite,  # a NaN/inf loss or gradient stops the run before the update
+                loss=step_metrics["loss"],
+                step=global_step + 1,
             )
             data.sampler.advance(args.batch_size * args.gradient_accumulation_steps)
             global_step += 1

@@ -15,7 +15,14 @@ from tunelab.data import padded_collate_sft
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
 from tunelab.lifecycle import Preemption, lock_output_dir
 from tunelab.training import ProgressBar, seed_everything
-from tunelab.training.loop import evaluate, optimizer_step, peak_memory_gib, sft_backward, to_device
+from tunelab.training.loop import (
+    NonFiniteGuard,
+    evaluate,
+    optimizer_step,
+    peak_memory_gib,
+    sft_backward,
+    to_device,
+)
 from tunelab.training.session import (
     MetricLoggers,
     Schedule,
@@ -58,9 +65,11 @@ def main(args: LoRAFinetuneArgs) -> None:
     loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
     checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler)
     schedule = Schedule(args)
+    nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(args, checkpoints, data)
+    loggers.start_at(global_step)
 
     # -- train ----------------------------------------------------------------------------
     progress = ProgressBar(
@@ -80,7 +89,13 @@ def main(args: LoRAFinetuneArgs) -> None:
             ]
             loss, num_tokens = sft_backward(model, loss_fn, micro_batches, dist_info.world_size)
             metrics = optimizer_step(
-                optimizer, trainable, clip_grad_norm=args.clip_grad_norm, lr_scheduler=lr_scheduler
+                optimizer,
+                trainable,
+                clip_grad_norm=args.clip_grad_norm,
+                lr_scheduler=lr_scheduler,
+                guard=nonfinite,  # a NaN/inf loss or gradient stops the run before the update
+                loss=loss,
+                step=global_step + 1,
             )
             data.sampler.advance(args.batch_size * args.gradient_accumulation_steps)
             global_step += 1

@@ -152,7 +152,7 @@ def test_files_that_would_run_code_are_never_executed(reference, tmp_path):
         (1, "__0_0.distcp"),
     ):
         (out / f"step_{step}" / name).write_bytes(payload)
-    (out / "step_2" / ".metadata").write_bytes(payload)  # DCP's own name: never read
+    (out / "step_4" / ".metadata").write_bytes(payload)  # DCP's own name: never read
     for name in ("epoch_0", "logs"):
         shutil.rmtree(out / name)
     result = _run(

@@ -159,8 +159,6 @@ SLOW_WRAPPER = """
 import time
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-
 import tunelab.checkpoint.dcp as checkpoint_dcp
 from tunelab._paths import recipes_dir
 from tunelab.config.recipe_args import LoRAFinetuneArgs
@@ -168,7 +166,7 @@ from tunelab.config.recipe_args import LoRAFinetuneArgs
 ARGS = LoRAFinetuneArgs
 
 
-class SlowWriter(dcp.FileSystemWriter):
+class SlowWriter(checkpoint_dcp.ChecksummedWriter):
     def write_data(self, plan, planner):
         if Path(self.path).name == "step_4":
             time.sleep(60)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tunelab.cli._check import check_config
 from tunelab.config import load_config
-from tunelab.config._entry import _recipe_parser
+from tunelab.config._entry import ERROR_FILE_ENV, _recipe_parser
 from tunelab.lifecycle import (
     LAUNCHER_PID_ENV,
     STOP_SIGNALS,
@@ -105,6 +108,9 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
     env[LAUNCHER_PID_ENV] = str(os.getpid())  # The child dies with this process.
     if debug:
         env["TUNELAB_DEBUG"] = "1"
+    # As under torchrun: the child records its one-line error there and this process prints it.
+    error_file = Path(tempfile.mkdtemp(prefix="tunelab-run-")) / "error.json"
+    env[ERROR_FILE_ENV] = str(error_file)
     # The child starts with the stop signals blocked (pending until its handlers are in), and
     # this process forwards any it gets (as torchrun does), then keeps waiting: the child
     # finishes its step, saves and exits with 128 + signal. Signals that came during the
@@ -120,33 +126,39 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    try:
+        recorded = _recorded_line(json.loads(error_file.read_text()))
+    except (OSError, ValueError):
+        recorded = ""
+    shutil.rmtree(error_file.parent, ignore_errors=True)
     if code != 0 and code not in _STOP_EXIT_CODES:
         reason = f"exit code {code}" if code > 0 else f"signal {-code}"
-        print(f"tunelab: error: recipe {recipe.stem} failed ({reason})", file=sys.stderr)
+        line = recorded or f"recipe {recipe.stem} failed ({reason})"
+        print(f"tunelab: error: {line}", file=sys.stderr)
         return code if code > 0 else 128 - code
     return code
 
 
 def _describe_failure(recipe: str, failures: dict) -> str:
-    """One line for a failed torchrun job, naming the rank that failed first."""
-
-    def recorded(failure) -> bool:  # The rank raised a TunelabError and wrote its message.
-        return failure.exitcode > 0 and bool(failure.error_file_data.get("message"))
-
-    if 0 in failures and recorded(failures[0]):
-        # Rank 0 printed its own message; don't repeat it.
-        return f"recipe {recipe} failed on rank 0 (exit code {failures[0].exitcode})"
+    """One line for a failed torchrun job: the first failing rank's own recorded line."""
     # Ranks torchrun stopped after the first failure come back with a signal; skip them.
     rank, failure = min(
         failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0])
     )
+    message = _recorded_line(failure.error_file_data)
+    if message:
+        return message
     code = failure.exitcode
     reason = f"exit code {code}" if code > 0 else f"signal {-code}"
-    if recorded(failure):
-        message = failure.error_file_data["message"]
-        message = message.get("message", "") if isinstance(message, dict) else message
-        return f"recipe {recipe} failed on rank {rank}: {message}"
     return f"recipe {recipe} failed on rank {rank} ({reason})"
+
+
+def _recorded_line(data: object) -> str:
+    """The line a worker recorded in its error file (``recipe_main``), or ''."""
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message if isinstance(message, str) else ""
 
 
 def _run_torchrun(

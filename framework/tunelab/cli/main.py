@@ -1,4 +1,4 @@
-"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``download``."""
+"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``verify``, ``download``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,18 @@ import argparse
 import sys
 import traceback
 
-from tunelab.cli import _cp, _data, _download, _ls, _run, _validate
+from tunelab.cli import _cp, _data, _download, _ls, _run, _validate, _verify
 from tunelab.config._entry import debug_enabled
 from tunelab.errors import TunelabError
 
-_COMMANDS = {"ls": _ls, "cp": _cp, "validate": _validate, "download": _download, "data": _data}
+_COMMANDS = {
+    "ls": _ls,
+    "cp": _cp,
+    "validate": _validate,
+    "verify": _verify,
+    "download": _download,
+    "data": _data,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in ("ls", "cp", "run", "validate", "download", "data"):
+    for name in ("ls", "cp", "run", "validate", "verify", "download", "data"):
         module = _run if name == "run" else _COMMANDS[name]
         module.add_parser(subparsers, common)
     return parser

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -60,26 +61,103 @@ def debug_enabled(argv: list[str] | None = None) -> bool:
     return "--debug" in argv or os.environ.get("TUNELAB_DEBUG", "") not in ("", "0")
 
 
-def _record_for_launcher(err: TunelabError) -> None:
-    # torchrun gives every rank an error file (its `record` format); the launcher reads it, so
-    # `tunelab run` can report an error that only a non-zero rank hit, which prints nothing.
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    record = {
-        "message": {
-            "message": str(err),
-            "extraInfo": {
-                "py_callstack": traceback.format_exc(),
-                "timestamp": str(int(time.time())),
-            },
-        }
-    }
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Where a worker records its one-line error for the launcher (torchrun's ``record`` format).
+
+``tunelab run`` sets it for its single process too, so in both paths the launcher, and only
+the launcher, prints the line: once, after the workers are gone, never glued to a progress bar.
+"""
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def _write_rank_log(output_dir: object, text: str) -> str | None:
+    """Append ``text`` to ``{output_dir}/logs/rank_{RANK}.log``; return its path, or None."""
+    if not isinstance(output_dir, str) or not output_dir:
+        return None
+    path = os.path.join(output_dir, "logs", f"rank_{_rank()}.log")
     try:
-        with open(path, "w") as file:
-            json.dump(record, file)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text}\n")
     except OSError:
-        pass  # Only the launcher's summary loses detail.
+        return None
+    return path
+
+
+def _report_failure(err: BaseException, args: object, debug: bool) -> None:
+    """Say what failed in one line and exit 1; the traceback goes to the rank's log file.
+
+    A ``TunelabError`` (bad input) is its message; anything else is
+    ``rank N: <ExceptionType>: <first line> (traceback in .../logs/rank_N.log)``.
+    """
+    stack = traceback.format_exc()
+    log_path = _write_rank_log(getattr(args, "output_dir", None), stack)
+    if isinstance(err, TunelabError):
+        line = str(err)
+    else:
+        first = next(iter(str(err).strip().splitlines()), "")
+        line = f"rank {_rank()}: {type(err).__name__}: {first}"
+        line += f" (traceback in {log_path})" if log_path else ""
+    _close_progress_bars()
+    if debug:
+        traceback.print_exc()
+    record_path = os.environ.get(ERROR_FILE_ENV)
+    recorded = False
+    if record_path:
+        record = {
+            "message": {
+                "message": line,
+                "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))},
+            }
+        }
+        try:
+            with open(record_path, "w") as file:
+                json.dump(record, file)
+            recorded = True
+        except OSError:
+            pass
+    if not recorded and _rank() == "0":
+        # Started without a launcher that reads the record: say it here.
+        print(f"tunelab: error: {line}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+class _ProgressSafeHandler(logging.Handler):
+    """Writes ``tunelab: warning: ...`` lines through tqdm, so none lands on a progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+            tqdm.write(f"tunelab: {level}{record.getMessage()}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never break the run
+            self.handleError(record)
+
+
+def configure_logging() -> None:
+    """Route the library's log records (``logging.getLogger(__name__)``) to stderr, once.
+
+    INFO and above on rank 0 (commits, clean-ups), WARNING and above elsewhere; each line is
+    ``tunelab: [level: ]message``, written between progress bar refreshes.
+    """
+    logger = logging.getLogger("tunelab")
+    if any(isinstance(handler, _ProgressSafeHandler) for handler in logger.handlers):
+        return
+    logger.addHandler(_ProgressSafeHandler())
+    logger.setLevel(logging.INFO if _rank() == "0" else logging.WARNING)
+    logger.propagate = False
+
+
+def _close_progress_bars() -> None:
+    # A bar left open would end its line after anything printed now.
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def recipe_main(
@@ -89,10 +167,12 @@ def recipe_main(
 
     Use it as ``if __name__ == "__main__": recipe_main(main, ARGS)``. It parses
     ``--config CONFIG [overrides]``, validates the config against ``args_cls`` and calls
-    ``main(args)``. A ``TunelabError`` becomes one line on stderr, ``tunelab: error: <message>``
-    (printed by rank 0 only when ``RANK`` is set, since every rank usually fails alike; under
-    torchrun every rank also records it in its error file for the launcher), and exit code 1;
-    ``--debug`` or ``TUNELAB_DEBUG=1`` shows the traceback instead.
+    ``main(args)``. A failure ends the process with exit code 1 and one line: a
+    ``TunelabError`` is its message; any other exception is ``rank N: <Type>: <message>``, its
+    traceback appended to ``{output_dir}/logs/rank_N.log``. Under a launcher (``tunelab run``,
+    torchrun) the line is recorded in the rank's error file and the launcher prints it once, as
+    ``tunelab: error: <line>``; started by hand, rank 0 prints it. ``--debug`` or
+    ``TUNELAB_DEBUG=1`` also shows the traceback.
 
     Before anything else it ties the process's life to its launcher's
     (``tunelab.lifecycle.exit_with_launcher``) and installs the stop-signal handlers: a
@@ -107,24 +187,24 @@ def recipe_main(
     """
     exit_with_launcher()
     install_stop_handlers()
+    configure_logging()
     argv = sys.argv[1:] if argv is None else argv
     debug = debug_enabled(argv)
+    args = None
     try:
-        main(parse_args(parse_recipe_cli(argv), args_cls))
+        args = parse_args(parse_recipe_cli(argv), args_cls)
+        main(args)
     except TunelabError as err:
-        _record_for_launcher(err)
-        if os.environ.get("RANK", "0") == "0":
-            if debug:
-                traceback.print_exc()
-            print(f"tunelab: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _report_failure(err, args, debug)
     except TrainingStopped as stop:
         _exit_stopped(stop.signum, stop.message)
     except Exception as err:
         # After a stop signal, a peer that exited on it breaks the collective this rank was
         # in: one line says what happened, with the error; --debug shows its traceback.
         signum = signal_received()
-        if signum is None or debug:
+        if signum is None:
+            _report_failure(err, args, debug)
+        if debug:
             raise
         first_line = next(iter(str(err).splitlines()), "")
         _exit_stopped(
@@ -138,6 +218,7 @@ def recipe_main(
 
 
 def _exit_stopped(signum: int, message: str) -> None:
+    _close_progress_bars()
     if os.environ.get("RANK", "0") == "0":
         print(message, flush=True)
     sys.exit(128 + signum)

@@ -1,0 +1,66 @@
+"""What a user sees when a worker fails: one line from the launcher, the traceback in a file."""
+
+import subprocess
+
+import pytest
+
+from tests.recipes.conftest import TUNELAB, run_env
+
+pytestmark = pytest.mark.slow
+
+# A copied recipe whose step fails on one rank with an error that is not tunelab's own.
+FAILING_RECIPE = """
+import os
+
+from tunelab.config import recipe_main
+from tunelab.config.recipe_args import LoRAFinetuneArgs
+from tunelab.distributed import init_distributed
+
+ARGS = LoRAFinetuneArgs
+
+
+def main(args):
+    init_distributed(args.device)
+    if os.environ["RANK"] == os.environ["FAILING_RANK"]:
+        raise ValueError("boom in the loss\\nsecond line of the message")
+    import torch.distributed as dist
+
+    dist.barrier()  # the other rank waits here until torchrun stops it
+
+
+if __name__ == "__main__":
+    recipe_main(main, ARGS)
+"""
+
+
+@pytest.mark.parametrize("nproc, failing_rank", [(2, 1), (1, 0)])
+def test_worker_error_is_one_line_and_the_traceback_goes_to_the_rank_log(
+    tmp_path, nproc, failing_rank
+):
+    recipe = tmp_path / "failing.py"
+    recipe.write_text(FAILING_RECIPE)
+    out = tmp_path / "run"
+    launcher = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
+    result = subprocess.run(
+        [TUNELAB, "run", *launcher, str(recipe), "--config", "tiny/lora", f"output_dir={out}"],
+        capture_output=True, text=True, timeout=300,
+        env=run_env(FAILING_RANK=str(failing_rank)),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    log = out / "logs" / f"rank_{failing_rank}.log"
+    assert result.returncode == 1, output
+    assert "Traceback" not in output and "<NONE>" not in output, output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"tunelab: error: rank {failing_rank}: ValueError: boom in the loss (traceback in {log})"
+    ], output
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "second line of the message" in text
+    # --debug shows the traceback on the terminal as well.
+    debug = subprocess.run(
+        [TUNELAB, "run", *launcher, str(recipe), "--config", "tiny/lora", f"output_dir={out}",
+         "--debug"],
+        capture_output=True, text=True, timeout=300,
+        env=run_env(FAILING_RANK=str(failing_rank)),
+    )  # fmt: skip
+    assert debug.returncode == 1 and "Traceback" in debug.stdout + debug.stderr
