@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tunelab.cli._check import check_config
 from tunelab.config import load_config
-from tunelab.config._entry import ERROR_FILE_ENV, _recipe_parser
+from tunelab.config._entry import ERROR_FILE_ENV, REPORTED_BY_LAUNCHER_ENV, _recipe_parser
 from tunelab.lifecycle import (
     LAUNCHER_PID_ENV,
     STOP_SIGNALS,
@@ -106,6 +106,7 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
         MASTER_PORT=str(_free_port()),
     )
     env[LAUNCHER_PID_ENV] = str(os.getpid())  # The child dies with this process.
+    env[REPORTED_BY_LAUNCHER_ENV] = "1"
     if debug:
         env["TUNELAB_DEBUG"] = "1"
     # As under torchrun: the child records its one-line error there and this process prints it.
@@ -190,6 +191,7 @@ def _run_torchrun(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # Workers die with this process.
+    os.environ[REPORTED_BY_LAUNCHER_ENV] = "1"  # This process prints the workers' errors.
     if launch.nnodes in ("1", "1:1"):
         # On several nodes every node's launcher would check, and a node joining late would
         # find the lock taken by this very run: there, rank 0's own lock is the check.

@@ -69,6 +69,10 @@ the launcher, prints the line: once, after the workers are gone, never glued to 
 """
 
 
+REPORTED_BY_LAUNCHER_ENV = "TUNELAB_LAUNCHER_REPORTS"
+"""Set by ``tunelab run`` for its workers: it prints their recorded error lines itself."""
+
+
 def _rank() -> str:
     return os.environ.get("RANK", "0")
 
@@ -119,8 +123,9 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
             recorded = True
         except OSError:
             pass
-    if not recorded and _rank() == "0":
-        # Started without a launcher that reads the record: say it here.
+    reported = recorded and os.environ.get(REPORTED_BY_LAUNCHER_ENV) == "1"
+    if not reported and _rank() == "0":
+        # Plain torchrun or a hand start: no launcher prints the line, so rank 0 does.
         print(f"tunelab: error: {line}", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -169,10 +174,10 @@ def recipe_main(
     ``--config CONFIG [overrides]``, validates the config against ``args_cls`` and calls
     ``main(args)``. A failure ends the process with exit code 1 and one line: a
     ``TunelabError`` is its message; any other exception is ``rank N: <Type>: <message>``, its
-    traceback appended to ``{output_dir}/logs/rank_N.log``. Under a launcher (``tunelab run``,
-    torchrun) the line is recorded in the rank's error file and the launcher prints it once, as
-    ``tunelab: error: <line>``; started by hand, rank 0 prints it. ``--debug`` or
-    ``TUNELAB_DEBUG=1`` also shows the traceback.
+    traceback appended to ``{output_dir}/logs/rank_N.log``. Under ``tunelab run`` the line is
+    recorded in the rank's error file (torchrun's) and the launcher prints it once, as
+    ``tunelab: error: <line>``; under plain torchrun or started by hand, rank 0 prints it.
+    ``--debug`` or ``TUNELAB_DEBUG=1`` also shows the traceback.
 
     Before anything else it ties the process's life to its launcher's
     (``tunelab.lifecycle.exit_with_launcher``) and installs the stop-signal handlers: a
