@@ -36,7 +36,7 @@ def main(args: GenerateArgs) -> None:
         text = args.prompt if args.input is None else f"{args.prompt}\n\n{args.input}"
         prompt = tokenizer.encode(text, add_bos=True)
     else:
-        template = get_template(args.template)
+        template = get_template(args.template, tokenizer)
         content = template.join_instruction(args.prompt, args.input or "")
         prompt, _ = tokenize_messages(
             tokenizer, [Message(role="user", content=content)], template, add_generation_prompt=True

@@ -278,7 +278,7 @@ def test_every_component_rule_names_a_real_argument():
 def test_rule_choices_match_the_data_package():
     from tunelab.data import TEMPLATES, sources
 
-    assert set(TEMPLATE_NAMES) == set(TEMPLATES)
+    assert set(TEMPLATE_NAMES) == {"auto", *TEMPLATES}
     assert set(LOADERS) == set(sources._LOADERS)
     assert set(DATA_SUFFIXES) == set(sources._SUFFIX_TO_LOADER)
 

@@ -23,7 +23,6 @@ from tunelab.data import (
     tokenize_conversation,
     tokenize_messages,
 )
-from tunelab.data.templates import AlpacaTemplate
 from tunelab.errors import ConfigError, DataError
 
 TINY = assets_dir() / "tiny"
@@ -208,7 +207,7 @@ def test_chat_template_override_is_a_file_or_text(tmp_path):
 
 def test_auto_without_a_template_names_the_formats(tmp_path):
     tok = load_tokenizer(make_tokenizer_dir(tmp_path, SPECS["qwen2_5"], chat_template=None))
-    message = r"has no chat template .*name a format: chatml, instruct, llama3"
+    message = r"has no chat template .*name a format: alpaca, chatml, instruct, llama3"
     with pytest.raises(ConfigError, match=message):
         get_template("auto", tok)
     with pytest.raises(ConfigError, match=message):
@@ -430,7 +429,7 @@ def test_preference_dataset_with_auto_trains_only_the_answer(tmp_path, tokenizer
 
 def test_alpaca_template_has_the_preamble():
     tok = load_tokenizer(TINY)
-    template = AlpacaTemplate()
+    template = get_template("alpaca")
     for given, preamble in (
         ("", "Below is an instruction that describes a task. Write"),
         ("red cat", "Below is an instruction that describes a task, paired with an input"),

@@ -46,8 +46,9 @@ NonNegativeFloat = Annotated[float, Finite(), Range(ge=0)]
 PositiveFloat = Annotated[float, Finite(), Range(gt=0)]
 Steps = Annotated[int, Range(ge=0)]
 SequenceLength = Annotated[int, Range(ge=1)] | None
-# The names of tunelab.data.TEMPLATES; a unit test keeps them equal.
-TEMPLATE_NAMES = ("instruct", "llama3", "chatml")
+# "auto" (the tokenizer's own chat template) and the names of tunelab.data.TEMPLATES; a unit
+# test keeps them equal.
+TEMPLATE_NAMES = ("auto", "instruct", "alpaca", "llama3", "chatml")
 Template = Annotated[str, OneOf(*TEMPLATE_NAMES)]
 Split = Annotated[str, NonEmpty()]
 # Loader names and file suffixes tunelab.data.sources accepts; a unit test keeps them equal.

@@ -164,8 +164,8 @@ class GenerateArgs(RecipeArgs):
     """The user prompt (for instruct-style models, the instruction)."""
     input: str | None = None
     """Optional input joined to the prompt the way the template joins an instruct row's input."""
-    template: Annotated[str, OneOf("llama3", "chatml", "instruct")] | None = None
-    """Chat template to wrap the prompt in (llama3, chatml, instruct), or None for raw text."""
+    template: Annotated[str, OneOf("auto", "llama3", "chatml", "instruct", "alpaca")] | None = None
+    """Template to wrap the prompt in (auto: the model's own chat template), or None for raw text."""
     max_new_tokens: AtLeastOne = 64
     """Tokens to generate at most."""
     temperature: Annotated[float, Finite(), Range(ge=0)] = 0.0

@@ -186,10 +186,8 @@ class AlpacaTemplate(InstructTemplate):
         return [(self._PREAMBLE_WITH_INPUT if with_input else self._PREAMBLE, True), *pieces]
 
 
-# AlpacaTemplate joins these once the config rules accept "alpaca" (TEMPLATE_NAMES in
-# config/_component_rules.py, which a unit test keeps equal to these names).
 TEMPLATES: dict[str, Template] = {
-    t.name: t for t in (Llama3Template(), ChatMLTemplate(), InstructTemplate())
+    t.name: t for t in (Llama3Template(), ChatMLTemplate(), InstructTemplate(), AlpacaTemplate())
 }
 
 
