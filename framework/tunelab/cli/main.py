@@ -1,4 +1,4 @@
-"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``verify``, ``download``."""
+"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``verify``, ``download``, ``data``."""
 
 from __future__ import annotations
 
