@@ -284,3 +284,22 @@ def test_full_disk_is_one_line_and_the_committed_checkpoint_stays_intact(small_t
         [TUNELAB, "verify", str(out / "step_2")], capture_output=True, text=True
     )
     assert verify.returncode == 0, verify.stdout
+
+
+def test_resume_auto_starts_fresh_or_resumes_and_true_needs_a_checkpoint(reference, tmp_path):
+    out = tmp_path / "run"
+    result = _run(out, "checkpoint.resume_from_checkpoint=true", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output
+    assert [line for line in output.splitlines() if line.startswith("tunelab: error:")] == [
+        f"tunelab: error: checkpoint.resume_from_checkpoint=true but {out} holds no committed "
+        "checkpoint: set it to auto to start fresh when there is none"
+    ]
+    # auto into an empty folder starts fresh and says so; the same command line resumes later.
+    fresh = _run(out, "checkpoint.resume_from_checkpoint=auto")
+    assert f"no checkpoint in {out}: starting fresh" in fresh.stdout
+    _assert_same_losses(losses_by_step(out), losses_by_step(reference), range(1, STEPS + 1))
+    again = _interrupted_copy(out, tmp_path / "again", after_step=4)
+    resumed = _run(again, "checkpoint.resume_from_checkpoint=auto")
+    assert "resumed from step_4 (epoch 0, step 4 of 6)" in resumed.stdout
+    _assert_same_losses(losses_by_step(again), losses_by_step(reference), range(5, STEPS + 1))

@@ -1,10 +1,13 @@
 """What a user sees when a worker fails: one line from the launcher, the traceback in a file."""
 
+import math
 import subprocess
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from tests.recipes.conftest import TUNELAB, run_env
+from tests.recipes.conftest import TUNELAB, losses_by_step, read_metrics, run_env, tunelab_run
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +67,29 @@ def test_worker_error_is_one_line_and_the_traceback_goes_to_the_rank_log(
         env=run_env(FAILING_RANK=str(failing_rank)),
     )  # fmt: skip
     assert debug.returncode == 1 and "Traceback" in debug.stdout + debug.stderr
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_step_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    diverge = ["optimizer.lr=1e6", "clip_grad_norm=null", "epochs=1", "max_steps_per_epoch=6"]
+    result = tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *diverge, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("tunelab: error:")]
+    assert len(errors) == 1 and "is not finite: stopping before it changes the weights" in errors[0]
+    step = int(errors[0].split("step ")[1].split(":")[0])
+    assert all(math.isfinite(loss) for s, loss in losses_by_step(out).items() if s < step)
+    assert not (out / "epoch_0").exists()
+    # With a budget, the non-finite steps are skipped (no update) and the run finishes with
+    # finite weights.
+    skipping = tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path / 'skip'}", *diverge,
+        "skip_nonfinite_steps=6",
+    )  # fmt: skip
+    assert "skipped (1 of 6 allowed)" in skipping.stderr
+    records = read_metrics(tmp_path / "skip")
+    assert any(record.get("skipped") == 1.0 for record in records)
+    weights = load_file(tmp_path / "skip" / "epoch_0" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
