@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tunelab import _paths
+from tunelab.checkpoint import integrity, layout
 from tunelab.cli.main import main
 from tunelab.config import recipe_main
 from tunelab.config.recipe_args import LoRAFinetuneArgs
@@ -60,6 +61,17 @@ def model(name: str) -> tuple[str, ...]:
 
 
 CASES = [
+    # --- resume against what output_dir holds ------------------------------------------------
+    Case(
+        "fresh run into used output_dir",
+        ("validate", "tiny/lora", "output_dir={tmp}/out"),
+        ("output_dir {tmp}/out already holds committed checkpoints (step_2)", "resume_from"),
+    ),
+    Case(
+        "resume=true with nothing to resume",
+        lora("checkpoint.resume_from_checkpoint=true", "output_dir={tmp}/empty"),
+        ("resume_from_checkpoint=true but {tmp}/empty holds no committed checkpoint", "auto"),
+    ),
     # --- config values: ranges, types, sets ---------------------------------------------------
     Case("batch_size=0", lora("batch_size=0"), ("key 'batch_size'", "expected int >= 1, got 0")),
     Case("lora.rank=0", lora("lora.rank=0"), ("key 'lora.rank'", "int >= 1", "got 0")),
@@ -505,6 +517,15 @@ def workspace(tmp_path_factory):
     (run / "step_4").mkdir()
     (run / "step_4" / ".metadata").write_bytes(b"")
     (tmp / "a_file").write_text("not a folder\n")
+    # The output_dir the cases name already holds a committed checkpoint (with checksums):
+    # no bad input may touch it.
+    step = tmp / "out" / "step_2"
+    step.mkdir(parents=True)
+    records = {
+        name: integrity.write_bytes(step / name, payload)
+        for name, payload in (("__0_0.distcp", b"\x01" * 64), ("trainer_state.json", b"{}"))
+    }
+    layout.write_manifest(step, records, step=2, epoch=0)
     (tmp / "bad_recipe.yaml").write_text("recipe: lora_finetune_distributd\n")
     (tmp / "broken.yaml").write_text("recipe: x\nbatch_size: [1,\n")
     return {
@@ -552,6 +573,13 @@ def test_bad_input_gets_one_clear_error(case, workspace, capsys, monkeypatch):
         assert piece.format(**workspace) in err, err
     # Validation starts no process and creates nothing (run would have made output_dir).
     assert not (Path(workspace["tmp"]) / "o").exists()
+    # The committed checkpoint in output_dir is byte-identical (its checksums still match).
+    step = Path(workspace["tmp"]) / "out" / "step_2"
+    assert integrity.verify_folder(step) == [] and sorted(os.listdir(step)) == [
+        "__0_0.distcp",
+        "trainer_state.json",
+        "tunelab_manifest.json",
+    ]
 
 
 SUBPROCESS_CASES = [

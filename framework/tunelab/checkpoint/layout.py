@@ -166,6 +166,35 @@ def committed_checkpoints(output_dir: str | os.PathLike) -> list[CommittedCheckp
     return scan_checkpoints(output_dir)[0]
 
 
+def check_resume_setting(output_dir: str | os.PathLike, resume: bool | str) -> None:
+    """Refuse a ``resume_from_checkpoint`` that cannot do what it says in ``output_dir``.
+
+    Reads manifests only (no torch), so ``tunelab validate`` and ``tunelab run`` say it before
+    any process starts, and the recipe says it again at start (the folder may have changed).
+
+    Args:
+        output_dir: The run's output folder.
+        resume: ``True``, ``False`` or ``"auto"``.
+
+    Raises:
+        CheckpointError: ``False`` (a fresh run) into a folder with committed checkpoints, whose
+            first save would collide with one; ``True`` into a folder with none.
+    """
+    committed, unreadable = scan_checkpoints(output_dir)
+    existing = sorted((c.step, c.path.name) for c in [*committed, *unreadable])
+    if resume is False and existing:
+        names = ", ".join(name for _, name in existing[-3:])
+        raise CheckpointError(
+            f"output_dir {output_dir} already holds committed checkpoints ({names}): continue "
+            "with checkpoint.resume_from_checkpoint=true (or auto), or pick another output_dir"
+        )
+    if resume is True and not existing:
+        raise CheckpointError(
+            f"checkpoint.resume_from_checkpoint=true but {output_dir} holds no committed "
+            "checkpoint: set it to auto to start fresh when there is none"
+        )
+
+
 def move_aside(path: Path) -> Path:
     """Rename a bad step directory to ``{name}.corrupt-{time}`` (never resumed or pruned).
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.cli._discovery import load_recipe_args, resolve_recipe
 from tunelab.config import load_config, parse_args, resolve_config_path
 from tunelab.errors import ConfigError, TunelabError
@@ -59,5 +60,10 @@ def check_config(
     cfg = load_config(str(config_path), overrides)
     if recipe_path is None:
         recipe_path = recipe_of_config(cfg, config_path)
-    parse_args(cfg, load_recipe_args(recipe_path))
+    args = parse_args(cfg, load_recipe_args(recipe_path))
+    resume = getattr(getattr(args, "checkpoint", None), "resume_from_checkpoint", None)
+    output_dir = getattr(args, "output_dir", None)
+    if resume is not None and isinstance(output_dir, str) and output_dir:
+        # What the recipe would refuse at start, said before any process starts.
+        check_resume_setting(output_dir, resume)
     return config_path, recipe_path

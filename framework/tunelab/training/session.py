@@ -16,11 +16,11 @@ from torch.utils.data import DataLoader
 
 import tunelab.peft as peft
 from tunelab.checkpoint import CheckpointClient, LoRASpec
-from tunelab.checkpoint.layout import scan_checkpoints
+from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.config import instantiate
 from tunelab.config.recipe_args import FinetuneArgs
 from tunelab.data import StatefulDistributedSampler
-from tunelab.errors import CheckpointError, DataError
+from tunelab.errors import DataError
 from tunelab.training.setup import build_dataloader, config_fingerprint
 
 
@@ -140,23 +140,11 @@ def resume(
     """
     mode = args.checkpoint.resume_from_checkpoint
     is_main = not dist.is_initialized() or dist.get_rank() == 0
+    check_resume_setting(args.output_dir, mode)
     if mode is False:
-        committed, unreadable = scan_checkpoints(args.output_dir)
-        existing = sorted([c.path.name for c in committed + unreadable])
-        if existing:
-            raise CheckpointError(
-                f"output_dir {args.output_dir} already holds committed checkpoints "
-                f"({', '.join(existing[-3:])}): continue with "
-                "checkpoint.resume_from_checkpoint=true, or pick another output_dir"
-            )
         return 0, 0
     resumed = checkpoints.load_latest()
     if resumed is None:
-        if mode is True:
-            raise CheckpointError(
-                f"checkpoint.resume_from_checkpoint=true but {args.output_dir} holds no "
-                "committed checkpoint: set it to auto to start fresh when there is none"
-            )
         if is_main:
             print(f"no checkpoint in {args.output_dir}: starting fresh", flush=True)
         return 0, 0
