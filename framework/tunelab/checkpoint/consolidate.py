@@ -223,7 +223,12 @@ class HFSafetensorsWriter(StorageWriter):
                     )
                 try:
                     pieces = write_chunk(
-                        fds[temp_name], tensor, item.tensor_data.size, chunk.offsets, tensor_offset
+                        fds[temp_name],
+                        tensor,
+                        item.tensor_data.size,
+                        chunk.offsets,
+                        tensor_offset,
+                        hasher,
                     )
                 except OSError as error:  # pwrite names no file: name it
                     raise OSError(
@@ -246,11 +251,13 @@ class HFSafetensorsWriter(StorageWriter):
                 plan.items,
                 key=lambda item: (files.index(where[item.index.fqn][0]) - self.rank) % len(files),
             )
-            if self.thread_count > 1 and len(items) > 1:
-                with ThreadPoolExecutor(self.thread_count) as pool:
-                    results = list(pool.map(write_item, items))
-            else:
-                results = [write_item(item) for item in items]
+            # One thread hashes each piece while it is being written.
+            with ThreadPoolExecutor(1) as hasher:
+                if self.thread_count > 1 and len(items) > 1:
+                    with ThreadPoolExecutor(self.thread_count) as pool:
+                        results = list(pool.map(write_item, items))
+                else:
+                    results = [write_item(item) for item in items]
             if self.sync_files:
                 for fd in fds.values():
                     os.fsync(fd)
