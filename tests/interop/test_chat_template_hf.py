@@ -7,10 +7,13 @@ mask must be equal.
 """
 
 import datetime as real_datetime
+import shutil
+from pathlib import Path
 
 import pytest
 
 from tests.chat_templates._build import SPECS, make_tokenizer_dir
+from tunelab._paths import assets_dir
 from tunelab.data import _jinja_env, apply_chat_template, load_tokenizer, tokenize_conversation
 
 transformers = pytest.importorskip("transformers")
@@ -209,3 +212,23 @@ def test_whitespace_control_matches(folders):
     text = hf_tok.apply_chat_template(TURNS, chat_template=template, tokenize=False)
     assert tok.chat_template.render(TURNS) == text
     assert apply_chat_template(tok, TURNS) == hf_ids(hf_tok, TURNS, chat_template=template)
+
+
+def test_export_files_make_transformers_serve_the_overridden_template(tmp_path):
+    # What an export does: copy the base tokenizer files, then write Tokenizer.extra_files().
+    tiny = assets_dir() / "tiny"
+    qwen = Path(__file__).resolve().parents[1] / "chat_templates" / "qwen2_5_instruct.jinja"
+    trained = load_tokenizer(tiny, chat_template=str(qwen))
+    export = tmp_path / "epoch_0"
+    export.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(tiny / name, export / name)
+    before = transformers.AutoTokenizer.from_pretrained(export)
+    assert before.chat_template != trained.chat_template.text  # the base model's template
+    for name, data in trained.extra_files().items():
+        (export / name).write_bytes(data)
+    served = transformers.AutoTokenizer.from_pretrained(export)
+    conversation = CONVERSATIONS["system"]
+    ids = served.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    assert served.chat_template == trained.chat_template.text
+    assert list(ids) == apply_chat_template(trained, conversation)

@@ -374,7 +374,7 @@ def test_template_error_names_file_row_and_template(tmp_path, tokenizers):
     tok = tokenizers["mistral_nemo"]
     with pytest.raises(
         DataError,
-        match=r"chat.jsonl: row 1 \(0-based\), column 'messages': chat template "
+        match=r"chat.jsonl:2: row 1 \(0-based\), column 'messages': chat template "
         r".*tokenizer_config.json \(chat_template\) \(line \d+\): After the optional system "
         r"message, conversation roles must alternate",
     ):

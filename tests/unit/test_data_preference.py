@@ -107,7 +107,7 @@ def test_pairs_without_completion_after_truncation_are_dropped(tok, tmp_path):
 )  # fmt: skip
 def test_malformed_pairs(tok, tmp_path, bad, message):
     path = write_jsonl(tmp_path / "pref.jsonl", [PAIR, PAIR, bad])
-    with pytest.raises(DataError, match=r"pref\.jsonl: row 2 \(0-based\), " + message):
+    with pytest.raises(DataError, match=r"pref\.jsonl:3: row 2 \(0-based\), " + message):
         preference_dataset(tok, source=path)
     ds = preference_dataset(tok, source=path, skip_malformed=True)
     assert len(ds) == 2 and ds.num_skipped == 1

@@ -170,7 +170,8 @@ def test_whole_column_missing_is_not_skippable(tok, tmp_path):
 )  # fmt: skip
 def test_malformed_instruct_rows(tok, tmp_path, bad_row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [ALPACA[0], bad_row, ALPACA[1]])
-    with pytest.raises(DataError, match=r"bad\.jsonl: " + message):
+    # JSON Lines errors name the line as file:line, then the 0-based row.
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: " + message):
         instruct_dataset(tok, source=path)
     ds = instruct_dataset(tok, source=path, skip_malformed=True)
     assert len(ds) == 2 and ds.num_skipped == 1
@@ -179,7 +180,7 @@ def test_malformed_instruct_rows(tok, tmp_path, bad_row, message):
 def test_malformed_row_names_its_own_file(tok, tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", ALPACA)
     bad = write_jsonl(tmp_path / "second.jsonl", [ALPACA[0], ALPACA[1], {"instruction": "x"}])
-    with pytest.raises(DataError, match=r"second\.jsonl: row 2 \(0-based\), column 'output'"):
+    with pytest.raises(DataError, match=r"second\.jsonl:3: row 2 \(0-based\), column 'output'"):
         instruct_dataset(tok, source="json", data_files=[good, bad])
 
 
@@ -217,7 +218,8 @@ def test_broken_json_line_is_a_malformed_row(tok, tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps(ALPACA[0]) + "\n{oops\n" + json.dumps(ALPACA[1]) + "\n")
     with pytest.raises(
-        DataError, match=r"broken\.jsonl: row 1 \(0-based\), column '\(whole row\)': not valid JSON"
+        DataError,
+        match=r"broken\.jsonl:2: row 1 \(0-based\), column '\(whole row\)': not valid JSON",
     ):
         instruct_dataset(tok, source=str(path))
     assert instruct_dataset(tok, source=str(path), skip_malformed=True).num_skipped == 1

@@ -116,3 +116,28 @@ def test_no_eos_anywhere(tmp_path):
     folder = _word_tokenizer(tmp_path / "t")
     with pytest.raises(DataError, match="no eos_token"):
         load_tokenizer(folder)
+
+
+QWEN_TEMPLATE = Path(__file__).resolve().parents[1] / "chat_templates" / "qwen2_5_instruct.jinja"
+
+
+def test_export_files_carry_an_overridden_chat_template():
+    assert load_tokenizer(TINY).extra_files() == {}
+    # Naming the folder's own default is no override.
+    assert load_tokenizer(TINY, chat_template="default").extra_files() == {}
+    for choice in (str(QWEN_TEMPLATE), QWEN_TEMPLATE.read_text()):
+        files = load_tokenizer(TINY, chat_template=choice).extra_files()
+        assert files == {"chat_template.jinja": QWEN_TEMPLATE.read_bytes()}
+
+
+def test_fingerprint_follows_what_decides_the_ids_and_pickles():
+    import pickle
+
+    tok = load_tokenizer(TINY)
+    assert tok.fingerprint == load_tokenizer(TINY, max_seq_len=7).fingerprint
+    assert tok.fingerprint != load_tokenizer(TINY, chat_template=str(QWEN_TEMPLATE)).fingerprint
+    tok.chat_template.check()  # compiled: the copy must not carry the compiled template
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.fingerprint == tok.fingerprint
+    messages = [{"role": "user", "content": "hi"}]
+    assert copy.chat_template.render(messages) == tok.chat_template.render(messages)

@@ -1,8 +1,9 @@
-"""Data: tokenizer, chat templates, SFT and preference datasets, packing, collate, sampler."""
+"""Data: tokenizer, chat templates, SFT and preference datasets, mixing, packing, collate, sampler."""
 
 from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_dpo, padded_collate_sft
+from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
 from tunelab.data.sampler import StatefulDistributedSampler
@@ -21,7 +22,9 @@ __all__ = [
     "TEMPLATES",
     "ChatTemplate",
     "ChatTemplateError",
+    "DatasetSpec",
     "Message",
+    "MixedDataset",
     "StatefulDistributedSampler",
     "Template",
     "TokenizedDataset",
@@ -31,6 +34,7 @@ __all__ = [
     "get_template",
     "instruct_dataset",
     "load_tokenizer",
+    "mix_dataset",
     "pack_samples",
     "padded_collate_dpo",
     "padded_collate_sft",

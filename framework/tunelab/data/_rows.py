@@ -1,14 +1,15 @@
-"""Row validation shared by the dataset builders: typed reads and the malformed-row policy."""
+"""Row validation shared by the dataset builders: column layouts and typed reads.
+
+A row that cannot become a sample raises ``BadRow``; the tokenizing pass records it (file, row,
+line, column, problem) and the dataset raises or skips it (``skip_malformed``).
+"""
 
 import difflib
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
-from tunelab.data.sources import InvalidRow, RowSource, iter_rows
 from tunelab.data.templates import ROLES, Message
 from tunelab.errors import ConfigError, DataError
-
-T = TypeVar("T")
 
 # ShareGPT speaker names to roles.
 _SHAREGPT_ROLES = {
@@ -49,19 +50,47 @@ def resolve_columns(
     return columns
 
 
-def require_columns(sources: list[RowSource], columns: Iterable[str]) -> None:
-    """Check every source has every column (a config mistake, never skipped).
+def require_columns(name: str, present: list[str], columns: Iterable[str]) -> None:
+    """Check a source has every column (a config mistake, never skipped).
+
+    Args:
+        name: The source's name, for the message.
+        present: The columns it has.
+        columns: The columns it needs.
 
     Raises:
         DataError: Naming the file, the missing column and the columns it has.
     """
-    for source in sources:
-        for column in columns:
-            if column not in source.columns:
-                raise DataError(
-                    f"{source.name}: no column {column!r} (columns: "
-                    f"{', '.join(source.columns) or 'none'}); map it with column_map"
-                )
+    for column in columns:
+        if column not in present:
+            raise DataError(
+                f"{name}: no column {column!r} (columns: {', '.join(present) or 'none'}); "
+                "map it with column_map"
+            )
+
+
+# Conversation layouts found by their column: OpenAI ``messages`` and ShareGPT ``conversations``.
+CONVERSATION_COLUMNS = ("messages", "conversations")
+STYLES = ("auto", "openai", "sharegpt")
+
+
+def conversation_column_of(name: str, present: list[str], column: str | None) -> str:
+    """The column holding conversations: ``column``, else ``messages`` or ``conversations``.
+
+    Raises:
+        DataError: If the source has no such column.
+    """
+    if column is not None:
+        require_columns(name, present, [column])
+        return column
+    for candidate in CONVERSATION_COLUMNS:
+        if candidate in present:
+            return candidate
+    raise DataError(
+        f"{name}: no conversation column: expected 'messages' (OpenAI) or 'conversations' "
+        f"(ShareGPT) (columns: {', '.join(present) or 'none'}); name it with "
+        "conversation_column"
+    )
 
 
 def read_text(row: dict[str, Any], column: str, *, optional: bool = False) -> str:
@@ -82,13 +111,23 @@ def read_text(row: dict[str, Any], column: str, *, optional: bool = False) -> st
     return value
 
 
+def _style_of(first: Any) -> str:
+    """``sharegpt`` when the first message has ``from`` or ``value`` and no OpenAI key."""
+    if isinstance(first, dict) and not {"role", "content"} & set(first):
+        if {"from", "value"} & set(first):
+            return "sharegpt"
+    return "openai"
+
+
 def read_messages(value: Any, column: str, style: str = "openai") -> list[tuple[str, str]]:
     """Read a conversation: a non-empty list of ``{"role", "content"}`` dicts.
 
     Args:
         value: The cell.
         column: Its column name, for errors.
-        style: ``"openai"`` (role/content) or ``"sharegpt"`` (from/value, human/gpt).
+        style: ``"openai"`` (role/content), ``"sharegpt"`` (from/value, human/gpt), or
+            ``"auto"``: ShareGPT when the first message has ``from`` / ``value`` keys and no
+            ``role`` / ``content``, OpenAI otherwise.
 
     Returns:
         ``(role, content)`` pairs with roles among ``system``, ``user``, ``assistant``.
@@ -102,6 +141,8 @@ def read_messages(value: Any, column: str, style: str = "openai") -> list[tuple[
         raise BadRow(column, f"expected a list of messages, got {type(value).__name__}")
     if not value:
         raise BadRow(column, "empty conversation")
+    if style == "auto":
+        style = _style_of(value[0])
     role_key, content_key = ("from", "value") if style == "sharegpt" else ("role", "content")
     messages = []
     for i, message in enumerate(value):
@@ -140,42 +181,3 @@ def check_answer(pairs: list[tuple[str, str]], column: str) -> None:
         raise BadRow(column, "no assistant message")
     if any(not reply.strip() for reply in replies):
         raise BadRow(column, "empty assistant message")
-
-
-def build_samples(
-    sources: list[RowSource], make_sample: Callable[[dict[str, Any]], T], skip_malformed: bool
-) -> tuple[list[T], int]:
-    """Turn every row into a sample, raising on the first malformed row or skipping it.
-
-    Args:
-        sources: The loaded files.
-        make_sample: Row to sample; raises ``BadRow`` for a malformed row.
-        skip_malformed: Skip malformed rows instead of raising.
-
-    Returns:
-        ``(samples, num_skipped)``.
-
-    Raises:
-        DataError: Naming file, 0-based row index and column of the first malformed row (when
-            not skipping), or when no row is usable.
-    """
-    samples: list[T] = []
-    num_skipped = 0
-    for source, index, row in iter_rows(sources):
-        try:
-            if isinstance(row, InvalidRow):
-                raise BadRow("(whole row)", row.problem)
-            if not isinstance(row, dict):
-                raise BadRow("(whole row)", f"expected an object, got {type(row).__name__}")
-            samples.append(make_sample(row))
-        except BadRow as bad:
-            if not skip_malformed:
-                raise DataError(
-                    f"{source.name}: row {index} (0-based), column {bad.column!r}: {bad.problem} "
-                    "(set skip_malformed: true to skip such rows)"
-                ) from None
-            num_skipped += 1
-    if not samples:
-        names = ", ".join(source.name for source in sources)
-        raise DataError(f"{names}: no usable rows ({num_skipped} malformed rows skipped)")
-    return samples, num_skipped

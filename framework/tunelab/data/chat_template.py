@@ -121,6 +121,13 @@ class ChatTemplate:
     def __repr__(self) -> str:
         return f"ChatTemplate(source={self.source!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Tokenizing workers receive the template pickled; they compile it again themselves
+        # (a compiled Jinja template holds the sandboxed environment, which does not pickle).
+        state = dict(self.__dict__)
+        state.pop("_compiled", None)
+        return state
+
     @property
     def has_generation_blocks(self) -> bool:
         """Whether the template marks assistant output with ``{% generation %}`` blocks."""

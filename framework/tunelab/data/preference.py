@@ -1,7 +1,16 @@
 """Preference pairs (prompt / chosen / rejected) for DPO and its family.
 
 Each of prompt, chosen and rejected is a string or a list of chat messages. A string prompt is
-one user message and a string answer one assistant message. The prompt is always masked: the
+one user message and a string answer one assistant message. Two layouts, found from the
+columns:
+
+- with a ``prompt`` column, the prompt is shared and chosen / rejected are the answers (when
+  both answers are conversations that repeat the prompt's messages first, as in
+  UltraFeedback, the repeat is dropped);
+- without one, chosen and rejected are whole conversations, and the prompt is the messages
+  they start with in common (as in Anthropic HH): the rest of each is its answer.
+
+The prompt is always masked: the
 losses score only the completion. Truncation to ``max_seq_len`` keeps the start (the prompt)
 and cuts the end; the dataset reports how many pairs were cut (``num_truncated``) and drops
 pairs left without a completion token on either side (``num_dropped``), whose log-probability
@@ -11,16 +20,20 @@ With ``template: auto`` (the default) both sides are rendered with the tokenizer
 template and only the answer's assistant turns are trained, as that template renders them.
 """
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tunelab.data import _rows
 from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
-from tunelab.data.sft import IGNORE_INDEX, TokenizedDataset, resolve_template, to_sample
-from tunelab.data.sources import load_sources
-from tunelab.data.templates import Message, tokenize_messages
+from tunelab.data.mix import DatasetSpec
+from tunelab.data.sft import IGNORE_INDEX, resolve_template, to_sample
+from tunelab.data.sources import resolve_sources
+from tunelab.data.templates import Message, Template, tokenize_messages
+from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
-from tunelab.errors import ConfigError, DataError
+from tunelab.errors import ConfigError
 
 
 def _read_turns(row: dict[str, Any], column: str, default_role: str) -> list[tuple[str, str]]:
@@ -36,7 +49,7 @@ def _tokenize_side(
     template: ChatTemplate,
     messages: list[Message],
     num_prompt: int,
-    template_kwargs: dict[str, Any] | None,
+    template_kwargs: Mapping[str, Any] | None,
     column: str,
 ) -> tuple[list[int], list[bool]]:
     """One side of a pair with the chat template: only the answer's assistant turns trained."""
@@ -60,8 +73,86 @@ def _tokenize_side(
     return samples[0]
 
 
+Pairs = list[tuple[str, str]]
+
+
+def _shared_prefix(chosen: Pairs, rejected: Pairs, column: str) -> tuple[Pairs, Pairs, Pairs]:
+    """``(prompt, chosen answer, rejected answer)``: the prompt is the common first messages.
+
+    Raises:
+        BadRow: If the two conversations do not start with the same message.
+    """
+    common = 0
+    while common < min(len(chosen), len(rejected)) and chosen[common] == rejected[common]:
+        common += 1
+    if common == 0:
+        raise _rows.BadRow(
+            column,
+            "chosen and rejected start with different messages; without a prompt column the "
+            "prompt is the messages both conversations start with",
+        )
+    return chosen[:common], chosen[common:], rejected[common:]
+
+
+@dataclass
+class PreferenceRows:
+    """Row function of ``preference_dataset``: one pair.
+
+    Attributes:
+        prompt_column: The prompt column, or None when the source has none (the prompt is
+            the shared start of chosen and rejected).
+    """
+
+    tokenizer: Tokenizer
+    template: Template | ChatTemplate
+    template_kwargs: Mapping[str, Any] | None
+    max_seq_len: int | None
+    columns: dict[str, str]
+    prompt_column: str | None
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """The pair's item, with ``truncated`` and ``completion``; raises ``BadRow``."""
+        chosen_column, rejected_column = self.columns["chosen"], self.columns["rejected"]
+        if self.prompt_column is None:
+            prompt, chosen, rejected = _shared_prefix(
+                _rows.read_messages(row.get(chosen_column), chosen_column),
+                _rows.read_messages(row.get(rejected_column), rejected_column),
+                chosen_column,
+            )
+        else:
+            prompt = _read_turns(row, self.prompt_column, "user")
+            chosen = _read_turns(row, chosen_column, "assistant")
+            rejected = _read_turns(row, rejected_column, "assistant")
+            size = len(prompt)
+            if chosen[:size] == prompt and rejected[:size] == prompt:
+                # Both answers repeat the prompt (UltraFeedback's layout): once is enough.
+                chosen, rejected = chosen[size:], rejected[size:]
+        prompt_messages = _rows.to_messages(prompt, False)
+        item: dict[str, Any] = {"truncated": False, "completion": True}
+        for side, answer in (("chosen", chosen), ("rejected", rejected)):
+            _rows.check_answer(answer, self.columns[side])
+            messages = prompt_messages + _rows.to_messages(answer, False)
+            if isinstance(self.template, ChatTemplate):
+                tokens, mask = _tokenize_side(
+                    self.tokenizer,
+                    self.template,
+                    messages,
+                    len(prompt_messages),
+                    self.template_kwargs,
+                    self.columns[side],
+                )
+            else:
+                tokens, mask = tokenize_messages(self.tokenizer, messages, self.template)
+            sample, cut = to_sample(tokens, mask, self.max_seq_len)
+            item[f"{side}_tokens"], item[f"{side}_labels"] = sample["tokens"], sample["labels"]
+            item["truncated"] = item["truncated"] or cut
+            trained = any(label != IGNORE_INDEX for label in sample["labels"])
+            item["completion"] = item["completion"] and trained
+        return [item]
+
+
 def preference_dataset(
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None = None,
     *,
     source: str,
     data_files: Any = None,
@@ -71,24 +162,32 @@ def preference_dataset(
     template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
     skip_malformed: bool = False,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset:
+) -> TokenizedDataset | DatasetSpec:
     """Preference pairs as ``chosen_tokens`` / ``chosen_labels`` / ``rejected_*`` items.
 
     Args:
-        tokenizer: The tokenizer (passed by the recipe).
+        tokenizer: The tokenizer (passed by the recipe). None: return a ``DatasetSpec`` for
+            ``mix_dataset`` to build.
         source: ``json`` / ``parquet`` / ``csv`` with ``data_files``, a local file path (its
             suffix decides), a local folder, or a hub dataset id.
         data_files: File path(s) for a loader ``source``.
         split: Split to read.
         column_map: Our column name to the file's; keys among ``prompt``, ``chosen``,
-            ``rejected``.
+            ``rejected``. Without a ``prompt`` column (and no ``prompt`` key here), chosen and
+            rejected are conversations whose shared first messages are the prompt.
         template: ``auto`` (the tokenizer's chat template), or for a base model ``chatml``,
             ``llama3``, ``instruct`` or ``alpaca``.
         template_kwargs: Extra variables for the chat template (``auto`` only).
         max_seq_len: Cut each side to this many tokens, keeping the start (default: the
             tokenizer's).
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        num_proc: Processes that tokenize, on local rank 0 only (default ``min(8, cpu
+            count)``; small sources use fewer).
+        cache_dir: Where tokenized datasets are cached (default: ``tunelab/`` in the
+            ``datasets`` cache).
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -97,10 +196,12 @@ def preference_dataset(
     Raises:
         ConfigError: For an unknown template or column_map key, a non-positive length, or
             ``auto`` with a tokenizer that has no chat template.
-        DataError: For a missing file or column, a malformed row (file, 0-based row, column;
-            also a row the chat template refuses), or when truncation leaves no pair with a
-            completion.
+        DataError: For a missing file or column, a malformed row (file, line, 0-based row,
+            column; also a row the chat template refuses), or when truncation leaves no pair
+            with a completion.
     """
+    if tokenizer is None:
+        return DatasetSpec.capture(preference_dataset, locals())
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is not None and max_seq_len < 1:
         raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -110,51 +211,35 @@ def preference_dataset(
         column_map,
         "preference_dataset",
     )
-    sources = load_sources(source, data_files, split, **load_dataset_kwargs)
-    _rows.require_columns(sources, columns.values())
+    prompt_required = "prompt" in (column_map or {})
 
-    def make(row: dict[str, Any]) -> tuple[dict[str, list[int]], bool]:
-        prompt = _rows.to_messages(_read_turns(row, columns["prompt"], "user"), False)
-        item: dict[str, list[int]] = {}
-        cut = False
-        for side in ("chosen", "rejected"):
-            answer = _read_turns(row, columns[side], "assistant")
-            _rows.check_answer(answer, columns[side])
-            messages = prompt + _rows.to_messages(answer, False)
-            if isinstance(chosen_template, ChatTemplate):
-                tokens, mask = _tokenize_side(
-                    tokenizer,
-                    chosen_template,
-                    messages,
-                    len(prompt),
-                    template_kwargs,
-                    columns[side],
-                )
-            else:
-                tokens, mask = tokenize_messages(tokenizer, messages, chosen_template)
-            sample, side_cut = to_sample(tokens, mask, max_seq_len)
-            item[f"{side}_tokens"], item[f"{side}_labels"] = sample["tokens"], sample["labels"]
-            cut = cut or side_cut
-        return item, cut
-
-    pairs, num_skipped = _rows.build_samples(sources, make, skip_malformed)
-
-    def has_completion(item: dict[str, list[int]], side: str) -> bool:
-        return any(label != IGNORE_INDEX for label in item[f"{side}_labels"])
-
-    kept = [
-        item
-        for item, _ in pairs
-        if has_completion(item, "chosen") and has_completion(item, "rejected")
-    ]
-    if not kept:
-        raise DataError(
-            f"{source}: max_seq_len={max_seq_len} leaves no completion token in any pair; "
-            "raise max_seq_len"
+    def rows_for(name: str, present: list[str]) -> PreferenceRows:
+        needed = [columns["chosen"], columns["rejected"]]
+        _rows.require_columns(
+            name, present, [columns["prompt"], *needed] if prompt_required else needed
         )
-    return TokenizedDataset(
-        kept,
-        num_skipped=num_skipped,
-        num_truncated=sum(cut for _, cut in pairs),
-        num_dropped=len(pairs) - len(kept),
+        prompt_column = columns["prompt"] if columns["prompt"] in present else None
+        return PreferenceRows(
+            tokenizer, chosen_template, template_kwargs, max_seq_len, columns, prompt_column
+        )
+
+    settings = dict(
+        template=template,
+        template_kwargs=template_kwargs,
+        max_seq_len=max_seq_len,
+        columns=columns,
+        prompt_required=prompt_required,
+    )
+    return build_tokenized(
+        tokenizer,
+        builder="preference_dataset",
+        kind="preference",
+        settings=settings,
+        rows_for=rows_for,
+        sources=resolve_sources(source, data_files, split, **load_dataset_kwargs),
+        skip_malformed=skip_malformed,
+        max_seq_len=max_seq_len,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+        describe=source,
     )

@@ -1,61 +1,29 @@
 """Supervised fine-tuning datasets: instruct rows, chat conversations, plain text.
 
-Builders load every row and tokenize it at construction: fine-tuning sets are small, and a
-malformed row then stops the run before training starts, naming the file, the row and the
-column. Items are ``{"tokens": [...], "labels": [...]}`` with ``labels`` aligned to
-``tokens`` (``labels[i]`` is ``tokens[i]``, or ``-100`` where masked); the recipe's loss shifts.
+Every row is validated and tokenized before training starts, so a malformed row stops the run
+naming the file, the line, the row and the column. Tokenizing happens once per machine, into
+the ``datasets`` cache (``tunelab.data._cache``), and items are read lazily from the cached
+Arrow table (``TokenizedDataset``). Items are ``{"tokens": [...], "labels": [...]}`` with
+``labels`` aligned to ``tokens`` (``labels[i]`` is ``tokens[i]``, or ``-100`` where masked);
+the recipe's loss shifts.
+
+Called without a tokenizer, a builder returns a ``DatasetSpec`` that ``mix_dataset`` builds
+with its own (a config nests dataset nodes that way).
 """
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
-
-from torch.utils.data import Dataset
 
 from tunelab.data import _rows
 from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
-from tunelab.data.packing import pack_samples
-from tunelab.data.sources import load_sources
+from tunelab.data.mix import DatasetSpec
+from tunelab.data.sources import resolve_sources
 from tunelab.data.templates import Template, get_template, tokenize_messages
+from tunelab.data.tokenized import IGNORE_INDEX, TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
-
-IGNORE_INDEX = -100
-
-
-class TokenizedDataset(Dataset):
-    """A map-style dataset of pre-tokenized items.
-
-    Attributes:
-        num_skipped: Malformed rows skipped (``skip_malformed=True``); the recipe logs it.
-        num_truncated: Samples (or preference pairs) cut to ``max_seq_len``.
-        num_dropped: Preference pairs dropped because truncation left no completion token.
-        packed: Whether items are packs (with ``input_pos`` and ``document_ids``).
-    """
-
-    def __init__(
-        self,
-        items: list[dict[str, Any]],
-        *,
-        num_skipped: int = 0,
-        num_truncated: int = 0,
-        num_dropped: int = 0,
-        packed: bool = False,
-    ) -> None:
-        """Hold ``items``; the counts describe how they were made."""
-        self._items = items
-        self.num_skipped = num_skipped
-        self.num_truncated = num_truncated
-        self.num_dropped = num_dropped
-        self.packed = packed
-
-    def __len__(self) -> int:
-        """Number of items (packs when packed)."""
-        return len(self._items)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        """Return item ``index``."""
-        return self._items[index]
 
 
 def to_sample(tokens: list[int], mask: list[bool], max_seq_len: int | None) -> tuple[dict, bool]:
@@ -120,22 +88,6 @@ def tokenize_turns(
         raise _rows.BadRow(column, str(error)) from None
 
 
-def _finish(
-    tokenizer: Tokenizer,
-    samples_and_cuts: list[tuple[dict, bool]],
-    num_skipped: int,
-    max_seq_len: int | None,
-    packed: bool,
-) -> TokenizedDataset:
-    samples = [sample for sample, _ in samples_and_cuts]
-    num_truncated = sum(cut for _, cut in samples_and_cuts)
-    if packed:
-        samples = pack_samples(samples, max_seq_len, tokenizer.pad_id, IGNORE_INDEX)
-    return TokenizedDataset(
-        samples, num_skipped=num_skipped, num_truncated=num_truncated, packed=packed
-    )
-
-
 def _check_lengths(tokenizer: Tokenizer, max_seq_len: int | None, packed: bool) -> int | None:
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is not None and max_seq_len < 1:
@@ -145,8 +97,84 @@ def _check_lengths(tokenizer: Tokenizer, max_seq_len: int | None, packed: bool) 
     return max_seq_len
 
 
+def _record(tokens: list[int], mask: list[bool], max_seq_len: int | None) -> dict[str, Any]:
+    sample, cut = to_sample(tokens, mask, max_seq_len)
+    return {**sample, "truncated": cut}
+
+
+@dataclass
+class _Render:
+    """How a builder turns ``(role, content)`` turns into samples."""
+
+    tokenizer: Tokenizer
+    template: Template | ChatTemplate
+    template_kwargs: Mapping[str, Any] | None
+    train_on_input: bool
+    max_seq_len: int | None
+
+    def samples(self, pairs: list[tuple[str, str]], column: str) -> list[dict[str, Any]]:
+        turns = tokenize_turns(
+            self.tokenizer,
+            self.template,
+            pairs,
+            train_on_input=self.train_on_input,
+            template_kwargs=self.template_kwargs,
+            column=column,
+        )
+        return [_record(tokens, mask, self.max_seq_len) for tokens, mask in turns]
+
+
+@dataclass
+class InstructRows:
+    """Row function of ``instruct_dataset``: an alpaca row as a user and an assistant turn."""
+
+    render: _Render
+    columns: dict[str, str]
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """Samples of one row; raises ``BadRow``."""
+        instruction = _rows.read_text(row, self.columns["instruction"])
+        given = _rows.read_text(row, self.columns["input"], optional=True)
+        output = _rows.read_text(row, self.columns["output"])
+        user = self.render.template.join_instruction(instruction, given)
+        return self.render.samples([("user", user), ("assistant", output)], "(whole row)")
+
+
+@dataclass
+class ChatRows:
+    """Row function of ``chat_dataset``: one conversation."""
+
+    render: _Render
+    column: str
+    style: str
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """Samples of one row; raises ``BadRow``."""
+        pairs = _rows.read_messages(row.get(self.column), self.column, self.style)
+        _rows.check_answer(pairs, self.column)
+        return self.render.samples(pairs, self.column)
+
+
+@dataclass
+class TextRows:
+    """Row function of ``text_dataset``: BOS + text + EOS, every token but the first trained."""
+
+    tokenizer: Tokenizer
+    column: str
+    max_seq_len: int | None
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """Samples of one row; raises ``BadRow``."""
+        text = _rows.read_text(row, self.column)
+        tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)
+        # The first token is never a target (nothing before it in its document predicts it);
+        # masking it keeps packed documents from predicting each other through the shift.
+        mask = [i == 0 for i in range(len(tokens))]
+        return [_record(tokens, mask, self.max_seq_len)]
+
+
 def instruct_dataset(
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None = None,
     *,
     source: str,
     data_files: Any = None,
@@ -158,8 +186,10 @@ def instruct_dataset(
     max_seq_len: int | None = None,
     packed: bool = False,
     skip_malformed: bool = False,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset:
+) -> TokenizedDataset | DatasetSpec:
     """Instruction rows (alpaca ``instruction`` / ``input`` / ``output``) as SFT samples.
 
     Each row becomes a user message (the instruction, plus the input when non-empty) and an
@@ -167,9 +197,11 @@ def instruct_dataset(
     ``template: auto``, its own chat template.
 
     Args:
-        tokenizer: The tokenizer (passed by the recipe).
+        tokenizer: The tokenizer (passed by the recipe). None: return a ``DatasetSpec`` for
+            ``mix_dataset`` to build.
         source: ``json`` / ``parquet`` / ``text`` / ``csv`` with ``data_files``, a local file
-            path (its suffix decides), a local folder, or a hub dataset id.
+            path (its suffix decides: ``.json``, ``.jsonl``, ``.parquet``, ``.txt``, ``.csv``,
+            ``.arrow``), a local folder, or a hub dataset id.
         data_files: File path(s) for a loader ``source``.
         split: Split to read.
         column_map: Our column name to the file's, e.g. ``{"output": "response"}``; keys among
@@ -183,6 +215,10 @@ def instruct_dataset(
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        num_proc: Processes that tokenize, on local rank 0 only (default ``min(8, cpu
+            count)``; small sources use fewer).
+        cache_dir: Where tokenized datasets are cached (default: ``tunelab/`` in the
+            ``datasets`` cache).
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -191,9 +227,11 @@ def instruct_dataset(
     Raises:
         ConfigError: For an unknown template or column_map key, packing without a length, or
             ``auto`` with a tokenizer that has no chat template.
-        DataError: For a missing file or column, or a malformed row (file, 0-based row, column),
-            including a row the chat template refuses.
+        DataError: For a missing file or column, or a malformed row (file, line, 0-based row,
+            column), including a row the chat template refuses.
     """
+    if tokenizer is None:
+        return DatasetSpec.capture(instruct_dataset, locals())
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
     chosen = resolve_template(tokenizer, template, template_kwargs)
     columns = _rows.resolve_columns(
@@ -201,45 +239,51 @@ def instruct_dataset(
         column_map,
         "instruct_dataset",
     )
-    sources = load_sources(source, data_files, split, **load_dataset_kwargs)
-    _rows.require_columns(sources, [columns["instruction"], columns["output"]])
+    render = _Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
 
-    def make(row: dict[str, Any]) -> list[tuple[dict, bool]]:
-        instruction = _rows.read_text(row, columns["instruction"])
-        given = _rows.read_text(row, columns["input"], optional=True)
-        output = _rows.read_text(row, columns["output"])
-        pairs = [("user", chosen.join_instruction(instruction, given)), ("assistant", output)]
-        turns = tokenize_turns(
-            tokenizer,
-            chosen,
-            pairs,
-            train_on_input=train_on_input,
-            template_kwargs=template_kwargs,
-            column="(whole row)",
-        )
-        return [to_sample(tokens, mask, max_seq_len) for tokens, mask in turns]
+    def rows_for(name: str, present: list[str]) -> InstructRows:
+        _rows.require_columns(name, present, [columns["instruction"], columns["output"]])
+        return InstructRows(render, columns)
 
-    rows, num_skipped = _rows.build_samples(sources, make, skip_malformed)
-    samples = [sample for row_samples in rows for sample in row_samples]
-    return _finish(tokenizer, samples, num_skipped, max_seq_len, packed)
+    settings = dict(
+        template=template,
+        template_kwargs=template_kwargs,
+        train_on_input=train_on_input,
+        max_seq_len=max_seq_len,
+        columns=columns,
+    )
+    return build_tokenized(
+        tokenizer,
+        builder="instruct_dataset",
+        settings=settings,
+        rows_for=rows_for,
+        sources=resolve_sources(source, data_files, split, **load_dataset_kwargs),
+        skip_malformed=skip_malformed,
+        packed=packed,
+        max_seq_len=max_seq_len,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+    )
 
 
 def chat_dataset(
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None = None,
     *,
     source: str,
     data_files: Any = None,
     split: str = "train",
-    conversation_column: str = "messages",
-    conversation_style: str = "openai",
+    conversation_column: str | None = None,
+    conversation_style: str = "auto",
     template: str = "auto",
     template_kwargs: dict[str, Any] | None = None,
     train_on_input: bool = False,
     max_seq_len: int | None = None,
     packed: bool = False,
     skip_malformed: bool = False,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset:
+) -> TokenizedDataset | DatasetSpec:
     """Conversations as SFT samples; by default only assistant turns are trained.
 
     With ``template: auto`` (the default) each conversation is rendered with the tokenizer's
@@ -247,14 +291,22 @@ def chat_dataset(
     template that re-renders earlier turns once later ones exist gives one sample per
     assistant turn (see ``tunelab.data.chat``).
 
+    The layout is found from the columns: OpenAI ``messages`` (a list of ``{"role",
+    "content"}``), else ShareGPT ``conversations`` (a list of ``{"from", "value"}`` with
+    ``human`` / ``gpt`` / ``system``).
+
     Args:
-        tokenizer: The tokenizer (passed by the recipe).
+        tokenizer: The tokenizer (passed by the recipe). None: return a ``DatasetSpec`` for
+            ``mix_dataset`` to build.
         source: As for ``instruct_dataset``.
         data_files: File path(s) for a loader ``source``.
         split: Split to read.
-        conversation_column: The column holding each conversation (a list of messages).
-        conversation_style: ``openai`` (``{"role", "content"}``; system/user/assistant) or
-            ``sharegpt`` (``{"from", "value"}``; system/human/gpt).
+        conversation_column: The column holding each conversation (a list of messages);
+            None: ``messages``, else ``conversations``, whichever the source has.
+        conversation_style: ``auto`` (per conversation: ShareGPT when its messages have
+            ``from`` / ``value`` and no ``role`` / ``content``, else OpenAI), ``openai``
+            (``{"role", "content"}``; system/user/assistant) or ``sharegpt`` (``{"from",
+            "value"}``; system/human/gpt).
         template: ``auto`` (the tokenizer's chat template), or for a base model ``chatml``,
             ``llama3``, ``instruct`` or ``alpaca``.
         template_kwargs: Extra variables for the chat template (``auto`` only), e.g.
@@ -264,6 +316,8 @@ def chat_dataset(
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        num_proc: As for ``instruct_dataset``.
+        cache_dir: As for ``instruct_dataset``.
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -272,40 +326,47 @@ def chat_dataset(
     Raises:
         ConfigError: For an unknown template or style, packing without a length, or ``auto``
             with a tokenizer that has no chat template.
-        DataError: For a missing file or column, or a malformed row (file, 0-based row, column),
-            including a conversation the chat template refuses.
+        DataError: For a missing file or column, or a malformed row (file, line, 0-based row,
+            column), including a conversation the chat template refuses.
     """
-    if conversation_style not in ("openai", "sharegpt"):
+    if tokenizer is None:
+        return DatasetSpec.capture(chat_dataset, locals())
+    if conversation_style not in _rows.STYLES:
         raise ConfigError(
-            f"conversation_style must be 'openai' or 'sharegpt', got {conversation_style!r}"
+            f"conversation_style must be 'auto', 'openai' or 'sharegpt', got {conversation_style!r}"
         )
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
     chosen = resolve_template(tokenizer, template, template_kwargs)
-    sources = load_sources(source, data_files, split, **load_dataset_kwargs)
-    _rows.require_columns(sources, [conversation_column])
+    render = _Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
 
-    def make(row: dict[str, Any]) -> list[tuple[dict, bool]]:
-        pairs = _rows.read_messages(
-            row.get(conversation_column), conversation_column, conversation_style
-        )
-        _rows.check_answer(pairs, conversation_column)
-        turns = tokenize_turns(
-            tokenizer,
-            chosen,
-            pairs,
-            train_on_input=train_on_input,
-            template_kwargs=template_kwargs,
-            column=conversation_column,
-        )
-        return [to_sample(tokens, mask, max_seq_len) for tokens, mask in turns]
+    def rows_for(name: str, present: list[str]) -> ChatRows:
+        column = _rows.conversation_column_of(name, present, conversation_column)
+        return ChatRows(render, column, conversation_style)
 
-    rows, num_skipped = _rows.build_samples(sources, make, skip_malformed)
-    samples = [sample for row_samples in rows for sample in row_samples]
-    return _finish(tokenizer, samples, num_skipped, max_seq_len, packed)
+    settings = dict(
+        template=template,
+        template_kwargs=template_kwargs,
+        train_on_input=train_on_input,
+        max_seq_len=max_seq_len,
+        conversation_column=conversation_column,
+        conversation_style=conversation_style,
+    )
+    return build_tokenized(
+        tokenizer,
+        builder="chat_dataset",
+        settings=settings,
+        rows_for=rows_for,
+        sources=resolve_sources(source, data_files, split, **load_dataset_kwargs),
+        skip_malformed=skip_malformed,
+        packed=packed,
+        max_seq_len=max_seq_len,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+    )
 
 
 def text_dataset(
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None = None,
     *,
     source: str,
     data_files: Any = None,
@@ -314,12 +375,15 @@ def text_dataset(
     max_seq_len: int | None = None,
     packed: bool = False,
     skip_malformed: bool = False,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset:
+) -> TokenizedDataset | DatasetSpec:
     """Plain text (continued pre-training): every token trained, each row BOS + text + EOS.
 
     Args:
-        tokenizer: The tokenizer (passed by the recipe).
+        tokenizer: The tokenizer (passed by the recipe). None: return a ``DatasetSpec`` for
+            ``mix_dataset`` to build.
         source: As for ``instruct_dataset``; ``text`` files give one row per line.
         data_files: File path(s) for a loader ``source``.
         split: Split to read.
@@ -327,6 +391,8 @@ def text_dataset(
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed (e.g. empty) rows instead of raising.
+        num_proc: As for ``instruct_dataset``.
+        cache_dir: As for ``instruct_dataset``.
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -336,16 +402,23 @@ def text_dataset(
         ConfigError: If packing without a length.
         DataError: For a missing file or column, or a malformed row.
     """
+    if tokenizer is None:
+        return DatasetSpec.capture(text_dataset, locals())
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
-    sources = load_sources(source, data_files, split, **load_dataset_kwargs)
-    _rows.require_columns(sources, [column])
 
-    def make(row: dict[str, Any]) -> tuple[dict, bool]:
-        tokens = tokenizer.encode(_rows.read_text(row, column), add_bos=True, add_eos=True)
-        # The first token is never a target (nothing before it in its document predicts it);
-        # masking it keeps packed documents from predicting each other through the shift.
-        mask = [i == 0 for i in range(len(tokens))]
-        return to_sample(tokens, mask, max_seq_len)
+    def rows_for(name: str, present: list[str]) -> TextRows:
+        _rows.require_columns(name, present, [column])
+        return TextRows(tokenizer, column, max_seq_len)
 
-    samples, num_skipped = _rows.build_samples(sources, make, skip_malformed)
-    return _finish(tokenizer, samples, num_skipped, max_seq_len, packed)
+    return build_tokenized(
+        tokenizer,
+        builder="text_dataset",
+        settings=dict(column=column, max_seq_len=max_seq_len),
+        rows_for=rows_for,
+        sources=resolve_sources(source, data_files, split, **load_dataset_kwargs),
+        skip_malformed=skip_malformed,
+        packed=packed,
+        max_seq_len=max_seq_len,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+    )

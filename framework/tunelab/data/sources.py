@@ -1,22 +1,35 @@
-"""Load dataset rows from local json / jsonl / parquet / text / csv files or the Hugging Face hub.
+"""Where dataset rows come from: local json / jsonl / parquet / text / csv / arrow files, or the hub.
 
-Local files are loaded one at a time so that an error can name the file a bad row came from.
-Parquet, text, csv, folders and the hub go through the ``datasets`` library. Local JSON and
-JSON Lines are parsed with the ``json`` module instead: when a column mixes types, ``datasets``
-stores it as a ``Json`` feature that decodes the string ``"42"`` to the integer ``42``
-(measured with datasets 5.2), which would turn a valid row into a malformed one. Parsing them
-directly keeps every value exactly as written and lets a broken line be reported as a row.
+A ``Source`` is one file (or one hub split). Resolving sources is cheap and happens on every
+rank (a missing file is an error everywhere at once); reading them is for the process that
+tokenizes (see ``tunelab.data._cache``), which turns each into an Arrow-backed
+``datasets.Dataset``:
+
+- Parquet, text, csv, folders and hub datasets go through ``datasets.load_dataset`` and its
+  cache. Arrow files (``.arrow``, the format of ``datasets``' own cache) are memory-mapped
+  where they lie with ``Dataset.from_file``.
+- Local JSON and JSON Lines are parsed with the ``json`` module instead. When a column mixes
+  types, ``datasets`` stores it as a ``Json`` feature that decodes the string ``"42"`` to the
+  integer ``42`` (measured with datasets 5.2), which would turn a valid row into a malformed
+  one. So each row is stored as its own JSON text in a string column (one explicit schema,
+  whatever the rows hold) and decoded again by the tokenizing function: values stay exactly
+  as written. A line that is not UTF-8 or not JSON is kept as a malformed row with its line
+  number, so errors name ``file:line``.
 """
 
+from __future__ import annotations
+
 import json
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tunelab.errors import DataError
 
-# Loader names of the ``datasets`` library that tunelab accepts as ``source``.
+# Loader names of the ``datasets`` library that tunelab accepts as ``source`` (the config
+# rules keep a copy; a unit test keeps them equal).
 _LOADERS = ("json", "parquet", "text", "csv")
 _SUFFIX_TO_LOADER = {
     ".json": "json",
@@ -26,26 +39,123 @@ _SUFFIX_TO_LOADER = {
     ".text": "text",
     ".csv": "csv",
 }
+# Not a loader: an Arrow file is memory-mapped in place rather than copied into the cache.
+ARROW_SUFFIX = ".arrow"
+# Columns of the table a JSON file is read into.
+JSON_TEXT, JSON_LINE, JSON_PROBLEM = "_json", "_line", "_problem"
+# Rows per Arrow record batch while reading JSON: bounds the reader's memory, not the file's.
+_BATCH_ROWS = 8192
 
 
 @dataclass
-class RowSource:
-    """Rows of one file (or one hub split), with the name errors use for it.
+class RawRows:
+    """A source's rows as an Arrow-backed dataset, ready to be tokenized.
 
     Attributes:
-        name: The file path, or ``repo_id[split]`` for a hub dataset.
-        rows: The rows, as dicts of column name to value.
-        columns: The column names.
+        dataset: The rows. For JSON files, the columns ``_json`` (the row's JSON text, or
+            None), ``_line`` (1-based line in the file, or None inside one JSON document) and
+            ``_problem`` (why the line is not a row, or None); otherwise the file's columns.
+        columns: The row columns: for JSON, every key found in any row, in order of first
+            appearance.
+        json_rows: Whether ``dataset`` holds JSON text to decode.
+        has_objects: Whether any row is an object; when none is (every line broken, say),
+            each row is malformed by itself and no column is looked for.
+    """
+
+    dataset: Any
+    columns: list[str]
+    json_rows: bool
+    has_objects: bool = True
+
+
+@dataclass
+class Source:
+    """One file or hub split of a dataset.
+
+    Attributes:
+        name: What errors call it: the file path, or ``repo_id[split]`` for a hub dataset.
+        kind: ``"json"`` (read with the ``json`` module), ``"loader"`` (a local file through
+            a ``datasets`` loader), ``"arrow"`` (an Arrow file, memory-mapped) or ``"hub"``
+            (a hub dataset id or a local folder, through ``datasets.load_dataset``).
+        loader: The ``datasets`` loader of a ``"loader"`` file; for ``"hub"`` the dataset
+            id or folder.
+        split: The split of a hub dataset or folder.
+        data_files: ``data_files`` for a hub dataset or folder.
+        kwargs: Extra ``datasets.load_dataset`` arguments (for JSON only ``field``).
     """
 
     name: str
-    rows: Any
-    columns: list[str]
+    kind: str
+    loader: str = ""
+    split: str = "train"
+    data_files: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    _loaded: Any = field(default=None, repr=False)
+
+    def fingerprint(self) -> str:
+        """What identifies these rows for the tokenized cache.
+
+        A local file by its resolved path, size and modification time (as ``datasets`` keys
+        its own caches), so the key costs no read; a hub dataset or folder by the fingerprint
+        ``datasets`` gives the loaded split (its cache files, hence its revision).
+
+        Raises:
+            DataError: If a hub dataset cannot be loaded.
+        """
+        if self.kind == "hub":
+            return f"hub:{self._load_hub()._fingerprint}"
+        stat = os.stat(self.name)
+        where = str(Path(self.name).resolve())
+        options = json.dumps(self.kwargs, sort_keys=True, default=str)
+        return f"{self.kind}:{self.loader}:{where}:{stat.st_size}:{stat.st_mtime_ns}:{options}"
+
+    def read(self, scratch: Path) -> RawRows:
+        """Read the rows (on the tokenizing process only).
+
+        Args:
+            scratch: Where a JSON source writes the Arrow file it is read into (a private
+                path the caller deletes once the rows are tokenized).
+
+        Raises:
+            DataError: If the file cannot be read in its format.
+        """
+        from datasets import Dataset  # imported lazily: slow to import, needed only here
+
+        if self.kind == "json":
+            columns, has_objects = _read_json(Path(self.name), self.kwargs.get("field"), scratch)
+            return RawRows(Dataset.from_file(str(scratch)), columns, True, has_objects)
+        if self.kind == "arrow":
+            try:
+                dataset = Dataset.from_file(self.name)
+            except Exception as error:  # pyarrow raises many types for one bad file
+                raise DataError(f"{self.name}: cannot read as an Arrow file ({error})") from error
+        elif self.kind == "loader":
+            try:
+                dataset = _quiet_load(
+                    self.loader, data_files=self.name, split="train", **self.kwargs
+                )
+            except Exception as error:  # pyarrow and datasets raise many types for one bad file
+                raise DataError(f"{self.name}: cannot read as {self.loader} ({error})") from error
+        else:
+            dataset = self._load_hub()
+        return RawRows(dataset, list(dataset.column_names), json_rows=False)
+
+    def _load_hub(self) -> Any:
+        if self._loaded is None:
+            try:
+                self._loaded = _quiet_load(
+                    self.loader, data_files=self.data_files, split=self.split, **self.kwargs
+                )
+            except Exception as error:  # offline, unknown repo, bad split: one message
+                raise DataError(
+                    f"cannot load dataset {self.loader!r} split {self.split!r}: {error}"
+                ) from error
+        return self._loaded
 
 
 def _quiet_load(*args: Any, **kwargs: Any) -> Any:
     """``datasets.load_dataset`` without its progress bars (they interleave across ranks)."""
-    import datasets  # imported lazily: it is slow to import and only datasets need it
+    import datasets
 
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
@@ -66,60 +176,27 @@ def _as_file_list(data_files: Any, split: str) -> list[str]:
     return [str(f) for f in data_files]
 
 
-@dataclass(frozen=True)
-class InvalidRow:
-    """A row that could not be parsed at all (e.g. a broken JSON line)."""
-
-    problem: str
-
-
-def _read_json(file: str, field: str | None) -> RowSource:
-    text = Path(file).read_text(encoding="utf-8")
-    rows: list[Any]
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        data = None  # not one JSON document: JSON Lines
-    if data is not None and not isinstance(data, (str, int, float)):
-        if field is not None:
-            if not isinstance(data, dict) or field not in data:
-                raise DataError(f"{file}: no top-level field {field!r}")
-            data = data[field]
-        rows = data if isinstance(data, list) else [data]
-    else:
-        rows = []
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                rows.append(InvalidRow(f"not valid JSON ({error.msg} at column {error.colno})"))
-    columns = list(dict.fromkeys(k for row in rows if isinstance(row, dict) for k in row))
-    return RowSource(file, rows, columns)
-
-
-def _load_file(loader: str, file: str, **kwargs: Any) -> RowSource:
+def _file_source(loader: str, file: str, kwargs: dict[str, Any]) -> Source:
     if not Path(file).is_file():
         raise DataError(f"data file not found: {file}")
     if loader == "json" and set(kwargs) <= {"field"}:
-        return _read_json(file, kwargs.get("field"))
-    try:
-        dataset = _quiet_load(loader, data_files=file, split="train", **kwargs)
-    except Exception as error:  # pyarrow and datasets raise many types for one bad file
-        raise DataError(f"{file}: cannot read as {loader} ({error})") from error
-    return RowSource(file, dataset, list(dataset.column_names))
+        return Source(file, "json", loader, kwargs=kwargs)
+    if loader == "arrow":
+        if kwargs:
+            raise DataError(f"{file}: an Arrow file takes no loader options ({', '.join(kwargs)})")
+        return Source(file, "arrow", loader)
+    return Source(file, "loader", loader, kwargs=kwargs)
 
 
-def load_sources(
+def resolve_sources(
     source: str, data_files: Any = None, split: str = "train", **load_dataset_kwargs: Any
-) -> list[RowSource]:
-    """Load the rows that a dataset builder reads.
+) -> list[Source]:
+    """The sources a dataset builder reads, checked to exist but not read.
 
     Args:
         source: ``"json"``, ``"parquet"``, ``"text"`` or ``"csv"`` with ``data_files``; a local
             file whose suffix decides the format (``.json``, ``.jsonl``, ``.parquet``,
-            ``.txt``, ``.csv``); a local folder; or a hub dataset id.
+            ``.txt``, ``.csv``, ``.arrow``); a local folder; or a hub dataset id.
         data_files: File path(s) for a loader ``source`` (a string, a list, or a dict of split
             name to paths).
         split: The split to read from a hub dataset or folder (or a key of ``data_files``).
@@ -127,34 +204,152 @@ def load_sources(
             ``revision``).
 
     Returns:
-        One ``RowSource`` per file, in order (a single one for the hub or a folder).
+        One ``Source`` per file, in order (a single one for the hub or a folder).
 
     Raises:
-        DataError: If a file is missing or unreadable, or the hub dataset cannot be loaded.
+        DataError: If a local file or folder is missing.
     """
     if source in _LOADERS:
         if data_files is None:
             raise DataError(f"source {source!r} needs data_files (the path of the file)")
         files = _as_file_list(data_files, split)
-        return [_load_file(source, file, **load_dataset_kwargs) for file in files]
+        return [_file_source(_loader_of(file, source), file, load_dataset_kwargs) for file in files]
     path = Path(source)
-    if path.suffix.lower() in _SUFFIX_TO_LOADER:
-        return [_load_file(_SUFFIX_TO_LOADER[path.suffix.lower()], source, **load_dataset_kwargs)]
+    suffix = path.suffix.lower()
+    if suffix in _SUFFIX_TO_LOADER or suffix == ARROW_SUFFIX:
+        return [_file_source(_loader_of(source, None), source, load_dataset_kwargs)]
     if path.is_dir():
         name = f"{source}[{split}]"
     elif source.startswith((".", "/", "~")):
         raise DataError(f"data source not found: {source}")
     else:
         name = f"{source} (hub)[{split}]"
+    return [Source(name, "hub", source, split, data_files, load_dataset_kwargs)]
+
+
+def _loader_of(file: str, loader: str | None) -> str:
+    """The loader of ``file``: its suffix's for an Arrow file, else the one given or implied."""
+    suffix = Path(file).suffix.lower()
+    if suffix == ARROW_SUFFIX:
+        return "arrow"
+    return loader or _SUFFIX_TO_LOADER[suffix]
+
+
+# -- JSON and JSON Lines ----------------------------------------------------------------------
+
+
+def _decode_line(raw: bytes, number: int) -> tuple[str | None, str | None]:
+    """``(text, None)`` for a UTF-8 line, ``(None, problem)`` otherwise."""
     try:
-        dataset = _quiet_load(source, data_files=data_files, split=split, **load_dataset_kwargs)
-    except Exception as error:  # offline, unknown repo, bad split: all one message to the user
-        raise DataError(f"cannot load dataset {source!r} split {split!r}: {error}") from error
-    return [RowSource(name, dataset, list(dataset.column_names))]
+        # A UTF-8 byte order mark may start a file; json.loads refuses it.
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8"), None
+    except UnicodeDecodeError as error:
+        return None, f"not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
 
 
-def iter_rows(sources: list[RowSource]) -> Iterator[tuple[RowSource, int, dict[str, Any]]]:
-    """Yield ``(source, row_index, row)``; the index is 0-based within its source."""
-    for source in sources:
-        for index, row in enumerate(source.rows):
-            yield source, index, row
+def _json_document(file: Path, field: str | None) -> list[Any] | None:
+    """The rows of a file holding one JSON document (an array, or an object), else None.
+
+    A file is one document when it parses whole to an array or object, as JSON Lines with two
+    or more rows never does. The whole file is parsed only when its first non-blank line is
+    not a complete JSON value by itself (a document spread over lines, or a broken line).
+
+    Raises:
+        DataError: If ``field`` is given and the document has no such top-level key.
+    """
+    with file.open("rb") as stream:
+        first = next((line for line in stream if line.strip()), None)
+        if first is None:
+            return None
+        rest_blank = all(not line.strip() for line in stream)  # stops at the next row
+    text, _ = _decode_line(first, 1)
+    try:
+        data = json.loads(text) if text is not None else None
+        if not rest_blank:
+            return None  # a complete first line and more rows: JSON Lines
+    except json.JSONDecodeError:
+        try:
+            data = json.loads(file.read_text(encoding="utf-8-sig"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+    if data is None or isinstance(data, (str, int, float)):
+        return None  # a scalar: one (malformed) JSON Lines row
+    if rest_blank and isinstance(data, dict) and field is None and text is not None:
+        return None  # one object on one line: JSON Lines of one row (errors name line 1)
+    if field is not None:
+        if not isinstance(data, dict) or field not in data:
+            raise DataError(f"{file}: no top-level field {field!r}")
+        data = data[field]
+    return data if isinstance(data, list) else [data]
+
+
+def _json_rows(file: Path, field: str | None) -> Iterator[tuple[str | None, int | None, Any]]:
+    """Yield ``(json_text, line, problem_or_row)`` for every row of a JSON or JSONL file."""
+    document = _json_document(file, field)
+    if document is not None:
+        for row in document:
+            yield json.dumps(row, ensure_ascii=False), None, row
+        return
+    with file.open("rb") as stream:
+        # Lines end at b"\n" only: a JSON string may hold U+2028 or a form feed unescaped,
+        # which str.splitlines would take for line ends.
+        for number, raw in enumerate(stream, start=1):
+            text, problem = _decode_line(raw, number)
+            if problem is not None:
+                yield None, number, problem
+                continue
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                yield None, number, f"not valid JSON ({error.msg} at column {error.colno})"
+                continue
+            yield text, number, row
+
+
+def _read_json(file: Path, field: str | None, target: Path) -> tuple[list[str], bool]:
+    """Write the rows of a JSON / JSON Lines file to an Arrow file; return its columns.
+
+    Args:
+        file: The file.
+        field: For a JSON document that is an object, the key holding the rows.
+        target: The Arrow (IPC stream) file to write, with the ``RawRows`` JSON schema.
+
+    Returns:
+        Every key of any row, in order of first appearance; whether any row is an object.
+
+    Raises:
+        DataError: If ``field`` names no top-level key, or the file cannot be read.
+    """
+    import pyarrow as pa
+
+    schema = pa.schema(
+        [(JSON_TEXT, pa.large_string()), (JSON_LINE, pa.int64()), (JSON_PROBLEM, pa.string())]
+    )
+    columns: dict[str, None] = {}
+    has_objects = False
+    texts: list[str | None] = []
+    lines: list[int | None] = []
+    problems: list[str | None] = []
+
+    def flush() -> None:
+        writer.write_batch(pa.record_batch([texts, lines, problems], schema=schema))
+        texts.clear(), lines.clear(), problems.clear()
+
+    try:
+        with pa.OSFile(str(target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for text, line, row in _json_rows(file, field):
+                texts.append(text)
+                lines.append(line)
+                problems.append(row if text is None else None)
+                if isinstance(row, dict) and text is not None:
+                    columns.update(dict.fromkeys(row))
+                    has_objects = True
+                if len(texts) >= _BATCH_ROWS:
+                    flush()
+            if texts:
+                flush()
+    except OSError as error:
+        raise DataError(f"{file}: cannot read ({error})") from error
+    return list(columns), has_objects

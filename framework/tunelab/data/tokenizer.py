@@ -7,6 +7,8 @@ added, which ids end a generation, and the model's chat template. Those come fro
 as ``transformers`` reads them.
 """
 
+import functools
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,9 @@ class Tokenizer:
         stop_ids: Ids that end a generation: EOS, end-of-turn tokens present in the vocabulary,
             and any ``eos_token_id`` of ``generation_config.json``.
         chat_template: The model's own chat template (``template: auto``), or None.
+        chat_template_overridden: Whether ``chat_template`` differs from the template the
+            tokenizer folder serves by default (``load_tokenizer``'s ``chat_template`` chose
+            another one); an export must then carry it (``extra_files``).
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class Tokenizer:
         source: str = "tokenizer.json",
         chat_template: ChatTemplate | None = None,
         no_chat_template_reason: str = "",
+        chat_template_overridden: bool = False,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``.
 
@@ -78,6 +84,7 @@ class Tokenizer:
             chat_template: The chat template ``template: auto`` renders with.
             no_chat_template_reason: Without a chat template, a sentence saying why (for the
                 error of ``template: auto``).
+            chat_template_overridden: ``chat_template`` is not the folder's default template.
 
         Raises:
             DataError: If a named special token is not in the vocabulary.
@@ -101,12 +108,48 @@ class Tokenizer:
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
         self.chat_template = chat_template
         self.no_chat_template_reason = no_chat_template_reason or f"{source} has no chat template"
+        self.chat_template_overridden = chat_template_overridden and chat_template is not None
 
     def _require(self, token: str, key: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
             raise DataError(f"{self._source}: {key} {token!r} is not in the vocabulary")
         return token_id
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of everything that decides the ids and labels built with this tokenizer.
+
+        The vocabulary, merges, normalizer and pre-tokenizer (the serialized
+        ``tokenizer.json``), the special-token ids, whether BOS is added, the stop ids (they end
+        trained turns) and the chat template with the special tokens it sees. Dataset caches
+        are keyed by it, so a changed tokenizer file never reuses another's tokens.
+        """
+        template = self.chat_template
+        state = {
+            "tokenizer_json": hashlib.sha256(self._tokenizer.to_str().encode()).hexdigest(),
+            "ids": [self.bos_id, self.eos_id, self.pad_id, self.add_bos_token, self.stop_ids],
+            "chat_template": None if template is None else [template.text, template.special_tokens],
+        }
+        text = json.dumps(state, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def extra_files(self) -> dict[str, bytes]:
+        """Files an export writes next to the base model's tokenizer files, by name.
+
+        When the chat template was chosen with ``load_tokenizer``'s ``chat_template`` (a
+        named template, a ``.jinja`` file or template text) rather than being the folder's
+        default, the copied tokenizer files would serve the base model's template; the export
+        then also writes ``chat_template.jinja``, which ``transformers`` reads before
+        ``tokenizer_config.json``'s ``chat_template``, so the exported model is served with
+        the template it was trained on.
+
+        Returns:
+            ``{"chat_template.jinja": text}`` for an overridden template, else ``{}``.
+        """
+        if not self.chat_template_overridden:
+            return {}
+        return {"chat_template.jinja": self.chat_template.text.encode("utf-8")}
 
     @property
     def vocab_size(self) -> int:
@@ -256,9 +299,14 @@ def load_tokenizer(
         value = _token_text(config[key]) if key in config else _token_text(special_map.get(key))
         if value is not None:
             template_tokens[key] = value
+    found = find_chat_templates(folder, config)
     template, no_template_reason = select_chat_template(
-        find_chat_templates(folder, config), chat_template, template_tokens, folder
+        found, chat_template, template_tokens, folder
     )
+    # What the folder serves by default (transformers picks "default"); another choice must
+    # travel with exports.
+    default_text = found["default"][0] if "default" in found else None
+    overridden = template is not None and template.text != default_text
     generation = _read_json(folder / "generation_config.json")
     extra = generation.get("eos_token_id", [])
     extra_stop_ids = tuple(extra if isinstance(extra, list) else [extra])
@@ -273,4 +321,5 @@ def load_tokenizer(
         source=str(file),
         chat_template=template,
         no_chat_template_reason=no_template_reason,
+        chat_template_overridden=overridden,
     )

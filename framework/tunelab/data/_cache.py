@@ -1,0 +1,270 @@
+"""Tokenize once per machine, into the ``datasets`` cache; every rank memory-maps the result.
+
+On each machine, local rank 0 (the leader) computes a fingerprint of everything that decides
+the samples: the sources (a local file by path, size and modification time; a hub split by its
+``datasets`` fingerprint), the tokenizer (``Tokenizer.fingerprint``: its serialized
+``tokenizer.json``, special ids and chat template), the builder and every argument that
+changes the result, and the versions of the libraries that render and tokenize. If
+``{cache_root}/{fingerprint}/`` holds a finished table it is reused; otherwise the leader reads
+the rows and tokenizes them with ``Dataset.map`` in ``num_proc`` worker processes, into a
+private folder that is renamed into place once complete (so a crash, or a second machine
+sharing the cache folder, never sees a partial table).
+
+The other local ranks do no reading and no tokenizing: they wait in one collective on the
+default process group (an ``all_gather_object``, which is a barrier that also carries each
+leader's result: the cache folder, or its error, which every rank then raises alike). No rank
+polls files. Then every rank memory-maps the same Arrow files: the pages are shared through the
+page cache, and samples are read from them lazily.
+
+Without a process group every process is its own leader (the rename keeps concurrent builds
+of one fingerprint safe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tunelab import errors
+from tunelab.data._tokenize import RowFunction, TokenizeRows, features
+from tunelab.data.sources import Source
+from tunelab.data.tokenizer import Tokenizer
+from tunelab.errors import DataError, TunelabError
+
+logger = logging.getLogger(__name__)
+
+# Bump when the table's layout or the tokenizing code changes what a fingerprint stands for.
+CACHE_FORMAT = 1
+_MANIFEST = "tunelab_tokenized.json"
+# A worker process costs a fork and a pickled tokenizer: below this many rows per worker,
+# tokenizing in the leader itself is faster.
+MIN_ROWS_PER_WORKER = 5000
+
+
+def default_num_proc() -> int:
+    """``min(8, cpu count)``: the default number of tokenizing workers."""
+    return min(8, os.cpu_count() or 1)
+
+
+def cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    """``cache_dir``, or ``tunelab/`` under the ``datasets`` cache (``HF_DATASETS_CACHE``)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "tunelab"
+
+
+def _versions() -> dict[str, str]:
+    import jinja2
+    import tokenizers
+
+    return {"tokenizers": tokenizers.__version__, "jinja2": jinja2.__version__}
+
+
+def fingerprint(
+    builder: str, settings: dict[str, Any], tokenizer: Tokenizer, sources: list[Source]
+) -> str:
+    """The cache key of a tokenized dataset (see the module docstring)."""
+    state = {
+        "format": CACHE_FORMAT,
+        "builder": builder,
+        "settings": settings,
+        "tokenizer": tokenizer.fingerprint,
+        "sources": [source.fingerprint() for source in sources],
+        "versions": _versions(),
+    }
+    text = json.dumps(state, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def tokenized_table(
+    *,
+    builder: str,
+    kind: str,
+    settings: dict[str, Any],
+    tokenizer: Tokenizer,
+    sources: list[Source],
+    rows_for: Callable[[str, list[str]], RowFunction],
+    num_proc: int | None,
+    cache_dir: str | os.PathLike | None,
+) -> Any:
+    """The tokenized table of ``sources``, built once per machine and memory-mapped by all.
+
+    Every rank of the default process group calls this, in the same order.
+
+    Args:
+        builder: The builder's name (part of the fingerprint).
+        kind: ``sft`` or ``preference``.
+        settings: Every builder argument that changes the samples, JSON-able.
+        tokenizer: The tokenizer.
+        sources: The resolved sources.
+        rows_for: Called by the leader with a source's name and columns; returns the picklable
+            function that turns its rows into samples (raises ``DataError`` for a source
+            without the columns it needs).
+        num_proc: Tokenizing worker processes (None: ``min(8, cpu count)``).
+        cache_dir: Root of the cache (None: ``cache_root``'s default).
+
+    Returns:
+        A memory-mapped ``datasets.Dataset`` with the ``_tokenize.features(kind)`` columns.
+
+    Raises:
+        DataError: If a source cannot be read or has no usable layout (on every rank).
+        ConfigError: If ``num_proc`` is not positive.
+    """
+    if num_proc is not None and num_proc < 1:
+        raise errors.ConfigError(f"num_proc must be at least 1, got {num_proc}")
+    root = cache_root(cache_dir)
+    leader, node = _role()
+    failure: BaseException | None = None
+    result: tuple[str, ...] | None = None
+    if leader:
+        try:
+            key = fingerprint(builder, settings, tokenizer, sources)
+            target = root / key
+            if not (target / _MANIFEST).is_file():
+                workers = num_proc or default_num_proc()
+                _build(target, kind, sources, rows_for, workers)
+            result = ("ok", str(target))
+        except Exception as error:  # reported to the other ranks, then raised here
+            failure = error
+            result = ("error", *_describe(error))
+    result = _share(node, result)
+    if failure is not None:
+        raise failure
+    if result[0] == "error":
+        # The leader's own error, so that every rank stops with the same one line.
+        raise getattr(errors, result[1])(result[2])
+    return _open(Path(result[1]), kind)
+
+
+def _describe(error: Exception) -> tuple[str, str]:
+    """``(name of a tunelab.errors class, message)`` for the other ranks to raise."""
+    if isinstance(error, TunelabError):
+        for kind in type(error).__mro__:  # e.g. ChatTemplateError travels as a DataError
+            if getattr(errors, kind.__name__, None) is kind:
+                return kind.__name__, str(error)
+    return "DataError", (
+        f"local rank 0 failed to prepare the dataset: {type(error).__name__}: {error}"
+    )
+
+
+def _role() -> tuple[bool, str]:
+    """Whether this process tokenizes for its machine, and the machine's name."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True, ""
+    node = os.environ.get("GROUP_RANK") or socket.gethostname()
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0, node
+
+
+def _share(node: str, result: tuple[str, ...] | None) -> tuple[str, ...]:
+    """Every rank gets its machine leader's result (a collective: the ranks' barrier)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        assert result is not None, "without a group every process leads"
+        return result
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (node, result))
+    for other_node, other in everyone:
+        if other_node == node and other is not None:
+            return other
+    raise DataError(f"no local rank 0 on machine {node!r} prepared the dataset")
+
+
+def _build(
+    target: Path,
+    kind: str,
+    sources: list[Source],
+    rows_for: Callable[[str, list[str]], RowFunction],
+    num_proc: int,
+) -> None:
+    """Tokenize every source into a private folder, then rename it to ``target``."""
+    import datasets
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = target.parent / f".{target.name}.{socket.gethostname()}.{os.getpid()}.tmp"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # bars of several machines would interleave
+    try:
+        files: list[str] = []
+        for index, source in enumerate(sources):
+            scratch = work / f"raw-{index}.arrow"
+            raw = source.read(scratch)
+            if len(raw.dataset) == 0:
+                continue
+            # Without a single object row there is no layout to find: every row is
+            # malformed by itself, and the function is never called.
+            rows = rows_for(source.name, raw.columns) if raw.has_objects else _no_rows
+            workers = max(1, min(num_proc, len(raw.dataset) // MIN_ROWS_PER_WORKER))
+            logger.info(
+                "tokenizing %d rows of %s with %d process(es)",
+                len(raw.dataset),
+                source.name,
+                workers,
+            )
+            table = raw.dataset.map(
+                TokenizeRows(rows, kind, index, raw.json_rows),
+                batched=True,
+                with_indices=True,
+                remove_columns=raw.dataset.column_names,
+                features=features(kind),
+                num_proc=workers if workers > 1 else None,
+                cache_file_name=str(work / f"source-{index}.arrow"),
+                load_from_cache_file=False,
+                new_fingerprint=f"{target.name}-{index}",
+            )
+            files += [Path(entry["filename"]).name for entry in table.cache_files]
+            del raw, table
+            scratch.unlink(missing_ok=True)
+        manifest = {"format": CACHE_FORMAT, "kind": kind, "files": files}
+        (work / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _publish(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if enabled:
+            datasets.enable_progress_bars()
+
+
+def _no_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    raise AssertionError("a source without object rows has no row function")
+
+
+def _publish(work: Path, target: Path) -> None:
+    """Rename ``work`` to ``target``; another process's finished ``target`` wins."""
+    try:
+        os.rename(work, target)
+    except OSError:
+        if (target / _MANIFEST).is_file():
+            return  # another machine (or run) finished the same table first
+        # A leftover without a manifest was never finished: replace it.
+        stale = target.parent / f".{target.name}.stale-{uuid.uuid4().hex[:8]}"
+        os.rename(target, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(work, target)
+
+
+def _open(folder: Path, kind: str) -> Any:
+    """Memory-map the table in ``folder``."""
+    from datasets import Dataset, concatenate_datasets
+
+    try:
+        manifest = json.loads((folder / _MANIFEST).read_text())
+        parts = [Dataset.from_file(str(folder / name)) for name in manifest["files"]]
+    except (OSError, ValueError, KeyError) as error:
+        raise DataError(
+            f"tokenized dataset cache {folder} is unreadable ({error}); delete the folder"
+        ) from error
+    if not parts:
+        return Dataset.from_dict({name: [] for name in features(kind)}, features=features(kind))
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)

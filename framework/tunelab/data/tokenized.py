@@ -1,0 +1,222 @@
+"""``TokenizedDataset``: samples read lazily from a memory-mapped, tokenized Arrow table.
+
+The table (``tunelab.data._cache``) holds one row per sample and one per malformed source row.
+Opening it decides what a run uses: the first malformed row is raised (or, with
+``skip_malformed``, every one is counted and skipped), preference pairs left without a trained
+token are dropped, and packs are laid out. What the dataset keeps in memory is a few integers
+per sample (the rows it uses, and where each pack starts), never the token lists: an item is
+read from the table when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from tunelab.data._cache import tokenized_table
+from tunelab.data._tokenize import SAMPLE_COLUMNS, RowFunction
+from tunelab.data.packing import pack_samples
+from tunelab.data.sources import Source
+from tunelab.data.tokenizer import Tokenizer
+from tunelab.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+def _flags(table: Any, column: str) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    values = table.data.column(column)
+    if column == "problem":
+        values = pc.is_valid(values)
+    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def pack_starts(lengths: np.ndarray, max_seq_len: int) -> np.ndarray:
+    """Where each pack starts, greedily in order (``pack_samples``' rule), plus the end.
+
+    Args:
+        lengths: Token count of every sample, each in ``[1, max_seq_len]``.
+        max_seq_len: Length of a pack.
+
+    Returns:
+        ``starts`` with ``starts[p]:starts[p + 1]`` the samples of pack ``p``.
+    """
+    starts = [0]
+    used = 0
+    for index, length in enumerate(lengths.tolist()):
+        if used + length > max_seq_len:
+            starts.append(index)
+            used = 0
+        used += length
+    if len(lengths):
+        starts.append(len(lengths))
+    return np.asarray(starts, dtype=np.int64)
+
+
+class TokenizedDataset(Dataset):
+    """A map-style dataset of tokenized items, read lazily from an Arrow table.
+
+    Items are ``{"tokens", "labels"}`` (SFT; packs add ``input_pos`` and ``document_ids``) or
+    ``{"chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"}`` (preference).
+
+    Attributes:
+        num_skipped: Malformed rows skipped (``skip_malformed=True``); the recipe logs it.
+        num_truncated: Samples (or preference pairs) cut to ``max_seq_len``.
+        num_dropped: Preference pairs dropped because truncation left no completion token.
+        packed: Whether items are packs (with ``input_pos`` and ``document_ids``).
+        kind: ``sft`` or ``preference``.
+    """
+
+    def __init__(
+        self,
+        table: Any,
+        *,
+        kind: str,
+        source_names: list[str],
+        skip_malformed: bool,
+        packed: bool = False,
+        max_seq_len: int | None = None,
+        pad_id: int = 0,
+        describe: str = "",
+    ) -> None:
+        """Open a tokenized table.
+
+        Args:
+            table: The ``datasets.Dataset`` of ``_cache.tokenized_table``.
+            kind: ``sft`` or ``preference``.
+            source_names: The sources' names, by the table's ``source`` index (for errors).
+            skip_malformed: Skip malformed rows instead of raising on the first.
+            packed: Pack samples into ``max_seq_len`` sequences.
+            max_seq_len: Pack length (and, for messages, the cut used when tokenizing).
+            pad_id: Token id of a pack's padded tail.
+            describe: What a preference error calls the dataset (its ``source`` argument).
+
+        Raises:
+            DataError: For the first malformed row (file, line, 0-based row, column) unless
+                skipping; when no row is usable; when no preference pair keeps a completion.
+        """
+        self.kind = kind
+        self.packed = packed
+        self._max_seq_len = max_seq_len
+        self._pad_id = pad_id
+        malformed = _flags(table, "problem")
+        if malformed.any() and not skip_malformed:
+            raise DataError(_malformed_message(table, int(np.argmax(malformed)), source_names))
+        self.num_skipped = int(malformed.sum())
+        usable = ~malformed
+        if not usable.any():
+            raise DataError(
+                f"{', '.join(source_names)}: no usable rows ({self.num_skipped} malformed rows "
+                "skipped)"
+            )
+        self.num_truncated = int((usable & _flags(table, "truncated")).sum())
+        kept = usable & _flags(table, "completion")
+        self.num_dropped = int(usable.sum() - kept.sum())
+        if not kept.any():
+            raise DataError(
+                f"{describe}: max_seq_len={max_seq_len} leaves no completion token in any pair; "
+                "raise max_seq_len"
+            )
+        # Row numbers of the samples used; None when that is every row (no copy at all).
+        self._rows = None if kept.all() else np.flatnonzero(kept)
+        self._table = table.select_columns(list(SAMPLE_COLUMNS[kind]))
+        self._starts = None
+        if packed:
+            import pyarrow.compute as pc
+
+            lengths = pc.list_value_length(table.data.column("tokens")).to_numpy()
+            self._starts = pack_starts(
+                lengths if self._rows is None else lengths[self._rows], max_seq_len
+            )
+
+    def __len__(self) -> int:
+        """Number of items (packs when packed)."""
+        if self._starts is not None:
+            return len(self._starts) - 1
+        return len(self._table) if self._rows is None else len(self._rows)
+
+    def _sample(self, position: int) -> dict[str, list[int]]:
+        row = position if self._rows is None else int(self._rows[position])
+        return self._table[row]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Return item ``index``, read from the table."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} items")
+        index %= len(self)
+        if self._starts is None:
+            return self._sample(index)
+        start, end = int(self._starts[index]), int(self._starts[index + 1])
+        samples = [self._sample(position) for position in range(start, end)]
+        (pack,) = pack_samples(samples, self._max_seq_len, self._pad_id, IGNORE_INDEX)
+        return pack
+
+
+def _malformed_message(table: Any, row: int, source_names: list[str]) -> str:
+    record = table[row]
+    name = source_names[record["source"]]
+    where = f"{name}:{record['line']}" if record["line"] is not None else name
+    return (
+        f"{where}: row {record['row']} (0-based), column {record['column']!r}: "
+        f"{record['problem']} (set skip_malformed: true to skip such rows)"
+    )
+
+
+def build_tokenized(
+    tokenizer: Tokenizer,
+    *,
+    builder: str,
+    settings: dict[str, Any],
+    rows_for: Callable[[str, list[str]], RowFunction],
+    sources: list[Source],
+    skip_malformed: bool,
+    kind: str = "sft",
+    packed: bool = False,
+    max_seq_len: int | None = None,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
+    describe: str = "",
+) -> TokenizedDataset:
+    """Tokenize ``sources`` once per machine (``_cache.tokenized_table``) and open the table.
+
+    Args:
+        tokenizer: The tokenizer.
+        builder: The builder's name (part of the cache key).
+        settings: Every builder argument that changes the samples (part of the cache key).
+        rows_for: A source's name and columns to its row function.
+        sources: The resolved sources.
+        skip_malformed: Skip malformed rows instead of raising.
+        kind: ``sft`` or ``preference``.
+        packed: Pack samples into ``max_seq_len`` sequences.
+        max_seq_len: The samples' cut and pack length.
+        num_proc: Tokenizing processes on local rank 0.
+        cache_dir: Root of the tokenized cache.
+        describe: What a preference error calls the dataset.
+
+    Returns:
+        The dataset.
+    """
+    table = tokenized_table(
+        builder=builder,
+        kind=kind,
+        settings=settings,
+        tokenizer=tokenizer,
+        sources=sources,
+        rows_for=rows_for,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+    )
+    return TokenizedDataset(
+        table,
+        kind=kind,
+        source_names=[source.name for source in sources],
+        skip_malformed=skip_malformed,
+        packed=packed,
+        max_seq_len=max_seq_len,
+        pad_id=tokenizer.pad_id,
+        describe=describe,
+    )
