@@ -34,6 +34,8 @@ BENCHMARKS = {
                  ["--size-mb", "1100", "--repeats", "7"], ["--size-mb", "8", "--repeats", "1"]),
     "resume": ("bench_resume.py", True, [], ["--full"], _TINY),
     "checksum": ("bench_checksum.py", True, ["--repeats", "5"], ["--full"], _TINY),
+    "data": ("bench_data.py", False, ["--rows", "200000"], ["--rows", "200000"],
+             ["--rows", "2000"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"],
                  ["--dim", "64", "--wide-dim", "128", "--vocab-size", "512",
