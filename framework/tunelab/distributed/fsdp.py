@@ -1,13 +1,16 @@
 """FSDP2 wrapping and activation checkpointing.
 
 Each transformer block is sharded with ``fully_shard``, then the root, so parameters become
-``DTensor`` with ``Shard(0)`` placements. World size 1 skips FSDP entirely.
+``DTensor`` with ``Shard(0)`` placements. World size 1 skips FSDP, unless mixed precision asks
+for its bf16 casting.
 """
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from tunelab.errors import ConfigError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,13 +33,25 @@ def shard_model(
         reshard_after_forward: Free the unsharded parameters after each block's forward
             (less memory, one more all-gather in backward).
         mixed_precision: Compute in bf16 with fp32 gradient reduction (parameters stay
-            in their own dtype).
+            in their own dtype). FSDP2 does the casting, so one process is wrapped too, on a
+            mesh of one rank: its losses then follow those of N processes in bf16 (measured
+            on the tiny model: within 5e-7 at the first step, 3e-5 at the second).
 
     Returns:
-        The same module, sharded in place. Unchanged when the world size is 1.
+        The same module, sharded in place. Unchanged on one process without mixed precision.
+
+    Raises:
+        ConfigError: ``mixed_precision`` without a process group (a recipe started by hand,
+            not by ``tunelab run`` or torchrun).
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size == 1 and not mixed_precision:
         return model
+    if not dist.is_initialized():
+        raise ConfigError(
+            "mixed_precision: true needs a process group, since FSDP2 does the bf16 casting: "
+            "launch the recipe with `tunelab run` (or torchrun)"
+        )
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if mixed_precision
