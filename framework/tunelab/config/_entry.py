@@ -137,24 +137,44 @@ class _ProgressSafeHandler(logging.Handler):
         from tqdm import tqdm
 
         try:
-            level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+            level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
             tqdm.write(f"tunelab: {level}{record.getMessage()}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging must never break the run
             self.handleError(record)
 
 
+LOG_LEVEL_ENV = "TUNELAB_LOG_LEVEL"
+"""The library's log level on rank 0 (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``); default INFO.
+
+Other ranks log at that level too, but never below WARNING: N copies of each INFO line help
+nobody.
+"""
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def configure_logging() -> None:
     """Route the library's log records (``logging.getLogger(__name__)``) to stderr, once.
 
-    INFO and above on rank 0 (commits, clean-ups), WARNING and above elsewhere; each line is
-    ``tunelab: [level: ]message``, written between progress bar refreshes.
+    INFO and above on rank 0 (commits, clean-ups), WARNING and above elsewhere, unless
+    ``TUNELAB_LOG_LEVEL`` says otherwise; each line is ``tunelab: [level: ]message`` (no level
+    for INFO), written between progress bar refreshes.
     """
     logger = logging.getLogger("tunelab")
     if any(isinstance(handler, _ProgressSafeHandler) for handler in logger.handlers):
         return
     logger.addHandler(_ProgressSafeHandler())
-    logger.setLevel(logging.INFO if _rank() == "0" else logging.WARNING)
     logger.propagate = False
+    setting = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
+    level = getattr(logging, setting) if setting in _LEVELS else logging.INFO
+    logger.setLevel(level if _rank() == "0" else max(level, logging.WARNING))
+    if setting and setting not in _LEVELS:
+        logger.warning(
+            "%s=%s is not a log level (%s): using INFO",
+            LOG_LEVEL_ENV,
+            os.environ[LOG_LEVEL_ENV],
+            ", ".join(_LEVELS),
+        )
 
 
 def _close_progress_bars() -> None:
