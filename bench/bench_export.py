@@ -56,6 +56,9 @@ from tunelab._fs import fsync_path
 from tunelab.checkpoint import CheckpointClient, HFCheckpointReader, LoRASpec, copy_model_files
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
+from tunelab.peft._names import clean_fqn
+from tunelab.peft.apply import lora_modules
+from tunelab.peft.merge import merge_weight
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,18 +77,18 @@ def gather_merge_save(model, lora: LoRASpec, base: Path, out: Path) -> None:
     for key, value in model.state_dict().items():
         tensor = value.full_tensor() if isinstance(value, DTensor) else value.detach()
         if rank == 0:
-            full[peft.clean_fqn(key)] = tensor
+            full[clean_fqn(key)] = tensor
         del tensor  # the other ranks drop each gathered tensor at once
     if rank != 0:
         return
     adapter = {key: value for key, value in full.items() if ".lora_" in key}
     peft.save_peft_adapter(adapter, lora.peft_config(str(base)), out / "adapter")
     merged = {}
-    for name, module in peft.lora_modules(model).items():
-        owner = peft.clean_fqn(name)
+    for name, module in lora_modules(model).items():
+        owner = clean_fqn(name)
         weight = full[f"{owner}.weight"]
         lora_a, lora_b = full.pop(f"{owner}.lora_A.weight"), full.pop(f"{owner}.lora_B.weight")
-        merged[f"{owner}.weight"] = peft.merge_weight(weight, lora_a, lora_b, module.scale)
+        merged[f"{owner}.weight"] = merge_weight(weight, lora_a, lora_b, module.scale)
     full.update(merged)
     hf = model.state_dict_adapter.to_hf(full)
     fqn_to_file = HFCheckpointReader(base).fqn_to_file

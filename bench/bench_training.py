@@ -104,9 +104,14 @@ def worker(args: argparse.Namespace) -> None:
     from tunelab.config.recipe_args import LoRAArgs
     from tunelab.distributed import init_distributed
     from tunelab.losses import CrossEntropyLoss, DPOLoss
-    from tunelab.training import adamw
-    from tunelab.training.loop import forward, global_token_count, optimizer_step
-    from tunelab.training.preference import ReferenceModel, policy_forward
+    from tunelab.training import (
+        ReferenceModel,
+        adamw,
+        forward,
+        global_token_count,
+        optimizer_step,
+        policy_forward,
+    )
 
     info = init_distributed("cpu")
     torch.manual_seed(0)

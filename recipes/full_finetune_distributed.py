@@ -3,35 +3,42 @@
 Launch: ``tunelab run --nproc_per_node 2 full_finetune_distributed --config tiny/full``.
 Copy it to customise: ``tunelab cp full_finetune_distributed my_full.py``.
 
-Reads top to bottom: set-up, resume, the training loop, exports, clean-up.
+Reads top to bottom: set-up, resume, the training loop (each optimizer step: forward, loss and
+backward over its micro-batches, then clip and step, log, validate, export, save), clean-up.
 """
 
 import time
 
-from tunelab.config import instantiate, recipe_main
-from tunelab.config.recipe_args import FullFinetuneArgs
+import torch
+
+from tunelab.config import FullFinetuneArgs, instantiate, recipe_main
 from tunelab.data import padded_collate_sft
-from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
-from tunelab.lifecycle import Preemption, lock_output_dir
-from tunelab.training import ProgressBar, seed_everything
-from tunelab.training.loop import (
-    NonFiniteGuard,
-    evaluate,
-    optimizer_step,
-    peak_memory_gib,
-    sft_backward,
-    to_device,
+from tunelab.distributed import (
+    all_reduce_sum,
+    destroy_distributed,
+    init_distributed,
+    resolve_dtype,
 )
-from tunelab.training.session import (
+from tunelab.lifecycle import Preemption, lock_output_dir
+from tunelab.training import (
     MetricLoggers,
+    NonFiniteGuard,
+    ProgressBar,
     Schedule,
     build_checkpoint_client,
     build_data,
+    build_model,
     build_optimizer,
+    evaluate,
+    forward,
+    global_token_count,
+    optimizer_step,
+    peak_memory_gib,
     progress_record,
     resume,
+    seed_everything,
+    to_device,
 )
-from tunelab.training.setup import build_model
 
 ARGS = FullFinetuneArgs
 
@@ -84,7 +91,16 @@ def main(args: FullFinetuneArgs) -> None:
             micro_batches = [
                 to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
             ]
-            loss, num_tokens = sft_backward(model, loss_fn, micro_batches, dist_info.world_size)
+            # The step's loss: token losses summed over micro-batches and ranks, divided by their
+            # number of target tokens, so every token weighs the same at any world size.
+            num_tokens = global_token_count(micro_batches)
+            total_loss = torch.zeros((), dtype=torch.float64, device=device)
+            for batch in micro_batches:
+                loss_sum, _ = loss_fn(forward(model, batch), batch["labels"])
+                # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
+                (loss_sum * dist_info.world_size / num_tokens).backward()
+                total_loss += loss_sum.detach()
+            loss = (all_reduce_sum(total_loss) / num_tokens).item()
             metrics = optimizer_step(
                 optimizer,
                 trainable,
@@ -98,7 +114,7 @@ def main(args: FullFinetuneArgs) -> None:
             global_step += 1
             step_in_epoch += 1
 
-            tokens_per_second = num_tokens / (time.perf_counter() - start)
+            tokens_per_second = num_tokens.item() / (time.perf_counter() - start)
             progress.update(loss=loss, lr=metrics["lr"], tokens_per_second=tokens_per_second)
             if schedule.log(global_step):
                 metrics.update(

@@ -3,39 +3,50 @@
 Launch: ``tunelab run --nproc_per_node 2 lora_dpo_distributed --config tiny/lora_dpo``.
 Copy it to customise: ``tunelab cp lora_dpo_distributed my_dpo.py``.
 
-The reference model is the policy itself, never a second copy in memory: with a fresh
-adapter it is the base model (adapters disabled, a flag on the LoRA layers, so it works under
-FSDP2); when starting from an SFT adapter (``adapter_dir``) it is base + that adapter, frozen,
-swapped into the LoRA shards for the reference forwards (see
-``tunelab.training.preference.ReferenceModel``). The loss of a step is the mean over all its
-pairs, across micro-batches and ranks.
+The reference model is the policy itself, never a second copy in memory: inside
+``reference.active()`` it is the base model (adapters disabled, a flag on the LoRA layers, so it
+works under FSDP2), or, when starting from an SFT adapter (``adapter_dir``), base + that adapter,
+frozen, swapped into the LoRA shards and back (see ``tunelab.training.ReferenceModel``). The
+loss of a step is the mean over all its pairs, across micro-batches and ranks.
 
-Reads top to bottom: set-up, resume, the training loop, exports, clean-up.
+Reads top to bottom: set-up, resume, the training loop (each optimizer step: reference and
+policy forwards, loss and backward over its micro-batches, then clip and step, log, validate,
+export, save), clean-up.
 """
 
 import time
 
+import torch
+
 import tunelab.peft as peft
-from tunelab.config import instantiate, recipe_main
-from tunelab.config.recipe_args import LoRADPOArgs
+from tunelab import ConfigError
+from tunelab.config import LoRADPOArgs, instantiate, recipe_main
 from tunelab.data import padded_collate_dpo
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
-from tunelab.errors import ConfigError
 from tunelab.lifecycle import Preemption, lock_output_dir
-from tunelab.losses import PreferenceLoss
-from tunelab.training import ProgressBar, seed_everything
-from tunelab.training.loop import NonFiniteGuard, optimizer_step, peak_memory_gib, to_device
-from tunelab.training.preference import ReferenceModel, evaluate_preference, preference_backward
-from tunelab.training.session import (
+from tunelab.losses import PreferenceLoss, accumulate_metrics
+from tunelab.training import (
     MetricLoggers,
+    NonFiniteGuard,
+    ProgressBar,
+    ReferenceModel,
     Schedule,
     build_checkpoint_client,
     build_data,
+    build_model,
     build_optimizer,
+    evaluate_preference,
+    global_pair_count,
+    global_preference_metrics,
+    optimizer_step,
+    peak_memory_gib,
+    policy_forward,
+    preference_loss,
     progress_record,
     resume,
+    seed_everything,
+    to_device,
 )
-from tunelab.training.setup import build_model
 
 ARGS = LoRADPOArgs
 
@@ -61,8 +72,6 @@ def main(args: LoRADPOArgs) -> None:
         mixed_precision=args.mixed_precision,
         seed=args.seed,
     )
-    # Snapshot the SFT adapter before any training or resume changes it.
-    reference = ReferenceModel(model, freeze_current_adapter=args.adapter_dir is not None)
     data = build_data(args, tokenizer, padded_collate_dpo)
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
@@ -74,8 +83,13 @@ def main(args: LoRADPOArgs) -> None:
         )
     loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
     checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler)
-    # The SFT-adapter reference swaps adapter weights in place: never while a save stages them.
-    reference.before_swap = checkpoints.wait_for_staging
+    # Snapshots the SFT adapter, so before resume or training changes it. Swapping it in edits
+    # adapter weights in place: first wait for an async save staging them.
+    reference = ReferenceModel(
+        model,
+        freeze_current_adapter=args.adapter_dir is not None,
+        wait_for_staging=checkpoints.wait_for_staging,
+    )
     schedule = Schedule(args)
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
@@ -99,9 +113,20 @@ def main(args: LoRADPOArgs) -> None:
             micro_batches = [
                 to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
             ]
-            step_metrics, num_tokens = preference_backward(
-                model, loss_fn, reference, micro_batches, dist_info.world_size
-            )
+            # Reference log-probs first, for all micro-batches under one swap (SimPO needs none).
+            references = [None] * len(micro_batches)
+            if loss_fn.needs_reference:
+                with torch.no_grad(), reference.active():
+                    references = [policy_forward(model, batch) for batch in micro_batches]
+            # The step's loss: the mean over all its pairs, across micro-batches and ranks.
+            num_pairs = global_pair_count(micro_batches)
+            sums = None
+            for batch, ref in zip(micro_batches, references, strict=True):
+                losses, batch_sums = preference_loss(loss_fn, policy_forward(model, batch), ref)
+                # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
+                (losses.sum() * dist_info.world_size / num_pairs).backward()
+                sums = accumulate_metrics(sums, batch_sums)
+            step_metrics, num_tokens = global_preference_metrics(sums, num_pairs)
             metrics = optimizer_step(
                 optimizer,
                 trainable,

@@ -1,7 +1,19 @@
-"""tunelab: PyTorch-native fine-tuning for decoder LLMs."""
+"""tunelab: PyTorch-native fine-tuning for decoder LLMs.
 
-from tunelab.errors import TunelabError
+The public API is each package's ``__all__`` (``tunelab.config``, ``tunelab.training``, ...;
+see docs/api.md). This root module exports the error family and nothing that needs torch, so
+``import tunelab.config`` stays fast.
+"""
+
+from tunelab.errors import CheckpointError, ConfigError, DataError, TrainingError, TunelabError
 
 __version__ = "0.1.0"
 
-__all__ = ["TunelabError", "__version__"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "TrainingError",
+    "TunelabError",
+    "__version__",
+]

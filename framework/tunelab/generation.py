@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+__all__ = ["generate"]
+
 
 def sample_next(
     logits: torch.Tensor,

@@ -21,8 +21,7 @@ from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.errors import CheckpointError
 from tunelab.losses import CrossEntropyLoss
-from tunelab.training.loop import optimizer_step, sft_backward
-from tunelab.training.setup import build_model
+from tunelab.training import build_model, forward, global_token_count, optimizer_step
 
 MODE, BASE, OUT = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 LORA = LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
@@ -68,7 +67,9 @@ def train(model, optimizer, params, steps, rank, world_size):
         tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
         mine = tokens[rank::world_size]
         batch = {"tokens": mine, "labels": mine}
-        sft_backward(model, CrossEntropyLoss(), [batch], world_size)
+        # The recipes' step on one micro-batch: the mean token loss over all ranks.
+        loss_sum, _ = CrossEntropyLoss()(forward(model, batch), batch["labels"])
+        (loss_sum * world_size / global_token_count([batch])).backward()
         optimizer_step(optimizer, params, clip_grad_norm=None, lr_scheduler=None)
 
 

@@ -1,7 +1,8 @@
 """lora_dpo_distributed: the preference step on a tiny model, then the real recipe.
 
-The first tests run the step helpers of ``tunelab.training.preference`` in one process on a
-tiny random checkpoint (reference exactness, normalisation). The slow tests launch the real
+The first tests run the step's building blocks (``tunelab.training``: ``ReferenceModel``,
+``policy_forward``, ``preference_loss``, ...) in one process on a tiny random checkpoint,
+composed as the recipe composes them (reference exactness, normalisation). The slow tests launch the real
 ``tunelab run --nproc_per_node 2 lora_dpo_distributed --config tiny/lora_dpo`` and read
 ``<output_dir>/logs/metrics.jsonl``; the runs are module-scoped and shared between tests.
 """
@@ -18,12 +19,14 @@ import pytest
 import torch
 
 import tunelab.peft as peft
-from tunelab.losses import DPOLoss, SimPOLoss
+from tunelab.losses import DPOLoss, SimPOLoss, accumulate_metrics
 from tunelab.models import load_pretrained
-from tunelab.training.preference import (
+from tunelab.training import (
     ReferenceModel,
+    global_pair_count,
+    global_preference_metrics,
     policy_forward,
-    preference_backward,
+    preference_loss,
 )
 
 TUNELAB = Path(sys.executable).with_name("tunelab")
@@ -55,6 +58,20 @@ def _lora_model(checkpoint_dir: Path, *, random_b: bool) -> torch.nn.Module:
                 if "lora_B" in name:
                     param.normal_(0.0, 0.05)
     return model
+
+
+def _preference_step(model, loss_fn, reference, micro_batches, world_size):
+    """One step's forwards and backwards, as recipes/lora_dpo_distributed.py writes them."""
+    references = [None] * len(micro_batches)
+    if loss_fn.needs_reference:
+        references = reference.logps(micro_batches)
+    num_pairs = global_pair_count(micro_batches)
+    sums = None
+    for batch, ref in zip(micro_batches, references, strict=True):
+        losses, batch_sums = preference_loss(loss_fn, policy_forward(model, batch), ref)
+        (losses.sum() * world_size / num_pairs).backward()
+        sums = accumulate_metrics(sums, batch_sums)
+    return global_preference_metrics(sums, num_pairs)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +126,7 @@ def test_step_is_the_mean_over_pairs_and_starts_at_ln2(tiny_dir):
     loss_fn = DPOLoss(beta=0.1)
     model = _lora_model(tiny_dir, random_b=False)  # B = 0: policy == reference
     reference = ReferenceModel(model, freeze_current_adapter=False)
-    metrics, num_tokens = preference_backward(model, loss_fn, reference, [small, large], 1)
+    metrics, num_tokens = _preference_step(model, loss_fn, reference, [small, large], 1)
     grads = {n: p.grad.clone() for n, p in peft.get_adapter_params(model).items()}
 
     assert metrics["loss"] == pytest.approx(LN2, abs=1e-6)
@@ -144,7 +161,7 @@ def test_reference_free_loss_skips_the_reference(tiny_dir):
         def logps(self, *args, **kwargs):
             raise AssertionError("SimPO must not run the reference forward")
 
-    metrics, _ = preference_backward(
+    metrics, _ = _preference_step(
         model, loss_fn, NoReference(model, freeze_current_adapter=False), [batch], 1
     )
     with torch.no_grad():

@@ -14,13 +14,12 @@ from tunelab.peft import (
     adapter_config,
     adapter_state_dict,
     apply_lora,
-    from_peft_state_dict,
     load_peft_adapter,
     lora_kwargs_from_config,
     read_adapter_config,
     save_peft_adapter,
-    to_peft_state_dict,
 )
+from tunelab.peft.state import from_peft_state_dict, to_peft_state_dict
 
 
 class Attention(nn.Module):

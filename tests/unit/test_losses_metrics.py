@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tunelab.errors import TunelabError
-from tunelab.losses import COUNT_KEY, accumulate_metrics, preference_metrics, reduce_metrics
+from tunelab.losses import accumulate_metrics, preference_metrics, reduce_metrics
+from tunelab.losses.metrics import COUNT_KEY
 
 NAMES = {
     "rewards/chosen",

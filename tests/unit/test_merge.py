@@ -8,9 +8,9 @@ from tunelab.peft import (
     apply_lora,
     disable_adapter,
     get_adapter_params,
-    merge_weight,
     merged_state_dict,
 )
+from tunelab.peft.merge import merge_weight
 
 
 class Inner(nn.Module):

@@ -10,13 +10,12 @@ from tunelab.modules import (
     FeedForward,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
     causal_mask,
     document_causal_mask,
-    inverse_frequencies,
     padding_mask,
     positions_from_document_ids,
 )
+from tunelab.modules.rotary import apply_rotary, inverse_frequencies
 
 
 def test_rmsnorm_hand_values():

@@ -3,8 +3,7 @@
 Recipes and configs are found by scanning the built-in folders, never from a hand list.
 """
 
-from tunelab.cli._discovery import builtin_recipes, load_recipe_args, resolve_recipe
+from tunelab.cli._discovery import builtin_recipes, load_recipe_args
 from tunelab.cli.main import main
-from tunelab.config import recipe_main
 
-__all__ = ["builtin_recipes", "load_recipe_args", "main", "recipe_main", "resolve_recipe"]
+__all__ = ["builtin_recipes", "load_recipe_args", "main"]

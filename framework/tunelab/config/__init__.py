@@ -3,12 +3,14 @@
 A config is a YAML file (a built-in one by name, e.g. ``tiny/lora``, or any path). A recipe
 declares its settings as a ``RecipeArgs`` dataclass, with the values each allows on its type
 (``Annotated[int, Range(ge=1)]``, see ``constraints``); ``parse_args`` checks a config against
-it and ``instantiate`` builds the swappable parts (``_component_`` nodes).
+it and ``instantiate`` builds the swappable parts (``_component_`` nodes). The built-in
+recipes' settings (``LoRAFinetuneArgs``, ...) are exported here for copied recipes to use or
+subclass.
 
 Nothing here imports torch, so checking a config stays fast.
 """
 
-from tunelab.config._args import Component, ComponentSpec, RecipeArgs, component, field_docs
+from tunelab.config._args import Component, RecipeArgs, component, field_docs
 from tunelab.config._entry import parse_recipe_cli, recipe_main
 from tunelab.config._instantiate import import_component, instantiate
 from tunelab.config._load import apply_overrides, builtin_configs, load_config, resolve_config_path
@@ -25,13 +27,28 @@ from tunelab.config.constraints import (
     Range,
     TokenizerPath,
 )
+from tunelab.config.recipe_args import (
+    CheckpointArgs,
+    FinetuneArgs,
+    FullFinetuneArgs,
+    GenerateArgs,
+    LoRAArgs,
+    LoRADPOArgs,
+    LoRAFinetuneArgs,
+)
 
 __all__ = [
+    "CheckpointArgs",
     "Component",
-    "ComponentSpec",
     "Constraint",
     "ExistingPath",
+    "FinetuneArgs",
     "Finite",
+    "FullFinetuneArgs",
+    "GenerateArgs",
+    "LoRAArgs",
+    "LoRADPOArgs",
+    "LoRAFinetuneArgs",
     "ModelDir",
     "NonEmpty",
     "OneOf",

@@ -4,17 +4,11 @@ See docs/losses.md for the normalisation, the formulas and the metric names.
 """
 
 from tunelab.losses.cross_entropy import CrossEntropyLoss, token_count
-from tunelab.losses.metrics import (
-    COUNT_KEY,
-    accumulate_metrics,
-    preference_metrics,
-    reduce_metrics,
-)
+from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
 from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
 from tunelab.losses.sequence import sequence_logps
 
 __all__ = [
-    "COUNT_KEY",
     "CrossEntropyLoss",
     "DPOLoss",
     "HingeLoss",

@@ -10,7 +10,7 @@ from tunelab.modules.masks import (
     positions_from_document_ids,
 )
 from tunelab.modules.norm import RMSNorm
-from tunelab.modules.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from tunelab.modules.rotary import RotaryEmbedding
 
 __all__ = [
     "Attention",
@@ -18,10 +18,8 @@ __all__ = [
     "KVCache",
     "RMSNorm",
     "RotaryEmbedding",
-    "apply_rotary",
     "causal_mask",
     "document_causal_mask",
-    "inverse_frequencies",
     "padding_mask",
     "positions_from_document_ids",
 ]

@@ -1,5 +1,29 @@
-"""Optimizers, LR schedules, metric loggers, progress bar and RNG state."""
+"""Training: the building blocks recipes call, and the components configs name.
 
+A recipe (``recipes/*.py``) writes its training step out in full; these are the parts it
+calls, each with one job:
+
+- set-up: :func:`build_model` (meta build, LoRA, FSDP2, sharded load), :func:`build_data`,
+  :func:`build_optimizer`, :func:`build_checkpoint_client`, :func:`resume`;
+- the step: :func:`to_device`, :func:`forward`, :func:`global_token_count`,
+  :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
+- preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
+  :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
+- around the step: :class:`Schedule`, :func:`evaluate`, :func:`evaluate_preference`,
+  :class:`MetricLoggers`, :class:`ProgressBar`, :func:`peak_memory_gib`, :func:`progress_record`.
+
+Components for configs: ``adamw``, the LR schedules and the metric loggers.
+"""
+
+from tunelab.training.loop import (
+    NonFiniteGuard,
+    evaluate,
+    forward,
+    global_token_count,
+    optimizer_step,
+    peak_memory_gib,
+    to_device,
+)
 from tunelab.training.lr_schedules import constant_schedule_with_warmup, cosine_schedule_with_warmup
 from tunelab.training.metric_logging import (
     JsonlLogger,
@@ -9,20 +33,61 @@ from tunelab.training.metric_logging import (
     WandBLogger,
 )
 from tunelab.training.optim import adamw
+from tunelab.training.preference import (
+    PolicyOutput,
+    ReferenceModel,
+    evaluate_preference,
+    global_pair_count,
+    global_preference_metrics,
+    policy_forward,
+    preference_loss,
+)
 from tunelab.training.progress import ProgressBar
-from tunelab.training.rng import rng_state, seed_everything, set_rng_state
+from tunelab.training.rng import seed_everything
+from tunelab.training.session import (
+    MetricLoggers,
+    Schedule,
+    TrainingData,
+    build_checkpoint_client,
+    build_data,
+    build_optimizer,
+    progress_record,
+    resume,
+)
+from tunelab.training.setup import build_model
 
 __all__ = [
     "JsonlLogger",
     "MetricLogger",
+    "MetricLoggers",
+    "NonFiniteGuard",
+    "PolicyOutput",
     "ProgressBar",
+    "ReferenceModel",
+    "Schedule",
     "StdoutLogger",
     "TensorBoardLogger",
+    "TrainingData",
     "WandBLogger",
     "adamw",
+    "build_checkpoint_client",
+    "build_data",
+    "build_model",
+    "build_optimizer",
     "constant_schedule_with_warmup",
     "cosine_schedule_with_warmup",
-    "rng_state",
+    "evaluate",
+    "evaluate_preference",
+    "forward",
+    "global_pair_count",
+    "global_preference_metrics",
+    "global_token_count",
+    "optimizer_step",
+    "peak_memory_gib",
+    "policy_forward",
+    "preference_loss",
+    "progress_record",
+    "resume",
     "seed_everything",
-    "set_rng_state",
+    "to_device",
 ]

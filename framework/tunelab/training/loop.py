@@ -1,4 +1,9 @@
-"""Small pieces of the training step shared by the recipes."""
+"""Building blocks of a recipe's training step.
+
+The step itself (micro-batches, forward, loss, scaling, backward) is written out in each
+recipe; these are the pieces it calls: move a batch, run the model, count the step's target
+tokens, clip and step the optimizer behind the non-finite guard, validate, measure memory.
+"""
 
 import logging
 import math
@@ -81,31 +86,6 @@ def peak_memory_gib(device: torch.device) -> float:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     return max_rss / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def sft_backward(
-    model: nn.Module,
-    loss_fn: nn.Module,
-    micro_batches: list[dict[str, torch.Tensor]],
-    world_size: int,
-) -> tuple[float, float]:
-    """Forward and backward over one optimizer step's micro-batches.
-
-    The gradient is that of ``sum of token losses over all ranks and micro-batches / number
-    of target tokens over all ranks and micro-batches``.
-
-    Returns:
-        The step's global mean token loss and its global number of target tokens (the same
-        on every rank).
-    """
-    num_tokens = global_token_count(micro_batches)
-    total_loss = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
-    for batch in micro_batches:
-        loss_sum, _ = loss_fn(forward(model, batch), batch["labels"])
-        # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
-        (loss_sum * world_size / num_tokens).backward()
-        total_loss += loss_sum.detach()
-    return (all_reduce_sum(total_loss) / num_tokens).item(), num_tokens.item()
 
 
 class NonFiniteGuard:

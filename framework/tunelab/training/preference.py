@@ -1,15 +1,19 @@
-"""The preference (DPO-family) training step: policy and reference log-probs, loss, metrics.
+"""Building blocks of the preference (DPO-family) step: log-probs, reference, loss, metrics.
 
-One optimizer step over micro-batches collated by ``padded_collate_dpo`` (chosen rows first,
-then the rejected rows of the same pairs, in one ``[2 * pairs, seq]`` batch):
+The step itself is in ``recipes/lora_dpo_distributed.py``. Over the micro-batches of one
+optimizer step, collated by ``padded_collate_dpo`` (chosen rows first, then the rejected rows of
+the same pairs, in one ``[2 * pairs, seq]`` batch), it does:
 
-1. Reference log-probs of every micro-batch, under ``torch.no_grad()`` in eval mode, when the
-   loss needs them (``loss.needs_reference``; SimPO does not). See :class:`ReferenceModel`.
-2. One policy forward per micro-batch over chosen + rejected together, then the loss.
-3. The gradient is that of ``sum of per-pair losses over ranks and micro-batches / global
-   number of pairs``: every pair weighs the same whatever the micro-batching or world size.
-4. Metrics (loss and the TRL-named rewards/logps/logits means) are sums reduced once over
-   micro-batches and ranks (:func:`tunelab.losses.reduce_metrics`).
+1. Reference log-probs of every micro-batch, under ``torch.no_grad()`` inside
+   ``reference.active()`` (:class:`ReferenceModel`), when the loss needs them
+   (``loss.needs_reference``; SimPO does not).
+2. One policy forward per micro-batch over chosen + rejected together
+   (:func:`policy_forward`), then the per-pair losses (:func:`preference_loss`).
+3. Backward of ``sum of the micro-batch's pair losses * world_size / global number of pairs``
+   (:func:`global_pair_count`): the gradient of the mean over every pair of the step, whatever
+   the micro-batching or world size (FSDP2 averages gradients over ranks, hence the factor).
+4. Metrics (loss and the TRL-named rewards/logps/logits means) as sums reduced once over
+   micro-batches and ranks (:func:`global_preference_metrics`).
 """
 
 import contextlib
@@ -26,23 +30,14 @@ import tunelab.peft as peft
 from tunelab.distributed import all_reduce_sum
 from tunelab.errors import DataError
 from tunelab.losses import (
-    COUNT_KEY,
     PreferenceLoss,
     accumulate_metrics,
     preference_metrics,
     reduce_metrics,
     sequence_logps,
 )
+from tunelab.losses.metrics import COUNT_KEY
 from tunelab.training.loop import forward, to_device
-
-__all__ = [
-    "PolicyOutput",
-    "ReferenceModel",
-    "evaluate_preference",
-    "num_pairs",
-    "policy_forward",
-    "preference_backward",
-]
 
 _TOKENS_KEY = "num_tokens"
 
@@ -131,21 +126,30 @@ class ReferenceModel:
     the dataset would be exact too, but costs a full extra pass before training and ties
     the cache to the data order and world size.
 
+    Use it as ``with torch.no_grad(), reference.active(): ...``: inside, every forward of the
+    model is the reference's.
+
     Args:
         model: The LoRA policy model (plain or FSDP2-sharded).
         freeze_current_adapter: Snapshot the adapter's present values as the reference's
-            (call right after loading the SFT adapter, before any training or resume).
+            (build it after loading the SFT adapter, before any training or resume).
+        wait_for_staging: Called before the adapter is swapped in place; pass the checkpoint
+            client's ``wait_for_staging``, so an async save never stages a swapped adapter.
+            None when nothing can be reading the adapter meanwhile.
 
     Raises:
         TunelabError: If the model has no LoRA layers.
     """
 
-    def __init__(self, model: nn.Module, *, freeze_current_adapter: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        freeze_current_adapter: bool,
+        wait_for_staging: Callable[[], None] | None = None,
+    ) -> None:
         self.model = model
-        self.before_swap: Callable[[], None] = lambda: None
-        """Called before adapter weights are swapped in place (the recipe passes the
-        checkpoint client's ``wait_for_staging``, so an async save never stages a swapped
-        adapter)."""
+        self._wait_for_staging = wait_for_staging
         self._params = list(peft.get_adapter_params(model).values())
         self._frozen: list[torch.Tensor] | None = None
         if freeze_current_adapter:
@@ -153,7 +157,15 @@ class ReferenceModel:
                 self._frozen = [_local(param).detach().clone() for param in self._params]
 
     @contextlib.contextmanager
-    def _as_reference(self) -> Iterator[None]:
+    def active(self) -> Iterator[None]:
+        """Make the model the reference inside the block; the policy comes back on exit.
+
+        The model runs in eval mode (adapter dropout must not perturb a frozen reference),
+        with its adapters disabled, or with the frozen SFT adapter copied into the adapter
+        shards (after ``wait_for_staging``) and the policy's values copied back on exit, also
+        when the block raises. Gradients and optimizer state are untouched: run only
+        ``torch.no_grad()`` forwards inside, before the step's policy forwards.
+        """
         was_training = self.model.training
         # Eval mode: adapter dropout must not perturb a frozen reference.
         self.model.eval()
@@ -162,7 +174,8 @@ class ReferenceModel:
                 with peft.disable_adapter(self.model):
                     yield
                 return
-            self.before_swap()
+            if self._wait_for_staging is not None:
+                self._wait_for_staging()
             _reshard_all(self.model)
             live = [_local(param).detach().clone() for param in self._params]
             try:
@@ -189,13 +202,26 @@ class ReferenceModel:
         Returns:
             One :class:`PolicyOutput` of the reference per micro-batch.
         """
-        with self._as_reference():
+        with self.active():
             return [policy_forward(self.model, b, num_chunks=num_chunks) for b in micro_batches]
 
 
-def _pair_loss(
+def preference_loss(
     loss_fn: PreferenceLoss, policy: PolicyOutput, reference: PolicyOutput | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-pair losses of one micro-batch and the sums of its metrics.
+
+    Args:
+        loss_fn: A DPO-family loss.
+        policy: The policy's :func:`policy_forward` of the micro-batch.
+        reference: The reference's, or None for a reference-free loss.
+
+    Returns:
+        ``(losses, sums)``: the ``[pairs]`` losses (with grad) and the detached sums of the
+        loss and of the TRL-named metrics over the pairs, with the pair count and the number of
+        completion tokens, for :func:`tunelab.losses.accumulate_metrics` and
+        :func:`global_preference_metrics`.
+    """
     losses, chosen_rewards, rejected_rewards = loss_fn(
         policy.chosen_logps,
         policy.rejected_logps,
@@ -214,7 +240,21 @@ def _pair_loss(
     )
     sums["loss"] = losses.detach().double().sum()
     sums[_TOKENS_KEY] = (policy.chosen_lengths.sum() + policy.rejected_lengths.sum()).double()
-    return losses.sum(), sums
+    return losses, sums
+
+
+def global_pair_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Preference pairs of one optimizer step, summed over micro-batches and ranks.
+
+    The loss of a step is ``sum of per-pair losses / this count``, so every pair weighs the
+    same whatever the micro-batching or the world size.
+
+    Returns:
+        A 0-dim float tensor on the batches' device, at least 1.
+    """
+    local_pairs = sum(num_pairs(batch) for batch in micro_batches)
+    device = micro_batches[0]["tokens"].device
+    return all_reduce_sum(torch.tensor(float(local_pairs), device=device)).clamp_min(1)
 
 
 def _global_means(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], float]:
@@ -223,48 +263,21 @@ def _global_means(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], floa
     return means, means.pop(_TOKENS_KEY)
 
 
-def preference_backward(
-    model: nn.Module,
-    loss_fn: PreferenceLoss,
-    reference: ReferenceModel,
-    micro_batches: list[dict[str, torch.Tensor]],
-    world_size: int,
-    *,
-    num_chunks: int = 8,
+def global_preference_metrics(
+    sums: dict[str, torch.Tensor], num_pairs: torch.Tensor
 ) -> tuple[dict[str, float], float]:
-    """Forward and backward over one optimizer step's micro-batches of preference pairs.
-
-    The gradient is that of ``sum of per-pair losses over all ranks and micro-batches /
-    number of pairs over all ranks and micro-batches``. FSDP2 averages gradients over ranks,
-    so each micro-batch back-propagates ``sum of its losses * world_size / global pairs``.
+    """Means of a step's metric sums over all its pairs (one all-reduce), and its tokens.
 
     Args:
-        model: The LoRA policy model, in train mode.
-        loss_fn: A DPO-family loss; its ``needs_reference`` decides the reference forwards.
-        reference: The frozen reference (see :class:`ReferenceModel`).
-        micro_batches: ``padded_collate_dpo`` batches on the model's device.
-        world_size: Number of data-parallel ranks.
-        num_chunks: Sequence chunks of the fp32 log-softmax.
+        sums: This rank's :func:`preference_loss` sums, accumulated over the micro-batches.
+        num_pairs: The step's :func:`global_pair_count`.
 
     Returns:
-        ``(metrics, num_tokens)``: the global means over the step's pairs (``loss``,
-        ``rewards/*``, ``logps/*``, ``logits/*``; the same on every rank) and the global
-        number of completion tokens (chosen + rejected).
+        ``(metrics, num_tokens)``: ``loss``, ``rewards/*``, ``logps/*``, ``logits/*`` (the same
+        on every rank) and the global number of completion tokens (chosen + rejected).
     """
-    references: list[PolicyOutput | None] = [None] * len(micro_batches)
-    if loss_fn.needs_reference:
-        references = reference.logps(micro_batches, num_chunks=num_chunks)
-    local_pairs = sum(num_pairs(batch) for batch in micro_batches)
-    device = micro_batches[0]["tokens"].device
-    global_pairs = all_reduce_sum(torch.tensor(float(local_pairs), device=device)).clamp_min(1)
-    sums = None
-    for batch, ref in zip(micro_batches, references, strict=True):
-        policy = policy_forward(model, batch, num_chunks=num_chunks)
-        loss_sum, batch_sums = _pair_loss(loss_fn, policy, ref)
-        (loss_sum * world_size / global_pairs).backward()
-        sums = accumulate_metrics(sums, batch_sums)
     means, tokens_per_pair = _global_means(sums)
-    return means, tokens_per_pair * global_pairs.item()
+    return means, tokens_per_pair * num_pairs.item()
 
 
 @torch.no_grad()
@@ -302,7 +315,7 @@ def evaluate_preference(
             reference.logps([batch], num_chunks=num_chunks)[0] if loss_fn.needs_reference else None
         )
         policy = policy_forward(model, batch, num_chunks=num_chunks)
-        _, batch_sums = _pair_loss(loss_fn, policy, ref)
+        _, batch_sums = preference_loss(loss_fn, policy, ref)
         sums = accumulate_metrics(sums, batch_sums)
     _reshard_all(model)
     model.train(was_training)

@@ -1,13 +1,14 @@
-"""The bookkeeping every training recipe shares.
+"""The set-up and bookkeeping every training recipe shares, each default once.
 
 Data loaders, optimizer and schedule, the checkpoint client, resume, when to validate /
-export / save, and metric loggers. Recipes keep the training step itself inline; what they would otherwise copy between each
-other lives here, each default once.
+export / save, and metric loggers. The training step itself is written out in each recipe.
 """
+
+from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,13 +16,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import tunelab.peft as peft
-from tunelab.checkpoint import CheckpointClient, LoRASpec
 from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.config import instantiate
 from tunelab.config.recipe_args import FinetuneArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.errors import DataError
 from tunelab.training.setup import build_dataloader, config_fingerprint
+
+if TYPE_CHECKING:
+    from tunelab.checkpoint import CheckpointClient
 
 
 @dataclass
@@ -98,6 +101,9 @@ def build_checkpoint_client(
 
     A recipe whose settings have ``lora`` gets adapter-only checkpoints and LoRA exports.
     """
+    # Imported here: tunelab.checkpoint imports tunelab.training (RNG state) as it loads.
+    from tunelab.checkpoint import CheckpointClient, LoRASpec
+
     lora = getattr(args, "lora", None)
     spec = None
     if lora is not None:
