@@ -81,8 +81,8 @@ def prepare_before(tokenizer, path: Path) -> list[dict]:
     Python lists (``TokenizedDataset(items)``). The row function is the one ``chat_dataset``
     uses today, so both modes do the same tokenizing work per row.
     """
+    from tunelab.data._sft_rows import ChatRows, Render
     from tunelab.data.chat import chat_template_of
-    from tunelab.data.sft import ChatRows, _Render
 
     text = path.read_text(encoding="utf-8")
     try:
@@ -91,7 +91,7 @@ def prepare_before(tokenizer, path: Path) -> list[dict]:
         pass  # not one document: JSON Lines
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     del text
-    render = _Render(tokenizer, chat_template_of(tokenizer), None, False, MAX_SEQ_LEN)
+    render = Render(tokenizer, chat_template_of(tokenizer), None, False, MAX_SEQ_LEN)
     make = ChatRows(render, "messages", "openai")
     samples = []
     for row in rows:

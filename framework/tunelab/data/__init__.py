@@ -7,14 +7,9 @@ from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
 from tunelab.data.sampler import StatefulDistributedSampler
-from tunelab.data.sft import (
-    IGNORE_INDEX,
-    TokenizedDataset,
-    chat_dataset,
-    instruct_dataset,
-    text_dataset,
-)
+from tunelab.data.sft import chat_dataset, instruct_dataset, text_dataset
 from tunelab.data.templates import TEMPLATES, Message, Template, get_template, tokenize_messages
+from tunelab.data.tokenized import IGNORE_INDEX, TokenizedDataset
 from tunelab.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tunelab.data._json_rows import JSON_LINE, JSON_PROBLEM, JSON_TEXT
 from tunelab.data._rows import BadRow
-from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT
 
 # The token columns of each kind of sample.
 SAMPLE_COLUMNS = {
@@ -67,7 +67,7 @@ class TokenizeRows:
         rows: The builder's row function for this source.
         kind: ``sft`` or ``preference``.
         source: The source's index among the dataset's sources.
-        json_rows: Whether the batch holds JSON text (``sources.RawRows``) to decode.
+        json_rows: Whether the batch holds JSON text (``_json_rows``) to decode.
     """
 
     rows: RowFunction

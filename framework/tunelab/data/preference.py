@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunelab.data import _rows
+from tunelab.data._sft_rows import to_sample
 from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.mix import DatasetSpec
-from tunelab.data.sft import IGNORE_INDEX, resolve_template, to_sample
+from tunelab.data.sft import resolve_template
 from tunelab.data.sources import resolve_sources
 from tunelab.data.templates import Message, Template, tokenize_messages
-from tunelab.data.tokenized import TokenizedDataset, build_tokenized
+from tunelab.data.tokenized import IGNORE_INDEX, TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
 

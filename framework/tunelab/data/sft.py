@@ -12,27 +12,17 @@ with its own (a config nests dataset nodes that way).
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from tunelab.data import _rows
-from tunelab.data.chat import tokenize_conversation
-from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.data._sft_rows import ChatRows, InstructRows, Render, TextRows
+from tunelab.data.chat_template import ChatTemplate
 from tunelab.data.mix import DatasetSpec
 from tunelab.data.sources import resolve_sources
-from tunelab.data.templates import Template, get_template, tokenize_messages
-from tunelab.data.tokenized import IGNORE_INDEX, TokenizedDataset, build_tokenized
+from tunelab.data.templates import Template, get_template
+from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
-
-
-def to_sample(tokens: list[int], mask: list[bool], max_seq_len: int | None) -> tuple[dict, bool]:
-    """Make ``{"tokens", "labels"}``, cut to ``max_seq_len``; also return whether it was cut."""
-    truncated = max_seq_len is not None and len(tokens) > max_seq_len
-    if truncated:
-        tokens, mask = tokens[:max_seq_len], mask[:max_seq_len]
-    labels = [IGNORE_INDEX if masked else token for token, masked in zip(tokens, mask)]
-    return {"tokens": tokens, "labels": labels}, truncated
 
 
 def resolve_template(
@@ -58,36 +48,6 @@ def resolve_template(
     return chosen
 
 
-def tokenize_turns(
-    tokenizer: Tokenizer,
-    template: Template | ChatTemplate,
-    pairs: list[tuple[str, str]],
-    *,
-    train_on_input: bool,
-    template_kwargs: Mapping[str, Any] | None,
-    column: str,
-) -> list[tuple[list[int], list[bool]]]:
-    """Tokenize ``(role, content)`` turns; a chat template may give one sample per turn.
-
-    Raises:
-        BadRow: If the chat template fails on this conversation (naming the template).
-    """
-    if not isinstance(template, ChatTemplate):
-        messages = _rows.to_messages(pairs, train_on_input)
-        return [tokenize_messages(tokenizer, messages, template)]
-    messages = [{"role": role, "content": content} for role, content in pairs]
-    try:
-        return tokenize_conversation(
-            tokenizer,
-            messages,
-            train_on_input=train_on_input,
-            template_kwargs=template_kwargs,
-            template=template,
-        )
-    except ChatTemplateError as error:
-        raise _rows.BadRow(column, str(error)) from None
-
-
 def _check_lengths(tokenizer: Tokenizer, max_seq_len: int | None, packed: bool) -> int | None:
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is not None and max_seq_len < 1:
@@ -95,82 +55,6 @@ def _check_lengths(tokenizer: Tokenizer, max_seq_len: int | None, packed: bool) 
     if packed and max_seq_len is None:
         raise ConfigError("packed: true needs max_seq_len (the length of each pack)")
     return max_seq_len
-
-
-def _record(tokens: list[int], mask: list[bool], max_seq_len: int | None) -> dict[str, Any]:
-    sample, cut = to_sample(tokens, mask, max_seq_len)
-    return {**sample, "truncated": cut}
-
-
-@dataclass
-class _Render:
-    """How a builder turns ``(role, content)`` turns into samples."""
-
-    tokenizer: Tokenizer
-    template: Template | ChatTemplate
-    template_kwargs: Mapping[str, Any] | None
-    train_on_input: bool
-    max_seq_len: int | None
-
-    def samples(self, pairs: list[tuple[str, str]], column: str) -> list[dict[str, Any]]:
-        turns = tokenize_turns(
-            self.tokenizer,
-            self.template,
-            pairs,
-            train_on_input=self.train_on_input,
-            template_kwargs=self.template_kwargs,
-            column=column,
-        )
-        return [_record(tokens, mask, self.max_seq_len) for tokens, mask in turns]
-
-
-@dataclass
-class InstructRows:
-    """Row function of ``instruct_dataset``: an alpaca row as a user and an assistant turn."""
-
-    render: _Render
-    columns: dict[str, str]
-
-    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Samples of one row; raises ``BadRow``."""
-        instruction = _rows.read_text(row, self.columns["instruction"])
-        given = _rows.read_text(row, self.columns["input"], optional=True)
-        output = _rows.read_text(row, self.columns["output"])
-        user = self.render.template.join_instruction(instruction, given)
-        return self.render.samples([("user", user), ("assistant", output)], "(whole row)")
-
-
-@dataclass
-class ChatRows:
-    """Row function of ``chat_dataset``: one conversation."""
-
-    render: _Render
-    column: str
-    style: str
-
-    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Samples of one row; raises ``BadRow``."""
-        pairs = _rows.read_messages(row.get(self.column), self.column, self.style)
-        _rows.check_answer(pairs, self.column)
-        return self.render.samples(pairs, self.column)
-
-
-@dataclass
-class TextRows:
-    """Row function of ``text_dataset``: BOS + text + EOS, every token but the first trained."""
-
-    tokenizer: Tokenizer
-    column: str
-    max_seq_len: int | None
-
-    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Samples of one row; raises ``BadRow``."""
-        text = _rows.read_text(row, self.column)
-        tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)
-        # The first token is never a target (nothing before it in its document predicts it);
-        # masking it keeps packed documents from predicting each other through the shift.
-        mask = [i == 0 for i in range(len(tokens))]
-        return [_record(tokens, mask, self.max_seq_len)]
 
 
 def instruct_dataset(
@@ -239,7 +123,7 @@ def instruct_dataset(
         column_map,
         "instruct_dataset",
     )
-    render = _Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
+    render = Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
 
     def rows_for(name: str, present: list[str]) -> InstructRows:
         _rows.require_columns(name, present, [columns["instruction"], columns["output"]])
@@ -337,7 +221,7 @@ def chat_dataset(
         )
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
     chosen = resolve_template(tokenizer, template, template_kwargs)
-    render = _Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
+    render = Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
 
     def rows_for(name: str, present: list[str]) -> ChatRows:
         column = _rows.conversation_column_of(name, present, conversation_column)
