@@ -34,15 +34,13 @@ from tunelab.training.metric_logging import (
 )
 from tunelab.training.optim import adamw
 from tunelab.training.preference import (
-    PolicyOutput,
-    ReferenceModel,
     evaluate_preference,
     global_pair_count,
     global_preference_metrics,
-    policy_forward,
     preference_loss,
 )
 from tunelab.training.progress import ProgressBar
+from tunelab.training.reference import PolicyOutput, ReferenceModel, policy_forward
 from tunelab.training.rng import seed_everything
 from tunelab.training.session import (
     MetricLoggers,
