@@ -280,7 +280,7 @@ def test_rule_choices_match_the_data_package():
 
     assert set(TEMPLATE_NAMES) == {"auto", *TEMPLATES}
     assert set(LOADERS) == set(sources._LOADERS)
-    assert set(DATA_SUFFIXES) == set(sources._SUFFIX_TO_LOADER)
+    assert set(DATA_SUFFIXES) == set(sources._SUFFIX_TO_LOADER) | {sources.ARROW_SUFFIX}
 
 
 def test_supported_model_types_read_from_source_match_the_package():

@@ -53,7 +53,7 @@ Template = Annotated[str, OneOf(*TEMPLATE_NAMES)]
 Split = Annotated[str, NonEmpty()]
 # Loader names and file suffixes tunelab.data.sources accepts; a unit test keeps them equal.
 LOADERS = ("json", "parquet", "text", "csv")
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".text", ".csv")
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".text", ".csv", ".arrow")
 
 
 def _data_files(value: Any) -> list[Any]:
@@ -107,6 +107,8 @@ _DATASET = {
     "packed": bool,
     "skip_malformed": bool,
     "column_map": dict[str, Annotated[str, NonEmpty()]] | None,
+    "num_proc": Annotated[int, Range(ge=1)] | None,
+    "cache_dir": Annotated[str, NonEmpty()] | None,
 }
 _ADAM = {
     "lr": PositiveLR,
@@ -142,8 +144,8 @@ RULES: dict[str, ComponentRules] = {
     "tunelab.data.sft.chat_dataset": ComponentRules(
         {
             **_DATASET,
-            "conversation_column": Annotated[str, NonEmpty()],
-            "conversation_style": Annotated[str, OneOf("openai", "sharegpt")],
+            "conversation_column": Annotated[str, NonEmpty()] | None,
+            "conversation_style": Annotated[str, OneOf("auto", "openai", "sharegpt")],
         },
         check_data_source,
     ),
@@ -155,15 +157,32 @@ RULES: dict[str, ComponentRules] = {
             "max_seq_len": SequenceLength,
             "packed": bool,
             "skip_malformed": bool,
+            "num_proc": _DATASET["num_proc"],
+            "cache_dir": _DATASET["cache_dir"],
         },
         check_data_source,
     ),
     "tunelab.data.preference.preference_dataset": ComponentRules(
         {
             key: _DATASET[key]
-            for key in ("source", "split", "template", "max_seq_len", "column_map")
-        },
+            for key in (
+                "source",
+                "split",
+                "template",
+                "max_seq_len",
+                "column_map",
+                "num_proc",
+                "cache_dir",
+            )
+        },  # fmt: skip
         check_data_source,
+    ),
+    "tunelab.data.mix.mix_dataset": ComponentRules(
+        {
+            "weights": list[NonNegativeFloat],
+            "num_samples": Annotated[int, Range(ge=1)] | None,
+            "seed": int,
+        }
     ),
     # Losses.
     "tunelab.losses.cross_entropy.CrossEntropyLoss": ComponentRules(
