@@ -6,10 +6,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tunelab-installed
+# A second environment with the oldest versions pyproject.toml allows (see test-min).
+VENV_MIN ?= .venv-min
+PY_MIN := $(VENV_MIN)/bin/python
+STAMP_MIN := $(VENV_MIN)/.tunelab-installed
 
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES ?= 1
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-min lint format bench clean
 
 install: $(STAMP)
 
@@ -28,6 +32,18 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# The fast tests against the declared floors: the same torch, and transformers, peft, tensorboard
+# and wandb pinned at their `>=` floors in the dev extras (.ci/floor_requirements.py reads them).
+$(STAMP_MIN): pyproject.toml .ci/floor_requirements.py
+	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
+	$(PY_MIN) -m pip install -q --upgrade pip
+	$(PY_MIN) -m pip install -q $(TORCH_SPEC)
+	$(PY_MIN) -m pip install -q -e ".[dev]" $$($(PY_MIN) .ci/floor_requirements.py)
+	touch $(STAMP_MIN)
+
+test-min: $(STAMP_MIN)
+	$(PY_MIN) -m pytest -q -m "not slow" tests
+
 lint: install
 	$(VENV)/bin/ruff check framework recipes tests bench
 	$(VENV)/bin/ruff format --check framework recipes tests bench
@@ -40,4 +56,4 @@ bench: install
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_MIN) outputs .pytest_cache .ruff_cache

@@ -56,7 +56,7 @@ from tunelab._fs import fsync_path
 from tunelab.checkpoint import CheckpointClient, HFCheckpointReader, LoRASpec, copy_model_files
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
-from tunelab.peft._names import clean_fqn
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.peft.apply import lora_modules
 from tunelab.peft.merge import merge_weight
 

@@ -1,10 +1,12 @@
 """Shared fixtures: tiny random Hugging Face checkpoints built with transformers."""
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
@@ -84,3 +86,18 @@ def tiny_hf_model_dir(tmp_path_factory):
         return built[(family, sharded)]
 
     return make
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-process gloo group for the test, as its one-rank CPU ``DeviceMesh``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -23,3 +23,13 @@ class DataError(TunelabError, ValueError):
 
 class TrainingError(TunelabError):
     """Training cannot go on meaningfully: a non-finite loss or gradient, say."""
+
+
+def first_line(error: BaseException) -> str:
+    """Return the first non-empty line of an error's message ("" when it has none).
+
+    Libraries append detail lines to their messages (OmegaConf adds ``full_key: ...`` and
+    ``object_type=...``, DCP a traceback per rank); a one-line error keeps the line that says
+    what went wrong.
+    """
+    return next(iter(str(error).strip().splitlines()), "")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tunelab.checkpoint import HFCheckpointReader, save_hf_checkpoint
+from tunelab.checkpoint import HFCheckpointReader
+from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.models import from_hf_config, load_pretrained
 
 FAMILIES = ["llama3_2", "llama3_1", "qwen2"]
@@ -57,7 +58,13 @@ def test_saved_checkpoint_loads_in_transformers(
     model = load_pretrained(source)
     output = tmp_path / "export"
     hf_state = model.state_dict_adapter.to_hf(model.state_dict())
-    save_hf_checkpoint(hf_state, output, source_dir=source, max_shard_size=max_shard_size)
+    save_hf_sharded(
+        hf_state,
+        output,
+        source_dir=source,
+        torch_dtype=torch.float32,
+        max_shard_size=max_shard_size,
+    )
 
     files = sorted(p.name for p in output.glob("*.safetensors"))
     if max_shard_size == "5GB":
@@ -93,7 +100,8 @@ def test_hf_config_written_by_adapter_round_trips(
     model = load_pretrained(tiny_hf_model_dir(family))
     adapter = model.state_dict_adapter
     config = adapter.hf_config(torch.float32)
-    save_hf_checkpoint(adapter.to_hf(model.state_dict()), tmp_path / "out", config=config)
+    save_hf_sharded(adapter.to_hf(model.state_dict()), tmp_path / "out")
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
     assert from_hf_config(tmp_path / "out").args == model.args
     hf_model, info = load_hf_causal_lm(tmp_path / "out")
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -1,7 +1,6 @@
 """HFSafetensorsWriter through a real dcp.save in one process (no group, and a world-1 group)."""
 
 import json
-import socket
 import struct
 
 import pytest
@@ -10,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tunelab.checkpoint import integrity
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
@@ -136,18 +135,6 @@ def test_missing_key_in_mapping_is_a_clear_error(tmp_path):
     state = {"a": torch.ones(2), "b": torch.ones(2)}
     with pytest.raises(CheckpointError, match="first \\['b'\\]"):
         save_hf_sharded(state, tmp_path / "out", fqn_to_file={"a": "model.safetensors"})
-
-
-@pytest.fixture
-def world_of_one():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_world_one_dtensors_replace_an_existing_export(world_of_one, tmp_path):

@@ -9,7 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tunelab.checkpoint import HFCheckpointReader, copy_model_files, parse_size, save_hf_checkpoint
+from tunelab.checkpoint import HFCheckpointReader, copy_model_files, parse_size
+from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.checkpoint.integrity import MANIFEST_NAME
 from tunelab.errors import CheckpointError
 from tunelab.models import ModelArgs, TransformerDecoder, load_hf_into_model, load_pretrained
 
@@ -23,10 +25,19 @@ def tiny_model(tie: bool = False) -> TransformerDecoder:
     return TransformerDecoder(args)
 
 
+def write_hf_checkpoint(state, path, *, config=None, **kwargs):
+    """A checkpoint folder as the hub has one: tunelab's exporter, a config.json, no manifest."""
+    out = save_hf_sharded(state, path, **kwargs)
+    (out / MANIFEST_NAME).unlink()
+    if config is not None:
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def save(model: TransformerDecoder, path, **kwargs):
     adapter = model.state_dict_adapter
     state = adapter.to_hf(model.state_dict())
-    return save_hf_checkpoint(state, path, config=adapter.hf_config(torch.float32), **kwargs)
+    return write_hf_checkpoint(state, path, config=adapter.hf_config(torch.float32), **kwargs)
 
 
 @pytest.fixture
@@ -104,7 +115,8 @@ def test_save_with_fqn_to_file_reproduces_layout(sharded, tmp_path):
 def test_bf16_export_records_dtype_and_loads_in_config_dtype(checkpoint, tmp_path):
     model, path = checkpoint
     state = model.state_dict_adapter.to_hf(model.state_dict())
-    out = save_hf_checkpoint(state, tmp_path / "bf16", source_dir=path, torch_dtype=torch.bfloat16)
+    state = {key: value.to(torch.bfloat16) for key, value in state.items()}
+    out = write_hf_checkpoint(state, tmp_path / "bf16", source_dir=path, torch_dtype=torch.bfloat16)
     config = json.loads((out / "config.json").read_text())
     assert config["torch_dtype"] == config["dtype"] == "bfloat16"
     assert (out / "tokenizer.json").read_text() == "{}"
@@ -126,11 +138,11 @@ def test_load_pretrained_round_trip_tied(sharded):
 def test_tied_checkpoint_with_identical_lm_head_is_accepted(tmp_path):
     model = tiny_model(tie=True)
     state = {k: v.clone() for k, v in model.state_dict().items()}  # lm_head.weight included
-    save_hf_checkpoint(state, tmp_path / "ckpt", config=model.state_dict_adapter.hf_config())
+    write_hf_checkpoint(state, tmp_path / "ckpt", config=model.state_dict_adapter.hf_config())
     assert "lm_head.weight" in HFCheckpointReader(tmp_path / "ckpt")
     load_pretrained(tmp_path / "ckpt")
     state["lm_head.weight"] += 1
-    save_hf_checkpoint(state, tmp_path / "ckpt", config=model.state_dict_adapter.hf_config())
+    write_hf_checkpoint(state, tmp_path / "ckpt", config=model.state_dict_adapter.hf_config())
     with pytest.raises(CheckpointError, match="'lm_head.weight' differs from 'model.embed_tokens"):
         load_pretrained(tmp_path / "ckpt")
 
@@ -251,12 +263,13 @@ def test_failed_save_keeps_existing_output_and_leaves_no_temp(checkpoint, tmp_pa
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     state = {k: v + 1 for k, v in model.state_dict_adapter.to_hf(model.state_dict()).items()}
     with pytest.raises(CheckpointError, match="source directory .*missing does not exist"):
-        save_hf_checkpoint(state, path, source_dir=tmp_path / "missing")
+        save_hf_sharded(state, path, source_dir=tmp_path / "missing")
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert listing(path.parent) == ["ckpt"]
-    # A successful save replaces the old output completely.
-    save_hf_checkpoint(state, path, max_shard_size=3000)
-    assert "model.safetensors" not in listing(path) and "tokenizer.json" not in listing(path)
+    # A successful save replaces the old weights completely; files it does not write (a
+    # tokenizer, an adapter/ folder) move into the new export.
+    save_hf_sharded(state, path, max_shard_size=3000)
+    assert "model.safetensors" not in listing(path) and "tokenizer.json" in listing(path)
     assert listing(path.parent) == ["ckpt"]
     torch.testing.assert_close(
         HFCheckpointReader(path).get("model.norm.weight"), state["model.norm.weight"]
@@ -264,8 +277,6 @@ def test_failed_save_keeps_existing_output_and_leaves_no_temp(checkpoint, tmp_pa
 
 
 def test_save_rejects_values_that_are_not_tensors(tmp_path):
-    with pytest.raises(
-        CheckpointError, match="'w': save_hf_checkpoint needs full tensors, got list"
-    ):
-        save_hf_checkpoint({"w": [1.0, 2.0]}, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="'w' is not a tensor"):
+        save_hf_sharded({"w": [1.0, 2.0]}, tmp_path / "out")
     assert listing(tmp_path) == []

@@ -1,4 +1,4 @@
-"""The decoder: structure, builders, masks, KV cache, tied weights, HF config parsing."""
+"""The decoder: structure, published sizes, masks, KV cache, tied weights, HF config parsing."""
 
 import pytest
 import torch
@@ -9,15 +9,6 @@ from tunelab.models import (
     TransformerDecoder,
     args_from_hf,
     from_hf_config,
-    llama2_7b,
-    llama3_1_8b,
-    llama3_1_70b,
-    llama3_2_1b,
-    llama3_2_3b,
-    llama3_8b,
-    qwen2_5_0_5b,
-    qwen2_5_1_5b,
-    qwen2_5_7b,
 )
 from tunelab.modules import document_causal_mask, padding_mask, positions_from_document_ids
 
@@ -56,23 +47,88 @@ def test_qwen2_has_qkv_bias_only():
     assert names == {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in "qkv"}
 
 
+# The published config.json values of each size (only the keys the parameter count and the
+# rope rule depend on).
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _llama(**config):
+    return {"model_type": "llama", "rms_norm_eps": 1e-5, **config}
+
+
+def _llama3(**config):
+    return _llama(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, **config)
+
+
+def _qwen2_5(**config):
+    return {"model_type": "qwen2", "vocab_size": 151936, "rms_norm_eps": 1e-6, **config}
+
+
+PUBLISHED_CONFIGS = {
+    "llama2_7b": _llama(
+        vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, intermediate_size=11008, max_position_embeddings=4096,
+    ),
+    "llama3_8b": _llama3(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336,
+        max_position_embeddings=8192,
+    ),
+    "llama3_1_8b": _llama3(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336,
+        rope_scaling=_LLAMA3_SCALING, max_position_embeddings=131072,
+    ),
+    "llama3_1_70b": _llama3(
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672,
+        rope_scaling=_LLAMA3_SCALING, max_position_embeddings=131072,
+    ),
+    "llama3_2_1b": _llama3(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
+        intermediate_size=8192, rope_scaling={**_LLAMA3_SCALING, "factor": 32.0},
+        max_position_embeddings=131072, tie_word_embeddings=True,
+    ),
+    "llama3_2_3b": _llama3(
+        hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128,
+        intermediate_size=8192, rope_scaling={**_LLAMA3_SCALING, "factor": 32.0},
+        max_position_embeddings=131072, tie_word_embeddings=True,
+    ),
+    "qwen2_5_0_5b": _qwen2_5(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, tie_word_embeddings=True,
+    ),
+    "qwen2_5_1_5b": _qwen2_5(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, tie_word_embeddings=True,
+    ),
+    "qwen2_5_7b": _qwen2_5(
+        vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "builder, num_params, tied",
+    "name, num_params, tied",
     [
-        (llama2_7b, 6_738_415_616, False),
-        (llama3_8b, 8_030_261_248, False),
-        (llama3_1_8b, 8_030_261_248, False),
-        (llama3_1_70b, 70_553_706_496, False),
-        (llama3_2_1b, 1_235_814_400, True),
-        (llama3_2_3b, 3_212_749_824, True),
-        (qwen2_5_0_5b, 494_032_768, True),
-        (qwen2_5_1_5b, 1_543_714_304, True),
-        (qwen2_5_7b, 7_615_616_512, False),
+        ("llama2_7b", 6_738_415_616, False),
+        ("llama3_8b", 8_030_261_248, False),
+        ("llama3_1_8b", 8_030_261_248, False),
+        ("llama3_1_70b", 70_553_706_496, False),
+        ("llama3_2_1b", 1_235_814_400, True),
+        ("llama3_2_3b", 3_212_749_824, True),
+        ("qwen2_5_0_5b", 494_032_768, True),
+        ("qwen2_5_1_5b", 1_543_714_304, True),
+        ("qwen2_5_7b", 7_615_616_512, False),
     ],
 )
-def test_builders_match_published_parameter_counts_on_meta(builder, num_params, tied):
+def test_published_configs_match_published_parameter_counts_on_meta(name, num_params, tied):
     with torch.device("meta"):
-        model = builder()
+        model = from_hf_config(PUBLISHED_CONFIGS[name])
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == num_params  # model-card counts
     assert model.args.tie_embeddings == tied
@@ -80,8 +136,7 @@ def test_builders_match_published_parameter_counts_on_meta(builder, num_params, 
 
 
 def test_llama3_2_rope_scaling():
-    with torch.device("meta"):
-        args = llama3_2_1b().args
+    args = args_from_hf(PUBLISHED_CONFIGS["llama3_2_1b"])
     assert args.rope_theta == 500000.0
     assert args.rope_scaling["factor"] == 32.0 and args.rope_scaling["rope_type"] == "llama3"
 

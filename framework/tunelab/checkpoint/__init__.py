@@ -21,7 +21,6 @@ _EXPORTS = {
     "read_safetensors_header": "tunelab.checkpoint.hf",
     "copy_model_files": "tunelab.checkpoint.hf_write",
     "parse_size": "tunelab.checkpoint.hf_write",
-    "save_hf_checkpoint": "tunelab.checkpoint.hf_write",
     "verify_folder": "tunelab.checkpoint.integrity",
 }
 

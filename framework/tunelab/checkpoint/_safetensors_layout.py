@@ -28,27 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunelab.checkpoint.hf import SAFE_WEIGHTS_NAME
+from tunelab.checkpoint.hf import SAFE_WEIGHTS_NAME, SAFETENSORS_DTYPES
 from tunelab.checkpoint.integrity import digest
 from tunelab.errors import CheckpointError
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):  # unsigned types beyond uint8 exist in torch >= 2.3 only
-        _DTYPE_NAMES[getattr(torch, _name)] = _code
+_DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 # pwrite on Linux moves at most 0x7ffff000 bytes per call; stay well below it.
 _MAX_WRITE_BYTES = 1 << 30
@@ -68,17 +52,17 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def dtype_name(dtype: torch.dtype, tensor_name: str) -> str:
+def dtype_code(dtype: torch.dtype, tensor_name: str) -> str:
     """Return the safetensors dtype code of ``dtype``.
 
     Raises:
         CheckpointError: If safetensors cannot store the dtype.
     """
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in _DTYPE_CODES:
         raise CheckpointError(
             f"tensor {tensor_name!r} has dtype {dtype}, which safetensors cannot store"
         )
-    return _DTYPE_NAMES[dtype]
+    return _DTYPE_CODES[dtype]
 
 
 def assign_files(
@@ -110,7 +94,8 @@ def assign_files(
         missing = [spec.name for spec in specs if spec.name not in fqn_to_file]
         if missing:
             raise CheckpointError(
-                f"fqn_to_file names no file for {len(missing)} key(s), first {missing[:3]}"
+                f"fqn_to_file has no file for {missing[0]!r} ({len(missing)} key(s) without "
+                f"one, first {missing[:3]})"
             )
         files: dict[str, list[TensorSpec]] = {}
         for spec in specs:
@@ -175,7 +160,7 @@ def build_file_layout(name: str, specs: Sequence[TensorSpec]) -> FileLayout:
     cursor = 0
     for spec in ordered:
         header[spec.name] = {
-            "dtype": dtype_name(spec.dtype, spec.name),
+            "dtype": dtype_code(spec.dtype, spec.name),
             "shape": list(spec.shape),
             "data_offsets": [cursor, cursor + spec.num_bytes],
         }

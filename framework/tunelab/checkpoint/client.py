@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-import tunelab.peft as peft
 from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint._dcp_json import METADATA_JSON_NAME
 from tunelab.checkpoint.dcp import (
@@ -48,41 +47,20 @@ from tunelab.checkpoint.dcp import (
     saved_keys,
 )
 from tunelab.checkpoint.export import export_hf
+from tunelab.checkpoint.lora_spec import LoRASpec
 from tunelab.checkpoint.state import (
     TRAINER_STATE_NAME,
     gather_rng_states,
     restore_rng_states,
     to_json,
 )
-from tunelab.errors import CheckpointError
+from tunelab.errors import CheckpointError, first_line
 
 logger = logging.getLogger(__name__)
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # The saved state holds trainable parameters only (for LoRA, the adapter); the frozen base
 # comes from the base checkpoint, so loading must not demand the frozen keys.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-@dataclass(frozen=True)
-class LoRASpec:
-    """The LoRA settings a checkpoint was trained with (part of its fingerprint)."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    use_rslora: bool = False
-    dropout: float = 0.0
-
-    def peft_config(self, base_model_name_or_path: str) -> dict[str, Any]:
-        """The ``adapter_config.json`` PEFT needs to load an adapter with these settings."""
-        return peft.adapter_config(
-            rank=self.rank,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            targets=list(self.targets),
-            use_rslora=self.use_rslora,
-            base_model_name_or_path=base_model_name_or_path,
-        )
 
 
 @dataclass(frozen=True)
@@ -362,7 +340,7 @@ class CheckpointClient:
         except Exception as error:
             raise CheckpointError(
                 f"{checkpoint.path} passed verification but cannot be loaded: "
-                f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+                f"{type(error).__name__}: {first_line(error)}"
             ) from error
         for group, saved in zip(param_groups, trainer_state["optimizer_param_groups"], strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})

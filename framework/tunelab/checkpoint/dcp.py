@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from tunelab.checkpoint import _dcp_json
 from tunelab.checkpoint.integrity import FileRecord, HashingWriter, RecordBook, record_of
 from tunelab.checkpoint.layout import write_atomic
-from tunelab.errors import CheckpointError, TunelabError
+from tunelab.errors import CheckpointError, TunelabError, first_line
 
 FileRecords = dict[str, FileRecord]
 WriterFactory = Callable[[Path], StorageWriter]
@@ -187,7 +187,16 @@ class DCPSaver:
         self._stager = (
             # Staging options measured to work on CPU: no pinned or shared memory, no
             # non-blocking copies, asynchronous staging.
-            DefaultStager(StagingOptions(False, False, True, False)) if self.enable_async else None
+            DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=False,
+                )
+            )
+            if self.enable_async
+            else None
         )
         self._pending: Future | None = None
         self._staging: Future | None = None
@@ -319,7 +328,7 @@ def load(state_dict: dict[str, Any], path: Path) -> None:
         for failure in failures:
             if isinstance(failure, CheckpointError):
                 raise failure from error
-        first = str(failures[0] if failures else error).strip().splitlines()[0]
+        first = first_line(failures[0] if failures else error)
         raise CheckpointError(f"{path}: cannot load ({first})") from error
 
 

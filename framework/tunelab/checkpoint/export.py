@@ -12,7 +12,6 @@ exists at a time and one rank's merge overlaps the other ranks' writes.
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
@@ -20,11 +19,9 @@ from torch import nn
 import tunelab.peft as peft
 from tunelab.checkpoint.hf import HFCheckpointReader
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.checkpoint.lora_spec import LoRASpec
 from tunelab.distributed import gather_full_tensors
 from tunelab.peft.merge import lazy_merged_state_dict
-
-if TYPE_CHECKING:
-    from tunelab.checkpoint.client import LoRASpec
 
 
 def export_hf(
@@ -32,7 +29,7 @@ def export_hf(
     output_dir: str | os.PathLike,
     *,
     base_checkpoint_dir: str | os.PathLike,
-    lora: "LoRASpec | None" = None,
+    lora: LoRASpec | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> Path:
     """Export a (possibly sharded) model in Hugging Face format.

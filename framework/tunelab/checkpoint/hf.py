@@ -40,7 +40,7 @@ MODEL_FILE_PATTERNS = (
     "*.tiktoken",
     "LICENSE*",
 )
-_DTYPES = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -51,9 +51,18 @@ _DTYPES = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+"""The dtype codes of safetensors headers, as torch dtypes (the writer maps them back)."""
+
+
+def hf_dtype_name(dtype: torch.dtype) -> str:
+    """HF's spelling of a dtype in ``config.json`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 # ---- reading ------------------------------------------------------------------------------
@@ -89,7 +98,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     data_size = size - 8 - header_len
     for key, entry in header.items():
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             begin, end = entry["data_offsets"]
             numel = 1
             for dim in entry["shape"]:
@@ -139,7 +148,11 @@ class HFCheckpointReader:
                     raise CheckpointError(
                         f"{path}: {key!r} also appears in {self._entries[key][0]}"
                     )
-                self._entries[key] = (filename, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+                self._entries[key] = (
+                    filename,
+                    SAFETENSORS_DTYPES[entry["dtype"]],
+                    tuple(entry["shape"]),
+                )
         for key, filename in (weight_map or {}).items():
             if self._entries.get(key, (None,))[0] != filename:
                 raise CheckpointError(
@@ -195,7 +208,7 @@ class HFCheckpointReader:
 
     @property
     def fqn_to_file(self) -> dict[str, str]:
-        """Key -> file name; pass it to ``save_hf_checkpoint`` to keep the source's layout."""
+        """Key -> file name; pass it to ``save_hf_sharded`` to keep the source's layout."""
         return {key: entry[0] for key, entry in self._entries.items()}
 
     def file_of(self, key: str) -> Path:

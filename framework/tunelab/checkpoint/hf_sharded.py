@@ -102,6 +102,9 @@ def save_hf_sharded(
                 no_dist=not distributed,
             )
     except CheckpointException as error:
+        # DCP fails on every rank once all of them are past their writes.
+        if is_rank_zero:
+            shutil.rmtree(staging, ignore_errors=True)
         raise as_checkpoint_error(error, final, "exporting") from error
     failure = None
     if is_rank_zero:
@@ -110,9 +113,16 @@ def save_hf_sharded(
             if source_dir is not None:
                 files.update(copy_model_files(source_dir, staging, torch_dtype))
             write_manifest(staging, files, kind="export")
-            _swap_into_place(staging, final, sync_files)
         except (OSError, TunelabError) as error:
             failure = as_checkpoint_error(error, final, "exporting")
+            # Every rank has written its part by now: a failed export leaves nothing behind.
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            try:
+                _swap_into_place(staging, final, sync_files)
+            except OSError as error:
+                # Kept: the staging folder may hold entries moved out of the old export.
+                failure = as_checkpoint_error(error, final, "exporting")
     if distributed:
         # Instead of a barrier: the other ranks learn whether rank 0 finished, and never hang.
         message = [None if failure is None else str(failure)]

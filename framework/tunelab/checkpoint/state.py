@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tunelab.training.rng import rng_state, set_rng_state
+from tunelab._rng import rng_state, set_rng_state
 
 TRAINER_STATE_NAME = "trainer_state.json"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tunelab.errors import TunelabError
+from tunelab.errors import TunelabError, first_line
 
 # Weights as safetensors only (never pickled *.bin / *.pth), the configs and the tokenizer.
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "generation_config.json"]
@@ -61,20 +61,27 @@ def run(namespace: argparse.Namespace) -> int:
         ) from err
     except errors.RevisionNotFoundError as err:
         raise TunelabError(f"{repo} has no revision '{namespace.revision}'") from err
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as err:
+        # Before HfHubHTTPError: huggingface_hub < 1.0 derives LocalEntryNotFoundError from it.
+        raise _unreachable(repo, err) from err
     except errors.HfHubHTTPError as err:
-        raise TunelabError(f"download of {repo} failed: {str(err).splitlines()[0]}") from err
-    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, OSError) as err:
-        # Offline mode, DNS, refused connections and timeouts all land here.
-        if huggingface_hub.constants.HF_HUB_OFFLINE:
-            reason = "offline mode is on (HF_HUB_OFFLINE=1) and there is no local copy"
-        else:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise TunelabError(
-            f"cannot reach the Hugging Face hub to download {repo}: {reason}"
-        ) from err
+        raise TunelabError(f"download of {repo} failed: {first_line(err)}") from err
+    except OSError as err:
+        # DNS, refused connections, timeouts; after HfHubHTTPError (an OSError before hub 1.0).
+        raise _unreachable(repo, err) from err
     if not any(Path(path).rglob("*.safetensors")):
         raise TunelabError(
             f"{repo} has no safetensors weights; tunelab does not load pickled *.bin files"
         )
     print(f"Downloaded {repo} to {path}")
     return 0
+
+
+def _unreachable(repo: str, err: BaseException) -> TunelabError:
+    import huggingface_hub
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        reason = "offline mode is on (HF_HUB_OFFLINE=1) and there is no local copy"
+    else:
+        reason = first_line(err) or type(err).__name__
+    return TunelabError(f"cannot reach the Hugging Face hub to download {repo}: {reason}")

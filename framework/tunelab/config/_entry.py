@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from tunelab.config._load import load_config
 from tunelab.config._validate import parse_args
-from tunelab.errors import TunelabError
+from tunelab.errors import TunelabError, first_line
 from tunelab.lifecycle import (
     TrainingStopped,
     exit_with_launcher,
@@ -102,7 +102,7 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
     if isinstance(err, TunelabError):
         line = str(err)
     else:
-        first = next(iter(str(err).strip().splitlines()), "")
+        first = first_line(err)
         line = f"rank {_rank()}: {type(err).__name__}: {first}"
         line += f" (traceback in {log_path})" if log_path else ""
     _close_progress_bars()

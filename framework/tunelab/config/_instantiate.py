@@ -11,14 +11,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tunelab.config._static import StaticCallable, StaticMissing, resolve_static
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, first_line
 
 COMPONENT_KEY = "_component_"
-
-
-def _first_line(err: Exception) -> str:
-    # OmegaConf appends "full_key: ... object_type=..." lines; the first line says it all.
-    return str(getattr(err, "msg", err)).splitlines()[0]
 
 
 def _join(path: str, key: str | int) -> str:
@@ -188,7 +183,7 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             node = OmegaConf.to_container(node, resolve=True)
         except OmegaConfBaseException as err:
-            raise ConfigError(f"{path or 'config'}: {_first_line(err)}") from err
+            raise ConfigError(f"{path or 'config'}: {first_line(err)}") from err
     if isinstance(node, dict) and COMPONENT_KEY in node:
         return _call(node, path, args, kwargs)
     if args or kwargs:

@@ -14,17 +14,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tunelab import _paths
 from tunelab.config.constraints import suggest_path
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, first_line
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 # A dotted key: names (letters, digits, '_' and '-') and list indices, e.g. `a.b`, `loggers.0.dir`.
 _SCIENTIFIC_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
 _KEY_RE = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+)*$")
-
-
-def _first_line(err: Exception) -> str:
-    # OmegaConf appends "full_key: ... object_type=..." lines; the first line says it all.
-    return str(getattr(err, "msg", err)).splitlines()[0]
 
 
 def _assets_resolver(name: str) -> str:
@@ -185,7 +180,7 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         try:
             OmegaConf.update(cfg, key, value, merge=False)
         except OmegaConfBaseException as err:
-            raise ConfigError(f"cannot apply override '{override}': {_first_line(err)}") from err
+            raise ConfigError(f"cannot apply override '{override}': {first_line(err)}") from err
     return cfg
 
 

@@ -87,6 +87,16 @@ def module_file(module: str) -> Path | None:
     return folder / "__init__.py"
 
 
+def _parse(path: Path | None) -> ast.Module | None:
+    """The syntax tree of a source file; None when there is none or it cannot be read."""
+    if path is None:
+        return None
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+
+
 def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
@@ -113,11 +123,8 @@ def _bound_names(statement: ast.stmt) -> set[str]:
 def _namespace(module: str) -> dict[str, _Binding] | None:
     """The top-level names of a module's source; None if they cannot all be known."""
     path = module_file(module)
-    if path is None:
-        return None
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+    tree = _parse(path)
+    if path is None or tree is None:
         return None
     is_package = path.name == "__init__.py"
     names: dict[str, _Binding] = {}
@@ -149,7 +156,7 @@ def _namespace(module: str) -> dict[str, _Binding] | None:
     return names
 
 
-def _parameters(arguments: ast.arguments, drop_first: bool) -> inspect.Signature:
+def _parameters(arguments: ast.arguments, *, drop_first: bool) -> inspect.Signature:
     kinds = inspect.Parameter
     positional = [*arguments.posonlyargs, *arguments.args]
     first_default = len(positional) - len(arguments.defaults)
@@ -248,7 +255,7 @@ def _lookup(
     if binding.kind == "function" and not rest:
         if binding.node.decorator_list:
             return None
-        return StaticCallable(f"{module}.{name}", _parameters(binding.node.args, False))
+        return StaticCallable(f"{module}.{name}", _parameters(binding.node.args, drop_first=False))
     if binding.kind == "class" and not rest:
         signature = _class_signature(binding.node, module, hops)
         return StaticCallable(f"{module}.{name}", signature) if signature else None
@@ -286,12 +293,8 @@ def supported_model_types() -> dict[str, str] | None:
         A mapping from ``model_type`` to the HF architecture name of each family, or None
         when the source does not have the expected shape (then import the package instead).
     """
-    path = module_file("tunelab.models.families")
-    if path is None:
-        return None
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+    tree = _parse(module_file("tunelab.models.families"))
+    if tree is None:
         return None
     for statement in tree.body:
         if isinstance(statement, ast.AnnAssign):

@@ -26,16 +26,11 @@ from tunelab.config._component_rules import RULES, ComponentRules
 from tunelab.config._instantiate import COMPONENT_KEY, inspect_component
 from tunelab.config._types import TypeMismatch, coerce, split_annotated
 from tunelab.config.constraints import PathCheck
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, first_line
 
 T = TypeVar("T")
 _NO_VALUE = object()
 _BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-
-
-def _first_line(err: Exception) -> str:
-    # OmegaConf appends "full_key: ... object_type=..." lines; the first line says it all.
-    return str(getattr(err, "msg", err)).splitlines()[0]
 
 
 def _join(path: str, key: str | int) -> str:
@@ -120,7 +115,7 @@ class _Checker:
         except MissingMandatoryValue:
             self.problems.append(f"key '{path}' has no value (???): set it, e.g. {path}=...")
         except OmegaConfBaseException as err:
-            self.problems.append(f"key '{path}': {_first_line(err)}")
+            self.problems.append(f"key '{path}': {first_line(err)}")
         return _NO_VALUE
 
     def plain(self, value: Any, path: str) -> Any:
@@ -129,7 +124,7 @@ class _Checker:
         try:
             return OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
         except OmegaConfBaseException as err:
-            self.problems.append(f"key '{path}': {_first_line(err)}")
+            self.problems.append(f"key '{path}': {first_line(err)}")
             return _NO_VALUE
 
     def dataclass(self, node: DictConfig, cls: type, path: str) -> Any:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tunelab._torch_compat import checkpoint_activations
 from tunelab.errors import ConfigError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,10 +70,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     Uses the composable ``checkpoint``, which, unlike ``checkpoint_wrapper``, keeps
     parameter names unchanged (no ``_checkpoint_wrapped_module.`` prefix in checkpoints).
     """
-    from torch.distributed._composable import checkpoint
-
     for block in model.layers:
-        checkpoint(block)
+        checkpoint_activations(block)
 
 
 def reshard(model: nn.Module) -> None:

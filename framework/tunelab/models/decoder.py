@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tunelab.models.args import ModelArgs
+from tunelab.models.families import adapter_for
 from tunelab.models.state_dict_adapter import StateDictAdapter
 from tunelab.modules import Attention, FeedForward, KVCache, RMSNorm, RotaryEmbedding
 
@@ -80,9 +81,6 @@ class TransformerDecoder(nn.Module):
     @property
     def state_dict_adapter(self) -> StateDictAdapter:
         """This family's mapping between native and HF state dicts."""
-        # Imported here: the family modules import this one to build models.
-        from tunelab.models.families import adapter_for
-
         return adapter_for(self.args)
 
     def tie_weights(self) -> None:

@@ -1,4 +1,4 @@
-"""Which family a Hugging Face checkpoint belongs to, and building a model from its config."""
+"""Which family a Hugging Face checkpoint belongs to, and reading its ``config.json``."""
 
 import json
 import os
@@ -9,7 +9,6 @@ from typing import Any
 
 from tunelab.errors import CheckpointError, ConfigError
 from tunelab.models.args import ModelArgs
-from tunelab.models.decoder import TransformerDecoder
 from tunelab.models.llama import LlamaStateDictAdapter, llama_args_from_hf
 from tunelab.models.qwen2 import Qwen2StateDictAdapter, qwen2_args_from_hf
 from tunelab.models.state_dict_adapter import StateDictAdapter
@@ -85,24 +84,3 @@ def args_from_hf(checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any]
     """Parse ``ModelArgs`` from a checkpoint directory, a ``config.json`` path or a dict."""
     config = read_hf_config(checkpoint_dir_or_config)
     return FAMILIES[family_of(config)].args_from_hf(config)
-
-
-def from_hf_config(
-    checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any],
-) -> TransformerDecoder:
-    """Build the model a Hugging Face ``config.json`` describes (weights not loaded).
-
-    Parameters are created on the current default device; build under
-    ``torch.device("meta")`` to allocate nothing.
-
-    Args:
-        checkpoint_dir_or_config: a checkpoint directory, its ``config.json``, or the dict.
-
-    Returns:
-        The model, randomly initialised (or on meta).
-
-    Raises:
-        CheckpointError: no readable ``config.json``.
-        ConfigError: an unsupported family or feature.
-    """
-    return TransformerDecoder(args_from_hf(checkpoint_dir_or_config))

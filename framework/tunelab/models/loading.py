@@ -1,17 +1,42 @@
-"""Filling a model from a Hugging Face checkpoint: whole tensors, or only a rank's rows."""
+"""Models from Hugging Face checkpoints: built from the config, filled from the weights.
+
+A rank fills its sharded parameters with only its own rows, read straight from the files.
+"""
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tunelab._torch_compat import local_shape_and_global_offset
 from tunelab.checkpoint.hf import HFCheckpointReader
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import CheckpointError
 from tunelab.models.decoder import TransformerDecoder
-from tunelab.models.families import from_hf_config, read_hf_config
+from tunelab.models.families import args_from_hf, read_hf_config
 
-# Wrappers that insert a path component without changing what a parameter is.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+def from_hf_config(
+    checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any],
+) -> TransformerDecoder:
+    """Build the model a Hugging Face ``config.json`` describes (weights not loaded).
+
+    Parameters are created on the current default device; build under
+    ``torch.device("meta")`` to allocate nothing.
+
+    Args:
+        checkpoint_dir_or_config: a checkpoint directory, its ``config.json``, or the dict.
+
+    Returns:
+        The model, randomly initialised (or on meta).
+
+    Raises:
+        CheckpointError: no readable ``config.json``.
+        ConfigError: an unsupported family or feature.
+    """
+    return TransformerDecoder(args_from_hf(checkpoint_dir_or_config))
 
 
 @dataclass
@@ -22,21 +47,12 @@ class LoadResult:
     """Model parameters absent from the checkpoint (only LoRA parameters are allowed)."""
 
 
-def _clean_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
-
 def _local_slices(param: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """The local tensor to fill and its ``(offset, length)`` in each global dimension."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if isinstance(param, DTensor):
-        local_shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
+        local_shape, offset = local_shape_and_global_offset(param)
         return param.to_local(), list(zip(offset, local_shape))
     return param, [(0, size) for size in param.shape]
 
@@ -106,7 +122,7 @@ def load_hf_into_model(
     result = LoadResult()
     expected: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        native = _clean_name(name)
+        native = clean_fqn(name)
         if "lora_" in native:
             result.missing.append(name)
             continue

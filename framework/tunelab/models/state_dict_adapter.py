@@ -11,16 +11,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from tunelab.checkpoint.hf import hf_dtype_name
 from tunelab.errors import CheckpointError
 from tunelab.models.args import ModelArgs
 
 TIED_HEAD_KEY = "lm_head.weight"
 EMBEDDING_KEY = "model.embed_tokens.weight"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """HF's spelling of a dtype in ``config.json`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return str(dtype).removeprefix("torch.")
 
 
 class StateDictAdapter:
@@ -106,5 +102,5 @@ class StateDictAdapter:
     def _with_identity(self, config: dict[str, Any], torch_dtype: torch.dtype | None) -> dict:
         config = {"architectures": [self.architecture], "model_type": self.model_type, **config}
         if torch_dtype is not None:
-            config["torch_dtype"] = config["dtype"] = dtype_name(torch_dtype)
+            config["torch_dtype"] = config["dtype"] = hf_dtype_name(torch_dtype)
         return config

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
-from tunelab.peft._names import clean_fqn
 from tunelab.peft.lora import LoRALinear, validate_lora_options
 
 ALL_LINEAR = "all-linear"

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
-from tunelab.peft._names import clean_fqn
 from tunelab.peft.apply import lora_modules
 
 

@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import CheckpointError, ConfigError, TunelabError
-from tunelab.peft._names import clean_fqn, is_adapter_key
+from tunelab.peft._names import is_adapter_key
 from tunelab.peft.apply import ALL_LINEAR, lora_modules
 
 PEFT_PREFIX = "base_model.model."

@@ -1,37 +1,15 @@
-"""RNG state capture and restore, so a resumed run draws the same random numbers."""
+"""Seeding, and the RNG state helpers (defined in ``tunelab._rng``, re-exported here)."""
 
 import random
-from typing import Any
 
 import torch
+
+from tunelab._rng import rng_state, set_rng_state
+
+__all__ = ["rng_state", "seed_everything", "set_rng_state"]
 
 
 def seed_everything(seed: int) -> None:
     """Seed Python, torch CPU and CUDA generators."""
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """Return this process's RNG states as tensors and plain values."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore RNG states captured by :func:`rng_state`."""
-    random.setstate(_as_python_state(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_python_state(value: Any) -> tuple:
-    # A round trip through a checkpoint turns tuples into lists.
-    version, internal, gauss = value
-    return (version, tuple(internal), gauss)

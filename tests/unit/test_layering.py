@@ -1,0 +1,262 @@
+"""Imports between tunelab modules: no cycles, and each package imports only layers below it.
+
+The layers are documented in docs/architecture.md ("Layers"); this test is their definition.
+Imports are read with ``ast`` from the source, nothing is imported.
+"""
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = ROOT / "framework" / "tunelab"
+RECIPES_DIR = ROOT / "recipes"
+
+# Bottom to top. A module may import modules of its own unit and of units in lower layers.
+# A unit is named by module prefixes; the longest prefix that matches a module wins, and the
+# root package ``tunelab`` matches only itself.
+LAYERS: list[dict[str, tuple[str, ...]]] = [
+    {
+        "foundation": (
+            "tunelab",
+            "tunelab.errors",
+            "tunelab._fs",
+            "tunelab._paths",
+            "tunelab._rng",
+            "tunelab._torch_compat",
+        ),
+    },
+    {
+        "modules": ("tunelab.modules",),
+        "distributed": ("tunelab.distributed",),
+        # The file formats: read by models, peft and the CLI, and free of training state.
+        "checkpoint files": (
+            "tunelab.checkpoint.hf",
+            "tunelab.checkpoint.integrity",
+            "tunelab.checkpoint.layout",
+        ),
+    },
+    {"lifecycle": ("tunelab.lifecycle",)},
+    {"config": ("tunelab.config",)},
+    {
+        "models": ("tunelab.models",),
+        "peft": ("tunelab.peft",),
+        "data": ("tunelab.data",),
+        "losses": ("tunelab.losses",),
+    },
+    {"checkpoint": ("tunelab.checkpoint",)},
+    {"training": ("tunelab.training",), "generation": ("tunelab.generation",)},
+    {"cli": ("tunelab.cli",), "assets": ("tunelab.assets",), "recipes": ("recipes",)},
+]
+
+# Imports inside a function that reach up or sideways, each for a stated reason. Anything
+# else that does is a layering violation, deferred or not.
+DEFERRED_EXCEPTIONS = {
+    # Falls back to importing the families only when their source cannot be read statically.
+    ("tunelab.config._model_dir", "tunelab.models.families"),
+    # The settings-docs generator reads the built-in recipes' ARGS, as the CLI finds them.
+    ("tunelab.config.docs", "tunelab.cli._discovery"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str
+    line: int
+    deferred: bool  # inside a function, or only for type checking
+    implicit: bool  # a package that Python initialises before the named module
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    for path in sorted(RECIPES_DIR.glob("*.py")):
+        files[f"recipes.{path.stem}"] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(body: list[ast.stmt], deferred: bool) -> Iterator[tuple[ast.stmt, bool]]:
+    """Every import statement, and whether it runs after the module has been imported."""
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, deferred
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield from _import_nodes(node.body, True)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _import_nodes(node.body, True)
+            yield from _import_nodes(node.orelse, deferred)
+        else:
+            # Class bodies, if/try/with blocks at module level run at import time.
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    yield from _import_nodes(block, deferred)
+
+
+def _absolute(importer: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    is_package = MODULES[importer].name == "__init__.py"
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _tunelab_targets(importer: str, node: ast.stmt) -> Iterator[tuple[str, bool]]:
+    """The tunelab modules an import statement runs, each with whether it is implicit."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        assert isinstance(node, ast.ImportFrom)
+        module = _absolute(importer, node)
+        # `from package import submodule` imports the submodule; other names come from module.
+        names = [
+            f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module
+            for alias in node.names
+        ]
+    for name in dict.fromkeys(names):
+        if name.split(".")[0] != "tunelab":
+            continue
+        # Importing a.b.c also runs the packages a.b and a first, except those the importer
+        # already lives in (they are initialised before it).
+        # Those count for cycles; for layers only the named module does.
+        parts = name.split(".")
+        for end in range(len(parts), 1, -1):
+            prefix = ".".join(parts[:end])
+            if importer == prefix or importer.startswith(prefix + "."):
+                break
+            if prefix in MODULES:
+                yield prefix, end < len(parts)
+
+
+def _imports() -> list[Import]:
+    found = []
+    for importer, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node, deferred in _import_nodes(tree.body, False):
+            for target, implicit in _tunelab_targets(importer, node):
+                found.append(Import(importer, target, node.lineno, deferred, implicit))
+    return found
+
+
+IMPORTS = _imports()
+
+
+def _unit_of(module: str) -> tuple[int, str] | None:
+    best: tuple[int, int, str] | None = None
+    for level, layer in enumerate(LAYERS):
+        for unit, prefixes in layer.items():
+            for prefix in prefixes:
+                matches = module == prefix or (
+                    prefix != "tunelab" and module.startswith(prefix + ".")
+                )
+                if matches and (best is None or len(prefix) > best[0]):
+                    best = (len(prefix), level, unit)
+    return None if best is None else (best[1], best[2])
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a closed path, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(module for module in MODULES if _unit_of(module) is None)
+    assert not missing, f"add these modules' packages to LAYERS: {missing}"
+
+
+def test_no_import_cycles_at_module_level():
+    graph: dict[str, set[str]] = {}
+    for item in IMPORTS:
+        if not item.deferred and item.importer != item.target:
+            graph.setdefault(item.importer, set()).add(item.target)
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_imports_follow_the_layers():
+    violations = []
+    for item in IMPORTS:
+        if item.implicit:
+            continue
+        importer, target = _unit_of(item.importer), _unit_of(item.target)
+        if importer is None or target is None or importer[1] == target[1]:
+            continue
+        if target[0] < importer[0]:
+            continue
+        if item.deferred and (item.importer, item.target) in DEFERRED_EXCEPTIONS:
+            continue
+        violations.append(
+            f"{MODULES[item.importer].relative_to(ROOT)}:{item.line}: {item.importer} "
+            f"({importer[1]}) imports {item.target} ({target[1]}), not a lower layer"
+        )
+    assert not violations, "\n".join(violations)
+
+
+def test_deferred_exceptions_are_still_needed():
+    present = {(item.importer, item.target) for item in IMPORTS if item.deferred}
+    assert DEFERRED_EXCEPTIONS <= present, DEFERRED_EXCEPTIONS - present
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import tunelab.peft as peft", [("tunelab.peft", False)]),
+        (
+            "from tunelab.checkpoint import layout",
+            [("tunelab.checkpoint.layout", False), ("tunelab.checkpoint", True)],
+        ),
+        ("from tunelab.checkpoint import CheckpointClient", [("tunelab.checkpoint", False)]),
+        ("from tunelab.data.chat import x", [("tunelab.data.chat", False)]),
+        ("from . import _rows", [("tunelab.data._rows", False)]),
+        ("import torch", []),
+    ],
+)
+def test_import_resolution(source, expected):
+    node = ast.parse(source).body[0]
+    assert list(_tunelab_targets("tunelab.data.sft", node)) == expected
+
+
+def test_a_cycle_is_found():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}}) is None
