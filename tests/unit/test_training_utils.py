@@ -1,16 +1,12 @@
-import importlib.util
 import json
 import math
 
 import pytest
 import torch
 
-from tunelab.errors import ConfigError
 from tunelab.training import (
     JsonlLogger,
     StdoutLogger,
-    TensorBoardLogger,
-    WandBLogger,
     constant_schedule_with_warmup,
     cosine_schedule_with_warmup,
 )
@@ -63,15 +59,3 @@ def test_jsonl_logger_appends_one_object_per_step(tmp_path):
 def test_stdout_logger_prints_one_line(capsys):
     StdoutLogger().log({"loss": 1.23456789, "tokens": 7}, 3)
     assert capsys.readouterr().out == "step 3 | loss 1.23457 | tokens 7\n"
-
-
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="installed")
-def test_tensorboard_logger_without_tensorboard_names_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="pip install tensorboard"):
-        TensorBoardLogger(str(tmp_path))
-
-
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="installed")
-def test_wandb_logger_without_wandb_names_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="pip install wandb"):
-        WandBLogger(log_dir=str(tmp_path))

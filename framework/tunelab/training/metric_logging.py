@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, first_line
 
 
 class MetricLogger(Protocol):
@@ -80,8 +80,14 @@ class JsonlLogger:
 class TensorBoardLogger:
     """Scalars to TensorBoard event files in ``log_dir`` (needs ``tensorboard``).
 
+    Each step's scalars are flushed as they are logged, so a crash loses none. After a resume,
+    :meth:`truncate_after` makes TensorBoard drop the steps that are logged again.
+
     Args:
         log_dir: Folder for the event files.
+
+    Raises:
+        ConfigError: ``tensorboard`` is not installed.
     """
 
     def __init__(self, log_dir: str) -> None:
@@ -91,25 +97,51 @@ class TensorBoardLogger:
             raise ConfigError(
                 "metric logger TensorBoardLogger needs tensorboard: pip install tensorboard"
             ) from error
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self._summary_writer = SummaryWriter
+        self.log_dir = log_dir
+        self._writer: Any = None  # opened on first use: a resume opens it with a purge step
+
+    def _open(self, purge_step: int | None = None) -> Any:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = self._summary_writer(log_dir=self.log_dir, purge_step=purge_step)
+        return self._writer
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Add each metric as a scalar."""
+        """Add each metric as a scalar at ``step`` and flush."""
+        writer = self._writer or self._open()
         for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step)
+            writer.add_scalar(name, value, step)
+        writer.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Hide records of steps after ``step`` from TensorBoard: a resumed run logs them again.
+
+        The event files are append-only; a start marker at ``step + 1`` tells TensorBoard's
+        reader to drop the older events from that step on.
+        """
+        self._open(purge_step=step + 1)
 
     def close(self) -> None:
         """Flush and close the writer."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 class WandBLogger:
     """Weights & Biases run (needs ``wandb``; honours ``WANDB_MODE=offline``).
 
+    A resumed training run starts a new W&B run, which logs from the resumed step on.
+
     Args:
         project: The W&B project.
-        log_dir: Local folder for W&B files.
+        log_dir: Local folder for W&B files (``WANDB_DIR`` or the working directory if None).
         **init_kwargs: Passed to ``wandb.init`` (entity, name, tags, ...).
+
+    Raises:
+        ConfigError: ``wandb`` is not installed, or it cannot start a run (no API key while
+            online, say).
     """
 
     def __init__(self, project: str = "tunelab", log_dir: str | None = None, **init_kwargs: Any):
@@ -119,14 +151,21 @@ class WandBLogger:
             raise ConfigError("metric logger WandBLogger needs wandb: pip install wandb") from error
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
-        self._run = wandb.init(project=project, dir=log_dir, **init_kwargs)
+        try:
+            self._run = wandb.init(project=project, dir=log_dir, **init_kwargs)
+        except wandb.errors.Error as error:
+            # Its message spans lines and names no fix for a run without a terminal.
+            raise ConfigError(
+                f"metric logger WandBLogger cannot start a run: {first_line(error)} "
+                "(log in with `wandb login` or WANDB_API_KEY, or set WANDB_MODE=offline)"
+            ) from error
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log the metrics at ``step``."""
+        """Log the metrics at ``step`` (several calls with one step make one W&B row)."""
         self._run.log(metrics, step=step)
 
     def close(self) -> None:
-        """Finish the run."""
+        """Finish the run (in offline mode its files stay in ``log_dir`` for ``wandb sync``)."""
         self._run.finish()
 
 
