@@ -67,7 +67,7 @@ def main(args: FullFinetuneArgs) -> None:
     optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
     loss_fn = instantiate(args.loss)
     loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
-    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler)
+    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler, tokenizer)
     schedule = Schedule(args)
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 

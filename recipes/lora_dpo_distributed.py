@@ -82,7 +82,7 @@ def main(args: LoRADPOArgs) -> None:
             f"IPOLoss, HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
         )
     loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
-    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler)
+    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler, tokenizer)
     # Snapshots the SFT adapter, so before resume or training changes it. Swapping it in edits
     # adapter weights in place: first wait for an async save staging them.
     reference = ReferenceModel(

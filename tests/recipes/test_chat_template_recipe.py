@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.recipes.conftest import losses_by_step, tunelab_run
+from tunelab.checkpoint import verify_folder
 from tunelab.cli._data import build_dataset
 from tunelab.data import IGNORE_INDEX, load_tokenizer
 
@@ -52,3 +53,8 @@ def test_lora_on_chat_data_with_the_qwen_template(tmp_path):
     assert (export / "adapter" / "adapter_model.safetensors").is_file()
     assert list(export.glob("model*.safetensors"))
     assert load_tokenizer(export).vocab_size == tokenizer.vocab_size
+    # The export is served with the template it was trained on (transformers reads
+    # chat_template.jinja before tokenizer_config.json), and the manifest covers the file.
+    assert (export / "chat_template.jinja").read_text() == QWEN.read_text()
+    assert load_tokenizer(export).chat_template.text == QWEN.read_text()
+    assert verify_folder(export) == []

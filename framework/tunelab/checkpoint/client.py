@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,8 @@ class CheckpointClient:
         keep_last_n: Keep this many committed step checkpoints (None keeps all).
         config_hash: Hash of the resolved run config, recorded in manifests.
         writer_factory: Storage writer for step checkpoints (tests inject slow writers).
+        export_files: Files every export writes beside the base model's tokenizer files, by
+            name (``Tokenizer.extra_files()``: the chat template a run was trained with).
 
     Raises:
         CheckpointError: A multi-process run built the client before the process group.
@@ -111,6 +114,7 @@ class CheckpointClient:
         keep_last_n: int | None = None,
         config_hash: str = "",
         writer_factory: WriterFactory | None = None,
+        export_files: Mapping[str, bytes] | None = None,
     ) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             raise CheckpointError(
@@ -123,6 +127,7 @@ class CheckpointClient:
         self.lora = lora
         self.keep_last_n = keep_last_n
         self.config_hash = config_hash
+        self.export_files = dict(export_files or {})
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
@@ -386,7 +391,11 @@ class CheckpointClient:
         path = layout.epoch_dir(self.output_dir, epoch)
         try:
             return export_hf(
-                self.model, path, base_checkpoint_dir=self.base_checkpoint_dir, lora=self.lora
+                self.model,
+                path,
+                base_checkpoint_dir=self.base_checkpoint_dir,
+                lora=self.lora,
+                extra_files=self.export_files,
             )
         except OSError as error:
             raise as_checkpoint_error(error, path, "exporting") from error

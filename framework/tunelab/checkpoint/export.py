@@ -11,6 +11,7 @@ exists at a time and one rank's merge overlaps the other ranks' writes.
 """
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -31,6 +32,7 @@ def export_hf(
     base_checkpoint_dir: str | os.PathLike,
     lora: LoRASpec | None = None,
     process_group: dist.ProcessGroup | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Export a (possibly sharded) model in Hugging Face format.
 
@@ -42,6 +44,8 @@ def export_hf(
         lora: The LoRA settings when the model carries adapters; the adapter goes to
             ``output_dir/adapter`` and the merged weights to ``output_dir``.
         process_group: Group for the collective write (default group when None).
+        extra_files: Files written beside the copied tokenizer files, by name (e.g. the
+            ``chat_template.jinja`` of an overridden template; ``Tokenizer.extra_files``).
 
     Returns:
         The export folder.
@@ -69,5 +73,6 @@ def export_hf(
         source_dir=base_checkpoint_dir,
         torch_dtype=dtype,
         local_transforms={model.state_dict_adapter.to_hf_key(k): f for k, f in merges.items()},
+        extra_files=extra_files,
     )
     return output_dir

@@ -43,6 +43,7 @@ def save_hf_sharded(
     sync_files: bool = True,
     thread_count: int = 1,
     local_transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Export a (possibly sharded) HF-keyed state dict as a Hugging Face model folder.
 
@@ -69,6 +70,8 @@ def save_hf_sharded(
             state dict value's dtype. Values computed this way (e.g. a deferred LoRA merge,
             ``tunelab.peft.merge.lazy_merged_state_dict``) exist one at a time, and one
             rank's compute overlaps the others' writes.
+        extra_files: Files rank 0 writes beside the copied model files, by name
+            (``copy_model_files``), e.g. an overridden ``chat_template.jinja``.
 
     Returns:
         The output folder.
@@ -111,7 +114,7 @@ def save_hf_sharded(
         try:
             files = dict(writer.file_records)
             if source_dir is not None:
-                files.update(copy_model_files(source_dir, staging, torch_dtype))
+                files.update(copy_model_files(source_dir, staging, torch_dtype, extra_files))
             write_manifest(staging, files, kind="export")
         except (OSError, TunelabError) as error:
             failure = as_checkpoint_error(error, final, "exporting")

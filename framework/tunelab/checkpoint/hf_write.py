@@ -46,6 +46,7 @@ def copy_model_files(
     source_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
     torch_dtype: torch.dtype | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> dict[str, FileRecord]:
     """Copy config, tokenizer and generation files (``MODEL_FILE_PATTERNS``) to ``output_dir``.
 
@@ -57,8 +58,12 @@ def copy_model_files(
         output_dir: an existing directory.
         torch_dtype: if given, ``config.json`` records it as ``torch_dtype`` and ``dtype``.
 
+        extra_files: Files to write after the copies, by name (they win over a copied file of
+            the same name), e.g. ``chat_template.jinja`` for a run whose chat template was
+            overridden (``Tokenizer.extra_files``).
+
     Returns:
-        Each copied file's name and checksum record (taken as it is written, fsynced).
+        Each copied or written file's name and checksum record (taken as it is written).
 
     Raises:
         CheckpointError: ``source_dir`` does not exist or its ``config.json`` is not JSON.
@@ -79,4 +84,6 @@ def copy_model_files(
                 copied[path.name] = _write_config(config, output / path.name, torch_dtype)
             else:
                 copied[path.name] = copy_file(path, output / path.name)
+    for name, data in (extra_files or {}).items():
+        copied[name] = write_bytes(output / name, data)
     return copied

@@ -95,11 +95,17 @@ def build_optimizer(
 
 
 def build_checkpoint_client(
-    args: FinetuneArgs, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any
+    args: FinetuneArgs,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    tokenizer: Any = None,
 ) -> CheckpointClient:
     """The run's ``CheckpointClient`` (call after ``init_distributed``).
 
-    A recipe whose settings have ``lora`` gets adapter-only checkpoints and LoRA exports.
+    A recipe whose settings have ``lora`` gets adapter-only checkpoints and LoRA exports. With
+    ``tokenizer``, exports also carry what it adds to the base model's files (an overridden
+    chat template), so the exported model is served with the template it was trained on.
     """
     # Imported here: tunelab.checkpoint imports tunelab.training (RNG state) as it loads.
     from tunelab.checkpoint import CheckpointClient, LoRASpec
@@ -124,6 +130,7 @@ def build_checkpoint_client(
         enable_async=args.checkpoint.enable_async_checkpointing,
         keep_last_n=args.checkpoint.keep_last_n_checkpoints,
         config_hash=config_fingerprint(args),
+        export_files=tokenizer.extra_files() if hasattr(tokenizer, "extra_files") else None,
     )
 
 
