@@ -31,6 +31,7 @@ from tunelab.training import (
     ProgressBar,
     ReferenceModel,
     Schedule,
+    StepProfiler,
     build_checkpoint_client,
     build_data,
     build_model,
@@ -101,6 +102,12 @@ def main(args: LoRADPOArgs) -> None:
     progress = ProgressBar(
         data.steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
     )
+    profiler = StepProfiler(
+        args.output_dir,
+        enabled=args.profile,
+        skip_first=args.profile_skip_first,
+        record_steps=args.profile_record_steps,
+    )
     # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
     preemption = Preemption(checkpoints, close=(progress, loggers))
     model.train()
@@ -136,6 +143,7 @@ def main(args: LoRADPOArgs) -> None:
                 loss=step_metrics["loss"],
                 step=global_step + 1,
             )
+            profiler.step()
             data.sampler.advance(args.batch_size * args.gradient_accumulation_steps)
             global_step += 1
             step_in_epoch += 1
@@ -177,6 +185,7 @@ def main(args: LoRADPOArgs) -> None:
 
     # -- clean-up -------------------------------------------------------------------------
     progress.close()
+    profiler.close()
     checkpoints.close()
     loggers.close()
     if dist_info.is_main:

@@ -110,6 +110,12 @@ class FinetuneArgs(RecipeArgs):
     """Cap on optimizer steps per epoch (None: the whole dataset)."""
     clip_grad_norm: Annotated[float, Finite(), Range(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value (None: no clipping)."""
+    profile: bool = False
+    """Record a few training steps with torch.profiler: one Chrome trace per rank in output_dir/profile/."""
+    profile_skip_first: Annotated[int, Range(ge=0)] = 1
+    """With profile: steps to run before recording (start-up and warm-up distort them)."""
+    profile_record_steps: AtLeastOne = 3
+    """With profile: steps to record."""
     skip_nonfinite_steps: Annotated[int, Range(ge=0)] = 0
     """Skip up to N steps whose loss or gradient norm is NaN/inf (no update); the next one stops the run."""
     log_every_n_steps: AtLeastOne = 1

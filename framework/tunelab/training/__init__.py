@@ -39,6 +39,7 @@ from tunelab.training.preference import (
     global_preference_metrics,
     preference_loss,
 )
+from tunelab.training.profiler import StepProfiler
 from tunelab.training.progress import ProgressBar
 from tunelab.training.reference import PolicyOutput, ReferenceModel, policy_forward
 from tunelab.training.rng import seed_everything
@@ -64,6 +65,7 @@ __all__ = [
     "ReferenceModel",
     "Schedule",
     "StdoutLogger",
+    "StepProfiler",
     "TensorBoardLogger",
     "TrainingData",
     "WandBLogger",
