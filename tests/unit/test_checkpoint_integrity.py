@@ -49,6 +49,20 @@ def test_hashing_writer_records_what_reaches_the_file(tmp_path):
     assert integrity.check_file(path, record) is None
 
 
+def test_hashing_in_a_second_thread_gives_the_same_record(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [b"a" * 10, bytes(range(256)) * 8192, b"z", bytes(3 << 20)]  # small and large
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as file, ThreadPoolExecutor(1) as hasher:
+        stream = integrity.HashingWriter(file, hasher)
+        for block in blocks:
+            stream.write(block)
+    assert stream.record() == integrity.record_of(b"".join(blocks)) == integrity.record_of(
+        path.read_bytes()
+    )
+
+
 def test_ranges_must_tile_the_file():
     pieces = [(4, 4, "b"), (0, 4, "a")]
     assert integrity.record_of_ranges(pieces, 8)["ranges"] == [[0, 4, "a"], [4, 4, "b"]]

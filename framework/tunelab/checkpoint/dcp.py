@@ -16,7 +16,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,8 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as stream:
-            hashing = HashingWriter(stream)
+        with super().create_stream(path, mode) as stream, ThreadPoolExecutor(1) as hasher:
+            hashing = HashingWriter(stream, hasher)
             yield hashing
             self.book.add(Path(path).name, hashing.record())
 

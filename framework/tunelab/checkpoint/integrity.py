@@ -24,6 +24,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ MANIFEST_NAME = "tunelab_manifest.json"
 MANIFEST_VERSION = 2
 """Version 2 adds per-file digests; version 1 manifests (sizes only) cannot be verified."""
 _READ_BYTES = 16 << 20
+# Writes at least this large are hashed in a second thread while they are written.
+_OVERLAP_BYTES = 1 << 20
 
 FileRecord = dict[str, Any]
 """``{"size": int, "ranges": [[offset, length, hex digest], ...]}``, ranges tiling the file."""
@@ -98,12 +101,18 @@ class HashingWriter(io.RawIOBase):
 
     Args:
         file: A binary file open for writing at offset 0.
+        hasher: Hashes large writes in this (one-thread) executor while the file write runs;
+            both release the GIL, so the digest costs almost nothing on top of the write.
+            None hashes before each write.
     """
 
-    def __init__(self, file: io.BufferedIOBase | io.RawIOBase) -> None:
+    def __init__(
+        self, file: io.BufferedIOBase | io.RawIOBase, hasher: Executor | None = None
+    ) -> None:
         super().__init__()
         self._file = file
         self._hasher = xxhash.xxh3_128()
+        self._executor = hasher
         self._size = 0
 
     def writable(self) -> bool:
@@ -113,7 +122,11 @@ class HashingWriter(io.RawIOBase):
     def write(self, data: Any) -> int:
         """Hash ``data`` and write it to the file."""
         view = memoryview(data).cast("B")
-        self._hasher.update(view)
+        pending = None
+        if self._executor is not None and len(view) >= _OVERLAP_BYTES:
+            pending = self._executor.submit(self._hasher.update, view)
+        else:
+            self._hasher.update(view)
         try:
             written = self._file.write(view)
         except OSError as error:
@@ -121,6 +134,9 @@ class HashingWriter(io.RawIOBase):
                 raise
             # A failed write names no file; say which (what a user needs to act on it).
             raise OSError(error.errno, error.strerror, getattr(self._file, "name", None)) from error
+        finally:
+            if pending is not None:
+                pending.result()  # the caller may reuse its buffer once write returns
         if written is not None and written != len(view):
             raise OSError(f"short write: {written} of {len(view)} bytes")
         self._size += len(view)
