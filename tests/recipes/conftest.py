@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,6 +55,17 @@ def tunelab_run(recipe: str, config: str, *overrides: str, nproc: int = 2, check
             f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def interrupted_copy(source: Path, target: Path, *, after_step: int) -> Path:
+    """``source`` as a run killed right after committing step ``after_step`` would leave it."""
+    shutil.copytree(source, target)
+    for path in target.iterdir():
+        if path.name.startswith("step_") and int(path.name.split("_")[1]) > after_step:
+            shutil.rmtree(path)
+        elif path.name.startswith("epoch_") or path.name == "logs":
+            shutil.rmtree(path)
+    return target
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

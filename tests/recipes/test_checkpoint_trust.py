@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.conftest import TUNELAB, losses_by_step, run_env, tunelab_run
+from tests.recipes.conftest import TUNELAB, interrupted_copy, losses_by_step, run_env, tunelab_run
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -43,17 +43,6 @@ def _run(out, *extra, check=True):
     return tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *COMMON, *extra, check=check
     )
-
-
-def _interrupted_copy(source: Path, target: Path, *, after_step: int) -> Path:
-    """``source`` as a run killed right after committing step ``after_step`` would leave it."""
-    shutil.copytree(source, target)
-    for path in target.iterdir():
-        if path.name.startswith("step_") and int(path.name.split("_")[1]) > after_step:
-            shutil.rmtree(path)
-        elif path.name.startswith("epoch_") or path.name == "logs":
-            shutil.rmtree(path)
-    return target
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -109,7 +98,7 @@ def test_every_output_verifies_and_a_flipped_byte_is_named(reference):
 
 
 def test_corrupt_newest_checkpoint_is_moved_aside_and_the_run_finishes_exactly(reference, tmp_path):
-    out = _interrupted_copy(reference, tmp_path / "run", after_step=4)
+    out = interrupted_copy(reference, tmp_path / "run", after_step=4)
     data = out / "step_4" / "__1_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # one flipped bit, same size
@@ -172,7 +161,7 @@ def test_files_that_would_run_code_are_never_executed(reference, tmp_path):
 def test_exact_resume_with_lora_dropout(dropout_reference, reference, tmp_path):
     dropped, plain = losses_by_step(dropout_reference), losses_by_step(reference)
     assert any(abs(dropped[s] - plain[s]) > 1e-4 for s in range(2, STEPS + 1))  # dropout is on
-    out = _interrupted_copy(dropout_reference, tmp_path / "run", after_step=2)
+    out = interrupted_copy(dropout_reference, tmp_path / "run", after_step=2)
     _run(out, "lora.dropout=0.05", "checkpoint.resume_from_checkpoint=true")
     resumed = losses_by_step(out)
     assert sorted(resumed) == [3, 4, 5, 6]
@@ -180,7 +169,7 @@ def test_exact_resume_with_lora_dropout(dropout_reference, reference, tmp_path):
 
 
 def test_metrics_hold_each_step_once_after_a_resume(reference, tmp_path):
-    out = _interrupted_copy(reference, tmp_path / "run", after_step=4)
+    out = interrupted_copy(reference, tmp_path / "run", after_step=4)
     # The crashed run had logged steps 5 and 6 (and a line cut short) after committing step 4.
     logs = out / "logs"
     logs.mkdir()
@@ -196,7 +185,7 @@ def test_metrics_hold_each_step_once_after_a_resume(reference, tmp_path):
 
 
 def test_stale_temporaries_are_removed_and_never_exported(reference, tmp_path):
-    out = _interrupted_copy(reference, tmp_path / "run", after_step=4)
+    out = interrupted_copy(reference, tmp_path / "run", after_step=4)
     shutil.copytree(reference / "epoch_0", out / "epoch_0")
     stale = [
         out / "epoch_0" / ".adapter.tmp-4242",
@@ -222,7 +211,7 @@ def _limit_file_size(num_bytes):
 
 
 def test_write_failures_are_one_line_and_leave_committed_checkpoints_intact(reference, tmp_path):
-    out = _interrupted_copy(reference, tmp_path / "run", after_step=2)
+    out = interrupted_copy(reference, tmp_path / "run", after_step=2)
     before = _digests(out / "step_2")
     # No file may grow past 500 kB (the kernel refuses with EFBIG, "File too large"): the
     # resumed run's step_4 shards are ~0.7 MB each, so its first save fails mid-write.
@@ -240,7 +229,7 @@ def test_write_failures_are_one_line_and_leave_committed_checkpoints_intact(refe
     assert _digests(out / "step_2") == before
     assert not (out / "step_4" / "tunelab_manifest.json").exists()
     # The export (a 2.2 MB model.safetensors) fails the same way once the saves fit.
-    out = _interrupted_copy(reference, tmp_path / "run2", after_step=4)
+    out = interrupted_copy(reference, tmp_path / "run2", after_step=4)
     before = {step: _digests(out / f"step_{step}") for step in (2, 4)}
     command = [f"output_dir={out}" if c.startswith("output_dir=") else c for c in command]
     result = subprocess.run(
@@ -299,7 +288,7 @@ def test_resume_auto_starts_fresh_or_resumes_and_true_needs_a_checkpoint(referen
     fresh = _run(out, "checkpoint.resume_from_checkpoint=auto")
     assert f"no checkpoint in {out}: starting fresh" in fresh.stdout
     _assert_same_losses(losses_by_step(out), losses_by_step(reference), range(1, STEPS + 1))
-    again = _interrupted_copy(out, tmp_path / "again", after_step=4)
+    again = interrupted_copy(out, tmp_path / "again", after_step=4)
     resumed = _run(again, "checkpoint.resume_from_checkpoint=auto")
     assert "resumed from step_4 (epoch 0, step 4 of 6)" in resumed.stdout
     _assert_same_losses(losses_by_step(again), losses_by_step(reference), range(5, STEPS + 1))

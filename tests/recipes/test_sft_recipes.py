@@ -8,12 +8,18 @@ import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.recipes.conftest import TUNELAB, losses_by_step, read_metrics, run_env, tunelab_run
+from tests.recipes.conftest import (
+    TUNELAB,
+    interrupted_copy,
+    losses_by_step,
+    read_metrics,
+    run_env,
+    tunelab_run,
+)
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
@@ -39,17 +45,6 @@ FULL_GOLDEN = {1: 5.204077826605903, 2: 5.386181190365651, 3: 4.517187083851208,
 def _run(recipe, config, out, *extra, nproc=2):
     batch = "batch_size=8" if nproc == 2 else "batch_size=16"
     return tunelab_run(recipe, config, f"output_dir={out}", batch, *COMMON, *extra, nproc=nproc)
-
-
-def _interrupted_copy(source: Path, target: Path, *, after_step: int) -> Path:
-    """``source`` as a run killed right after committing step ``after_step`` would leave it."""
-    shutil.copytree(source, target)
-    for path in target.iterdir():
-        if path.name.startswith("step_") and int(path.name.split("_")[1]) > after_step:
-            shutil.rmtree(path)
-        elif path.name.startswith("epoch_") or path.name == "logs":
-            shutil.rmtree(path)
-    return target
 
 
 def _assert_same_losses(actual: dict, expected: dict, steps, tol):
@@ -126,7 +121,7 @@ def test_lora_export_loads_in_peft_and_transformers_with_tunelab_logits(lora_2p)
 
 @pytest.mark.parametrize("resume_nproc", [2, 1])
 def test_lora_exact_resume_from_2_processes(lora_2p, tmp_path, resume_nproc):
-    out = _interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
+    out = interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
     _run(
         "lora_finetune_distributed", "tiny/lora", out, "checkpoint.resume_from_checkpoint=true",
         nproc=resume_nproc,
@@ -139,13 +134,13 @@ def test_lora_exact_resume_from_2_processes(lora_2p, tmp_path, resume_nproc):
 
 
 def test_lora_exact_resume_on_2_from_1_process(lora_1p, lora_2p, tmp_path):
-    out = _interrupted_copy(lora_1p, tmp_path / "run", after_step=3)
+    out = interrupted_copy(lora_1p, tmp_path / "run", after_step=3)
     _run("lora_finetune_distributed", "tiny/lora", out, "checkpoint.resume_from_checkpoint=true")
     _assert_same_losses(losses_by_step(out), losses_by_step(lora_2p), [4, 5, 6], 1e-5)
 
 
 def test_resume_with_another_lora_rank_is_a_clear_error(lora_2p, tmp_path):
-    out = _interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
+    out = interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *COMMON,
         "checkpoint.resume_from_checkpoint=true", "lora.rank=4", check=False,
@@ -241,7 +236,7 @@ def test_full_finetune_losses_and_export(full_2p):
 
 
 def test_full_finetune_exact_resume(full_2p, tmp_path):
-    out = _interrupted_copy(full_2p, tmp_path / "run", after_step=3)
+    out = interrupted_copy(full_2p, tmp_path / "run", after_step=3)
     _run("full_finetune_distributed", "tiny/full", out, "checkpoint.resume_from_checkpoint=true")
     _assert_same_losses(losses_by_step(out), losses_by_step(full_2p), [4, 5, 6], 1e-6)
 
@@ -337,7 +332,7 @@ def test_generate_base_plus_adapter_equals_merged_export_and_transformers(lora_2
 
 
 def test_fresh_run_into_a_used_output_dir_is_refused_at_start(lora_2p, tmp_path):
-    out = _interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
+    out = interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
     manifest = (out / "step_3" / "tunelab_manifest.json").read_bytes()
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *COMMON, check=False
