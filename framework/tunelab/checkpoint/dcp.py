@@ -105,7 +105,7 @@ class ChecksummedWriter(dcp.FileSystemWriter):
                 else:
                     storage_data[result.index] = result.storage_data
         payload = json.dumps(_dcp_json.to_json(metadata, storage_data)).encode()
-        write_atomic(Path(self.path) / _dcp_json.METADATA_JSON_NAME, payload)
+        write_atomic(Path(self.path) / _dcp_json.METADATA_JSON_NAME, payload, sync=self.sync_files)
         records[_dcp_json.METADATA_JSON_NAME] = record_of(payload)
         self.file_records = records
 

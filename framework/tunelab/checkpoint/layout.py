@@ -49,23 +49,26 @@ def epoch_dir(output_dir: str | os.PathLike, epoch: int) -> Path:
     return Path(output_dir) / f"epoch_{epoch}"
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one.
 
     Writes a temp file in the same folder, fsyncs it, renames it over ``path`` and fsyncs
-    the folder, so the rename itself survives a power loss.
+    the folder, so the rename itself survives a power loss (``sync=False`` skips both fsyncs:
+    atomic for readers, not durable across a power loss).
     """
     temp_path = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temp_path, "wb") as file:
             file.write(data)
             file.flush()
-            os.fsync(file.fileno())
+            if sync:
+                os.fsync(file.fileno())
         os.replace(temp_path, path)
     except BaseException:
         temp_path.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    if sync:
+        fsync_path(path.parent)
 
 
 def write_manifest(directory: Path, files: dict[str, FileRecord], **fields: Any) -> dict:
