@@ -122,6 +122,14 @@ def build_model(checkpoint_dir: str | os.PathLike, **kwargs: Any) -> torch.nn.Mo
     return recipe_build_model(str(checkpoint_dir), **kwargs)
 
 
+def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's moments with one step on zero gradients (they are saved like real ones)."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def size_parser(
     description: str, *, repeats: int = 3, full: bool = True
 ) -> argparse.ArgumentParser:

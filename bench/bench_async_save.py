@@ -38,6 +38,7 @@ from _common import (
 )
 from _models import (
     build_model,
+    init_optimizer_state,
     parse_size_args,
     prepare_workspace,
     size_parser,
@@ -47,14 +48,6 @@ from _models import (
 def parse_args() -> argparse.Namespace:
     """Command-line flags."""
     return parse_size_args(size_parser(__doc__.splitlines()[0]))
-
-
-def init_optimizer_state(model, optimizer) -> None:
-    """Create AdamW's moments with one step on zero gradients (they are saved like real ones)."""
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def local_state(model, optimizer) -> list[torch.Tensor]:

@@ -38,7 +38,13 @@ from _common import (
     seconds,
     time_collective,
 )
-from _models import build_model, parse_size_args, prepare_workspace, size_parser
+from _models import (
+    build_model,
+    init_optimizer_state,
+    parse_size_args,
+    prepare_workspace,
+    size_parser,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,9 +64,7 @@ def main() -> None:
     root, base, out = workspace.root, workspace.base, workspace.out
     model = build_model(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()  # AdamW's moments exist, as in a real step checkpoint
+    init_optimizer_state(model, optimizer)  # AdamW's moments exist, as in a real checkpoint
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
     optim_sd.pop("param_groups")
     state = {"model": model_sd, "optimizer": optim_sd}
