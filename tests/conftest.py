@@ -56,6 +56,64 @@ TINY_FAMILIES = {
         dict(_COMMON, tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096),
     ),
 }
+# The newer families, every feature on at tiny size: GQA, a head_dim unlike hidden / heads, a
+# sliding window (5) shorter than the test sequences, one global and one sliding layer,
+# soft-capping small enough to bite, q/k norms, partial rotary and LongRoPE (original length
+# 12, so a 17-token sequence takes the long factors and a 10-token one the short).
+_WINDOW = dict(sliding_window=5)
+_GEMMA = dict(
+    _COMMON,
+    **_WINDOW,
+    head_dim=24,
+    query_pre_attn_scalar=20,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=5.0,
+    layer_types=["sliding_attention", "full_attention"],
+)
+NEW_FAMILIES = {
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            _COMMON,
+            **_WINDOW,
+            head_dim=24,
+            use_sliding_window=True,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+    ),  # fmt: skip
+    "mistral": ("MistralConfig", dict(_COMMON, **_WINDOW, head_dim=24, rope_theta=1000000.0)),
+    "gemma2": ("Gemma2Config", _GEMMA),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            _GEMMA,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+    ),  # fmt: skip
+    "phi3": (
+        "Phi3Config",
+        dict(
+            _COMMON,
+            **_WINDOW,
+            partial_rotary_factor=0.75,
+            max_position_embeddings=48,
+            original_max_position_embeddings=12,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+            },
+        ),
+    ),  # fmt: skip
+}
+TINY_FAMILIES.update(NEW_FAMILIES)
 
 
 @pytest.fixture(scope="session")

@@ -260,10 +260,10 @@ def test_from_hf_config_picks_family_by_architecture(tmp_path):
 
 
 def test_from_hf_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="unsupported model: model_type='mistral'"):
-        from_hf_config(
-            {**HF_LLAMA, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
-        )
+    with pytest.raises(ConfigError, match="unsupported model: model_type='gpt2'") as error:
+        from_hf_config({**HF_LLAMA, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    for family in ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"):
+        assert repr(family) in str(error.value)
     with pytest.raises(ConfigError, match="'yarn' is not supported"):
         from_hf_config({**HF_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ConfigError, match="no 'hidden_size'"):

@@ -43,7 +43,33 @@ class ModelArgs:
     mlp_bias: bool = False
     """Bias on the MLP projections."""
     family: str = "llama"
-    """Which family's ``StateDictAdapter`` and HF config layout apply (``llama`` or ``qwen2``)."""
+    """Which family's ``StateDictAdapter`` and HF config layout apply (a ``FAMILIES`` key)."""
+    hidden_act: str = "silu"
+    """Gate activation of the MLP: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU, Gemma)."""
+    fused_projections: bool = False
+    """Phi-3: one ``qkv_proj`` and one ``gate_up_proj`` module, split after the projection."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)."""
+    norm_unit_offset: bool = False
+    """Gemma RMSNorm: scale by ``1 + weight``, computed in fp32 before the cast back."""
+    sandwich_norms: bool = False
+    """Gemma 2/3: norms after attention and around the MLP (``pre_/post_feedforward_layernorm``)."""
+    embed_scale: bool = False
+    """Multiply the embeddings by ``sqrt(dim)`` (Gemma), in the activations' dtype."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale is ``query_pre_attn_scalar ** -0.5`` (Gemma); None means ``head_dim``."""
+    attn_logit_softcap: float | None = None
+    """Attention scores become ``cap * tanh(scores / cap)`` before the mask (Gemma 2)."""
+    final_logit_softcap: float | None = None
+    """Logits become ``cap * tanh(logits / cap)`` (Gemma 2)."""
+    sliding_window: int | None = None
+    """Keys a sliding-window layer sees per query, itself included (HF ``sliding_window``)."""
+    layer_types: list[str] | None = None
+    """Per layer ``full_attention`` or ``sliding_attention``; None means all full."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window layers when it differs from the global one (Gemma 3)."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's features that rotary rotates (Phi-4-mini: 0.75)."""
     extra_hf_config: dict[str, Any] = field(default_factory=dict)
     """Token ids and other HF config keys carried through to exported ``config.json``."""
 
@@ -67,6 +93,42 @@ class ModelArgs:
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         rope_type_of(self.rope_scaling)
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act {self.hidden_act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}"
+            )
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 != 0:
+            raise ConfigError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give "
+                f"an even number of rotary features (head_dim {self.head_dim})"
+            )
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+                LAYER_TYPES
+            ):
+                raise ConfigError(
+                    f"layer_types must list {self.num_layers} entries from {LAYER_TYPES}, "
+                    f"got {self.layer_types}"
+                )
+        if SLIDING in (self.layer_types or ()) and not (self.sliding_window or 0) > 0:
+            raise ConfigError(
+                f"sliding-window layers need a positive sliding_window, got {self.sliding_window}"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features per head that rotary rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, index: int) -> str:
+        """``full_attention`` or ``sliding_attention`` for layer ``index``."""
+        return self.layer_types[index] if self.layer_types else FULL
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # Keys an HF config must have; the error names the first one missing.
@@ -81,26 +143,62 @@ _REQUIRED_HF_KEYS = (
 _CARRIED_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _rope_from_hf(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Read ``(rope_theta, rope_scaling)`` from transformers 4 or 5 style keys."""
+def rope_from_hf(
+    config: Mapping[str, Any], parameters: Mapping[str, Any] | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    """Read ``(rope_theta, rope_scaling)`` from transformers 4 or 5 style keys.
+
+    Args:
+        config: the parsed ``config.json``.
+        parameters: the ``rope_parameters`` dict to read instead of ``config``'s (Gemma 3 keeps
+            one per layer type).
+
+    Returns:
+        The base and the scaling dict (None for plain RoPE).
+    """
     # transformers 5 writes one `rope_parameters` dict holding rope_theta; 4.x writes
     # `rope_theta` plus a `rope_scaling` dict (type under `rope_type` or the older `type`).
-    parameters = dict(config.get("rope_parameters") or {})
+    if parameters is None:
+        parameters = config.get("rope_parameters")
+    parameters = dict(parameters or {})
     theta = float(parameters.pop("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = dict(config.get("rope_scaling") or parameters or {})
     if rope_type_of(scaling) == "default":
         return theta, None
-    scaling.pop("rope_theta", None)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        scaling.pop(key, None)
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
     return theta, scaling
 
 
+def layer_types_from_hf(
+    config: Mapping[str, Any], window: int | None, default: list[str] | None
+) -> list[str] | None:
+    """Per-layer attention kinds: ``layer_types`` if the file has it, else ``default``.
+
+    Args:
+        config: the parsed ``config.json``.
+        window: the sliding window in effect (None: every layer is global).
+        default: the family's rule when the file predates ``layer_types``.
+
+    Returns:
+        The list, or None when no layer slides.
+    """
+    types = config.get("layer_types") or default
+    if window is None or not types or SLIDING not in types:
+        return None
+    return list(types)
+
+
 def args_from_hf_config(config: Mapping[str, Any], family: str, **overrides: Any) -> ModelArgs:
-    """Build ``ModelArgs`` from the keys Llama and Qwen2 share.
+    """Build ``ModelArgs`` from the keys every family shares.
 
     Args:
         config: the parsed ``config.json``.
         family: the family name to record.
-        **overrides: family-specific fields (e.g. ``qkv_bias=True``).
+        **overrides: family-specific fields (e.g. ``qkv_bias=True``); a family that supports
+            partial rotary passes ``partial_rotary_factor``.
 
     Returns:
         The arguments.
@@ -111,13 +209,11 @@ def args_from_hf_config(config: Mapping[str, Any], family: str, **overrides: Any
     for key in _REQUIRED_HF_KEYS:
         if key not in config:
             raise ConfigError(f"config.json has no {key!r}; is this a {family} checkpoint?")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+    if "partial_rotary_factor" not in overrides and partial_rotary_from_hf(config) != 1.0:
         raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
-    theta, scaling = _rope_from_hf(config)
+    theta, scaling = rope_from_hf(config)
     num_heads = int(config["num_attention_heads"])
-    return ModelArgs(
+    fields: dict[str, Any] = dict(
         vocab_size=int(config["vocab_size"]),
         dim=int(config["hidden_size"]),
         num_layers=int(config["num_hidden_layers"]),
@@ -131,9 +227,17 @@ def args_from_hf_config(config: Mapping[str, Any], family: str, **overrides: Any
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         family=family,
+        hidden_act=str(config.get("hidden_act", "silu")),
         extra_hf_config={k: config[k] for k in _CARRIED_HF_KEYS if k in config},
-        **overrides,
     )
+    fields.update(overrides)
+    return ModelArgs(**fields)
+
+
+def partial_rotary_from_hf(config: Mapping[str, Any]) -> float:
+    """``partial_rotary_factor`` from ``rope_parameters`` (transformers 5) or the top level."""
+    parameters = config.get("rope_parameters") or {}
+    return float(parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
 
 
 def common_hf_config(args: ModelArgs) -> dict[str, Any]:
@@ -156,7 +260,7 @@ def common_hf_config(args: ModelArgs) -> dict[str, Any]:
         "num_attention_heads": args.num_heads,
         "num_key_value_heads": args.num_kv_heads,
         "head_dim": args.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": args.hidden_act,
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,

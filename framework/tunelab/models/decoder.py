@@ -5,21 +5,29 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from tunelab.models.args import ModelArgs
+from tunelab.models.args import FULL, SLIDING, ModelArgs
 from tunelab.models.families import adapter_for
 from tunelab.models.state_dict_adapter import StateDictAdapter
 from tunelab.modules import Attention, FeedForward, KVCache, RMSNorm, RotaryEmbedding
+from tunelab.modules.masks import causal_mask
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
 
+    With ``args.sandwich_norms`` (Gemma 2/3) the sub-layer outputs are normed too, under HF's
+    names: ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+    ``out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``.
+
     Args:
         args: the model's arguments.
+        layer_index: which layer this is (picks its attention kind).
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_index: int = 0) -> None:
         super().__init__()
+        softcap = args.attn_logit_softcap
+        scale = args.query_pre_attn_scalar
         self.self_attn = Attention(
             args.dim,
             args.num_heads,
@@ -27,10 +35,31 @@ class TransformerBlock(nn.Module):
             args.head_dim,
             qkv_bias=args.qkv_bias,
             output_bias=args.output_bias,
+            fused_qkv=args.fused_projections,
+            qk_norm=args.qk_norm,
+            norm_eps=args.norm_eps,
+            norm_unit_offset=args.norm_unit_offset,
+            scale=None if scale is None else scale**-0.5,
+            softcap=softcap,
         )
-        self.mlp = FeedForward(args.dim, args.intermediate_dim, bias=args.mlp_bias)
-        self.input_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.mlp = FeedForward(
+            args.dim,
+            args.intermediate_dim,
+            bias=args.mlp_bias,
+            activation=args.hidden_act,
+            fused=args.fused_projections,
+        )
+        self.input_layernorm = self._norm(args)
+        self.post_attention_layernorm = self._norm(args)
+        self.sandwich_norms = args.sandwich_norms
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm = self._norm(args)
+            self.post_feedforward_layernorm = self._norm(args)
+        self.layer_type = args.layer_type(layer_index)
+
+    @staticmethod
+    def _norm(args: ModelArgs) -> RMSNorm:
+        return RMSNorm(args.dim, eps=args.norm_eps, unit_offset=args.norm_unit_offset)
 
     def forward(
         self,
@@ -41,6 +70,10 @@ class TransformerBlock(nn.Module):
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Apply the block (see ``Attention.forward`` for the arguments)."""
+        if self.sandwich_norms:
+            attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+            h = x + self.post_attention_layernorm(attended)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -51,9 +84,15 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps, unit_offset=args.norm_unit_offset)
+        self.rotary_emb = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.rope_scaling)
+        # Gemma 3's sliding-window layers rotate with their own base and no scaling.
+        self.rotary_emb_local = (
+            RotaryEmbedding(args.rotary_dim, args.rope_local_theta)
+            if args.rope_local_theta is not None
+            else None
+        )
 
 
 class TransformerDecoder(nn.Module):
@@ -167,6 +206,58 @@ class TransformerDecoder(nn.Module):
             )
         return mask
 
+    def _layer_masks(
+        self, mask: torch.Tensor | None, input_pos: torch.Tensor, seq_len: int
+    ) -> dict[str, torch.Tensor | None]:
+        """The mask of each attention kind: the given one, and that one cut to the window.
+
+        A sliding-window query sees the keys at most ``sliding_window - 1`` positions back
+        (itself included, transformers' rule). Without a cache, distances are row indices, so a
+        packed row's document mask and the window combine correctly; with one, they are the
+        query's position against the slot positions.
+        """
+        mask = self._prepare_mask(mask, input_pos, seq_len)
+        masks = {FULL: mask}
+        if SLIDING in (self.args.layer_types or ()):
+            device = input_pos.device
+            if self.caches_are_enabled():
+                query = input_pos[:, None, :, None]
+                keys = torch.arange(next(self._attentions()).kv_cache.max_seq_len, device=device)
+            else:
+                query = torch.arange(seq_len, device=device)[:, None]
+                keys = torch.arange(seq_len, device=device)
+                if mask is None:
+                    mask = causal_mask(seq_len, device)
+            masks[SLIDING] = mask & (query - keys < self.args.sliding_window)
+        return masks
+
+    def _rotary_tables(
+        self, input_pos: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``(cos, sin)`` per attention kind (one table unless Gemma 3's local base differs)."""
+        tables = {FULL: self.model.rotary_emb(input_pos, dtype)}
+        local = self.model.rotary_emb_local
+        tables[SLIDING] = tables[FULL] if local is None else local(input_pos, dtype)
+        return tables
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """The output layer: logits of final-normed hidden states ``[..., dim]``.
+
+        ``lm_head``, then Gemma 2's final soft-cap ``cap * tanh(logits / cap)`` when configured.
+        Losses that apply the output layer themselves, a chunk at a time, call this.
+
+        Args:
+            h: hidden states after ``model.norm``.
+
+        Returns:
+            Logits ``[..., vocab_size]``.
+        """
+        logits = self.lm_head(h)
+        cap = self.args.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -201,9 +292,14 @@ class TransformerDecoder(nn.Module):
             raise ValueError(
                 f"input_pos shape {tuple(input_pos.shape)} != tokens shape {tuple(tokens.shape)}"
             )
-        mask = self._prepare_mask(mask, input_pos, seq_len)
+        masks = self._layer_masks(mask, input_pos, seq_len)
         h = self.model.embed_tokens(tokens)
-        cos, sin = self.model.rotary_emb(input_pos, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, input_pos)
-        return self.lm_head(self.model.norm(h))
+        if self.args.embed_scale:
+            # Gemma: sqrt(dim) rounded to the activations' dtype first, as transformers does.
+            h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
+        rotary = self._rotary_tables(input_pos, h.dtype)
+        for index, layer in enumerate(self.model.layers):
+            kind = self.args.layer_type(index)
+            cos, sin = rotary[kind]
+            h = layer(h, cos, sin, masks[kind], input_pos)
+        return self.output(self.model.norm(h))

@@ -9,8 +9,17 @@ from typing import Any
 
 from tunelab.errors import CheckpointError, ConfigError
 from tunelab.models.args import ModelArgs
+from tunelab.models.gemma import (
+    Gemma2StateDictAdapter,
+    Gemma3TextStateDictAdapter,
+    gemma2_args_from_hf,
+    gemma3_text_args_from_hf,
+)
 from tunelab.models.llama import LlamaStateDictAdapter, llama_args_from_hf
+from tunelab.models.mistral import MistralStateDictAdapter, mistral_args_from_hf
+from tunelab.models.phi3 import Phi3StateDictAdapter, phi3_args_from_hf
 from tunelab.models.qwen2 import Qwen2StateDictAdapter, qwen2_args_from_hf
+from tunelab.models.qwen3 import Qwen3StateDictAdapter, qwen3_args_from_hf
 from tunelab.models.state_dict_adapter import StateDictAdapter
 
 
@@ -25,6 +34,11 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama": Family(llama_args_from_hf, LlamaStateDictAdapter),
     "qwen2": Family(qwen2_args_from_hf, Qwen2StateDictAdapter),
+    "qwen3": Family(qwen3_args_from_hf, Qwen3StateDictAdapter),
+    "mistral": Family(mistral_args_from_hf, MistralStateDictAdapter),
+    "gemma2": Family(gemma2_args_from_hf, Gemma2StateDictAdapter),
+    "gemma3_text": Family(gemma3_text_args_from_hf, Gemma3TextStateDictAdapter),
+    "phi3": Family(phi3_args_from_hf, Phi3StateDictAdapter),
 }
 _ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
 

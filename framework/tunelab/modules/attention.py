@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tunelab.modules.kv_cache import KVCache
+from tunelab.modules.norm import RMSNorm
 from tunelab.modules.rotary import apply_rotary
 
 
@@ -16,6 +17,13 @@ class Attention(nn.Module):
     Hugging Face ``LlamaAttention`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the
     q/k feature order is HF's, so no rotary permutation is needed on import or export.
 
+    Family options: ``fused_qkv`` (Phi-3) keeps one ``qkv_proj`` whose output is split into
+    q, k, v; ``qk_norm`` (Qwen3, Gemma 3) adds ``q_norm``/``k_norm``, an RMSNorm over each head
+    before rotary; ``scale`` replaces ``head_dim ** -0.5`` (Gemma's ``query_pre_attn_scalar``);
+    ``softcap`` (Gemma 2) bounds the scores, ``cap * tanh(scores / cap)``, before the mask.
+    Scores are needed for that, so soft-capped attention runs an explicit fp32-softmax path;
+    everything else runs ``scaled_dot_product_attention``.
+
     Args:
         dim: model dimension.
         num_heads: query heads.
@@ -23,6 +31,12 @@ class Attention(nn.Module):
         head_dim: per-head feature size.
         qkv_bias: bias on the q/k/v projections (Qwen2).
         output_bias: bias on ``o_proj`` (Llama ``attention_bias`` sets both).
+        fused_qkv: one ``qkv_proj`` module (Phi-3).
+        qk_norm: RMSNorm each query and key head (Qwen3, Gemma 3).
+        norm_eps: epsilon of those norms.
+        norm_unit_offset: those norms scale by ``1 + weight`` (Gemma).
+        scale: score scale; None means ``head_dim ** -0.5``.
+        softcap: attention logit soft-cap; None for none.
     """
 
     def __init__(
@@ -33,17 +47,49 @@ class Attention(nn.Module):
         head_dim: int,
         qkv_bias: bool = False,
         output_bias: bool = False,
+        *,
+        fused_qkv: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_unit_offset: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, "validated in ModelArgs"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.scale = scale
+        self.softcap = softcap
+        self.split_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(dim, sum(self.split_sizes), bias=qkv_bias)
+        else:
+            self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=qkv_bias)
+            self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+            self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=output_bias)
+        self.fused_qkv = fused_qkv
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps, unit_offset=norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps, unit_offset=norm_unit_offset)
+        self.qk_norm = qk_norm
         self.kv_cache: KVCache | None = None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as ``[batch, seq, heads, head_dim]`` (q/k normed when ``qk_norm``)."""
+        batch, seq_len, _ = x.shape
+        if self.fused_qkv:
+            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(
         self,
@@ -57,8 +103,8 @@ class Attention(nn.Module):
 
         Args:
             x: ``[batch, seq, dim]``.
-            cos: rotary cosines ``[batch, seq, head_dim]``.
-            sin: rotary sines ``[batch, seq, head_dim]``.
+            cos: rotary cosines ``[batch, seq, rotary_dim]``.
+            sin: rotary sines ``[batch, seq, rotary_dim]``.
             mask: bool ``[batch, 1, seq, keys]`` (True = may attend), or None for causal.
                 With a KV cache ``keys`` is the cache length and a mask is required.
             input_pos: cache slots ``[batch, seq]``; used only when a KV cache is set up.
@@ -67,23 +113,45 @@ class Attention(nn.Module):
             ``[batch, seq, dim]``.
         """
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self._project(x))
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             assert input_pos is not None and mask is not None, "the decoder supplies both"
             k, v = self.kv_cache.update(input_pos, k, v)
         groups = self.num_heads // self.num_kv_heads
-        if mask is None:
+        if mask is None and self.softcap is None:
             # Causal with no mask tensor: the flash kernel handles GQA itself.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=groups > 1, scale=self.scale
+            )
         else:
             # The fused kernels that take a mask do not take GQA; expanding k/v keeps them usable.
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device))
+            if mask is None:
+                mask = torch.ones(seq_len, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            if self.softcap is None:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask.to(q.device), scale=self.scale
+                )
+            else:
+                out = self._softcapped(q, k, v, mask.to(q.device))
         out = out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
         return self.o_proj(out)
+
+    def _softcapped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """``softmax(mask(cap * tanh(q k^T * scale / cap))) v``, the softmax in fp32 (Gemma 2).
+
+        Gemma 2 (https://arxiv.org/abs/2408.00118) soft-caps attention logits; the score
+        matrix is materialised, so this path costs ``O(seq^2)`` memory per head.
+        """
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)

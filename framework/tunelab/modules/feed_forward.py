@@ -1,25 +1,51 @@
-"""The SwiGLU feed-forward block."""
+"""The gated feed-forward block (SwiGLU, GeGLU)."""
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+"""Gate activations by their Hugging Face ``hidden_act`` name."""
+
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer, 2020, https://arxiv.org/abs/2002.05202).
+    """Gated MLP: SwiGLU (Shazeer, 2020, https://arxiv.org/abs/2002.05202) or GeGLU.
 
-    ``down_proj(silu(gate_proj(x)) * up_proj(x))``; names match Hugging Face ``LlamaMLP``.
+    ``down_proj(act(gate_proj(x)) * up_proj(x))``; names match Hugging Face ``LlamaMLP``. With
+    ``fused`` (Phi-3) one ``gate_up_proj`` computes both halves, gate first, so its weight is the
+    checkpoint's fused tensor and LoRA on it is PEFT's LoRA on ``gate_up_proj``.
 
     Args:
         dim: model (input and output) dimension.
         intermediate_dim: hidden dimension of the gated projection.
-        bias: whether the three projections carry a bias.
+        bias: whether the projections carry a bias.
+        activation: the gate's activation, a key of ``ACTIVATIONS``.
+        fused: one ``gate_up_proj`` instead of ``gate_proj`` and ``up_proj``.
     """
 
-    def __init__(self, dim: int, intermediate_dim: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        intermediate_dim: int,
+        bias: bool = False,
+        *,
+        activation: str = "silu",
+        fused: bool = False,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, intermediate_dim, bias=bias)
-        self.up_proj = nn.Linear(dim, intermediate_dim, bias=bias)
+        self.activation = ACTIVATIONS[activation]
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = nn.Linear(dim, 2 * intermediate_dim, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(dim, intermediate_dim, bias=bias)
+            self.up_proj = nn.Linear(dim, intermediate_dim, bias=bias)
         self.down_proj = nn.Linear(intermediate_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,4 +57,8 @@ class FeedForward(nn.Module):
         Returns:
             Output of shape ``[..., dim]``.
         """
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.activation(gate) * up)

@@ -11,19 +11,27 @@ class RMSNorm(nn.Module):
     the result cast back to the input dtype before the weight is applied, which is the order
     Hugging Face Llama/Qwen2 use; keeping it makes bf16 logits match theirs bit for bit.
 
+    With ``unit_offset`` (Gemma) the scale is ``1 + weight`` (the weight starts at zero) and is
+    applied in fp32 before the cast back, again HF's order for that family.
+
     Args:
         dim: size of the last dimension.
         eps: added to the mean square for numerical stability.
+        unit_offset: scale by ``1 + weight`` in fp32 (Gemma) instead of ``weight``.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def reset_parameters(self) -> None:
         """Set the scale to one."""
-        nn.init.ones_(self.weight)
+        if self.unit_offset:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x`` over its last dimension.
@@ -37,8 +45,11 @@ class RMSNorm(nn.Module):
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x32.to(input_dtype)
 
     def extra_repr(self) -> str:
         """Shown by ``print(module)``."""
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        offset = ", unit_offset=True" if self.unit_offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{offset}"

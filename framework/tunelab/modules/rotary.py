@@ -15,7 +15,7 @@ from torch import nn
 
 from tunelab.errors import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
@@ -25,7 +25,7 @@ def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
         scaling: the dict, or None for plain RoPE.
 
     Returns:
-        ``"default"``, ``"linear"`` or ``"llama3"``.
+        One of ``SUPPORTED_ROPE_TYPES``.
 
     Raises:
         ConfigError: the type is not supported.
@@ -40,10 +40,32 @@ def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
     return rope_type
 
 
-def _require(scaling: Mapping[str, Any], key: str) -> float:
+def _require(scaling: Mapping[str, Any], key: str) -> Any:
     if key not in scaling:
         raise ConfigError(f"rope_scaling of type {rope_type_of(scaling)!r} needs the key {key!r}")
-    return float(scaling[key])
+    return scaling[key]
+
+
+def longrope_attention_factor(scaling: Mapping[str, Any]) -> float:
+    """The factor LongRoPE multiplies ``cos`` and ``sin`` by.
+
+    ``attention_factor`` if given, else ``sqrt(1 + ln(factor) / ln(L))`` with
+    ``L = original_max_position_embeddings`` (1 when ``factor <= 1``).
+
+    Args:
+        scaling: a ``longrope`` scaling dict with ``factor`` and
+            ``original_max_position_embeddings`` resolved.
+
+    Returns:
+        The factor.
+    """
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(_require(scaling, "factor"))
+    if factor <= 1.0:
+        return 1.0
+    original = float(_require(scaling, "original_max_position_embeddings"))
+    return math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def inverse_frequencies(
@@ -51,6 +73,8 @@ def inverse_frequencies(
     theta: float,
     scaling: Mapping[str, Any] | None = None,
     device: torch.device | str | None = None,
+    *,
+    long: bool = False,
 ) -> torch.Tensor:
     """Compute the ``head_dim / 2`` rotary inverse frequencies, fp32.
 
@@ -62,13 +86,16 @@ def inverse_frequencies(
     * otherwise, with ``s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)``:
       ``(1 - s) * inv_freq / factor + s * inv_freq``.
 
-    ``"linear"`` divides every frequency by ``factor``.
+    ``"linear"`` divides every frequency by ``factor``. ``"longrope"`` (LongRoPE, Ding et al.,
+    2024, https://arxiv.org/abs/2402.13753; Phi-3) divides frequency ``i`` by ``short_factor[i]``,
+    or by ``long_factor[i]`` when ``long`` is set.
 
     Args:
-        head_dim: per-head feature size (even).
+        head_dim: rotated features per head (even).
         theta: the RoPE base (``rope_theta``).
         scaling: an HF ``rope_scaling`` dict, or None.
         device: where to build the tensor.
+        long: LongRoPE only: use ``long_factor`` (sequences past the original length).
 
     Returns:
         Tensor of shape ``[head_dim // 2]``.
@@ -77,15 +104,24 @@ def inverse_frequencies(
         ConfigError: unsupported scaling type or missing scaling keys.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
     rope_type = rope_type_of(scaling)
+    if rope_type == "longrope":
+        factors = _require(scaling, "long_factor" if long else "short_factor")
+        if len(factors) != head_dim // 2:
+            raise ConfigError(
+                f"rope_scaling long_factor/short_factor must have {head_dim // 2} entries "
+                f"(rotated features / 2), got {len(factors)}"
+            )
+        ext = torch.tensor(factors, dtype=torch.float32, device=device)
+        return 1.0 / (ext * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
-        return inv_freq / _require(scaling, "factor")
+        return inv_freq / float(_require(scaling, "factor"))
     if rope_type == "llama3":
-        factor = _require(scaling, "factor")
-        low_freq_factor = _require(scaling, "low_freq_factor")
-        high_freq_factor = _require(scaling, "high_freq_factor")
-        old_context_len = _require(scaling, "original_max_position_embeddings")
+        factor = float(_require(scaling, "factor"))
+        low_freq_factor = float(_require(scaling, "low_freq_factor"))
+        high_freq_factor = float(_require(scaling, "high_freq_factor"))
+        old_context_len = float(_require(scaling, "original_max_position_embeddings"))
         low_freq_wavelen = old_context_len / low_freq_factor
         high_freq_wavelen = old_context_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -106,8 +142,12 @@ class RotaryEmbedding(nn.Module):
     ``to_empty`` would otherwise carry uninitialised frequencies. The frequencies are computed
     once per device and kept in a plain dict.
 
+    LongRoPE picks its short or long factors per forward, as transformers does: the long ones
+    when the largest position in ``positions`` is at or past ``original_max_position_embeddings``,
+    and scales ``cos``/``sin`` by ``longrope_attention_factor``.
+
     Args:
-        head_dim: per-head feature size.
+        head_dim: rotated features per head (all of them unless partial rotary).
         theta: the RoPE base.
         scaling: an HF ``rope_scaling`` dict, or None.
     """
@@ -120,14 +160,16 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = dict(scaling) if scaling else None
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.longrope = rope_type_of(scaling) == "longrope"
+        self.attention_factor = longrope_attention_factor(scaling) if self.longrope else 1.0
+        self._inv_freq: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
-    def _frequencies(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = inverse_frequencies(
-                self.head_dim, self.theta, self.scaling, device
+    def _frequencies(self, device: torch.device, long: bool = False) -> torch.Tensor:
+        if (device, long) not in self._inv_freq:
+            self._inv_freq[device, long] = inverse_frequencies(
+                self.head_dim, self.theta, self.scaling, device, long=long
             )
-        return self._inv_freq[device]
+        return self._inv_freq[device, long]
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -142,9 +184,16 @@ class RotaryEmbedding(nn.Module):
             ``(cos, sin)``, each ``[batch, seq, head_dim]``.
         """
         inv_freq = self._frequencies(positions.device)
+        if self.longrope:
+            # A select, not a Python branch: no device sync (transformers' rule, same outcome).
+            is_long = positions.max() + 1 > self.scaling["original_max_position_embeddings"]
+            inv_freq = torch.where(is_long, self._frequencies(positions.device, True), inv_freq)
         freqs = positions.float()[..., None] * inv_freq  # [b, s, head_dim / 2], fp32
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -155,13 +204,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` by the angles whose cosines and sines are given.
 
+    With partial rotary the tables are narrower than the head: only the first
+    ``cos.shape[-1]`` features rotate, the others pass through (Phi-3's layout).
+
     Args:
         x: ``[batch, heads, seq, head_dim]``.
-        cos: ``[batch, seq, head_dim]``.
-        sin: ``[batch, seq, head_dim]``.
+        cos: ``[batch, seq, rotary_dim]``, ``rotary_dim <= head_dim``.
+        sin: ``[batch, seq, rotary_dim]``.
 
     Returns:
-        ``x * cos + rotate_half(x) * sin``, same shape as ``x``.
+        ``x * cos + rotate_half(x) * sin`` on the rotated features, same shape as ``x``.
     """
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
