@@ -113,11 +113,13 @@ def test_adapter_config_fields():
         "alpha": 4.0,
         "dropout": 0.0,
         "use_rslora": False,
+        "use_dora": False,
     }
+    assert lora_kwargs_from_config({**config, "use_dora": True})["use_dora"] is True
     with pytest.raises(ConfigError, match="resolved module names"):
         _config("all-linear")
-    with pytest.raises(CheckpointError, match="use_dora"):
-        lora_kwargs_from_config({**config, "use_dora": True})
+    with pytest.raises(CheckpointError, match="rank_pattern"):
+        lora_kwargs_from_config({**config, "rank_pattern": {"q_proj": 4}})
 
 
 def test_save_then_load_round_trip(tmp_path):
@@ -182,7 +184,8 @@ def test_load_errors_name_the_problem(tmp_path):
     wrong_rank = Tiny()
     apply_lora(wrong_rank, targets=targets, rank=3, alpha=4.0)
     with pytest.raises(
-        CheckpointError, match=r"\(r, lora_alpha, use_rslora\)=\(2, 4.0, False\).*\(3, 4.0, False\)"
+        CheckpointError,
+        match=r"\(r, lora_alpha, use_rslora, use_dora\)=\(2, 4.0, False, False\).*\(3, 4.0, False, False\)",
     ):
         load_peft_adapter(wrong_rank, out)
 

@@ -446,10 +446,17 @@ def _global_shape(param: torch.Tensor) -> torch.Size:
 
 
 def _lora_record(lora: LoRASpec) -> dict[str, Any]:
-    # Dropout may change between runs without invalidating the adapter.
-    return {
+    # Dropout may change between runs without invalidating the adapter. DoRA and a quantized
+    # base change what the adapter computes; recorded only when set, so LoRA records stay as
+    # they were.
+    record: dict[str, Any] = {
         "rank": lora.rank,
         "alpha": lora.alpha,
         "targets": sorted(lora.targets),
         "use_rslora": lora.use_rslora,
     }
+    if lora.use_dora:
+        record["use_dora"] = True
+    if lora.quantize_base is not None:
+        record["quantize_base"] = lora.quantize_base
+    return record

@@ -15,6 +15,8 @@ class LoRASpec:
     targets: tuple[str, ...]
     use_rslora: bool = False
     dropout: float = 0.0
+    use_dora: bool = False
+    quantize_base: str | None = None
 
     def peft_config(self, base_model_name_or_path: str) -> dict[str, Any]:
         """The ``adapter_config.json`` PEFT needs to load an adapter with these settings."""
@@ -24,5 +26,6 @@ class LoRASpec:
             dropout=self.dropout,
             targets=list(self.targets),
             use_rslora=self.use_rslora,
+            use_dora=self.use_dora,
             base_model_name_or_path=base_model_name_or_path,
         )

@@ -50,6 +50,10 @@ class LoRAArgs:
     """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head), or ["all-linear"]."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
+    use_dora: bool = False
+    """DoRA: learn a magnitude per output feature on top of the low-rank update (weight-decomposed LoRA, as PEFT's use_dora)."""
+    quantize_base: Literal["nf4"] | None = None
+    """QLoRA: nf4 stores the frozen linear weights (not lm_head) in 4-bit NormalFloat (torchao), quantized shard by shard as they load (None: the training dtype)."""
 
 
 @dataclass(kw_only=True)

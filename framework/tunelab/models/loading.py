@@ -4,7 +4,7 @@ A rank fills its sharded parameters with only its own rows, read straight from t
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,11 @@ def _checked(reader: HFCheckpointReader, key: str, values: torch.Tensor) -> torc
 
 @torch.no_grad()
 def load_hf_into_model(
-    model: TransformerDecoder, checkpoint_dir: str | os.PathLike, *, strict: bool = True
+    model: TransformerDecoder,
+    checkpoint_dir: str | os.PathLike,
+    *,
+    strict: bool = True,
+    copy_rows: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> LoadResult:
     """Copy HF checkpoint tensors into a materialised model, in place.
 
@@ -107,6 +111,9 @@ def load_hf_into_model(
         model: a model whose parameters are allocated (not meta), e.g. after ``to_empty``.
         checkpoint_dir: the HF checkpoint directory.
         strict: raise on checkpoint keys the model does not have.
+        copy_rows: ``copy_rows(param, rows)`` fills a parameter with this rank's rows
+            instead of a plain copy (QLoRA quantizes them: ``tunelab.peft.copy_rows_nf4_``);
+            called on every rank for the same parameters in the same order.
 
     Returns:
         A ``LoadResult``; ``missing`` lists LoRA parameters (names containing ``lora_``),
@@ -148,7 +155,11 @@ def load_hf_into_model(
             )
         local, spans = _local_slices(param)
         if local.numel():
-            local.copy_(_checked(reader, key, _read_local(reader, key, spans)))
+            rows = _checked(reader, key, _read_local(reader, key, spans))
+            if copy_rows is None:
+                local.copy_(rows)
+            else:
+                copy_rows(param, rows)
     for key, partner in tied.items():
         if key in reader:
             local, spans = _local_slices(expected[partner])

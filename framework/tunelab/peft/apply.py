@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
+from tunelab.peft._names import MAGNITUDE
 from tunelab.peft.lora import LoRALinear, validate_lora_options
 
 ALL_LINEAR = "all-linear"
@@ -77,6 +78,7 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     use_rslora: bool = False,
+    use_dora: bool = False,
 ) -> list[str]:
     """Replace each targeted ``nn.Linear`` with a ``LoRALinear`` over the same parameters.
 
@@ -94,6 +96,7 @@ def apply_lora(
         alpha: LoRA ``alpha`` (scale ``alpha / r``).
         dropout: Dropout probability on the adapter input.
         use_rslora: Scale by ``alpha / sqrt(r)`` (rsLoRA).
+        use_dora: Weight-decomposed LoRA (DoRA): add a trainable magnitude per output feature.
 
     Returns:
         The FQNs of the swapped modules, in module order.
@@ -117,7 +120,12 @@ def apply_lora(
         parent_name, _, child_name = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         lora = LoRALinear.from_linear(
-            linear, rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora
+            linear,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            use_rslora=use_rslora,
+            use_dora=use_dora,
         )
         setattr(parent, child_name, lora)
     set_trainable_params(model)
@@ -160,13 +168,14 @@ def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear]:
 
 
 def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The adapter parameters (``lora_A``/``lora_B`` weights) by FQN.
+    """The adapter parameters (``lora_A``/``lora_B`` weights, DoRA magnitudes) by FQN.
 
     Args:
         model: A LoRA-applied model.
 
     Returns:
-        ``{"<module>.lora_A.weight": param, "<module>.lora_B.weight": param, ...}``.
+        ``{"<module>.lora_A.weight": param, "<module>.lora_B.weight": param, ...}``, plus
+        ``"<module>.lora_magnitude_vector"`` for DoRA layers.
 
     Raises:
         TunelabError: If the model has no LoRA layers.
@@ -175,6 +184,8 @@ def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     for fqn, module in _require_lora(model, "get_adapter_params").items():
         for child in _ADAPTER_CHILDREN:
             params[clean_fqn(f"{fqn}.{child}.weight")] = getattr(module, child).weight
+        if module.lora_magnitude_vector is not None:
+            params[clean_fqn(f"{fqn}.{MAGNITUDE}")] = module.lora_magnitude_vector
     return params
 
 

@@ -10,6 +10,18 @@ with ``scale = alpha / r``, or ``alpha / sqrt(r)`` for rank-stabilised LoRA (rsL
 Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA",
 arXiv:2312.03732). ``A`` starts Kaiming-uniform (``a = sqrt(5)``, as PEFT does) and ``B``
 at zero, so a fresh adapter leaves the model's output unchanged.
+
+DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", arXiv:2402.09353)
+splits the adapted weight into a direction and a trainable magnitude ``m`` (one value per
+output feature, initialised to the row norms of ``W``):
+
+    W' = m / ||W + scale * B A||_row * (W + scale * B A)
+
+where ``||.||_row`` is the L2 norm of each output row (over the input dimension). As in the
+paper (section 4.3) and PEFT, the norm is a constant in backward (detached), so
+``y = g * (x W^T) + g * scale * B(A(dropout(x))) + b`` with ``g = m / ||W + scale B A||_row``.
+The base term uses ``dropout(x)`` only when dropout is active (training with ``p > 0``), as
+PEFT does, so PEFT loads the adapter with the same outputs.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab.errors import ConfigError
+from tunelab.peft.nf4 import dequantize
 
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -57,6 +70,29 @@ def validate_lora_options(rank: int, alpha: float, dropout: float) -> None:
         raise ConfigError(f"lora dropout must be in [0, 1), got {dropout!r}")
 
 
+def dora_weight_norm(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``||W + scale * B A||`` per output row, in ``weight``'s dtype, without gradient.
+
+    Rows are independent: ``weight`` and ``lora_b`` may be the same rows of larger tensors
+    (an FSDP2 ``Shard(0)`` slice) with the whole ``lora_a``.
+
+    Args:
+        weight: Base rows ``[rows, in_dim]`` (an NF4 weight is dequantized).
+        lora_a: Adapter ``A`` ``[rank, in_dim]``.
+        lora_b: Adapter ``B`` rows ``[rows, rank]``.
+        scale: The LoRA scale.
+
+    Returns:
+        ``[rows]`` norms.
+    """
+    with torch.no_grad():
+        weight = dequantize(weight)
+        delta = lora_b.to(weight.dtype) @ lora_a.to(weight.dtype)
+        return torch.linalg.norm(weight + scale * delta, dim=1).to(weight.dtype)
+
+
 def _init_full_then_copy(param: torch.Tensor, init_fn) -> None:
     """Initialise ``param`` as if it were one whole tensor, also when it is a sharded DTensor.
 
@@ -84,6 +120,9 @@ class LoRALinear(nn.Module):
     ``<name>.lora_B.weight``, the names PEFT uses. Forward:
     ``y = F.linear(x, weight, bias) + scale * lora_B(lora_A(dropout(x)))``; while
     ``disabled`` is set the adapter term is skipped, so the output is the base model's.
+    With ``use_dora`` it also has ``lora_magnitude_vector`` (``[out_dim]``, PEFT's name) and
+    computes DoRA (see the module docstring). The base ``weight`` may be a torchao
+    ``NF4Tensor`` (QLoRA); it is dequantized on the fly.
 
     Args:
         in_dim: Input features.
@@ -93,6 +132,7 @@ class LoRALinear(nn.Module):
         dropout: Dropout probability applied to the adapter's input only.
         use_rslora: Scale by ``alpha / sqrt(r)`` instead (rsLoRA).
         bias: Whether the base layer has a bias.
+        use_dora: Add DoRA's trainable magnitude vector.
 
     Raises:
         ConfigError: If ``rank``, ``alpha`` or ``dropout`` is out of range.
@@ -108,6 +148,7 @@ class LoRALinear(nn.Module):
         dropout: float = 0.0,
         use_rslora: bool = False,
         bias: bool = False,
+        use_dora: bool = False,
     ) -> None:
         super().__init__()
         validate_lora_options(rank, alpha, dropout)
@@ -117,12 +158,14 @@ class LoRALinear(nn.Module):
         self.alpha = alpha
         self.use_rslora = use_rslora
         self.scale = lora_scale(rank, alpha, use_rslora)
+        self.use_dora = use_dora
         self.disabled = False
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_dim), requires_grad=False) if bias else None
         self.dropout = nn.Dropout(dropout) if dropout > 0.0 else nn.Identity()
         self.lora_A = nn.Linear(in_dim, rank, bias=False)
         self.lora_B = nn.Linear(rank, out_dim, bias=False)
+        self.lora_magnitude_vector = nn.Parameter(torch.empty(out_dim)) if use_dora else None
         self._reset_base_parameters()
         self.reset_lora_parameters()
 
@@ -135,6 +178,7 @@ class LoRALinear(nn.Module):
         alpha: float,
         dropout: float = 0.0,
         use_rslora: bool = False,
+        use_dora: bool = False,
     ) -> LoRALinear:
         """Wrap an existing ``nn.Linear``, reusing (not copying) its parameters.
 
@@ -147,6 +191,7 @@ class LoRALinear(nn.Module):
             alpha: LoRA ``alpha``.
             dropout: Dropout probability on the adapter input.
             use_rslora: Use the rsLoRA scale ``alpha / sqrt(r)``.
+            use_dora: Add DoRA's magnitude vector.
 
         Returns:
             A ``LoRALinear`` whose adapter lives on the base weight's device and dtype.
@@ -161,12 +206,15 @@ class LoRALinear(nn.Module):
                 dropout=dropout,
                 use_rslora=use_rslora,
                 bias=linear.bias is not None,
+                use_dora=use_dora,
             )
         module.weight = weight
         module.bias = linear.bias
         factory = {"device": weight.device, "dtype": weight.dtype}
         module.lora_A = nn.Linear(linear.in_features, rank, bias=False, **factory)
         module.lora_B = nn.Linear(rank, linear.out_features, bias=False, **factory)
+        if use_dora:
+            module.lora_magnitude_vector = nn.Parameter(torch.empty(linear.out_features, **factory))
         module.weight.requires_grad_(False)
         if module.bias is not None:
             module.bias.requires_grad_(False)
@@ -185,14 +233,24 @@ class LoRALinear(nn.Module):
     def reset_lora_parameters(self) -> None:
         """(Re-)initialise the adapter: ``A`` Kaiming-uniform (``a = sqrt(5)``), ``B`` zeros.
 
-        Call it after ``model.to_empty(...)`` when the model was built on the meta device.
-        It also works after ``fully_shard``: each rank draws the whole ``A`` from its RNG
-        and keeps its rows, so with the same seed the values match a one-process run.
+        Call it after ``model.to_empty(...)`` when the model was built on the meta device,
+        and, with DoRA, after the base weight is loaded: the magnitude starts at the row norms
+        of ``W`` (``B`` is zero). It also works after ``fully_shard``: each rank draws the
+        whole ``A`` from its RNG and keeps its rows, so with the same seed the values match a
+        one-process run, and each rank takes the norms of its own rows of ``W``, which are
+        the rows of the magnitude it holds (both are ``Shard(0)`` over ``out_dim``).
         """
         _init_full_then_copy(
             self.lora_A.weight, lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5))
         )
         _init_full_then_copy(self.lora_B.weight, nn.init.zeros_)
+        magnitude = self.lora_magnitude_vector
+        if magnitude is None or magnitude.is_meta or self.weight.is_meta:
+            return
+        local = magnitude.to_local() if isinstance(magnitude, DTensor) else magnitude
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        # B is zero, so ||W + scale B A|| is ||W||: no need for the gathered A here.
+        local.copy_(torch.linalg.norm(dequantize(weight), dim=1).to(local.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the base layer and, unless disabled, the scaled adapter.
@@ -206,11 +264,27 @@ class LoRALinear(nn.Module):
         out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out
-        return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+        if self.lora_magnitude_vector is None:
+            return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+        return out + self._dora_term(x, out)
+
+    def _dora_term(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``(g - 1) * x W^T + g * scale * B(A(x))``, added to the base output (PEFT's form)."""
+        norm = dora_weight_norm(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale)
+        gain = self.lora_magnitude_vector / norm.to(x.dtype)
+        if isinstance(self.dropout, nn.Identity) or not self.training:
+            base = out if self.bias is None else out - self.bias
+            adapter_input = x
+        else:
+            adapter_input = self.dropout(x)
+            base = F.linear(adapter_input, self.weight)
+        lora = self.lora_B(self.lora_A(adapter_input))
+        return (gain - 1) * base + gain * lora * self.scale
 
     def extra_repr(self) -> str:
         """The sizes and LoRA settings shown by ``print(module)``."""
         return (
             f"in_dim={self.in_dim}, out_dim={self.out_dim}, rank={self.rank}, "
-            f"alpha={self.alpha}, use_rslora={self.use_rslora}, bias={self.bias is not None}"
+            f"alpha={self.alpha}, use_rslora={self.use_rslora}, bias={self.bias is not None}, "
+            f"use_dora={self.use_dora}"
         )

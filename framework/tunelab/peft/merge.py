@@ -10,6 +10,16 @@ alike, and row ``i`` of ``W'`` needs only row ``i`` of ``W``, row ``i`` of ``B``
 ``A``; so each rank merges its own rows with the gathered, small ``A`` (``r x in_dim``) and no
 rank ever holds a whole base weight.
 
+DoRA scales each merged row by its magnitude over its norm,
+
+    W' = m / ||W + scale * B A||_row * (W + scale * B A)
+
+and a row's norm needs only that row: a ``Shard(0)`` slice holds whole output rows (all
+``in_dim`` columns of each), so each rank computes its own rows' norms and the merge stays
+shard-local (``m`` is ``Shard(0)`` like ``B``). An NF4 base (QLoRA) is dequantized shard by
+shard first: the merged model is the dequantized base plus the adapter. Frozen NF4 weights
+without an adapter are dequantized the same way.
+
 The merge never writes the live parameters: FSDP2's ``model.state_dict()`` aliases them, and
 merging into it in place would silently turn training weights into ``W + ΔW`` at each export.
 """
@@ -25,7 +35,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
+from tunelab.peft._names import MAGNITUDE
 from tunelab.peft.apply import lora_modules
+from tunelab.peft.nf4 import dequantize
 
 
 def _rows_are_local(weight: DTensor, lora_b: torch.Tensor) -> bool:
@@ -39,13 +51,20 @@ def _rows_are_local(weight: DTensor, lora_b: torch.Tensor) -> bool:
 
 
 def _merge_plain(
-    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if isinstance(weight, DTensor):
         # DTensor in-place ops need matching placements; let DTensor plan this one.
         merged = weight.to(torch.float32) + scale * (
             lora_b.to(torch.float32) @ lora_a.to(torch.float32)
         )
+        if magnitude is not None:
+            norm = torch.linalg.norm(merged, dim=1)
+            merged = merged * (magnitude.to(torch.float32) / norm).unsqueeze(1)
         return merged.to(weight.dtype)
     # One new fp32 buffer, updated in place: bit for bit ``W.float() + scale * (B @ A)``
     # (the same three roundings; + and * commute), without the two temporaries of the
@@ -55,13 +74,23 @@ def _merge_plain(
     merged = torch.mm(lora_b.to(torch.float32), lora_a.to(torch.float32))
     merged.mul_(scale)
     merged.add_(weight if type(weight) is torch.Tensor else weight.to(torch.float32))
+    if magnitude is not None:
+        # Row norms of this tensor's rows only: the rows of a Shard(0) slice are whole rows.
+        norm = torch.linalg.norm(merged, dim=1)
+        merged.mul_((magnitude.to(torch.float32) / norm).unsqueeze(1))
     return merged if weight.dtype == torch.float32 else merged.to(weight.dtype)
 
 
 def merge_weight(
-    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    magnitude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``weight + scale * lora_b @ lora_a`` in fp32, cast to ``weight.dtype``, in a new tensor.
+
+    With a DoRA ``magnitude`` each row is then scaled by ``magnitude / ||row||``.
 
     Collective when the inputs are DTensors (``lora_a`` is gathered): call on every rank.
 
@@ -70,16 +99,22 @@ def merge_weight(
         lora_a: Adapter ``A`` ``[rank, in_dim]``, plain or a DTensor.
         lora_b: Adapter ``B`` ``[out_dim, rank]``, sharded like ``weight``.
         scale: The LoRA scale.
+        magnitude: DoRA's magnitude ``[out_dim]``, sharded like ``lora_b``; None for LoRA.
 
     Returns:
         The merged weight; for a DTensor ``weight`` a DTensor with its mesh, placements,
         shape and stride, built from this rank's rows only.
     """
     if not isinstance(weight, DTensor):
-        return _merge_plain(weight, lora_a, lora_b, scale)
-    if _rows_are_local(weight, lora_b):
+        return _merge_plain(weight, lora_a, lora_b, scale, magnitude)
+    if _rows_are_local(weight, lora_b) and (
+        magnitude is None or _rows_are_local(weight, magnitude)
+    ):
         lora_a_full = lora_a.full_tensor() if isinstance(lora_a, DTensor) else lora_a
-        local = _merge_plain(weight.to_local(), lora_a_full, lora_b.to_local(), scale)
+        local_magnitude = None if magnitude is None else magnitude.to_local()
+        local = _merge_plain(
+            weight.to_local(), lora_a_full, lora_b.to_local(), scale, local_magnitude
+        )
         return DTensor.from_local(
             local,
             weight.device_mesh,
@@ -90,7 +125,7 @@ def merge_weight(
         )
     # Other layouts (e.g. tensor-parallel Shard(1)): let DTensor plan the communication,
     # then return the base's layout.
-    return _merge_plain(weight, lora_a, lora_b, scale).redistribute(
+    return _merge_plain(dequantize(weight), lora_a, lora_b, scale, magnitude).redistribute(
         weight.device_mesh, weight.placements
     )
 
@@ -106,10 +141,12 @@ def _lora_state(
 
 
 def _role(key: str, modules: Mapping[str, nn.Module]) -> str:
-    """``"weight"`` for an adapted base weight, ``"adapter"`` for lora_A/B, else ``"other"``."""
+    """The key's role: ``"weight"`` (adapted base), ``"adapter"`` (A, B, magnitude), ``"other"``."""
     owner, _, leaf = key.rpartition(".")
     if owner in modules and leaf == "weight":
         return "weight"
+    if owner in modules and leaf == MAGNITUDE:
+        return "adapter"
     parent, _, name = owner.rpartition(".")
     return "adapter" if parent in modules and name in ("lora_A", "lora_B") else "other"
 
@@ -150,9 +187,10 @@ def merged_state_dict(
                 full_adapter[lora_a_key] if full_adapter else state[lora_a_key],
                 state[f"{owner}.lora_B.weight"],
                 modules[owner].scale,
+                state.get(f"{owner}.{MAGNITUDE}"),
             )
         elif role == "other":
-            merged[key] = value
+            merged[key] = dequantize(value)
     return merged
 
 
@@ -186,36 +224,50 @@ def lazy_merged_state_dict(
     for key, value in state.items():
         role = _role(key, modules)
         if role == "other":
-            result[key] = value
+            result[key] = dequantize(value)
         if role != "weight":
             continue
         owner = key.rpartition(".")[0]
         lora_a = full_adapter[f"{owner}.lora_A.weight"] if full_adapter else None
         lora_b = state[f"{owner}.lora_B.weight"]
+        magnitude = state.get(f"{owner}.{MAGNITUDE}")
         scale = modules[owner].scale
         if isinstance(value, DTensor):
             local = value.to_local()
             # A tensor subclass (NF4) shard takes the eager path: DCP's chunk lookup and
             # planning are only known to work on plain local shards.
-            lazy = _rows_are_local(value, lora_b) and type(local) is torch.Tensor
+            lazy = (
+                _rows_are_local(value, lora_b)
+                and (magnitude is None or _rows_are_local(value, magnitude))
+                and type(local) is torch.Tensor
+            )
         else:
             lazy = type(value) is torch.Tensor
         if not lazy:
             a = lora_a if lora_a is not None else state[f"{owner}.lora_A.weight"]
-            result[key] = merge_weight(value, a, lora_b, scale)
+            result[key] = merge_weight(value, a, lora_b, scale, magnitude)
             continue
         if lora_a is None:
             lora_a = state[f"{owner}.lora_A.weight"]
         if isinstance(lora_a, DTensor):
             lora_a = lora_a.full_tensor()
         b_local = lora_b.to_local() if isinstance(lora_b, DTensor) else lora_b
+        if isinstance(magnitude, DTensor):
+            magnitude = magnitude.to_local()
         result[key] = value
-        deferred[key] = functools.partial(_merge_rows, lora_a=lora_a, lora_b=b_local, scale=scale)
+        deferred[key] = functools.partial(
+            _merge_rows, lora_a=lora_a, lora_b=b_local, scale=scale, magnitude=magnitude
+        )
     return result, deferred
 
 
 def _merge_rows(
-    weight: torch.Tensor, *, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+    weight: torch.Tensor,
+    *,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    magnitude: torch.Tensor | None,
 ) -> torch.Tensor:
     assert weight.shape[0] == lora_b.shape[0], "apply to the whole local shard only"
-    return _merge_plain(weight, lora_a, lora_b, scale)
+    return _merge_plain(weight, lora_a, lora_b, scale, magnitude)

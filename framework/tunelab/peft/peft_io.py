@@ -165,18 +165,18 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
 
     Raises:
         CheckpointError: If a file is missing or unreadable, the keys differ from the
-            model's adapter keys, a shape differs, or ``r``/``lora_alpha``/``use_rslora``
-            differ from the model's LoRA layers.
+            model's adapter keys, a shape differs, or ``r``/``lora_alpha``/``use_rslora``/
+            ``use_dora`` differ from the model's LoRA layers.
     """
     adapter_dir = Path(adapter_dir)
     config = read_adapter_config(adapter_dir)
     expected = lora_kwargs_from_config(config)
     for name, module in lora_modules(model).items():
-        got = (module.rank, module.alpha, module.use_rslora)
-        want = (expected["rank"], expected["alpha"], expected["use_rslora"])
+        got = (module.rank, module.alpha, module.use_rslora, module.use_dora)
+        want = (expected["rank"], expected["alpha"], expected["use_rslora"], expected["use_dora"])
         if got != want:
             raise CheckpointError(
-                f"adapter {adapter_dir} has (r, lora_alpha, use_rslora)={want}, "
+                f"adapter {adapter_dir} has (r, lora_alpha, use_rslora, use_dora)={want}, "
                 f"but the model's LoRA layer {name} has {got}"
             )
     weights_path = adapter_dir / ADAPTER_WEIGHTS_NAME

@@ -14,7 +14,7 @@ from torch import nn
 
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import CheckpointError, ConfigError, TunelabError
-from tunelab.peft._names import is_adapter_key
+from tunelab.peft._names import adapter_owner, is_adapter_key
 from tunelab.peft.apply import ALL_LINEAR, lora_modules
 
 PEFT_PREFIX = "base_model.model."
@@ -22,7 +22,6 @@ PEFT_PREFIX = "base_model.model."
 
 # PEFT options that change what the adapter computes and that tunelab does not implement.
 _UNSUPPORTED_OPTIONS = (
-    "use_dora",
     "rank_pattern",
     "alpha_pattern",
     "modules_to_save",
@@ -41,7 +40,8 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         model: A LoRA-applied model, sharded or not.
 
     Returns:
-        ``{"<module>.lora_A.weight": tensor, "<module>.lora_B.weight": tensor, ...}``.
+        ``{"<module>.lora_A.weight": tensor, "<module>.lora_B.weight": tensor, ...}``, plus
+        ``"<module>.lora_magnitude_vector"`` for DoRA.
 
     Raises:
         TunelabError: If the model has no LoRA layers.
@@ -54,7 +54,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for key, value in model.state_dict().items():
         key = clean_fqn(key)
-        if is_adapter_key(key) and key.rsplit(".", 2)[0] in modules:
+        if is_adapter_key(key) and adapter_owner(key) in modules:
             state[key] = value
     return state
 
@@ -132,6 +132,7 @@ def adapter_config(
     targets: Sequence[str],
     use_rslora: bool,
     base_model_name_or_path: str | None,
+    use_dora: bool = False,
 ) -> dict:
     """The content of a PEFT ``adapter_config.json`` for a tunelab LoRA adapter.
 
@@ -144,6 +145,7 @@ def adapter_config(
         targets: The adapted modules: short names or the FQNs ``apply_lora`` returned.
         use_rslora: Whether the scale is ``alpha / sqrt(r)``.
         base_model_name_or_path: The base model's hub id or folder (may be ``None``).
+        use_dora: Whether the adapter is DoRA (has ``lora_magnitude_vector`` weights).
 
     Returns:
         A JSON-serialisable dict.
@@ -161,7 +163,7 @@ def adapter_config(
         "target_modules": resolve_target_names(targets),
         "bias": "none",
         "use_rslora": use_rslora,
-        "use_dora": False,
+        "use_dora": use_dora,
         "fan_in_fan_out": False,
         "inference_mode": True,
         "modules_to_save": None,
@@ -181,7 +183,7 @@ def lora_kwargs_from_config(config: Mapping) -> dict:
         config: A parsed ``adapter_config.json`` (see ``read_adapter_config``).
 
     Returns:
-        ``{"targets", "rank", "alpha", "dropout", "use_rslora"}``.
+        ``{"targets", "rank", "alpha", "dropout", "use_rslora", "use_dora"}``.
 
     Raises:
         CheckpointError: If the config uses PEFT features tunelab does not implement.
@@ -202,4 +204,5 @@ def lora_kwargs_from_config(config: Mapping) -> dict:
         "alpha": config["lora_alpha"],
         "dropout": config.get("lora_dropout", 0.0),
         "use_rslora": bool(config.get("use_rslora", False)),
+        "use_dora": bool(config.get("use_dora", False)),
     }

@@ -120,6 +120,8 @@ def build_checkpoint_client(
             use_rslora=lora.use_rslora,
             dropout=lora.dropout,
         )
+            use_dora=lora.use_dora,
+            quantize_base=lora.quantize_base,
     return CheckpointClient(
         args.output_dir,
         model=model,
