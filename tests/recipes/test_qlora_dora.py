@@ -1,0 +1,199 @@
+"""QLoRA and DoRA end to end: real ``tunelab run`` on 1 and 2 processes (gloo, fp32).
+
+QLoRA runs on a tiny Llama whose every linear layer holds whole NF4 blocks on 2 processes
+(hidden 256, the embedded tiny model's tokenizer): 2 and 1 processes give the same losses, a
+kill-and-resume continues exactly, and the merged export loads in transformers with the
+logits of our NF4 model + adapter. DoRA runs on the embedded tiny model: PEFT loads the adapter
+on the original base with our logits, which the merged export has too. A QLoRA + DoRA DPO run
+starts at loss ln 2 (the reference, adapters off, is the policy at step 0).
+"""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tests.recipes.conftest import interrupted_copy, losses_by_step, tunelab_run
+from tunelab._paths import assets_dir
+
+pytestmark = pytest.mark.slow
+TINY = assets_dir() / "tiny"
+STEPS = 4
+COMMON = [
+    "epochs=1",
+    f"max_steps_per_epoch={STEPS}",
+    "~val_dataset",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=2",
+    "checkpoint.keep_last_n_checkpoints=null",
+    "checkpoint.enable_async_checkpointing=false",
+]
+TOKENS = torch.randint(0, 800, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def nf4_model_dir(tmp_path_factory):
+    """A tiny random Llama (fp32) whose linear weights split into whole NF4 blocks on 2 ranks."""
+    transformers = pytest.importorskip("transformers")
+    tiny = json.loads((TINY / "config.json").read_text())
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=tiny["vocab_size"],
+        bos_token_id=tiny["bos_token_id"],
+        eos_token_id=tiny["eos_token_id"],
+        pad_token_id=tiny["pad_token_id"],
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("nf4_llama")
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY / name, path / name)
+    return path
+
+
+def _run(config, out, *extra, nproc=2):
+    batch = "batch_size=4" if nproc == 2 else "batch_size=8"
+    return tunelab_run(
+        "lora_finetune_distributed", config, f"output_dir={out}", batch, *COMMON, *extra,
+        nproc=nproc,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qlora_2p(tmp_path_factory, nf4_model_dir):
+    out = tmp_path_factory.mktemp("qlora_2p")
+    result = _run("tiny/qlora", out, f"checkpoint_dir={nf4_model_dir}")
+    # Every linear weight but lm_head is quantized: no "kept in the training dtype" notice.
+    assert "kept in the training dtype" not in result.stdout + result.stderr
+    return out
+
+
+def _our_model(base_dir, adapter_dir, **lora):
+    """Our model as the recipe builds it on one process, with the exported adapter."""
+    from tunelab.config.recipe_args import LoRAArgs
+    from tunelab.peft import read_adapter_config
+    from tunelab.training import build_model
+
+    config = read_adapter_config(adapter_dir)
+    args = LoRAArgs(
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        targets=config["target_modules"],
+        use_dora=config["use_dora"],
+        **lora,
+    )
+    model = build_model(
+        str(base_dir), device=torch.device("cpu"), dtype=torch.float32, lora=args,
+        adapter_dir=str(adapter_dir),
+    )  # fmt: skip
+    return model.eval()
+
+
+def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torchao.quantization import to_nf4
+
+    from tunelab.peft.nf4 import is_nf4
+
+    losses = losses_by_step(qlora_2p)
+    assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] < losses[1]
+    one = tmp_path / "one"
+    _run("tiny/qlora", one, f"checkpoint_dir={nf4_model_dir}", nproc=1)
+    for step, loss in losses_by_step(one).items():
+        assert abs(loss - losses[step]) <= 1e-5, (step, loss, losses[step])
+
+    # Killed after step 2: the resumed run re-quantizes the base and continues exactly.
+    resumed = interrupted_copy(qlora_2p, tmp_path / "resumed", after_step=2)
+    _run("tiny/qlora", resumed, f"checkpoint_dir={nf4_model_dir}",
+         "checkpoint.resume_from_checkpoint=true")  # fmt: skip
+    assert losses_by_step(resumed) == {step: losses[step] for step in (3, 4)}
+
+    # The merged export: transformers' logits equal our NF4 base + adapter's.
+    export = qlora_2p / "epoch_0"
+    ours = _our_model(nf4_model_dir, export / "adapter", quantize_base="nf4")
+    assert is_nf4(ours.layers[0].self_attn.q_proj.weight)
+    assert is_nf4(ours.layers[1].mlp.down_proj.weight)
+    with torch.no_grad():
+        expected = ours(TOKENS)
+        merged, info = transformers.AutoModelForCausalLM.from_pretrained(
+            export, dtype=torch.float32, output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
+        # Not the original base + adapter: the NF4 rounding is in the merged weights.
+        original = transformers.AutoModelForCausalLM.from_pretrained(nf4_model_dir)
+        name = "model.layers.0.mlp.down_proj.weight"
+        dequantized = to_nf4(original.state_dict()[name]).get_original_weight()
+        assert not torch.equal(merged.state_dict()[name], original.state_dict()[name])
+        assert (merged.state_dict()[name] - dequantized).abs().max() < 0.05
+
+
+def test_qlora_adapter_loads_in_peft_on_the_dequantized_base(qlora_2p, nf4_model_dir):
+    transformers = pytest.importorskip("transformers")
+    peft_lib = pytest.importorskip("peft")
+    from torchao.quantization import to_nf4
+
+    adapter = qlora_2p / "epoch_0" / "adapter"
+    base = transformers.AutoModelForCausalLM.from_pretrained(nf4_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(to_nf4(module.weight.detach()).get_original_weight())
+        adapted = peft_lib.PeftModel.from_pretrained(base, adapter)
+        expected = _our_model(nf4_model_dir, adapter, quantize_base="nf4")(TOKENS)
+        assert (adapted(TOKENS).logits - expected).abs().max() < 1e-4
+
+
+def test_dora_adapter_loads_in_peft_with_our_logits_and_the_merged_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft_lib = pytest.importorskip("peft")
+
+    out = tmp_path / "dora"
+    _run("tiny/dora", out)
+    losses = losses_by_step(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    adapter = out / "epoch_0" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    ours = _our_model(TINY, adapter)
+    magnitude = ours.layers[0].self_attn.q_proj.lora_magnitude_vector
+    with torch.no_grad():
+        expected = ours(TOKENS)
+        base = transformers.AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+        adapted = peft_lib.PeftModel.from_pretrained(base, adapter)
+        # Every adapter weight PEFT expects is in the file (PEFT only warns on missing keys).
+        names = {n for n, _ in adapted.named_parameters() if "lora_" in n}
+        assert sum("lora_magnitude_vector" in n for n in names) == len(names) // 3
+        peft_magnitude = adapted.base_model.model.model.layers[0].self_attn.q_proj
+        assert torch.equal(peft_magnitude.lora_magnitude_vector["default"].weight, magnitude)
+        assert (adapted(TOKENS).logits - expected).abs().max() < 1e-4
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_0")
+        assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
+
+
+def test_qlora_dora_dpo_reference_is_the_nf4_base(nf4_model_dir, tmp_path):
+    out = tmp_path / "dpo"
+    tunelab_run(
+        "lora_dpo_distributed", "qwen2_5/1.5B_qlora_dpo", f"output_dir={out}",
+        f"checkpoint_dir={nf4_model_dir}", "dtype=fp32", "lora.use_dora=true",
+        "tokenizer.max_seq_len=128", "dataset.source=json", "~dataset.split",
+        "~dataset.column_map", f"dataset.data_files={TINY}/preference.jsonl",
+        "dataset.template=instruct", "dataset.max_seq_len=128", "batch_size=2",
+        "gradient_accumulation_steps=1", "max_steps_per_epoch=2",
+        "enable_activation_checkpointing=false", "lr_scheduler.num_warmup_steps=0",
+        "checkpoint.save_every_n_steps=null", "checkpoint.enable_async_checkpointing=false",
+    )  # fmt: skip
+    losses = losses_by_step(out)
+    # At step 1 the policy (B = 0, magnitude = ||W||) equals the reference exactly.
+    assert abs(losses[1] - math.log(2)) < 1e-6, losses
+    assert (out / "epoch_0" / "adapter" / "adapter_model.safetensors").is_file()
