@@ -248,18 +248,27 @@ def copy_rows_nf4_(param: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def frozen_linear_bytes(model: nn.Module) -> int:
-    """Bytes this rank holds for frozen 2-D linear weights (NF4: packed values and scales).
+    """Bytes this rank holds for the weights ``quantize_base_nf4`` may quantize.
+
+    Those are the frozen weights of linear layers other than ``lm_head`` (and the adapters'
+    own); an NF4 weight counts its packed values, block scales and scale factors.
 
     Args:
         model: A model, sharded or not.
 
     Returns:
-        The sum over frozen, non-embedding 2-D weights of linear layers.
+        The bytes of this rank's shards of those weights.
     """
     total = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if not _is_linear(module) or weight is None or weight.requires_grad:
+        leaf = name.rpartition(".")[2]
+        if (
+            not _is_linear(module)
+            or weight is None
+            or weight.requires_grad
+            or leaf in (_OUTPUT_LAYER, "lora_A", "lora_B")
+        ):
             continue
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         if is_nf4(local):
