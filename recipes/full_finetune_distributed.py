@@ -15,6 +15,7 @@ from tunelab.config import FullFinetuneArgs, instantiate, recipe_main
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
+    data_parallel_mesh,
     destroy_distributed,
     init_distributed,
     resolve_dtype,
@@ -47,15 +48,22 @@ ARGS = FullFinetuneArgs
 def main(args: FullFinetuneArgs) -> None:
     """Train every weight on ``args.dataset`` and export the model."""
     # -- set-up: the process group first, everything else after it -------------------------
-    dist_info = init_distributed(args.device)
+    dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
     # One run per output_dir: a second one stops here, before loading or writing anything.
     lock_output_dir(args.output_dir)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
+    # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    mesh = data_parallel_mesh(
+        device,
+        replicate_size=args.data_parallel_replicate_size,
+        shard_size=args.data_parallel_shard_size,
+    )
     model = build_model(
         args.checkpoint_dir,
         device=device,
+        mesh=mesh,
         dtype=resolve_dtype(args.dtype),
         activation_checkpointing=args.enable_activation_checkpointing,
         compile_blocks=args.compile,

@@ -22,7 +22,12 @@ import tunelab.peft as peft
 from tunelab import ConfigError
 from tunelab.config import LoRADPOArgs, instantiate, recipe_main
 from tunelab.data import padded_collate_dpo
-from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
+from tunelab.distributed import (
+    data_parallel_mesh,
+    destroy_distributed,
+    init_distributed,
+    resolve_dtype,
+)
 from tunelab.lifecycle import Preemption, lock_output_dir
 from tunelab.losses import PreferenceLoss, accumulate_metrics
 from tunelab.training import (
@@ -55,15 +60,22 @@ ARGS = LoRADPOArgs
 def main(args: LoRADPOArgs) -> None:
     """Train LoRA adapters on preference pairs and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
-    dist_info = init_distributed(args.device)
+    dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
     # One run per output_dir: a second one stops here, before loading or writing anything.
     lock_output_dir(args.output_dir)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
+    # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    mesh = data_parallel_mesh(
+        device,
+        replicate_size=args.data_parallel_replicate_size,
+        shard_size=args.data_parallel_shard_size,
+    )
     model = build_model(
         args.checkpoint_dir,
         device=device,
+        mesh=mesh,
         dtype=resolve_dtype(args.dtype),
         lora=args.lora,
         adapter_dir=args.adapter_dir,

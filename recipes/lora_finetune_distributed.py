@@ -16,6 +16,7 @@ from tunelab.config import LoRAFinetuneArgs, instantiate, recipe_main
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
+    data_parallel_mesh,
     destroy_distributed,
     init_distributed,
     resolve_dtype,
@@ -48,15 +49,22 @@ ARGS = LoRAFinetuneArgs
 def main(args: LoRAFinetuneArgs) -> None:
     """Train LoRA adapters on ``args.dataset`` and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
-    dist_info = init_distributed(args.device)
+    dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
     # One run per output_dir: a second one stops here, before loading or writing anything.
     lock_output_dir(args.output_dir)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
+    # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    mesh = data_parallel_mesh(
+        device,
+        replicate_size=args.data_parallel_replicate_size,
+        shard_size=args.data_parallel_shard_size,
+    )
     model = build_model(
         args.checkpoint_dir,
         device=device,
+        mesh=mesh,
         dtype=resolve_dtype(args.dtype),
         lora=args.lora,
         adapter_dir=args.adapter_dir,

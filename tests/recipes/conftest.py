@@ -1,11 +1,14 @@
 """Helpers for tests that launch real multi-process runs."""
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 BIN_DIR = Path(sys.executable).parent
@@ -76,3 +79,82 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def losses_by_step(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
+
+
+class Nodes:
+    """``tunelab run`` started as several loopback "nodes" (one launcher each, c10d rendezvous).
+
+    Each launcher runs in a session of its own with its output in a file; :meth:`wait` and
+    :meth:`kill` end every process of every node, so a hang fails the test instead of CI.
+    """
+
+    def __init__(
+        self, recipe, config, *overrides, log_dir, nnodes=2, nproc=1, launcher=(), env=None
+    ):
+        endpoint = f"127.0.0.1:{free_port()}"
+        self.logs = [Path(log_dir) / f"node_{rank}.log" for rank in range(nnodes)]
+        self.procs = []
+        for rank, log in enumerate(self.logs):
+            command = [
+                TUNELAB, "run", "--nnodes", str(nnodes), "--node-rank", str(rank),
+                "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, *launcher,
+                recipe, "--config", config, *overrides,
+            ]  # fmt: skip
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        command, stdout=out, stderr=subprocess.STDOUT, env=run_env(**(env or {})),
+                        start_new_session=True,
+                    )
+                )  # fmt: skip
+
+    def workers(self, node: int) -> list[int]:
+        """The pids of ``node``'s workers (children of its launcher, Linux)."""
+        pid = self.procs[node].pid
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        return [int(child) for child in children.read_text().split()] if children.exists() else []
+
+    def output(self) -> str:
+        return "\n".join(log.read_text(errors="replace")[-4000:] for log in self.logs)
+
+    def wait(self, timeout: float, check: bool = True) -> list[int]:
+        """Each launcher's exit code; kills everything and fails after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for proc in self.procs
+            ]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"nodes still running after {timeout} s:\n{self.output()}"
+            ) from None
+        if check and any(codes):
+            raise AssertionError(f"nodes exited with {codes}:\n{self.output()}")
+        return codes
+
+    def kill(self) -> None:
+        """SIGKILL every node's workers, then its launcher's session."""
+        for node, proc in enumerate(self.procs):
+            for worker in self.workers(node):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(condition, timeout: float, what: str, nodes: Nodes | None = None):
+    """Poll ``condition`` every 10 ms until it is truthy; return its value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    if nodes is not None:
+        nodes.kill()
+    raise AssertionError(
+        f"timed out waiting for {what}" + (f":\n{nodes.output()}" if nodes else "")
+    )

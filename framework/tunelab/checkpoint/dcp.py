@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from tunelab.checkpoint import _dcp_json
 from tunelab.checkpoint.integrity import FileRecord, HashingWriter, RecordBook, record_of
 from tunelab.checkpoint.layout import write_atomic
+from tunelab.distributed import collective_timeout
 from tunelab.errors import CheckpointError, TunelabError, first_line
 
 FileRecords = dict[str, FileRecord]
@@ -183,7 +184,12 @@ class DCPSaver:
         self.enable_async = enable_async and self._distributed
         self._writer_factory = writer_factory or default_writer
         # Its own gloo group, so background writes never interleave with training collectives.
-        self._group = dist.new_group(backend="gloo") if self._distributed else None
+        # The run's collective timeout too: a hung peer fails a checkpoint collective as well.
+        self._group = (
+            dist.new_group(backend="gloo", timeout=collective_timeout())
+            if self._distributed
+            else None
+        )
         self._stager = (
             # Staging options measured to work on CPU: no pinned or shared memory, no
             # non-blocking copies, asynchronous staging.

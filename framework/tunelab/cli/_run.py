@@ -60,6 +60,8 @@ _TORCHRUN_SIGNALS = tuple(
 # them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torch's default of 30 s is short for a real model's
 # final checkpoint). The environment variable or --shutdown-timeout wins.
 SHUTDOWN_TIMEOUT_S = 300
+# torch's switch for the rendezvous store that workers share across restarts (see below).
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # A recipe that exits with these stopped on a signal and printed its own line.
 _STOP_EXIT_CODES = frozenset(128 + signum for signum in STOP_SIGNALS)
 
@@ -190,6 +192,11 @@ def _run_torchrun(
     # torchrun would set this with a boxed warning when several processes share a node.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    # The restarted group's workers must not find the dead group's addresses (torch 2.13):
+    # by default the c10d rendezvous shares its store with the workers across restarts, with
+    # no per-round prefix, so a restart connected to the dead workers' ports ("connectFullMesh
+    # ... Connection refused") and hung. Opting out gives each round a fresh worker store.
+    os.environ.setdefault(SHARE_STORE_ENV, "1")
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # Workers die with this process.
     os.environ[REPORTED_BY_LAUNCHER_ENV] = "1"  # This process prints the workers' errors.
     if launch.nnodes in ("1", "1:1"):

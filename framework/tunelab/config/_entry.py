@@ -24,6 +24,7 @@ from tunelab.lifecycle import (
     signal_received,
 )
 from tunelab.lifecycle.preemption import signal_name
+from tunelab.lifecycle.restarts import restart_follows
 
 T = TypeVar("T")
 
@@ -124,7 +125,10 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
         except OSError:
             pass
     reported = recorded and os.environ.get(REPORTED_BY_LAUNCHER_ENV) == "1"
-    if not reported and _rank() == "0":
+    if restart_follows():
+        # torchrun restarts the group and no launcher ever prints this: say why, on any rank.
+        print(f"tunelab: error (restarting): {line}", file=sys.stderr, flush=True)
+    elif not reported and _rank() == "0":
         # Plain torchrun or a hand start: no launcher prints the line, so rank 0 does.
         print(f"tunelab: error: {line}", file=sys.stderr, flush=True)
     sys.exit(1)

@@ -7,9 +7,11 @@ from tunelab.distributed.fsdp import (
     resolve_dtype,
     shard_model,
 )
+from tunelab.distributed.mesh import data_parallel_mesh
 from tunelab.distributed.process_group import (
     DistInfo,
     all_reduce_sum,
+    collective_timeout,
     destroy_distributed,
     init_distributed,
 )
@@ -18,6 +20,8 @@ __all__ = [
     "DistInfo",
     "all_reduce_sum",
     "apply_activation_checkpointing",
+    "collective_timeout",
+    "data_parallel_mesh",
     "destroy_distributed",
     "gather_full_tensors",
     "init_distributed",

@@ -3,13 +3,22 @@
 Every recipe calls :func:`init_distributed` first thing, before anything that may need a
 process group (the checkpoint client in particular). ``tunelab run`` without torchrun options
 still sets the torchrun environment for one process, so one code path serves 1 and N processes.
+
+Every collective of the run (the default group, and the groups made later with
+:func:`collective_timeout` passed on) gives up after ``collective_timeout_s``: a peer that hangs
+or froze turns into an exception, the worker exits, and torchrun (``--max-restarts``) restarts
+the group instead of everyone waiting forever.
 """
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# The run's collective timeout; None: torch's defaults (30 min for gloo, 10 for NCCL).
+_timeout: timedelta | None = None
 
 
 @dataclass(frozen=True)
@@ -39,15 +48,22 @@ def _backend_for(device: torch.device) -> str:
     return "gloo"
 
 
-def init_distributed(device: str | None = None) -> DistInfo:
+def init_distributed(
+    device: str | None = None, *, collective_timeout_s: float | None = None
+) -> DistInfo:
     """Initialise the default process group from the torchrun environment.
 
     Args:
         device: ``"cpu"``, ``"cuda"`` or None to pick CUDA when available.
+        collective_timeout_s: Seconds a collective waits for its peers before it raises
+            (gloo and NCCL both honour it), so a hung peer ends in a restart, not a hang;
+            None keeps torch's default. The recipes pass ``collective_timeout_s``.
 
     Returns:
         The rank, world size, local rank and device of this process.
     """
+    global _timeout
+    _timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -63,8 +79,14 @@ def init_distributed(device: str | None = None) -> DistInfo:
             rank=rank,
             world_size=world_size,
             device_id=torch_device if torch_device.type == "cuda" else None,
+            timeout=_timeout,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device)
+
+
+def collective_timeout() -> timedelta | None:
+    """The run's collective timeout: pass it to ``dist.new_group`` so side groups honour it."""
+    return _timeout
 
 
 def destroy_distributed() -> None:

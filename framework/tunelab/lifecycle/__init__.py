@@ -24,6 +24,7 @@ from tunelab.lifecycle.preemption import (
     signal_received,
     stop_signals_blocked,
 )
+from tunelab.lifecycle.restarts import restart_of_job
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -35,6 +36,7 @@ __all__ = [
     "exit_with_launcher",
     "install_stop_handlers",
     "lock_output_dir",
+    "restart_of_job",
     "signal_received",
     "stop_signals_blocked",
 ]

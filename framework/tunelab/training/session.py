@@ -20,7 +20,8 @@ from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.config import instantiate
 from tunelab.config.recipe_args import FinetuneArgs
 from tunelab.data import StatefulDistributedSampler
-from tunelab.errors import DataError
+from tunelab.errors import CheckpointError, DataError
+from tunelab.lifecycle import restart_of_job
 from tunelab.training.setup import build_dataloader, config_fingerprint
 
 if TYPE_CHECKING:
@@ -119,9 +120,9 @@ def build_checkpoint_client(
             targets=tuple(peft.lora_target_names(model)),
             use_rslora=lora.use_rslora,
             dropout=lora.dropout,
-        )
             use_dora=lora.use_dora,
             quantize_base=lora.quantize_base,
+        )
     return CheckpointClient(
         args.output_dir,
         model=model,
@@ -155,24 +156,45 @@ def resume(
     """
     mode = args.checkpoint.resume_from_checkpoint
     is_main = not dist.is_initialized() or dist.get_rank() == 0
-    check_resume_setting(args.output_dir, mode)
+    # A torchrun restart (--max-restarts) says so: "restart 1 of 2: resumed from step_4 ...".
+    restart, max_restarts = restart_of_job()
+    said = f"restart {restart} of {max_restarts}: " if restart else ""
+    _check_resume_setting_once(args.output_dir, mode)
     if mode is False:
         return 0, 0
     resumed = checkpoints.load_latest()
     if resumed is None:
         if is_main:
-            print(f"no checkpoint in {args.output_dir}: starting fresh", flush=True)
+            print(f"{said}no checkpoint in {args.output_dir}: starting fresh", flush=True)
         return 0, 0
     data.sampler.load_state_dict(resumed.progress["sampler"])
     start_epoch = resumed.epoch + 1 if resumed.progress["epoch_done"] else resumed.epoch
     if is_main:
         step_in_epoch = 0 if resumed.progress["epoch_done"] else data.step_in_epoch(args)
         print(
-            f"resumed from {resumed.path.name} (epoch {start_epoch}, step {step_in_epoch} "
+            f"{said}resumed from {resumed.path.name} (epoch {start_epoch}, step {step_in_epoch} "
             f"of {data.steps_per_epoch})",
             flush=True,
         )
     return resumed.step, start_epoch
+
+
+def _check_resume_setting_once(output_dir: str, mode: bool | str) -> None:
+    """``check_resume_setting`` on rank 0, its verdict raised on every rank.
+
+    One view of the folder: on a network filesystem another node's listing may lag rank 0's,
+    and a rank raising alone would leave the others waiting in their next collective.
+    """
+    problem: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            check_resume_setting(output_dir, mode)
+        except CheckpointError as error:
+            problem = [str(error)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
 
 
 def progress_record(data: TrainingData, epoch_done: bool) -> dict[str, Any]:

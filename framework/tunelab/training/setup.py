@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 import tunelab.peft as peft
@@ -34,6 +35,7 @@ def build_model(
     reshard_after_forward: bool = True,
     mixed_precision: bool = False,
     seed: int = 0,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Build, shard and load a model from a Hugging Face folder.
 
@@ -49,6 +51,8 @@ def build_model(
         mixed_precision: bf16 compute with fp32 reduction under FSDP2.
         seed: Seed of the fresh adapter's initialisation (the same on every rank, so the
             values do not depend on the world size).
+        mesh: The data-parallel mesh (``data_parallel_mesh``): 2-D for HSDP, None to shard
+            over every rank.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
@@ -78,7 +82,12 @@ def build_model(
     if compile_blocks:
         for block in model.layers:
             block.compile()
-    shard_model(model, reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision)
+    shard_model(
+        model,
+        reshard_after_forward=reshard_after_forward,
+        mixed_precision=mixed_precision,
+        mesh=mesh,
+    )
     model.to_empty(device=device)
     model.tie_weights()
     load_hf_into_model(model, checkpoint_dir)
