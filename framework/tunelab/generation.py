@@ -64,10 +64,17 @@ def generate(
     """
     device = next(model.parameters()).device
     model.setup_caches(1, len(prompt) + max_new_tokens, device=device)
+    # LongRoPE rotates with other factors once a sequence passes the original length, which
+    # changes every cached key: re-encode the whole sequence there, as transformers does.
+    recompute_at = getattr(model, "rope_recompute_position", lambda: None)()
+
+    def encode(token_ids: list[int], start: int) -> torch.Tensor:
+        tokens = torch.tensor([token_ids], device=device)
+        positions = torch.arange(start, start + len(token_ids), device=device)[None]
+        return model(tokens, input_pos=positions)[:, -1]
+
     try:
-        tokens = torch.tensor([prompt], device=device)
-        positions = torch.arange(len(prompt), device=device)[None]
-        logits = model(tokens, input_pos=positions)[:, -1]
+        logits = encode(prompt, 0)
         generated: list[int] = []
         for step in range(max_new_tokens):
             next_token = sample_next(
@@ -76,8 +83,12 @@ def generate(
             generated.append(int(next_token))
             if generated[-1] in stop_ids or step == max_new_tokens - 1:
                 break
-            position = torch.tensor([[len(prompt) + step]], device=device)
-            logits = model(next_token[:, None], input_pos=position)[:, -1]
+            position = len(prompt) + step
+            if position == recompute_at:
+                model.reset_caches()
+                logits = encode(prompt + generated, 0)
+            else:
+                logits = encode(generated[-1:], position)
         return generated
     finally:
         model.teardown_caches()

@@ -47,7 +47,7 @@ class LoRAArgs:
     targets: Annotated[list[Annotated[str, NonEmpty()]], NonEmpty()] = field(
         default_factory=lambda: ["q_proj", "v_proj"]
     )
-    """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head), or ["all-linear"]."""
+    """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head; Phi-3: qkv_proj gate_up_proj), or ["all-linear"]."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
     use_dora: bool = False
@@ -130,12 +130,6 @@ class FinetuneArgs(RecipeArgs):
     """Recompute each transformer block's activations in backward to save memory."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each block's forward."""
-    data_parallel_replicate_size: AtLeastOne = 1
-    """HSDP: replicas of the model (across nodes); parameters are sharded within each (1: plain FSDP over all processes)."""
-    data_parallel_shard_size: AtLeastOne | None = None
-    """HSDP: processes each parameter is sharded over, usually the GPUs of one node (None: processes / data_parallel_replicate_size)."""
-    collective_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 1800.0
-    """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)

@@ -181,6 +181,18 @@ class TransformerDecoder(nn.Module):
         for attention in self._attentions():
             attention.kv_cache = None
 
+    def rope_recompute_position(self) -> int | None:
+        """The position at which cached keys go stale, or None.
+
+        LongRoPE picks its long factors once a position reaches
+        ``original_max_position_embeddings``; keys cached before then were rotated with the
+        short ones, so a generator re-encodes the sequence when it reaches that position.
+        """
+        scaling = self.args.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     def caches_are_enabled(self) -> bool:
         """Whether ``setup_caches`` is in effect."""
         return next(self._attentions()).kv_cache is not None

@@ -60,7 +60,9 @@ def _gemma_hf_config(args: ModelArgs) -> dict[str, Any]:
     config.update(sliding_window_hf_config(args))
     config["hidden_activation"] = args.hidden_act
     config["attention_bias"] = args.qkv_bias
-    config["query_pre_attn_scalar"] = args.query_pre_attn_scalar
+    scalar = args.query_pre_attn_scalar
+    # transformers 5 types the field as int (it is one in every released config).
+    config["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
     config["attn_logit_softcapping"] = args.attn_logit_softcap
     config["final_logit_softcapping"] = args.final_logit_softcap
     return config

@@ -28,6 +28,8 @@ LORA_TARGETS = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
     "lm_head",
 )
 """The target names of the decoder families tunelab ships."""
