@@ -130,6 +130,12 @@ class FinetuneArgs(RecipeArgs):
     """Recompute each transformer block's activations in backward to save memory."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each block's forward."""
+    data_parallel_replicate_size: AtLeastOne = 1
+    """HSDP: replicas of the model (across nodes); parameters are sharded within each (1: plain FSDP over all processes)."""
+    data_parallel_shard_size: AtLeastOne | None = None
+    """HSDP: processes each parameter is sharded over, usually the GPUs of one node (None: processes / data_parallel_replicate_size)."""
+    collective_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 1800.0
+    """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
