@@ -3,9 +3,10 @@
 QLoRA runs on a tiny Llama whose every linear layer holds whole NF4 blocks on 2 processes
 (hidden 256, the embedded tiny model's tokenizer): 2 and 1 processes give the same losses, a
 kill-and-resume continues exactly, and the merged export loads in transformers with the
-logits of our NF4 model + adapter. DoRA runs on the embedded tiny model: PEFT loads the adapter
-on the original base with our logits, which the merged export has too. A QLoRA + DoRA DPO run
-starts at loss ln 2 (the reference, adapters off, is the policy at step 0).
+logits of our NF4 model + adapter, as does PEFT with the adapter on the NF4-rounded base. A
+QLoRA + DoRA DPO run starts at loss ln 2 (the reference, adapters off, is the policy at step
+0), and its DoRA adapter loads in PEFT with our logits, which its merged export has too.
+DoRA on a plain base against PEFT, both ways, is tests/interop/test_peft_dora.py.
 """
 
 import json
@@ -130,6 +131,9 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
         )
         assert not info["missing_keys"] and not info["unexpected_keys"]
         assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
+        # PEFT users: the adapter on the NF4-rounded base gives our logits too.
+        peft_model = _peft_on_dequantized_base(nf4_model_dir, export / "adapter")
+        assert (peft_model(TOKENS).logits - expected).abs().max() < 1e-4
         # Not the original base + adapter: the NF4 rounding is in the merged weights.
         original = transformers.AutoModelForCausalLM.from_pretrained(nf4_model_dir)
         name = "model.layers.0.mlp.down_proj.weight"
@@ -138,50 +142,24 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
         assert (merged.state_dict()[name] - dequantized).abs().max() < 0.05
 
 
-def test_qlora_adapter_loads_in_peft_on_the_dequantized_base(qlora_2p, nf4_model_dir):
+def _peft_on_dequantized_base(base_dir, adapter_dir):
+    """PEFT's model: the adapter on the base whose linear weights (not lm_head) went through NF4."""
     transformers = pytest.importorskip("transformers")
     peft_lib = pytest.importorskip("peft")
     from torchao.quantization import to_nf4
 
-    adapter = qlora_2p / "epoch_0" / "adapter"
-    base = transformers.AutoModelForCausalLM.from_pretrained(nf4_model_dir, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     with torch.no_grad():
         for name, module in base.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.weight.copy_(to_nf4(module.weight.detach()).get_original_weight())
-        adapted = peft_lib.PeftModel.from_pretrained(base, adapter)
-        expected = _our_model(nf4_model_dir, adapter, quantize_base="nf4")(TOKENS)
-        assert (adapted(TOKENS).logits - expected).abs().max() < 1e-4
+    return peft_lib.PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
-def test_dora_adapter_loads_in_peft_with_our_logits_and_the_merged_export(tmp_path):
+def test_qlora_dora_dpo_adapter_loads_in_peft_with_our_logits_and_the_merged_export(
+    nf4_model_dir, tmp_path
+):
     transformers = pytest.importorskip("transformers")
-    peft_lib = pytest.importorskip("peft")
-
-    out = tmp_path / "dora"
-    _run("tiny/dora", out)
-    losses = losses_by_step(out)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    adapter = out / "epoch_0" / "adapter"
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["use_dora"] is True
-    ours = _our_model(TINY, adapter)
-    magnitude = ours.layers[0].self_attn.q_proj.lora_magnitude_vector
-    with torch.no_grad():
-        expected = ours(TOKENS)
-        base = transformers.AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
-        adapted = peft_lib.PeftModel.from_pretrained(base, adapter)
-        # Every adapter weight PEFT expects is in the file (PEFT only warns on missing keys).
-        names = {n for n, _ in adapted.named_parameters() if "lora_" in n}
-        assert sum("lora_magnitude_vector" in n for n in names) == len(names) // 3
-        peft_magnitude = adapted.base_model.model.model.layers[0].self_attn.q_proj
-        assert torch.equal(peft_magnitude.lora_magnitude_vector["default"].weight, magnitude)
-        assert (adapted(TOKENS).logits - expected).abs().max() < 1e-4
-        merged = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_0")
-        assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
-
-
-def test_qlora_dora_dpo_reference_is_the_nf4_base(nf4_model_dir, tmp_path):
     out = tmp_path / "dpo"
     tunelab_run(
         "lora_dpo_distributed", "qwen2_5/1.5B_qlora_dpo", f"output_dir={out}",
@@ -189,11 +167,27 @@ def test_qlora_dora_dpo_reference_is_the_nf4_base(nf4_model_dir, tmp_path):
         "tokenizer.max_seq_len=128", "dataset.source=json", "~dataset.split",
         "~dataset.column_map", f"dataset.data_files={TINY}/preference.jsonl",
         "dataset.template=instruct", "dataset.max_seq_len=128", "batch_size=2",
-        "gradient_accumulation_steps=1", "max_steps_per_epoch=2",
+        "gradient_accumulation_steps=1", "max_steps_per_epoch=3", "optimizer.lr=1e-2",
         "enable_activation_checkpointing=false", "lr_scheduler.num_warmup_steps=0",
         "checkpoint.save_every_n_steps=null", "checkpoint.enable_async_checkpointing=false",
     )  # fmt: skip
     losses = losses_by_step(out)
-    # At step 1 the policy (B = 0, magnitude = ||W||) equals the reference exactly.
+    # At step 1 the policy (B = 0, magnitude = ||W||) equals the reference, adapters off.
     assert abs(losses[1] - math.log(2)) < 1e-6, losses
-    assert (out / "epoch_0" / "adapter" / "adapter_model.safetensors").is_file()
+    adapter = out / "epoch_0" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    ours = _our_model(nf4_model_dir, adapter, quantize_base="nf4")
+    peft_model = _peft_on_dequantized_base(nf4_model_dir, adapter)
+    with torch.no_grad():
+        expected = ours(TOKENS)
+        with peft_model.disable_adapter():
+            assert (peft_model(TOKENS).logits - expected).abs().max() > 1e-3  # it trained
+        # Every adapter weight PEFT expects is in the file (PEFT only warns on missing keys).
+        names = [n for n, _ in peft_model.named_parameters() if "lora_" in n]
+        assert sum("lora_magnitude_vector" in n for n in names) * 3 == len(names)
+        layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+        magnitude = ours.layers[0].self_attn.q_proj.lora_magnitude_vector
+        assert torch.equal(layer.lora_magnitude_vector["default"].weight, magnitude)
+        assert (peft_model(TOKENS).logits - expected).abs().max() < 1e-4
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_0")
+        assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
