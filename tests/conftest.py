@@ -116,6 +116,25 @@ NEW_FAMILIES = {
 TINY_FAMILIES.update(NEW_FAMILIES)
 
 
+def build_tiny_hf_model(family: str, **overrides):
+    """The seeded random fp32 ``transformers`` model of ``TINY_FAMILIES[family]``.
+
+    ``overrides`` replace config keys (e.g. ``vocab_size`` to fit another tokenizer).
+    """
+    import transformers
+
+    config_class, kwargs = TINY_FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**kwargs, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Give the norms non-trivial scales so a dropped norm weight would show in logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_model_dir(tmp_path_factory):
     """Factory ``make(family, sharded=False) -> Path`` of a tiny random HF checkpoint (fp32).
@@ -124,20 +143,12 @@ def tiny_hf_model_dir(tmp_path_factory):
     ``max_shard_size`` so the weights span several files plus an index. Each checkpoint is
     built once per session (seeded) and must be treated as read-only.
     """
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     built: dict[tuple[str, bool], Path] = {}
 
     def make(family: str, sharded: bool = False) -> Path:
         if (family, sharded) not in built:
-            config_class, kwargs = TINY_FAMILIES[family]
-            config = getattr(transformers, config_class)(**kwargs)
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            # Give the norms non-trivial scales so a dropped norm weight would show in logits.
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if "norm" in name or name.endswith(".bias"):
-                        param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            model = build_tiny_hf_model(family)
             path = tmp_path_factory.mktemp(f"hf_{family}_{'sharded' if sharded else 'single'}")
             model.save_pretrained(path, max_shard_size=40_000 if sharded else "5GB")
             built[(family, sharded)] = path

@@ -3,7 +3,7 @@
 Each family is a tiny random transformers model with every feature it has switched on (see
 ``NEW_FAMILIES`` in tests/conftest.py): GQA, a sliding window of 5 under 17-token sequences,
 soft-capping, q/k norms, partial rotary and LongRoPE. transformers runs its eager attention,
-the reference implementation (its SDPA path drops Gemma 2's attention soft-cap).
+the reference implementation (4.56's SDPA path drops Gemma 2's attention soft-cap).
 """
 
 import json

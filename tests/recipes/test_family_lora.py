@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import NEW_FAMILIES
+from tests.conftest import build_tiny_hf_model
 from tests.recipes.conftest import losses_by_step, tunelab_run
 from tunelab._paths import assets_dir
 
@@ -33,16 +33,8 @@ TARGETS = {
 
 def _family_checkpoint(family: str, path):
     """The tiny family model, sized for the tiny tokenizer, with that tokenizer's files."""
-    config_class, kwargs = NEW_FAMILIES[family]
     tokenizer_ids = dict(vocab_size=810, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    config = getattr(transformers, config_class)(**{**kwargs, **tokenizer_ids})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1)
-    model.save_pretrained(path)
+    build_tiny_hf_model(family, **tokenizer_ids).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TINY / name, path / name)
     return path
