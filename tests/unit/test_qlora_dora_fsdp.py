@@ -182,6 +182,13 @@ def _check(rank):
         else:
             expected = base
         torch.testing.assert_close(value.full_tensor(), expected, rtol=1e-6, atol=1e-7)
+    # HSDP (a 2-D mesh: replicate x shard): the block maxima gather over the shard dimension.
+    hsdp_mesh = init_device_mesh("cpu", (1, WORLD_SIZE), mesh_dim_names=("replicate", "shard"))
+    hsdp, _ = _build(full_state, hsdp_mesh)
+    q_proj = hsdp.layers[0].q_proj.weight
+    assert q_proj.device_mesh.ndim == 2 and is_nf4(q_proj.to_local())
+    with torch.no_grad():
+        torch.testing.assert_close(hsdp(tokens), expected_logits, rtol=1e-5, atol=1e-5)
     # And a model holding the merged weights computes what the adapted model computes.
     plain = TinyLM()
     plain.load_state_dict({k: v.full_tensor() for k, v in merged.items()})

@@ -211,15 +211,20 @@ def quantize_rows_nf4(
 def _scaler_mean(rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The mean of the block maxima over the whole weight, from this rank's rows.
 
-    Under FSDP2 the ranks' maxima are all-gathered (equal-sized shards, in rank order), so the
-    mean is computed over the same vector in the same order as a one-process quantization.
+    Under FSDP2 the maxima of the ranks sharing the weight's rows are all-gathered (equal-sized
+    shards, in rank order; under HSDP, over the mesh dimension that shards), so the mean is
+    computed over the same vector in the same order as a one-process quantization.
     """
     absmax = _block_absmax(rows, NF4_BLOCK_SIZE)
-    if isinstance(param, DTensor) and param.device_mesh.size() > 1:
-        group = param.device_mesh.get_group()
-        parts = [torch.empty_like(absmax) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, absmax, group=group)
-        absmax = torch.cat(parts)
+    if not isinstance(param, DTensor):
+        return absmax.mean()
+    # The mesh dimension that shards the rows (HSDP's 2-D mesh also has a replicating one).
+    for dim, placement in enumerate(param.placements):
+        if placement.is_shard(0) and param.device_mesh.size(dim) > 1:
+            group = param.device_mesh.get_group(dim)
+            parts = [torch.empty_like(absmax) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, absmax, group=group)
+            absmax = torch.cat(parts)
     return absmax.mean()
 
 
