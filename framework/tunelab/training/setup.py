@@ -21,6 +21,7 @@ from tunelab.data import StatefulDistributedSampler
 from tunelab.distributed import apply_activation_checkpointing, shard_model
 from tunelab.errors import ConfigError
 from tunelab.models import from_hf_config, load_hf_into_model
+from tunelab.peft.nf4 import copy_rows_nf4_, quantize_base_nf4
 
 
 def build_model(
@@ -75,8 +76,12 @@ def build_model(
                 alpha=lora.alpha,
                 dropout=lora.dropout,
                 use_rslora=lora.use_rslora,
+                use_dora=lora.use_dora,
             )
             peft.set_trainable_params(model)
+    quantized = lora is not None and lora.quantize_base == "nf4"
+    if quantized:
+        _quantize_base_nf4(model, device, mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_blocks:
@@ -90,13 +95,33 @@ def build_model(
     )
     model.to_empty(device=device)
     model.tie_weights()
-    load_hf_into_model(model, checkpoint_dir)
+    # QLoRA: each rank quantizes its rows as they load (one small all-gather per weight).
+    load_hf_into_model(model, checkpoint_dir, copy_rows=copy_rows_nf4_ if quantized else None)
     if lora is not None:
         torch.manual_seed(seed)
         peft.init_lora_parameters(model)
         if adapter_dir is not None:
             peft.load_peft_adapter(model, adapter_dir)
     return model
+
+
+def _quantize_base_nf4(model: nn.Module, device: torch.device, mesh: DeviceMesh | None) -> None:
+    """QLoRA: the frozen linear weights of the meta model become NF4, before sharding."""
+    if mesh is not None:
+        num_shards = mesh.size(mesh.ndim - 1)
+    else:
+        num_shards = dist.get_world_size() if dist.is_initialized() else 1
+    plan = quantize_base_nf4(model, device=device, world_size=num_shards)
+    if plan.kept and (not dist.is_initialized() or dist.get_rank() == 0):
+        # Said once per layer name (q_proj, ...), with the first weight's reason.
+        reasons = {}
+        for name, why in plan.kept.items():
+            reasons.setdefault(name.rpartition(".")[2], f"{name}: {why}")
+        print(
+            f"quantize_base nf4: {len(plan.quantized)} weights in NF4, {len(plan.kept)} kept "
+            f"in the training dtype ({'; '.join(reasons.values())})",
+            flush=True,
+        )
 
 
 def build_dataloader(
