@@ -69,6 +69,22 @@ def test_logits_match_transformers_past_the_window(tiny_hf_model_dir, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_logits_are_bit_identical_to_transformers(tiny_hf_model_dir, family):
+    """Every cast where transformers casts (Gemma's fp32 norm scale, its rounded embedding
+    scale): bf16 logits equal, bit for bit, those of transformers running the same attention
+    kernel (SDPA, or for soft-capped Gemma 2 the explicit path both use)."""
+    path = tiny_hf_model_dir(family)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.bfloat16,
+        attn_implementation="eager" if family == "gemma2" else "sdpa",
+    ).eval()
+    model = load_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(_tokens()), hf_model(_tokens()).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_packed_rows_equal_separate_documents(tiny_hf_model_dir, family):
     """The training path: a document mask plus restarting positions, with window and caps."""
     path = tiny_hf_model_dir(family)
