@@ -115,8 +115,10 @@ class Nodes:
         children = Path(f"/proc/{pid}/task/{pid}/children")
         return [int(child) for child in children.read_text().split()] if children.exists() else []
 
-    def output(self) -> str:
-        return "\n".join(log.read_text(errors="replace")[-4000:] for log in self.logs)
+    def output(self, tail: int | None = None) -> str:
+        """What the nodes printed (each node's last ``tail`` characters)."""
+        texts = [log.read_text(errors="replace") for log in self.logs]
+        return "\n".join(text[-tail:] if tail else text for text in texts)
 
     def wait(self, timeout: float, check: bool = True) -> list[int]:
         """Each launcher's exit code; kills everything and fails after ``timeout`` seconds."""
@@ -128,10 +130,10 @@ class Nodes:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(
-                f"nodes still running after {timeout} s:\n{self.output()}"
+                f"nodes still running after {timeout} s:\n{self.output(4000)}"
             ) from None
         if check and any(codes):
-            raise AssertionError(f"nodes exited with {codes}:\n{self.output()}")
+            raise AssertionError(f"nodes exited with {codes}:\n{self.output(4000)}")
         return codes
 
     def kill(self) -> None:
@@ -156,5 +158,5 @@ def wait_for(condition, timeout: float, what: str, nodes: Nodes | None = None):
     if nodes is not None:
         nodes.kill()
     raise AssertionError(
-        f"timed out waiting for {what}" + (f":\n{nodes.output()}" if nodes else "")
+        f"timed out waiting for {what}" + (f":\n{nodes.output(4000)}" if nodes else "")
     )

@@ -5,15 +5,17 @@ One worker is killed (SIGKILL) after the first committed step: torchrun restarts
 which resumes from the newest committed checkpoint and says ``restart 1 of 2: resumed from
 step_K``. Then a worker freezes (SIGSTOP, a hang no signal handler sees): its peer's next
 collective times out after ``collective_timeout_s``, that worker fails, and the group restarts
-a second time. The run finishes with the losses of an uninterrupted run (fp32, 1e-6).
+a second time (torchrun SIGKILLs the frozen worker 30 s later; the test does it at once). The
+run finishes with the losses of an uninterrupted run (fp32, 1e-6), each step logged once.
 
 Before the fix in ``tunelab run`` (a fresh worker store per rendezvous round) the restarted
 workers found the dead workers' addresses in the shared store and hung in ``connectFullMesh``.
 """
 
-import json
+import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -21,7 +23,7 @@ from tests.recipes.conftest import Nodes, losses_by_step, read_metrics, wait_for
 from tests.recipes.test_sft_recipes import COMMON, LORA_GOLDEN, STEPS
 
 pytestmark = pytest.mark.slow
-TIMEOUT_S = 180
+TIMEOUT_S = 240
 COLLECTIVE_TIMEOUT_S = 10
 
 
@@ -29,9 +31,10 @@ def _committed(output_dir, step):
     return (output_dir / f"step_{step}" / "tunelab_manifest.json").is_file()
 
 
-def _resumed_from(nodes, restart):
-    found = re.search(rf"restart {restart} of 2: resumed from step_(\d+)", nodes.output())
-    return int(found.group(1)) if found else None
+def _resumes(nodes) -> list[tuple[int, int]]:
+    """``(restart, step)`` of every "restart K of 2: resumed from step_N" line, in order."""
+    found = re.findall(r"restart (\d+) of 2: resumed from step_(\d+)", nodes.output())
+    return [(int(restart), int(step)) for restart, step in found]
 
 
 def test_killed_and_hung_workers_restart_and_resume(tmp_path):
@@ -42,36 +45,45 @@ def test_killed_and_hung_workers_restart_and_resume(tmp_path):
         "checkpoint.save_every_n_steps=1", "checkpoint.enable_async_checkpointing=false",
         "checkpoint.resume_from_checkpoint=auto", f"collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
         log_dir=tmp_path, launcher=("--max-restarts", "2"),
-        # torchrun waits this long for the frozen worker to obey SIGTERM before SIGKILL.
-        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"},
     )  # fmt: skip
+    deadline = time.monotonic() + TIMEOUT_S  # one hard limit for the whole test
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
     try:
-        wait_for(lambda: _committed(out, 1), TIMEOUT_S, "step_1", nodes)
-        for pid in nodes.workers(1):
-            os_kill(pid, signal.SIGKILL)
-        first = wait_for(lambda: _resumed_from(nodes, 1), TIMEOUT_S, "restart 1", nodes)
-        assert first >= 1
-        wait_for(lambda: _committed(out, first + 1), TIMEOUT_S, f"step_{first + 1}", nodes)
-        for pid in nodes.workers(0):
-            os_kill(pid, signal.SIGSTOP)
-        nodes.wait(TIMEOUT_S)
+        wait_for(lambda: _committed(out, 1), left(), "step_1", nodes)
+        _signal_workers(nodes, 1, signal.SIGKILL)
+        first = wait_for(lambda: _resumes(nodes), left(), "restart 1", nodes)[0][1]
+        wait_for(lambda: _committed(out, first + 1), left(), f"step_{first + 1}", nodes)
+        frozen = _signal_workers(nodes, 0, signal.SIGSTOP)
+        # Its peer's collective times out and fails; torchrun would SIGKILL the frozen worker
+        # 30 s later (fixed in torch 2.13): the test does it as soon as the timeout is reported.
+        wait_for(lambda: "timed out" in nodes.output().lower(), left(), "the timeout", nodes)
+        for pid in frozen:
+            os.kill(pid, signal.SIGKILL)
+        nodes.wait(left())
     finally:
         nodes.kill()
-    second = _resumed_from(nodes, 2)
-    assert second is not None and second > first, nodes.output()
-    assert "timed out" in nodes.output().lower() or "timeout" in nodes.output().lower()
+    output = nodes.output()
+    # Two restarts, each resuming from a newer step. torchrun counts restarts per node and the
+    # line shows the highest count, so the second may say 1 or 2 (docs/scaling.md).
+    (restart_1, _), (restart_2, second) = _resumes(nodes)
+    assert restart_1 == 1 and restart_2 in (1, 2) and second > first, output
+    # The frozen worker's peer timed out in a collective and said so before the restart.
+    assert re.search(r"tunelab: error \(restarting\): .*timed out", output, re.IGNORECASE), output
 
     losses = losses_by_step(out)
-    assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in losses.items():
         assert abs(loss - LORA_GOLDEN[step]) <= 1e-6, (step, loss, LORA_GOLDEN[step])
     # Each step logged once: the records a restarted run repeats were dropped on resume.
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
-    manifest = json.loads((out / "epoch_0" / "tunelab_manifest.json").read_text())
-    assert manifest
+    assert (out / "epoch_0" / "tunelab_manifest.json").is_file()
 
 
-def os_kill(pid, signum):
-    import os
-
-    os.kill(pid, signum)
+def _signal_workers(nodes: Nodes, node: int, signum: int) -> list[int]:
+    workers = nodes.workers(node)
+    assert workers, f"node {node} has no workers"
+    for pid in workers:
+        os.kill(pid, signum)
+    return workers
