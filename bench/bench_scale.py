@@ -106,6 +106,17 @@ def measure(name, action, num_bytes, raw, repeats, before=None) -> Row:
                (f"{num_bytes / GiB:.2f} GiB", f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB"))  # fmt: skip
 
 
+def measure_export(name: str, client: CheckpointClient, out: Path, repeats: int) -> Row:
+    """The row of ``client.export(0)``, each time into an empty folder, against raw writes."""
+    export_dir = client.output_dir / "epoch_0"
+    client.export(0)  # warm-up
+    num_bytes = folder_bytes(export_dir)
+    raw = raw_times(out, num_bytes, repeats, write=True)
+    return measure(
+        name, lambda: client.export(0), num_bytes, raw, repeats, before=lambda: clear(export_dir)
+    )
+
+
 def main() -> None:
     """Measure the four operations and their raw-disk floors; print the table on rank 0."""
     args = parse_args()
@@ -140,15 +151,7 @@ def main() -> None:
         raw_times(out, save_bytes, args.repeats, write=False, files=latest), args.repeats,
         before=lambda: cold(latest),
     ))  # fmt: skip
-    export_dir = client.output_dir / "epoch_0"
-    client.export(0)  # warm-up
-    export_bytes = folder_bytes(export_dir)
-    rows.append(measure(
-        "consolidation (full model export)",
-        lambda: client.export(0), export_bytes,
-        raw_times(out, export_bytes, args.repeats, write=True), args.repeats,
-        before=lambda: clear(export_dir),
-    ))  # fmt: skip
+    rows.append(measure_export("consolidation (full model export)", client, out, args.repeats))
     client.close()
     del model, optimizer, client
 
@@ -163,15 +166,7 @@ def main() -> None:
         out / "lora", model=model, optimizer=optimizer, lr_scheduler=None,
         base_checkpoint_dir=base, lora=LoRASpec(rank=16, alpha=32.0, targets=tuple(TARGETS)),
     )  # fmt: skip
-    export_dir = client.output_dir / "epoch_0"
-    client.export(0)  # warm-up
-    merged_bytes = folder_bytes(export_dir)
-    rows.append(measure(
-        "adapter-first merged export (LoRA)",
-        lambda: client.export(0), merged_bytes,
-        raw_times(out, merged_bytes, args.repeats, write=True), args.repeats,
-        before=lambda: clear(export_dir),
-    ))  # fmt: skip
+    rows.append(measure_export("adapter-first merged export (LoRA)", client, out, args.repeats))
     client.close()
 
     if is_main():
