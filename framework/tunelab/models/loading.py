@@ -112,7 +112,7 @@ def load_hf_into_model(
         checkpoint_dir: the HF checkpoint directory.
         strict: raise on checkpoint keys the model does not have.
         copy_rows: ``copy_rows(param, rows)`` fills a parameter with this rank's rows
-            instead of a plain copy (QLoRA quantizes them: ``tunelab.peft.copy_rows_nf4_``);
+            instead of a plain copy (QLoRA quantizes them: ``tunelab.peft.nf4.copy_rows_nf4_``);
             called on every rank for the same parameters in the same order.
 
     Returns:
