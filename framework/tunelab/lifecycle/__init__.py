@@ -9,6 +9,9 @@ Three promises (docs/recipes.md, "Stopping, preemption and orphans"):
 - A stop signal (SIGTERM, SIGINT) becomes a committed checkpoint at a step every rank agrees
   on (:class:`Preemption`), then exit code 128 + signal.
 
+And one fact a restarted run reports: which torchrun restart (``--max-restarts``) it is
+(:func:`restart_of_job`).
+
 Nothing here imports torch at module level: ``tunelab run`` uses the launcher half of each
 promise without it (its one-process path never loads torch). The collectives import it when
 they run.
