@@ -27,7 +27,7 @@ TINY = assets_dir() / "tiny"
 TARGETS = {
     "phi3": "[qkv_proj,o_proj,gate_up_proj,down_proj]",
     "gemma2": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
-    "gemma3": "all-linear",
+    "gemma3": "[all-linear]",
 }
 
 

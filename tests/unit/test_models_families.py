@@ -229,3 +229,13 @@ def test_unsupported_family_features_are_clear_errors():
     model = TransformerDecoder(args_from_hf(bad_factors))
     with pytest.raises(ConfigError, match="must have 3 entries"):
         model(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_all_linear_lora_on_fused_phi3_modules_in_list_form():
+    from tunelab.peft import apply_lora
+
+    model = _model(fused_projections=True)
+    swapped = apply_lora(model, targets=["all-linear"], rank=2, alpha=4.0)  # the config form
+    assert sorted({name.rpartition(".")[2] for name in swapped}) == [
+        "down_proj", "gate_up_proj", "o_proj", "qkv_proj",
+    ]  # fmt: skip

@@ -49,6 +49,8 @@ def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str) -> list[str]:
+    if not isinstance(targets, str) and list(targets) == [ALL_LINEAR]:
+        targets = ALL_LINEAR  # the config form, `targets: [all-linear]`
     if isinstance(targets, str) and targets == ALL_LINEAR:
         selected = [name for name in linears if name.rpartition(".")[2] != _OUTPUT_LAYER]
         if not selected:
