@@ -3,17 +3,26 @@
 from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerBlock, TransformerDecoder
 from tunelab.models.families import FAMILIES, adapter_for, args_from_hf
+from tunelab.models.gemma import Gemma2StateDictAdapter, Gemma3TextStateDictAdapter
 from tunelab.models.llama import LlamaStateDictAdapter
 from tunelab.models.loading import LoadResult, from_hf_config, load_hf_into_model, load_pretrained
+from tunelab.models.mistral import MistralStateDictAdapter
+from tunelab.models.phi3 import Phi3StateDictAdapter
 from tunelab.models.qwen2 import Qwen2StateDictAdapter
+from tunelab.models.qwen3 import Qwen3StateDictAdapter
 from tunelab.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
     "FAMILIES",
+    "Gemma2StateDictAdapter",
+    "Gemma3TextStateDictAdapter",
     "LlamaStateDictAdapter",
     "LoadResult",
+    "MistralStateDictAdapter",
     "ModelArgs",
+    "Phi3StateDictAdapter",
     "Qwen2StateDictAdapter",
+    "Qwen3StateDictAdapter",
     "StateDictAdapter",
     "TransformerBlock",
     "TransformerDecoder",
