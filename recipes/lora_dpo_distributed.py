@@ -45,6 +45,7 @@ from tunelab.training import (
     global_pair_count,
     global_preference_metrics,
     optimizer_step,
+    output_layer,
     peak_memory_gib,
     policy_forward,
     preference_loss,
@@ -84,6 +85,7 @@ def main(args: LoRADPOArgs) -> None:
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         seed=args.seed,
+        frozen_base=args.frozen_base,
     )
     data = build_data(args, tokenizer, padded_collate_dpo)
     trainable = list(peft.get_adapter_params(model).values())
@@ -103,6 +105,8 @@ def main(args: LoRADPOArgs) -> None:
         freeze_current_adapter=args.adapter_dir is not None,
         wait_for_staging=checkpoints.wait_for_staging,
     )
+    # The losses apply the output layer chunk by chunk: the logits never exist whole.
+    output = output_layer(model) if args.chunked_output else None
     schedule = Schedule(args)
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
@@ -136,12 +140,13 @@ def main(args: LoRADPOArgs) -> None:
             references = [None] * len(micro_batches)
             if loss_fn.needs_reference:
                 with torch.no_grad(), reference.active():
-                    references = [policy_forward(model, batch) for batch in micro_batches]
+                    references = [policy_forward(model, b, output=output) for b in micro_batches]
             # The step's loss: the mean over all its pairs, across micro-batches and ranks.
             num_pairs = global_pair_count(micro_batches)
             sums = None
             for batch, ref in zip(micro_batches, references, strict=True):
-                losses, batch_sums = preference_loss(loss_fn, policy_forward(model, batch), ref)
+                policy = policy_forward(model, batch, output=output)
+                losses, batch_sums = preference_loss(loss_fn, policy, ref)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 (losses.sum() * dist_info.world_size / num_pairs).backward()
                 sums = accumulate_metrics(sums, batch_sums)
@@ -174,7 +179,7 @@ def main(args: LoRADPOArgs) -> None:
             epoch_done = step_in_epoch == data.steps_per_epoch
             if data.val_loader is not None and schedule.validate(global_step, epoch_done):
                 val_metrics = evaluate_preference(
-                    model, data.val_loader, loss_fn, reference, device
+                    model, data.val_loader, loss_fn, reference, device, output=output
                 )
                 loggers.log({f"val_{k}": v for k, v in val_metrics.items()}, global_step)
             if schedule.export(epoch, epoch_done):

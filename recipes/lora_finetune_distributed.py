@@ -28,14 +28,15 @@ from tunelab.training import (
     ProgressBar,
     Schedule,
     StepProfiler,
+    batch_loss,
     build_checkpoint_client,
     build_data,
     build_model,
     build_optimizer,
     evaluate,
-    forward,
     global_token_count,
     optimizer_step,
+    output_layer,
     peak_memory_gib,
     progress_record,
     resume,
@@ -73,11 +74,14 @@ def main(args: LoRAFinetuneArgs) -> None:
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         seed=args.seed,
+        frozen_base=args.frozen_base,
     )
     data = build_data(args, tokenizer, padded_collate_sft)
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
     loss_fn = instantiate(args.loss)
+    # The loss applies the output layer chunk by chunk: the logits never exist whole.
+    output = output_layer(model) if args.chunked_output else None
     loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
     checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler, tokenizer)
     schedule = Schedule(args)
@@ -114,7 +118,7 @@ def main(args: LoRAFinetuneArgs) -> None:
             num_tokens = global_token_count(micro_batches)
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             for batch in micro_batches:
-                loss_sum, _ = loss_fn(forward(model, batch), batch["labels"])
+                loss_sum, _ = batch_loss(loss_fn, model, batch, output)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 (loss_sum * dist_info.world_size / num_tokens).backward()
                 total_loss += loss_sum.detach()
@@ -144,7 +148,7 @@ def main(args: LoRAFinetuneArgs) -> None:
                 loggers.log(metrics, global_step)
             epoch_done = step_in_epoch == data.steps_per_epoch
             if data.val_loader is not None and schedule.validate(global_step, epoch_done):
-                val_loss = evaluate(model, data.val_loader, loss_fn, device)
+                val_loss = evaluate(model, data.val_loader, loss_fn, device, output)
                 loggers.log({"val_loss": val_loss}, global_step)
             if schedule.export(epoch, epoch_done):
                 checkpoints.export(epoch)

@@ -138,6 +138,8 @@ class FinetuneArgs(RecipeArgs):
     """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
     compile: bool = False
     """Compile each transformer block with torch.compile."""
+    chunked_output: bool = True
+    """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
 
@@ -166,6 +168,8 @@ class LoRAFinetuneArgs(FinetuneArgs):
     """The LoRA adapters."""
     adapter_dir: AdapterDir | None = None
     """Start from an existing PEFT adapter folder instead of a fresh adapter."""
+    frozen_base: Literal["auto", "replicate", "shard"] = "auto"
+    """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
 
 
 @dataclass(kw_only=True)

@@ -5,6 +5,10 @@ Each transformer block is sharded with ``fully_shard``, then the root, so parame
 for its bf16 casting.
 """
 
+from collections.abc import Callable
+from functools import partial
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,6 +32,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     mixed_precision: bool = False,
     mesh: DeviceMesh | None = None,
+    frozen_base: Literal["shard", "replicate"] = "shard",
 ) -> nn.Module:
     """Shard a model with FSDP2: each transformer block, then the root.
 
@@ -42,6 +47,13 @@ def shard_model(
         mesh: The data-parallel mesh (``data_parallel_mesh``): a 2-D ``(replicate, shard)``
             mesh shards within each replica group and replicates across them (HSDP); None
             shards over every rank.
+        frozen_base: ``replicate``: the submodules holding trainable parameters (the
+            adapters) form FSDP2 groups of their own, and the frozen weights of each block
+            and of the root are gathered at the first forward and then kept gathered (never
+            resharded), so later steps all-gather and reduce-scatter only the adapters. Each
+            rank then holds the full frozen base plus its shard (what checkpoints, the merge
+            and exports read, unchanged). ``shard``: gathered for every forward and backward,
+            the next block prefetched while one computes.
 
     Returns:
         The same module, sharded in place. Unchanged on one process without mixed precision.
@@ -63,12 +75,42 @@ def shard_model(
         if mixed_precision
         else MixedPrecisionPolicy()
     )
-    for block in model.layers:
-        fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
-        )
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
+    replicate = frozen_base == "replicate"
+    if replicate:
+        _shard_trainable(model, shard)
+    blocks = list(model.layers)
+    for index, block in enumerate(blocks):
+        # The last block's backward comes first: keep it gathered from forward to backward.
+        last = index == len(blocks) - 1
+        shard(block, reshard_after_forward=reshard_after_forward and not last and not replicate)
+        if replicate:
+            block.set_reshard_after_backward(False, recurse=False)
+    # The root (embedding, final norm, lm_head) stays gathered from forward to backward: its
+    # backward comes next, and a chunked loss calls lm_head after the model's forward.
+    shard(model, reshard_after_forward=False)
+    if replicate:
+        model.set_reshard_after_backward(False, recurse=False)
+    else:
+        # Gather the next block while this one computes (and the previous one in backward).
+        for block, following in zip(blocks, blocks[1:]):
+            block.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([block])
     return model
+
+
+def _shard_trainable(model: nn.Module, shard: Callable) -> None:
+    # One FSDP2 group for every submodule that holds trainable parameters (the adapters):
+    # gathered once per step at the first forward and kept until the end of the backward,
+    # their gradients reduce-scattered once per step. The frozen weights, in the groups of
+    # the blocks and the root around them, can then stay gathered.
+    holders = [
+        module
+        for module in model.modules()
+        if any(param.requires_grad for param in module.parameters(recurse=False))
+    ]
+    if holders:
+        shard(holders, reshard_after_forward=False)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -3,6 +3,7 @@
 See docs/losses.md for the normalisation, the formulas and the metric names.
 """
 
+from tunelab.losses._token_logps import OutputLayer
 from tunelab.losses.cross_entropy import CrossEntropyLoss, token_count
 from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
 from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
@@ -13,6 +14,7 @@ __all__ = [
     "DPOLoss",
     "HingeLoss",
     "IPOLoss",
+    "OutputLayer",
     "PreferenceLoss",
     "SimPOLoss",
     "accumulate_metrics",

@@ -12,13 +12,21 @@ softmax of each chunk in fp32 and writes its gradient straight into the gradient
 in the logits' dtype. The peak extra memory is one fp32 chunk, ``1 / num_chunks`` of the
 full upcast.
 
+:func:`hidden_target_logps` goes one step further: it takes the final hidden states and the
+model's :class:`OutputLayer` and computes the logits themselves chunk by chunk, so the
+``[batch, seq, vocab]`` tensor never exists whole, in the forward or in the backward.
+
 Gradient used in the backward, for target ``y`` at one position with logits ``z``:
 ``d log softmax(z)_y / dz = onehot(y) - softmax(z)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -113,3 +121,154 @@ def target_logps(
         return empty, labels[:, :0] != ignore_index
     logps = _TargetLogProbs.apply(logits, labels, ignore_index, num_chunks)
     return logps, labels[:, 1:] != ignore_index
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """A model's output layer, which a loss applies itself one sequence chunk at a time.
+
+    Given one to :class:`~tunelab.losses.CrossEntropyLoss` or
+    :func:`~tunelab.losses.sequence_logps` together with the final (normed) hidden states
+    instead of the logits, the ``[batch, seq, vocab]`` logits never exist whole, neither in
+    the forward nor in the backward: peak extra memory is one chunk's logits.
+
+    Attributes:
+        forward: Hidden states ``[..., dim]`` to logits ``[..., vocab]``, applied to each
+            position independently (``lm_head``, then any final-logit soft-capping).
+        trainable: Whether the layer has parameters that train (full fine-tuning, an
+            adapter on ``lm_head``). Frozen: each chunk's gradient with respect to its hidden
+            states is computed in the forward, as the logits are at hand (no recomputation).
+            Trainable: each chunk's logits are recomputed in the backward, which also
+            accumulates the layer's own gradients (one more ``lm_head`` forward).
+        vocab_size: Size of the logits' last dimension.
+    """
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    trainable: bool
+    vocab_size: int
+
+
+def _chunk_logps(
+    output: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # One chunk: its logits, the targets' log-probs (upcast) and the logits' vocabulary sums.
+    logits = output(hidden)
+    logps = torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, targets.unsqueeze(-1))
+    with torch.no_grad():
+        logit_sums = logits.sum(dim=-1, dtype=torch.float32)
+    return logps.squeeze(-1), logit_sums
+
+
+class _FrozenOutputLogProbs(torch.autograd.Function):
+    """Target log-probs of ``[tokens, dim]`` hidden rows through a frozen output layer.
+
+    Row ``t``'s log-prob depends on ``h_t`` only, so its gradient ``d logp_t / d h_t`` is
+    computed in the forward, while the chunk's logits are at hand (``onehot - softmax``
+    through the layer's backward), and kept: ``[tokens, dim]``, small next to the logits. The
+    backward scales it by the incoming per-row weights: ``dL/dh_t = w_t * d logp_t / d h_t``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        output: Callable[[torch.Tensor], torch.Tensor],
+        num_chunks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = _compute_dtype(hidden.dtype)
+        logps, logit_sums, grads = [], [], []
+        for hidden_chunk, target_chunk in zip(
+            hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks)
+        ):
+            with torch.enable_grad():
+                hidden_chunk = hidden_chunk.detach().requires_grad_()
+                logits = output(hidden_chunk)
+            index = target_chunk.unsqueeze(-1)
+            log_probs = torch.log_softmax(logits.detach(), dim=-1, dtype=dtype)
+            logps.append(log_probs.gather(-1, index).squeeze(-1))
+            logit_sums.append(logits.detach().sum(dim=-1, dtype=torch.float32))
+            # d logp_y / d logits = onehot(y) - softmax, then back through the layer.
+            grad_logits = (
+                log_probs.exp_().neg_().scatter_add_(-1, index, torch.ones_like(index, dtype=dtype))
+            )
+            (grad,) = torch.autograd.grad(logits, hidden_chunk, grad_logits.to(logits.dtype))
+            grads.append(grad)
+        ctx.save_for_backward(torch.cat(grads))
+        logit_sums = torch.cat(logit_sums)
+        ctx.mark_non_differentiable(logit_sums)
+        return torch.cat(logps), logit_sums
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_logps: torch.Tensor, _: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_logps.unsqueeze(-1).to(grad_hidden.dtype), None, None, None
+
+
+def hidden_target_logps(
+    hidden: torch.Tensor,
+    output: OutputLayer,
+    labels: torch.Tensor,
+    ignore_index: int,
+    num_chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`target_logps` from the final hidden states, applying the output layer per chunk.
+
+    Args:
+        hidden: ``[batch, seq, dim]`` final (normed) hidden states.
+        output: The model's output layer.
+        labels: ``[batch, seq]`` aligned with the tokens.
+        ignore_index: label value that marks a position as not a target.
+        num_chunks: number of sequence pieces; one piece's logits is the peak extra memory.
+
+    Returns:
+        ``(logps, mask, logit_sums)``: as :func:`target_logps`, plus the fp32 sum of each
+        position's logits over the vocabulary (detached), ``[batch, seq - 1]``.
+
+    Raises:
+        ValueError: if the shapes do not line up.
+    """
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"expected hidden states [batch, seq, dim] and labels [batch, seq], got hidden "
+            f"{tuple(hidden.shape)} and labels {tuple(labels.shape)}"
+        )
+    targets = labels[:, 1:]
+    mask = targets != ignore_index
+    safe_targets = targets.masked_fill(~mask, 0)
+    dtype = _compute_dtype(hidden.dtype)
+    if targets.shape[1] == 0:
+        empty = hidden[:, :0, 0].to(dtype) * 0  # keeps the graph, like target_logps
+        return empty, mask, empty.detach().float()
+    # One row per scored position, contiguous (a small copy: dim, not vocab, wide), so that
+    # each chunk is one plain matrix product (a strided 3-D chunk runs as a slower bmm).
+    flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    flat_targets = safe_targets.reshape(-1)
+    num_chunks = max(1, min(num_chunks, flat_targets.numel()))
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and hidden.requires_grad and not output.trainable:
+        logps, logit_sums = _FrozenOutputLogProbs.apply(
+            flat_hidden, flat_targets, output.forward, num_chunks
+        )
+    else:
+        chunks = zip(flat_hidden.tensor_split(num_chunks), flat_targets.tensor_split(num_chunks))
+        if grad_enabled and output.trainable:
+            # Recompute each chunk's logits in the backward, which also reaches the layer's
+            # parameters; only the chunk's inputs are kept meanwhile.
+            pieces = [
+                checkpoint(_chunk_logps, output.forward, h, t, dtype, use_reentrant=False)
+                for h, t in chunks
+            ]
+        else:
+            with torch.no_grad():
+                pieces = [_chunk_logps(output.forward, h, t, dtype) for h, t in chunks]
+        logps = torch.cat([piece[0] for piece in pieces])
+        logit_sums = torch.cat([piece[1] for piece in pieces])
+    logps, logit_sums = logps.view(targets.shape), logit_sums.view(targets.shape)
+    return logps.masked_fill(~mask, 0.0), mask, logit_sums

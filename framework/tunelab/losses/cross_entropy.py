@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tunelab.errors import ConfigError
-from tunelab.losses._token_logps import target_logps
+from tunelab.losses._token_logps import OutputLayer, hidden_target_logps, target_logps
 
 __all__ = ["CrossEntropyLoss", "token_count"]
 
@@ -66,13 +66,16 @@ class CrossEntropyLoss(nn.Module):
         self.ignore_index = ignore_index
 
     def forward(
-        self, logits: torch.Tensor, labels: torch.Tensor
+        self, logits: torch.Tensor, labels: torch.Tensor, output: OutputLayer | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum the cross-entropy over target tokens.
 
         Args:
-            logits: ``[batch, seq, vocab]`` in any float dtype.
+            logits: ``[batch, seq, vocab]`` in any float dtype; with ``output``, the final
+                hidden states ``[batch, seq, dim]`` instead.
             labels: ``[batch, seq]`` integer labels aligned with the tokens.
+            output: The model's output layer, applied here chunk by chunk, so the logits
+                never exist whole (see :class:`~tunelab.losses.OutputLayer`).
 
         Returns:
             ``(loss_sum, num_tokens)``: a 0-dim fp32 tensor (differentiable) and a 0-dim
@@ -82,7 +85,12 @@ class CrossEntropyLoss(nn.Module):
         Raises:
             ValueError: if the shapes do not line up.
         """
-        logps, mask = target_logps(logits, labels, self.ignore_index, self.num_chunks)
+        if output is not None:
+            logps, mask, _ = hidden_target_logps(
+                logits, output, labels, self.ignore_index, self.num_chunks
+            )
+        else:
+            logps, mask = target_logps(logits, labels, self.ignore_index, self.num_chunks)
         return -logps.sum(), mask.sum()
 
     def extra_repr(self) -> str:

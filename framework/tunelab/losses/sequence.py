@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tunelab.losses._token_logps import target_logps
+from tunelab.losses._token_logps import OutputLayer, hidden_target_logps, target_logps
 
 __all__ = ["sequence_logps"]
 
@@ -15,6 +15,7 @@ def sequence_logps(
     ignore_index: int = -100,
     *,
     num_chunks: int = 8,
+    output: OutputLayer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed log-probability of each row's completion tokens.
 
@@ -24,10 +25,13 @@ def sequence_logps(
     is done chunk by chunk along the sequence (see :class:`CrossEntropyLoss`).
 
     Args:
-        logits: ``[batch, seq, vocab]`` in any float dtype.
+        logits: ``[batch, seq, vocab]`` in any float dtype; with ``output``, the final
+            hidden states ``[batch, seq, dim]`` instead.
         labels: ``[batch, seq]`` integer labels aligned with the tokens.
         ignore_index: label value that marks a position as not a completion token.
         num_chunks: number of sequence chunks for the fp32 upcast.
+        output: The model's output layer, applied here chunk by chunk, so the logits never
+            exist whole (see :class:`~tunelab.losses.OutputLayer`).
 
     Returns:
         ``(sum_logps, num_tokens, mean_logits)``, each ``[batch]``: the summed completion
@@ -39,16 +43,26 @@ def sequence_logps(
     Raises:
         ValueError: if the shapes do not line up.
     """
-    logps, mask = target_logps(logits, labels, ignore_index, num_chunks)
+    if output is not None:
+        logps, mask, logit_sums = hidden_target_logps(
+            logits, output, labels, ignore_index, num_chunks
+        )
+    else:
+        logps, mask = target_logps(logits, labels, ignore_index, num_chunks)
+        with torch.no_grad():
+            # Per-chunk fp32 sums over the vocabulary; never a full fp32 copy of the logits.
+            shifted = logits[:, :-1]
+            chunks = max(1, min(num_chunks, shifted.shape[1]))
+            logit_sums = torch.cat(
+                [
+                    chunk.sum(dim=-1, dtype=torch.float32)
+                    for chunk in shifted.tensor_split(chunks, 1)
+                ],
+                dim=1,
+            )
     num_tokens = mask.sum(dim=-1)
     with torch.no_grad():
-        # Per-chunk fp32 sums over the vocabulary; never a full fp32 copy of the logits.
-        shifted = logits[:, :-1]
-        chunks = max(1, min(num_chunks, shifted.shape[1]))
-        logit_sums = torch.cat(
-            [chunk.sum(dim=-1, dtype=torch.float32) for chunk in shifted.tensor_split(chunks, 1)],
-            dim=1,
-        )
+        vocab_size = logits.shape[-1] if output is None else output.vocab_size
         completion_logit_sums = (logit_sums * mask).sum(dim=-1)
-        mean_logits = completion_logit_sums / (num_tokens.clamp(min=1) * logits.shape[-1])
+        mean_logits = completion_logit_sums / (num_tokens.clamp(min=1) * vocab_size)
     return logps.sum(dim=-1), num_tokens, mean_logits

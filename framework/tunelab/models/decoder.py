@@ -276,6 +276,7 @@ class TransformerDecoder(nn.Module):
         *,
         mask: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -286,9 +287,12 @@ class TransformerDecoder(nn.Module):
                 dimension is the cache length and None means causal over the cache.
             input_pos: rotary positions ``[batch, seq]`` (restart per document when packing);
                 None means ``0..seq-1``. Required with KV caches, where they are also the slots.
+            return_hidden: Return the final normed hidden states ``[batch, seq, dim]``
+                instead of the logits, for a loss that applies the output layer itself, one
+                chunk at a time (``tunelab.losses.OutputLayer``).
 
         Returns:
-            Logits ``[batch, seq, vocab_size]``.
+            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
 
         Raises:
             ValueError: malformed tokens, mask or positions.
@@ -314,4 +318,7 @@ class TransformerDecoder(nn.Module):
             kind = self.args.layer_type(index)
             cos, sin = rotary[kind]
             h = layer(h, cos, sin, masks[kind], input_pos)
-        return self.output(self.model.norm(h))
+        h = self.model.norm(h)
+        if return_hidden:
+            return h
+        return self.output(h)

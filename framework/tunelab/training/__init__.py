@@ -5,7 +5,8 @@ calls, each with one job:
 
 - set-up: :func:`build_model` (meta build, LoRA, FSDP2, sharded load), :func:`build_data`,
   :func:`build_optimizer`, :func:`build_checkpoint_client`, :func:`resume`;
-- the step: :func:`to_device`, :func:`forward`, :func:`global_token_count`,
+- the step: :func:`to_device`, :func:`output_layer`, :func:`forward`, :func:`batch_loss`,
+  :func:`global_token_count`,
   :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
@@ -17,10 +18,12 @@ Components for configs: ``adamw``, the LR schedules and the metric loggers.
 
 from tunelab.training.loop import (
     NonFiniteGuard,
+    batch_loss,
     evaluate,
     forward,
     global_token_count,
     optimizer_step,
+    output_layer,
     peak_memory_gib,
     to_device,
 )
@@ -70,6 +73,7 @@ __all__ = [
     "TrainingData",
     "WandBLogger",
     "adamw",
+    "batch_loss",
     "build_checkpoint_client",
     "build_data",
     "build_model",
@@ -83,6 +87,7 @@ __all__ = [
     "global_preference_metrics",
     "global_token_count",
     "optimizer_step",
+    "output_layer",
     "peak_memory_gib",
     "policy_forward",
     "preference_loss",

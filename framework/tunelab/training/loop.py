@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from tunelab.distributed import all_reduce_sum, reshard
 from tunelab.errors import DataError, TrainingError
-from tunelab.losses import token_count
+from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.masks import document_causal_mask
 
 logger = logging.getLogger(__name__)
@@ -27,16 +27,55 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def output_layer(model: nn.Module) -> OutputLayer:
+    """The model's output layer, for a loss that applies it chunk by chunk.
+
+    Pass it to :func:`forward` (which then returns the final hidden states) and to the loss.
+    Under FSDP2 the root module keeps its parameters (``lm_head``) gathered from its forward to
+    its backward (``shard_model`` does not reshard the root after forward), so the loss can
+    call the layer after the model's forward and in the backward.
+    """
+    output = getattr(model, "output", None) or model.lm_head
+    trainable = any(param.requires_grad for param in model.lm_head.parameters())
+    return OutputLayer(output, trainable, model.args.vocab_size)
+
+
+def forward(
+    model: nn.Module, batch: dict[str, torch.Tensor], output: OutputLayer | None = None
+) -> torch.Tensor:
     """Run the model on a collated batch; packed batches get their document mask.
 
+    Args:
+        model: The decoder.
+        batch: ``tokens`` (and for packed batches ``document_ids`` and ``input_pos``).
+        output: The model's :func:`output_layer` when the loss applies it chunk by chunk.
+
     Returns:
-        Logits ``[batch, seq, vocab]``.
+        Logits ``[batch, seq, vocab]``, or with ``output`` the final hidden states
+        ``[batch, seq, dim]``.
     """
+    hidden = output is not None
     if "document_ids" in batch:
         mask = document_causal_mask(batch["document_ids"])
-        return model(batch["tokens"], mask=mask, input_pos=batch["input_pos"])
-    return model(batch["tokens"])
+        return model(batch["tokens"], mask=mask, input_pos=batch["input_pos"], return_hidden=hidden)
+    return model(batch["tokens"], return_hidden=hidden)
+
+
+def batch_loss(
+    loss_fn: nn.Module,
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    output: OutputLayer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's forward on ``batch`` and ``loss_fn`` of it: ``(loss_sum, num_tokens)``.
+
+    With ``output`` (the model's :func:`output_layer`) the model returns its hidden states and
+    the loss applies the output layer chunk by chunk: the logits never exist whole. Without,
+    the loss gets the logits (any loss taking ``(logits, labels)`` works).
+    """
+    if output is None:
+        return loss_fn(forward(model, batch), batch["labels"])
+    return loss_fn(forward(model, batch, output), batch["labels"], output=output)
 
 
 def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -62,15 +101,22 @@ def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Te
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: DataLoader, loss_fn: nn.Module, device: torch.device
+    model: nn.Module,
+    loader: DataLoader,
+    loss_fn: nn.Module,
+    device: torch.device,
+    output: OutputLayer | None = None,
 ) -> float:
-    """Mean token loss over a whole validation loader, over all ranks."""
+    """Mean token loss over a whole validation loader, over all ranks.
+
+    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk.
+    """
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in loader:
         batch = to_device(batch, device)
-        loss_sum, num_tokens = loss_fn(forward(model, batch), batch["labels"])
+        loss_sum, num_tokens = batch_loss(loss_fn, model, batch, output)
         totals += torch.stack([loss_sum.double(), num_tokens.double()])
     all_reduce_sum(totals)
     # An FSDP2 root keeps unsharded parameters after a no_grad forward (TORCH_NOTES).

@@ -16,7 +16,13 @@ from torch.utils.data import DataLoader
 
 from tunelab.distributed import all_reduce_sum
 from tunelab.errors import DataError
-from tunelab.losses import PreferenceLoss, accumulate_metrics, preference_metrics, reduce_metrics
+from tunelab.losses import (
+    OutputLayer,
+    PreferenceLoss,
+    accumulate_metrics,
+    preference_metrics,
+    reduce_metrics,
+)
 from tunelab.losses.metrics import COUNT_KEY
 from tunelab.training.loop import to_device
 from tunelab.training.reference import (
@@ -113,6 +119,7 @@ def evaluate_preference(
     device: torch.device,
     *,
     num_chunks: int = 8,
+    output: OutputLayer | None = None,
 ) -> dict[str, float]:
     """Loss and preference metrics averaged over every pair of a validation loader.
 
@@ -123,6 +130,7 @@ def evaluate_preference(
         reference: The frozen reference.
         device: The model's device.
         num_chunks: Sequence chunks of the fp32 log-softmax.
+        output: The model's ``output_layer``, for chunked logits.
 
     Returns:
         Global means over all ranks' pairs, keyed like the training metrics.
@@ -136,9 +144,11 @@ def evaluate_preference(
     for batch in loader:
         batch = to_device(batch, device)
         ref = (
-            reference.logps([batch], num_chunks=num_chunks)[0] if loss_fn.needs_reference else None
+            reference.logps([batch], num_chunks=num_chunks, output=output)[0]
+            if loss_fn.needs_reference
+            else None
         )
-        policy = policy_forward(model, batch, num_chunks=num_chunks)
+        policy = policy_forward(model, batch, num_chunks=num_chunks, output=output)
         _, batch_sums = preference_loss(loss_fn, policy, ref)
         sums = accumulate_metrics(sums, batch_sums)
     reshard_all(model)

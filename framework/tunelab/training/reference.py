@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tunelab.peft as peft
-from tunelab.losses import sequence_logps
+from tunelab.losses import OutputLayer, sequence_logps
 from tunelab.training.loop import forward
 
 
@@ -43,7 +43,11 @@ def num_pairs(batch: dict[str, torch.Tensor]) -> int:
 
 
 def policy_forward(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, num_chunks: int = 8
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    num_chunks: int = 8,
+    output: OutputLayer | None = None,
 ) -> PolicyOutput:
     """One forward over chosen and rejected rows together, and their completion log-probs.
 
@@ -54,13 +58,16 @@ def policy_forward(
         model: The model (with or without grad, as the caller chooses).
         batch: ``tokens`` and ``labels`` ``[2 * pairs, seq]``, chosen rows first.
         num_chunks: Sequence chunks of the fp32 log-softmax (see ``sequence_logps``).
+        output: The model's ``output_layer``: the logits are then computed chunk by chunk and
+            never exist whole.
 
     Returns:
         The per-pair summed log-probs, completion lengths and mean completion logits.
     """
     pairs = num_pairs(batch)
-    logits = forward(model, batch)
-    logps, lengths, mean_logits = sequence_logps(logits, batch["labels"], num_chunks=num_chunks)
+    logps, lengths, mean_logits = sequence_logps(
+        forward(model, batch, output), batch["labels"], num_chunks=num_chunks, output=output
+    )
     return PolicyOutput(
         chosen_logps=logps[:pairs],
         rejected_logps=logps[pairs:],
@@ -72,15 +79,28 @@ def policy_forward(
 
 
 def reshard_all(model: nn.Module) -> None:
-    """Reshard every FSDP2 module of ``model`` (a no-op for a plain model).
+    """Reshard the FSDP2 modules of ``model`` that hold trainable parameters (plain: no-op).
 
     After a no_grad forward FSDP2 may keep gathered parameters (always the root's, every
     group's with ``reshard_after_forward=False``); in-place edits of the shards would then not
     reach the next forward.
     """
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule) and _manages_trainable(module):
             module.reshard()
+
+
+def _manages_trainable(module: FSDPModule) -> bool:
+    # Whether the FSDP2 group of ``module`` holds trainable parameters. The groups of a frozen
+    # base kept gathered (``frozen_base: replicate``) hold none: no in-place edit reaches
+    # them, and resharding them would only cost a gather at the next forward.
+    nested = {
+        id(param)
+        for sub in module.modules()
+        if sub is not module and isinstance(sub, FSDPModule)
+        for param in sub.parameters()
+    }
+    return any(p.requires_grad and id(p) not in nested for p in module.parameters())
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -172,16 +192,24 @@ class ReferenceModel:
 
     @torch.no_grad()
     def logps(
-        self, micro_batches: list[dict[str, torch.Tensor]], *, num_chunks: int = 8
+        self,
+        micro_batches: list[dict[str, torch.Tensor]],
+        *,
+        num_chunks: int = 8,
+        output: OutputLayer | None = None,
     ) -> list[PolicyOutput]:
         """Reference log-probs of each micro-batch (one swap for all of them).
 
         Args:
             micro_batches: ``padded_collate_dpo`` batches on the model's device.
             num_chunks: Sequence chunks of the fp32 log-softmax.
+            output: The model's ``output_layer``, for chunked logits.
 
         Returns:
             One :class:`PolicyOutput` of the reference per micro-batch.
         """
         with self.active():
-            return [policy_forward(self.model, b, num_chunks=num_chunks) for b in micro_batches]
+            return [
+                policy_forward(self.model, b, num_chunks=num_chunks, output=output)
+                for b in micro_batches
+            ]

@@ -7,7 +7,7 @@ no rank ever holds the full model unless the world size is 1.
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ import tunelab.peft as peft
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.distributed import apply_activation_checkpointing, shard_model
+from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.errors import ConfigError
 from tunelab.models import from_hf_config, load_hf_into_model
 from tunelab.peft.nf4 import copy_rows_nf4_, quantize_base_nf4
@@ -37,6 +38,7 @@ def build_model(
     mixed_precision: bool = False,
     seed: int = 0,
     mesh: DeviceMesh | None = None,
+    frozen_base: Literal["auto", "replicate", "shard"] = "shard",
 ) -> nn.Module:
     """Build, shard and load a model from a Hugging Face folder.
 
@@ -54,6 +56,9 @@ def build_model(
             values do not depend on the world size).
         mesh: The data-parallel mesh (``data_parallel_mesh``): 2-D for HSDP, None to shard
             over every rank.
+        frozen_base: Keep the frozen base gathered after the first step (``replicate``),
+            gather it every forward and backward (``shard``), or pick by memory (``auto``,
+            logged); see ``tunelab.distributed.frozen_base``.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
@@ -92,6 +97,7 @@ def build_model(
         reshard_after_forward=reshard_after_forward,
         mixed_precision=mixed_precision,
         mesh=mesh,
+        frozen_base=choose_frozen_base(frozen_base, model, device, mixed_precision=mixed_precision),
     )
     model.to_empty(device=device)
     model.tie_weights()
