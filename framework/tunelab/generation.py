@@ -71,7 +71,9 @@ def generate(
     def encode(token_ids: list[int], start: int) -> torch.Tensor:
         tokens = torch.tensor([token_ids], device=device)
         positions = torch.arange(start, start + len(token_ids), device=device)[None]
-        return model(tokens, input_pos=positions)[:, -1]
+        # Logits of the last position only: a long prompt never makes [prompt, vocab] logits.
+        hidden = model(tokens, input_pos=positions, return_hidden=True)
+        return model.output(hidden[:, -1])
 
     try:
         logits = encode(prompt, 0)
