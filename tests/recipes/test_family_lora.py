@@ -22,12 +22,14 @@ peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
-# The families with fused or unusual weights; Qwen3 and Mistral have the Llama linears and a
-# one-process LoRA -> PEFT check in tests/interop/test_models_families.py (as do these).
+# Phi-3's fused modules by name, Gemma 3 through all-linear, the others by their HF names.
+_LLAMA_NAMES = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 TARGETS = {
-    "phi3": "[qkv_proj,o_proj,gate_up_proj,down_proj]",
-    "gemma2": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+    "qwen3": _LLAMA_NAMES,
+    "mistral": _LLAMA_NAMES,
+    "gemma2": _LLAMA_NAMES,
     "gemma3": "[all-linear]",
+    "phi3": "[qkv_proj,o_proj,gate_up_proj,down_proj]",
 }
 
 
