@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 BIN_DIR = Path(sys.executable).parent
 TUNELAB = str(BIN_DIR / "tunelab")
 RECIPE_TIMEOUT_S = 600
@@ -160,3 +162,36 @@ def wait_for(condition, timeout: float, what: str, nodes: Nodes | None = None):
     raise AssertionError(
         f"timed out waiting for {what}" + (f":\n{nodes.output(4000)}" if nodes else "")
     )
+
+
+# The tiny 2-process runs several test modules compare with (test_sft_recipes' golden runs,
+# the multi-node, HSDP and restart tests): global batch 16, 2 processes x 8 or 1 process x 16.
+STEPS = 6
+COMMON = [
+    "epochs=1",
+    f"max_steps_per_epoch={STEPS}",
+    "run_val_every_n_steps=3",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=3",
+    "checkpoint.keep_last_n_checkpoints=null",
+]
+
+
+@pytest.fixture(scope="session")
+def lora_2p(tmp_path_factory) -> Path:
+    """``tiny/lora`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
+    out = tmp_path_factory.mktemp("lora_2p")
+    tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def full_2p(tmp_path_factory) -> Path:
+    """``tiny/full`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
+    out = tmp_path_factory.mktemp("full_2p")
+    tunelab_run(
+        "full_finetune_distributed", "tiny/full", f"output_dir={out}", "batch_size=8", *COMMON
+    )
+    return out

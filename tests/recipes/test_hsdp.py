@@ -1,8 +1,8 @@
 """HSDP: ``data_parallel_replicate_size`` x ``data_parallel_shard_size`` builds a 2-D mesh, and
 FSDP2 shards within each replica group and replicates across them.
 
-The slow test runs 4 processes as 2 x 2 (global batch 16, like the 2 x 8 golden run of
-test_sft_recipes): the same losses (fp32, 1e-6), each shard of the step checkpoint saved once
+The slow test runs 4 processes as 2 x 2 (global batch 16, like the 2-process reference run
+with batch 8): the same losses (fp32, 1e-6), each shard of the step checkpoint saved once
 (not once per replica), and an exact resume on another mesh shape (plain FSDP on 2 processes)
 whose export equals the HSDP run's.
 """
@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, tunelab_run
-from tests.recipes.test_sft_recipes import COMMON, LORA_GOLDEN, STEPS
+from tests.recipes.conftest import COMMON, STEPS, interrupted_copy, losses_by_step, tunelab_run
 from tunelab.distributed import data_parallel_mesh
 from tunelab.errors import ConfigError
 
@@ -34,21 +33,21 @@ def test_one_replica_is_plain_fsdp():
     assert data_parallel_mesh(torch.device("cpu"), replicate_size=1, shard_size=1) is None
 
 
-def _assert_losses(output_dir, steps):
-    losses = losses_by_step(output_dir)
+def _assert_losses(output_dir, reference_dir, steps):
+    losses, reference = losses_by_step(output_dir), losses_by_step(reference_dir)
     assert sorted(losses) == list(steps), losses
     for step in steps:
-        assert abs(losses[step] - LORA_GOLDEN[step]) <= TOLERANCE, (step, losses[step])
+        assert abs(losses[step] - reference[step]) <= TOLERANCE, (step, losses[step], reference)
 
 
 @pytest.mark.slow
-def test_hsdp_2x2_matches_and_resumes_on_another_mesh(tmp_path):
+def test_hsdp_2x2_matches_and_resumes_on_another_mesh(tmp_path, lora_2p):
     out = tmp_path / "hsdp"
     tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=4", *COMMON,
         "data_parallel_replicate_size=2", "data_parallel_shard_size=2", nproc=4,
     )  # fmt: skip
-    _assert_losses(out, range(1, STEPS + 1))
+    _assert_losses(out, lora_2p, range(1, STEPS + 1))
 
     # Each shard once: every tensor in 2 chunks (the shard size, not 4 ranks), each written by
     # one rank only, although two replicas hold it.
@@ -65,7 +64,7 @@ def test_hsdp_2x2_matches_and_resumes_on_another_mesh(tmp_path):
         "lora_finetune_distributed", "tiny/lora", f"output_dir={other}", "batch_size=8", *COMMON,
         "checkpoint.resume_from_checkpoint=true",
     )  # fmt: skip
-    _assert_losses(other, range(4, STEPS + 1))
+    _assert_losses(other, lora_2p, range(4, STEPS + 1))
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         hsdp, fsdp = load_file(out / "epoch_0" / name), load_file(other / "epoch_0" / name)
         assert hsdp.keys() == fsdp.keys()

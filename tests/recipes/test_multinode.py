@@ -1,8 +1,8 @@
 """Two nodes on this machine: two ``tunelab run --nnodes 2 --node-rank i --nproc_per_node 1
 --rdzv-backend c10d`` launchers, one worker each, sharing one output_dir.
 
-Their losses equal the single-node 2-process golden values of test_sft_recipes and
-test_lora_dpo (fp32, 1e-6): the same two ranks compute the same thing wherever they run. Both
+Their losses equal those of the same run on one node with two processes (fp32, 1e-6): the
+same two ranks compute the same thing wherever they run. Both
 nodes write their shards of each step checkpoint and export into the one output_dir, rank 0
 commits once, and the checkpoint resumes exactly on one node (the resume on two nodes is
 tests/recipes/test_restarts.py, after a killed worker).
@@ -14,9 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipes.conftest import Nodes, interrupted_copy, losses_by_step, tunelab_run
-from tests.recipes.test_lora_dpo import GOLDEN_LOSSES as DPO_GOLDEN
-from tests.recipes.test_sft_recipes import COMMON, FULL_GOLDEN, LORA_GOLDEN, STEPS
+from tests.recipes.conftest import (
+    COMMON,
+    STEPS,
+    Nodes,
+    interrupted_copy,
+    losses_by_step,
+    tunelab_run,
+)
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 150
@@ -29,11 +34,16 @@ def _two_nodes(tmp_path, recipe, config, out, *overrides):
     return nodes
 
 
-def _assert_losses(output_dir, golden, steps):
-    losses = losses_by_step(output_dir)
+def _one_node(recipe, config, out, *overrides):
+    tunelab_run(recipe, config, f"output_dir={out}", *overrides)  # 2 processes
+    return out
+
+
+def _assert_losses(output_dir, reference_dir, steps):
+    losses, reference = losses_by_step(output_dir), losses_by_step(reference_dir)
     assert sorted(losses) == sorted(steps), losses
     for step in steps:
-        assert abs(losses[step] - golden[step]) <= TOLERANCE, (step, losses[step], golden[step])
+        assert abs(losses[step] - reference[step]) <= TOLERANCE, (step, losses[step], reference)
 
 
 def _assert_same_tensors(left, right):
@@ -43,10 +53,10 @@ def _assert_same_tensors(left, right):
         assert torch.allclose(left[key], right[key], rtol=0, atol=TOLERANCE), key
 
 
-def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path):
+def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path, lora_2p):
     out = tmp_path / "two_nodes"
     _two_nodes(tmp_path, "lora_finetune_distributed", "tiny/lora", out, "batch_size=8", *COMMON)
-    _assert_losses(out, LORA_GOLDEN, range(1, STEPS + 1))
+    _assert_losses(out, lora_2p, range(1, STEPS + 1))
 
     # One commit per step, of both nodes' shards.
     for step in (3, STEPS):
@@ -63,7 +73,7 @@ def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path):
         "lora_finetune_distributed", "tiny/lora", f"output_dir={one_node}", "batch_size=8",
         *COMMON, "checkpoint.resume_from_checkpoint=true",
     )  # fmt: skip
-    _assert_losses(one_node, LORA_GOLDEN, range(4, STEPS + 1))
+    _assert_losses(one_node, lora_2p, range(4, STEPS + 1))
     _assert_same_tensors(export / "model.safetensors", one_node / "epoch_0" / "model.safetensors")
     _assert_same_tensors(
         export / "adapter" / "adapter_model.safetensors",
@@ -71,19 +81,18 @@ def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path):
     )
 
 
-def test_full_finetune_two_nodes_match_one_node(tmp_path):
-    out = tmp_path / "full"
-    _two_nodes(
-        tmp_path, "full_finetune_distributed", "tiny/full", out, "batch_size=8", *COMMON,
-        "checkpoint.save_every_n_steps=null", "run_val_every_n_steps=null",
-    )  # fmt: skip
-    _assert_losses(out, FULL_GOLDEN, range(1, STEPS + 1))
-    assert (out / "epoch_0" / "model.safetensors").is_file()
+def test_full_finetune_two_nodes_match_one_node(tmp_path, full_2p):
+    out = tmp_path / "two_nodes"
+    _two_nodes(tmp_path, "full_finetune_distributed", "tiny/full", out, "batch_size=8", *COMMON)
+    _assert_losses(out, full_2p, range(1, STEPS + 1))
+    _assert_same_tensors(
+        out / "epoch_0" / "model.safetensors", full_2p / "epoch_0" / "model.safetensors"
+    )
 
 
 def test_dpo_two_nodes_match_one_node(tmp_path):
-    out = tmp_path / "dpo"
-    # The first 5 steps are all in the warm-up, so 5 steps reproduce the 40-step golden run's.
-    _two_nodes(tmp_path, "lora_dpo_distributed", "tiny/lora_dpo", out, "max_steps_per_epoch=5")
-    golden = dict(enumerate(DPO_GOLDEN, start=1))
-    _assert_losses(out, golden, range(1, 6))
+    settings = ("max_steps_per_epoch=4",)
+    out = tmp_path / "two_nodes"
+    _two_nodes(tmp_path, "lora_dpo_distributed", "tiny/lora_dpo", out, *settings)
+    reference = _one_node("lora_dpo_distributed", "tiny/lora_dpo", tmp_path / "one", *settings)
+    _assert_losses(out, reference, range(1, 5))

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.recipes.conftest import (
+    COMMON,
+    STEPS,
     TUNELAB,
     interrupted_copy,
     losses_by_step,
@@ -24,16 +26,8 @@ from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
-STEPS = 6
-# Global batch 16: 2 processes x 8, or 1 process x 16.
-COMMON = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
-    "run_val_every_n_steps=3",
-    "lr_scheduler.num_warmup_steps=0",
-    "checkpoint.save_every_n_steps=3",
-    "checkpoint.keep_last_n_checkpoints=null",
-]
+# STEPS, COMMON and the lora_2p and full_2p runs (session fixtures) are in conftest.py: the
+# multi-node, HSDP and restart tests compare with the same runs.
 # Recorded from a run whose correctness the other tests establish (world-size equivalence,
 # logits equal to transformers); any change to these numbers needs an explanation.
 LORA_GOLDEN = {1: 5.204077826605903, 2: 5.076706182761271, 3: 4.9177767666903405,
@@ -50,13 +44,6 @@ def _run(recipe, config, out, *extra, nproc=2):
 def _assert_same_losses(actual: dict, expected: dict, steps, tol):
     for step in steps:
         assert abs(actual[step] - expected[step]) <= tol, (step, actual[step], expected[step])
-
-
-@pytest.fixture(scope="module")
-def lora_2p(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_2p")
-    _run("lora_finetune_distributed", "tiny/lora", out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -205,13 +192,6 @@ def test_sigkill_during_async_write_leaves_it_uncommitted_and_resume_is_exact(lo
     resumed = losses_by_step(out)
     assert min(resumed) == 3  # restarted after step 2, the newest committed
     _assert_same_losses(resumed, losses_by_step(lora_2p), range(3, STEPS + 1), 1e-6)
-
-
-@pytest.fixture(scope="module")
-def full_2p(tmp_path_factory):
-    out = tmp_path_factory.mktemp("full_2p")
-    _run("full_finetune_distributed", "tiny/full", out)
-    return out
 
 
 def test_full_finetune_losses_and_export(full_2p):
