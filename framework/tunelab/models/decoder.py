@@ -9,7 +9,8 @@ from tunelab.models.args import FULL, SLIDING, ModelArgs
 from tunelab.models.families import adapter_for
 from tunelab.models.state_dict_adapter import StateDictAdapter
 from tunelab.modules import Attention, FeedForward, KVCache, RMSNorm, RotaryEmbedding
-from tunelab.modules.masks import causal_mask
+from tunelab.modules.attention import resolve_attention_backend
+from tunelab.modules.masks import AttentionMask, causal_mask, positions_from_document_ids
 
 
 class TransformerBlock(nn.Module):
@@ -66,7 +67,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | AttentionMask | None = None,
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Apply the block (see ``Attention.forward`` for the arguments)."""
@@ -101,6 +102,11 @@ class TransformerDecoder(nn.Module):
     Parameter names are HF keys (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``),
     so checkpoints, LoRA targets and FSDP wrapping all use the names users know.
 
+    ``attention_backend`` (``auto``, ``sdpa``, ``flex`` or ``dense``; see
+    ``tunelab.modules.attention``) picks the attention kernel of forwards given
+    ``document_ids`` or no mask at all; an explicit ``mask`` tensor and KV-cache decoding always
+    take the dense path.
+
     Args:
         args: the model's arguments.
     """
@@ -108,6 +114,7 @@ class TransformerDecoder(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        self.attention_backend = "auto"
         self.model = DecoderModel(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -218,6 +225,19 @@ class TransformerDecoder(nn.Module):
             )
         return mask
 
+    def _described_masks(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> dict[str, AttentionMask]:
+        """Each attention kind's ``AttentionMask`` (no dense tensor; kernels build their form)."""
+        batch, seq_len = tokens.shape
+        backend = resolve_attention_backend(self.attention_backend, tokens.device)
+        full = AttentionMask(batch, seq_len, tokens.device, backend, document_ids)
+        masks = {FULL: full}
+        if SLIDING in (self.args.layer_types or ()):
+            masks[SLIDING] = full.with_window(self.args.sliding_window)
+        softcap = self.args.attn_logit_softcap is not None
+        return {kind: mask.prepare(softcap) for kind, mask in masks.items()}
+
     def _layer_masks(
         self, mask: torch.Tensor | None, input_pos: torch.Tensor, seq_len: int
     ) -> dict[str, torch.Tensor | None]:
@@ -275,6 +295,7 @@ class TransformerDecoder(nn.Module):
         tokens: torch.Tensor,
         *,
         mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
@@ -285,6 +306,11 @@ class TransformerDecoder(nn.Module):
             mask: bool ``[batch, seq, seq]`` or ``[batch, 1, seq, seq]``, True = may attend
                 (see ``tunelab.modules.masks``); None means causal. With KV caches the key
                 dimension is the cache length and None means causal over the cache.
+            document_ids: integer ``[batch, seq]`` for packed rows, a document being a run of
+                equal ids: causal attention within each document, with the kernel of
+                ``attention_backend`` and no ``[seq, seq]`` tensor where the kernel needs none.
+                ``input_pos`` defaults to positions restarting at each document. Not with
+                ``mask`` or KV caches.
             input_pos: rotary positions ``[batch, seq]`` (restart per document when packing);
                 None means ``0..seq-1``. Required with KV caches, where they are also the slots.
             return_hidden: Return the final normed hidden states ``[batch, seq, dim]``
@@ -300,6 +326,17 @@ class TransformerDecoder(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         batch, seq_len = tokens.shape
+        described = mask is None and not self.caches_are_enabled()
+        if document_ids is not None:
+            if not described:
+                raise ValueError("document_ids cannot be combined with a mask or KV caches")
+            if document_ids.shape != tokens.shape:
+                raise ValueError(
+                    f"document_ids shape {tuple(document_ids.shape)} != tokens shape "
+                    f"{tuple(tokens.shape)}"
+                )
+            if input_pos is None:
+                input_pos = positions_from_document_ids(document_ids)
         if input_pos is None:
             if self.caches_are_enabled():
                 raise ValueError("input_pos is required when KV caches are set up")
@@ -308,7 +345,10 @@ class TransformerDecoder(nn.Module):
             raise ValueError(
                 f"input_pos shape {tuple(input_pos.shape)} != tokens shape {tuple(tokens.shape)}"
             )
-        masks = self._layer_masks(mask, input_pos, seq_len)
+        if described:
+            masks = self._described_masks(tokens, document_ids)
+        else:
+            masks = self._layer_masks(mask, input_pos, seq_len)
         h = self.model.embed_tokens(tokens)
         if self.args.embed_scale:
             # Gemma: sqrt(dim) rounded to the activations' dtype first, as transformers does.

@@ -1,12 +1,67 @@
-"""Grouped-query self-attention with rotary embeddings."""
+"""Grouped-query self-attention with rotary embeddings, and the choice of attention kernel.
+
+Backends (``attention_backend``), for attention described by an ``AttentionMask``:
+
+- ``sdpa``: ``scaled_dot_product_attention`` with ``enable_gqa`` (no K/V repeat); plain
+  causal rows take ``is_causal`` and no mask at all, packed or sliding-window rows a dense bool
+  mask built once per forward.
+- ``flex``: ``flex_attention`` with a ``BlockMask`` built from the document intervals (no
+  ``[seq, seq]`` tensor), the sliding window in the same mask and Gemma 2's soft-cap as a
+  ``score_mod``; compiled on CUDA. torch 2.13 has no FlexAttention backward on CPU, and its
+  eager CPU forward is several times slower than ``sdpa`` (TORCH_NOTES.md, issue 17).
+- ``dense``: the pre-issue-17 path, kept as the baseline: a dense mask and K/V heads repeated.
+- ``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere.
+
+Plain causal rows without soft-capping take SDPA's ``is_causal`` under ``sdpa`` and ``flex``.
+"""
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tunelab.modules.kv_cache import KVCache
+from tunelab.modules.masks import AttentionMask
 from tunelab.modules.norm import RMSNorm
 from tunelab.modules.rotary import apply_rotary
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "dense")
+"""The values of ``attention_backend``."""
+
+
+def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
+    """The backend ``backend`` means on ``device``: ``auto`` becomes ``flex`` or ``sdpa``.
+
+    Args:
+        backend: one of ``ATTENTION_BACKENDS``.
+        device: where attention runs.
+
+    Returns:
+        ``sdpa``, ``flex`` or ``dense``.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return backend
+
+
+_compiled_flex: dict[str, Callable] = {}
+
+
+def _flex_kernel(device: torch.device) -> Callable:
+    """``flex_attention``, compiled on CUDA (eager elsewhere: inductor's CPU flex is a forward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _compiled_flex:
+        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex["cuda"]
 
 
 class Attention(nn.Module):
@@ -96,7 +151,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | AttentionMask | None = None,
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend.
@@ -105,8 +160,9 @@ class Attention(nn.Module):
             x: ``[batch, seq, dim]``.
             cos: rotary cosines ``[batch, seq, rotary_dim]``.
             sin: rotary sines ``[batch, seq, rotary_dim]``.
-            mask: bool ``[batch, 1, seq, keys]`` (True = may attend), or None for causal.
-                With a KV cache ``keys`` is the cache length and a mask is required.
+            mask: an ``AttentionMask`` (the kernel follows its backend), or a bool
+                ``[batch, 1, seq, keys]`` (True = may attend), or None for causal. With a KV
+                cache ``keys`` is the cache length and a bool mask is required.
             input_pos: cache slots ``[batch, seq]``; used only when a KV cache is set up.
 
         Returns:
@@ -119,27 +175,81 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             assert input_pos is not None and mask is not None, "the decoder supplies both"
             k, v = self.kv_cache.update(input_pos, k, v)
+        if isinstance(mask, AttentionMask):
+            out = self._attend_described(q, k, v, mask)
+        else:
+            out = self._attend(q, k, v, mask)
+        out = out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention under a dense bool mask, or causal when None (the ``dense`` path)."""
         groups = self.num_heads // self.num_kv_heads
         if mask is None and self.softcap is None:
             # Causal with no mask tensor: the flash kernel handles GQA itself.
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=groups > 1, scale=self.scale
             )
-        else:
-            # The fused kernels that take a mask do not take GQA; expanding k/v keeps them usable.
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            if mask is None:
-                mask = torch.ones(seq_len, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        # The fused kernels that take a mask do not take GQA; expanding k/v keeps them usable.
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if mask is None:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask.to(q.device), scale=self.scale
+            )
+        return self._softcapped(q, k, v, mask.to(q.device))
+
+    def _attend_described(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Attention under an ``AttentionMask``, with the kernel of its backend."""
+        if mask.backend != "dense":
+            if mask.causal_only and self.softcap is None:
+                return self._attend(q, k, v, None)
+            if mask.backend == "flex":
+                return self._flex(q, k, v, mask)
             if self.softcap is None:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask.to(q.device), scale=self.scale
+                return F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask.dense(),
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                    scale=self.scale,
                 )
-            else:
-                out = self._softcapped(q, k, v, mask.to(q.device))
-        out = out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        return self._attend(q, k, v, mask.dense())
+
+    def _flex(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """``flex_attention`` over ``mask``'s ``BlockMask``, soft-capped by a ``score_mod``."""
+        if q.device.type == "cpu" and q.requires_grad:
+            raise ValueError(
+                "attention_backend 'flex' cannot train on CPU: torch has no FlexAttention "
+                "backward on CPU (use 'sdpa' or 'auto')"
+            )
+        score_mod = None
+        if self.softcap is not None:
+            cap = self.softcap
+
+            def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 (flex's)
+                return torch.tanh(score / cap) * cap
+
+        kernel = _flex_kernel(q.device)
+        return kernel(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=mask.block_mask(),
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
 
     def _softcapped(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor

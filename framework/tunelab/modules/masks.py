@@ -5,7 +5,12 @@ All masks are ``[batch, seq, seq]`` (query, key); the decoder also accepts
 ``scaled_dot_product_attention`` never normalises an empty row into NaN.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 def causal_mask(seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -78,3 +83,163 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     # The start index of each token's run: a running max over the indices where runs begin.
     run_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - run_start
+
+
+FLEX_BLOCK_SIZE = 128
+"""Query and key block size of the flex_attention ``BlockMask`` (its kernels' default)."""
+
+
+class AttentionMask:
+    """Which keys each query sees, described without an ``[seq, seq]`` tensor.
+
+    Causal attention within documents (``document_ids``; None: one document per row),
+    optionally cut to a sliding window of ``sliding_window`` keys per query, itself included.
+    With documents as runs of equal ids, query ``q`` sees exactly the keys
+    ``max(start of its document, q - sliding_window + 1) .. q``: one interval per query, so
+    the description is the ``[batch, seq]`` tensor of interval starts. Attention layers turn it
+    into what their kernel takes (nothing for plain causal rows, ``is_causal``; a
+    flex_attention ``BlockMask``; or the dense bool mask of the fallback path), and each form
+    is built at most once and shared by every layer given this object (one per forward and
+    attention kind).
+
+    Args:
+        batch: rows.
+        seq_len: tokens per row.
+        device: where the rows live.
+        backend: the resolved attention backend (``tunelab.modules.attention``).
+        document_ids: integer ``[batch, seq]``, a document is a run of equal ids; None for
+            one document per row.
+        sliding_window: keys per query, itself included; None for no window.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        seq_len: int,
+        device: torch.device,
+        backend: str,
+        document_ids: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        if document_ids is not None and tuple(document_ids.shape) != (batch, seq_len):
+            raise ValueError(
+                f"document_ids must be [batch, seq] = {[batch, seq_len]}, "
+                f"got shape {tuple(document_ids.shape)}"
+            )
+        self.batch = batch
+        self.seq_len = seq_len
+        self.device = torch.device(device)
+        self.backend = backend
+        self.document_ids = document_ids
+        self.sliding_window = sliding_window
+        self._forms: dict[str, object] = {}
+
+    def with_window(self, sliding_window: int | None) -> "AttentionMask":
+        """The same rows cut to a sliding window (a new description with its own forms)."""
+        return AttentionMask(
+            self.batch, self.seq_len, self.device, self.backend, self.document_ids, sliding_window
+        )
+
+    def prepare(self, softcap: bool = False) -> "AttentionMask":
+        """Build now the form the backend's kernel will take, so layers only read it.
+
+        Call it once per forward before the layers run (outside any compiled region). Plain
+        causal rows need no form unless ``softcap`` (scores are then capped: a mask or flex).
+
+        Args:
+            softcap: whether the layers soft-cap their scores.
+
+        Returns:
+            This object.
+        """
+        if self.causal_only and not softcap and self.backend != "dense":
+            return self
+        if self.backend == "flex":
+            self.block_mask()
+        else:
+            self.dense()
+        return self
+
+    @property
+    def causal_only(self) -> bool:
+        """True when this is plain causal attention (no documents, no window)."""
+        return self.document_ids is None and self.sliding_window is None
+
+    def first_key(self) -> torch.Tensor:
+        """Long ``[batch or 1, seq]``: the first key each query sees (its interval's start)."""
+        if "first_key" not in self._forms:
+            index = torch.arange(self.seq_len, device=self.device)[None]
+            first = torch.zeros_like(index)
+            if self.document_ids is not None:
+                document_ids = self.document_ids.to(self.device)
+                first = index - positions_from_document_ids(document_ids)
+            if self.sliding_window is not None:
+                first = torch.maximum(first, index - self.sliding_window + 1)
+            self._forms["first_key"] = first
+        return self._forms["first_key"]
+
+    def dense(self) -> torch.Tensor:
+        """Bool ``[batch or 1, 1, seq, seq]``, True = may attend (the fallback path's mask)."""
+        if "dense" not in self._forms:
+            keys = torch.arange(self.seq_len, device=self.device)
+            first = self.first_key()[:, :, None]
+            self._forms["dense"] = ((keys >= first) & (keys <= keys[:, None]))[:, None]
+        return self._forms["dense"]
+
+    def block_mask(self) -> "BlockMask":
+        """The flex_attention ``BlockMask``, built from the intervals in ``O(seq * blocks)``.
+
+        A key block is skipped when no query of the query block sees any of its keys, fully
+        attended when every query sees every key, and partial (``mask_mod`` per element)
+        otherwise. No ``[seq, seq]`` tensor is built (``create_block_mask`` evaluates the
+        mask at every element).
+        """
+        if "block_mask" not in self._forms:
+            self._forms["block_mask"] = self._build_block_mask()
+        return self._forms["block_mask"]
+
+    def _build_block_mask(self) -> "BlockMask":
+        from torch.nn.attention.flex_attention import BlockMask
+
+        size, seq_len = FLEX_BLOCK_SIZE, self.seq_len
+        num_blocks = -(-seq_len // size)
+        padded = num_blocks * size
+        index = torch.arange(padded, device=self.device)
+        first = self.first_key().expand(self.batch, seq_len)
+        # Padding queries (past seq_len) see only themselves; flex drops their outputs.
+        first = torch.cat([first, index[seq_len:].expand(self.batch, -1)], dim=1)
+        block_start = torch.arange(num_blocks, device=self.device) * size
+        block_last = torch.clamp(block_start + size - 1, max=seq_len - 1)
+        query = index[None, :, None]
+        lo = first[:, :, None]
+        # [batch, padded queries, key blocks], then reduced over each query block.
+        touches = (lo <= block_last) & (query >= block_start)
+        covers = (lo <= block_start) & (query >= block_last)
+        valid = index < seq_len
+        covers = covers | ~valid[None, :, None]
+        touches = touches & valid[None, :, None]
+        any_ = touches.view(self.batch, num_blocks, size, num_blocks).any(dim=2)
+        full = covers.view(self.batch, num_blocks, size, num_blocks).all(dim=2) & any_
+        partial = any_ & ~full
+
+        def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            counts = blocks.sum(dim=-1, dtype=torch.int32)[:, None]
+            order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+            return counts, order.to(torch.int32)[:, None]
+
+        first_key = first
+
+        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 (flex's signature)
+            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= q_idx)
+
+        counts, indices = ordered(partial)
+        full_counts, full_indices = ordered(full)
+        return BlockMask.from_kv_blocks(
+            counts,
+            indices,
+            full_counts,
+            full_indices,
+            BLOCK_SIZE=size,
+            mask_mod=mask_mod,
+            seq_lengths=(seq_len, seq_len),
+        )

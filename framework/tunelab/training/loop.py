@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 from tunelab.distributed import all_reduce_sum, reshard
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
-from tunelab.modules.masks import document_causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,10 @@ def output_layer(model: nn.Module) -> OutputLayer:
 def forward(
     model: nn.Module, batch: dict[str, torch.Tensor], output: OutputLayer | None = None
 ) -> torch.Tensor:
-    """Run the model on a collated batch; packed batches get their document mask.
+    """Run the model on a collated batch; packed batches attend within their documents.
+
+    Packed batches pass their ``document_ids``: the model's ``attention_backend`` builds what
+    its kernel needs (a flex ``BlockMask``, or a dense mask on the fallback path).
 
     Args:
         model: The decoder.
@@ -56,8 +58,12 @@ def forward(
     """
     hidden = output is not None
     if "document_ids" in batch:
-        mask = document_causal_mask(batch["document_ids"])
-        return model(batch["tokens"], mask=mask, input_pos=batch["input_pos"], return_hidden=hidden)
+        return model(
+            batch["tokens"],
+            document_ids=batch["document_ids"],
+            input_pos=batch["input_pos"],
+            return_hidden=hidden,
+        )
     return model(batch["tokens"], return_hidden=hidden)
 
 
