@@ -122,6 +122,27 @@ def build_model(checkpoint_dir: str | os.PathLike, **kwargs: Any) -> torch.nn.Mo
     return recipe_build_model(str(checkpoint_dir), **kwargs)
 
 
+def build_plain_lora_model(checkpoint_dir: str | os.PathLike, lora: Any) -> torch.nn.Module:
+    """The model with LoRA adapters on every rank, never sharded (for a DDP baseline).
+
+    Built like the recipes' ``build_model`` on one process: meta build, adapters, then the
+    whole base loaded on this rank, and the adapters initialised from seed 0.
+    """
+    import tunelab.peft as peft
+    from tunelab.models import from_hf_config, load_hf_into_model
+
+    with torch.device("meta"):
+        model = from_hf_config(str(checkpoint_dir))
+        peft.apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha)
+        peft.set_trainable_params(model)
+    model.to_empty(device=torch.device("cpu"))
+    model.tie_weights()
+    load_hf_into_model(model, str(checkpoint_dir))
+    torch.manual_seed(0)
+    peft.init_lora_parameters(model)
+    return model
+
+
 def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's moments with one step on zero gradients (they are saved like real ones)."""
     for param in model.parameters():

@@ -41,9 +41,9 @@ BENCHMARKS = {
               ["--size-mb", "8", "--dim", "256", "--vocab-size", "1024", "--repeats", "1"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"],
-                 ["--dim", "64", "--wide-dim", "128", "--vocab-size", "512",
-                  "--wide-vocab-size", "512", "--seq-len", "32", "--steps", "1",
-                  "--nprocs", "2"]),
+                 ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32",
+                  "--vocab-dim", "64", "--vocab-size", "4096", "--vocab-seq-len", "64",
+                  "--steps", "1", "--nprocs", "2"]),
 }  # fmt: skip
 
 
