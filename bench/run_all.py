@@ -39,6 +39,8 @@ BENCHMARKS = {
              ["--rows", "2000"]),
     "qlora": ("bench_qlora.py", True, [], ["--size-mb", "1100", "--dim", "2048"],
               ["--size-mb", "8", "--dim", "256", "--vocab-size", "1024", "--repeats", "1"]),
+    "attention": ("bench_attention.py", False, [], [],
+                  ["--seq-len", "256", "--dim", "256", "--repeats", "1"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"],
                  ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32",

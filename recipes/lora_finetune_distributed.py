@@ -71,6 +71,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         adapter_dir=args.adapter_dir,
         activation_checkpointing=args.enable_activation_checkpointing,
         compile_blocks=args.compile,
+        attention_backend=args.attention_backend,
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         seed=args.seed,

@@ -22,6 +22,7 @@ from tunelab.distributed import apply_activation_checkpointing, shard_model
 from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.errors import ConfigError
 from tunelab.models import from_hf_config, load_hf_into_model
+from tunelab.modules.attention import resolve_attention_backend
 from tunelab.peft.nf4 import copy_rows_nf4_, quantize_base_nf4
 
 
@@ -39,6 +40,7 @@ def build_model(
     seed: int = 0,
     mesh: DeviceMesh | None = None,
     frozen_base: Literal["auto", "replicate", "shard"] = "shard",
+    attention_backend: str = "auto",
 ) -> nn.Module:
     """Build, shard and load a model from a Hugging Face folder.
 
@@ -59,12 +61,16 @@ def build_model(
         frozen_base: Keep the frozen base gathered after the first step (``replicate``),
             gather it every forward and backward (``shard``), or pick by memory (``auto``,
             logged); see ``tunelab.distributed.frozen_base``.
+        attention_backend: The attention kernel (``auto``, ``sdpa``, ``flex``, ``dense``; see
+            ``tunelab.modules.attention``); the resolved choice is printed once.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
+    backend = _attention_backend(attention_backend, device)
     with torch.device("meta"):
         model = from_hf_config(checkpoint_dir)
+        model.attention_backend = backend
         model.to(dtype)
         if lora is not None:
             if model.args.tie_embeddings and "lm_head" in lora.targets:
@@ -109,6 +115,19 @@ def build_model(
         if adapter_dir is not None:
             peft.load_peft_adapter(model, adapter_dir)
     return model
+
+
+def _attention_backend(backend: str, device: torch.device) -> str:
+    """Resolve ``attention_backend`` for training on ``device``, and say what it picked."""
+    resolved = resolve_attention_backend(backend, device)
+    if resolved == "flex" and device.type == "cpu":
+        raise ConfigError(
+            f"attention_backend: flex cannot train on {device} (torch has no FlexAttention "
+            "backward on CPU); use sdpa or auto"
+        )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"attention_backend {backend}: {resolved} on {device.type}", flush=True)
+    return resolved
 
 
 def _quantize_base_nf4(model: nn.Module, device: torch.device, mesh: DeviceMesh | None) -> None:
