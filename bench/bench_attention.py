@@ -16,7 +16,8 @@ backward on one row per backend, through the ``AttentionMask`` the decoder passe
 for packed ones); ``flex`` is ``auto`` on CUDA (compiled ``flex_attention`` and a block mask
 built from the documents). torch 2.13 has no FlexAttention backward on CPU, so on CPU the
 flex rows time the forward only (eager, the unfused debug path), against dense's forward.
-Figures: the median seconds of ``--repeats`` runs after one warm-up, and the peak memory
+Figures: the median seconds of ``--repeats`` runs after one warm-up (the two backends of a
+row alternate run by run), and the peak memory
 growth of one run, mask building included (the peak RSS on CPU, ``max_memory_allocated`` on
 CUDA). Target: the ``auto`` backend is at least as fast as dense.
 """
@@ -42,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="unused (run_all.py passes a scratch dir)")
     return parser.parse_args()
 
@@ -59,35 +60,46 @@ def document_ids(seq_len: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
 
 
-def measure(layer: Attention, x: torch.Tensor, rotary: tuple, make_mask, backward: bool) -> dict:
-    """Median seconds of one step (mask built inside, as every forward does) and its peak."""
+def measure(
+    layer: Attention, x: torch.Tensor, rotary: tuple, backends: tuple, packed_ids, backward: bool
+) -> list[dict]:
+    """Median seconds of one step per backend (mask built inside, as every forward does),
+    the backends alternating run by run so load bursts hit them alike, and each one's peak."""
     cuda = x.device.type == "cuda"
+    seq_len = x.shape[1]
 
-    def step() -> None:
-        out = layer(x, *rotary, make_mask().prepare())
+    def step(backend: str) -> None:
+        mask = AttentionMask(1, seq_len, x.device, backend, packed_ids).prepare()
+        out = layer(x, *rotary, mask)
         if backward:
             out.float().square().mean().backward()
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
 
-    grad = torch.enable_grad() if backward else torch.no_grad()
-    with grad:
-        step()  # warm-up (and the compile on CUDA)
-        times = []
+    results = []
+    with torch.enable_grad() if backward else torch.no_grad():
+        for backend in backends:
+            step(backend)  # warm-up (and the compile on CUDA)
+        times = {backend: [] for backend in backends}
         for _ in range(args.repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            peak = torch.cuda.max_memory_allocated() - base
-        else:
-            with PeakRSS() as rss:
-                step()
-            peak = rss.peak_growth
-    return {"seconds": median(times), "peak": peak}
+            for backend in backends:
+                start = time.perf_counter()
+                step(backend)
+                times[backend].append(time.perf_counter() - start)
+        for backend in backends:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step(backend)
+                peak = torch.cuda.max_memory_allocated() - base
+            else:
+                with PeakRSS() as rss:
+                    step(backend)
+                peak = rss.peak_growth
+            results.append({"seconds": median(times[backend]), "peak": peak})
+    return results
 
 
 def main() -> None:
@@ -105,18 +117,14 @@ def main() -> None:
     flex_backward = device.type == "cuda"
     rows, notes = [], []
     for packed in (False, True):
-        documents = ids if packed else None
-
-        def mask(backend: str, documents: torch.Tensor | None = documents) -> AttentionMask:
-            return AttentionMask(1, args.seq_len, device, backend, documents)
-
         label = "packed" if packed else "unpacked"
         pairs = [(auto, True)]
         if auto != "flex" and packed:  # unpacked rows take is_causal under flex too
             pairs.append(("flex", flex_backward))
         for backend, backward in pairs:
-            new = measure(layer, x, rotary, lambda b=backend: mask(b), backward)
-            old = measure(layer, x, rotary, lambda: mask("dense"), backward)
+            new, old = measure(
+                layer, x, rotary, (backend, "dense"), ids if packed else None, backward
+            )
             ratio = new["seconds"] / old["seconds"]
             is_auto = backend == auto
             rows.append(
