@@ -91,6 +91,14 @@ class _TargetLogProbs(torch.autograd.Function):
         return grad_logits, None, None, None
 
 
+def _check_shapes(values: torch.Tensor, labels: torch.Tensor, name: str, last: str) -> None:
+    if values.dim() != 3 or labels.shape != values.shape[:2]:
+        raise ValueError(
+            f"expected {name} [batch, seq, {last}] and labels [batch, seq], got {name} "
+            f"{tuple(values.shape)} and labels {tuple(labels.shape)}"
+        )
+
+
 def target_logps(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,11 +118,7 @@ def target_logps(
     Raises:
         ValueError: if the shapes do not line up.
     """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"expected logits [batch, seq, vocab] and labels [batch, seq], got logits "
-            f"{tuple(logits.shape)} and labels {tuple(labels.shape)}"
-        )
+    _check_shapes(logits, labels, "logits", "vocab")
     if labels.shape[1] < 2:
         # One token predicts nothing; keep the graph so every rank can still run backward.
         empty = logits[:, :0, 0].to(_compute_dtype(logits.dtype))
@@ -234,11 +238,7 @@ def hidden_target_logps(
     Raises:
         ValueError: if the shapes do not line up.
     """
-    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(
-            f"expected hidden states [batch, seq, dim] and labels [batch, seq], got hidden "
-            f"{tuple(hidden.shape)} and labels {tuple(labels.shape)}"
-        )
+    _check_shapes(hidden, labels, "hidden states", "dim")
     targets = labels[:, 1:]
     mask = targets != ignore_index
     safe_targets = targets.masked_fill(~mask, 0)
