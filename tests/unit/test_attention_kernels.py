@@ -157,3 +157,18 @@ def test_backend_choice_and_bad_input():
         model(tokens, mask=torch.ones(1, 4, 4, dtype=torch.bool), document_ids=torch.zeros(1, 4))
     with pytest.raises(ValueError, match="document_ids shape"):
         model(tokens, document_ids=torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_build_model_resolves_the_setting_and_refuses_flex_training_on_cpu(
+    tiny_hf_model_dir, capsys
+):
+    from tunelab.errors import ConfigError
+    from tunelab.training import build_model
+
+    path = str(tiny_hf_model_dir("llama3_2"))
+    cpu = dict(device=torch.device("cpu"), dtype=torch.float32)
+    assert build_model(path, **cpu).attention_backend == "sdpa"
+    assert "attention_backend auto: sdpa on cpu" in capsys.readouterr().out
+    assert build_model(path, **cpu, attention_backend="dense").attention_backend == "dense"
+    with pytest.raises(ConfigError, match="attention_backend: flex cannot train on cpu"):
+        build_model(path, **cpu, attention_backend="flex")
