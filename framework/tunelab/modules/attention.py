@@ -54,13 +54,18 @@ _compiled_flex: dict[str, Callable] = {}
 
 
 def _flex_kernel(device: torch.device) -> Callable:
-    """``flex_attention``, compiled on CUDA (eager elsewhere: inductor's CPU flex is a forward)."""
+    """``flex_attention``, compiled on CUDA (eager elsewhere: CPU flex has no backward).
+
+    Compiled with torch's default dynamic-shape policy: the first sequence length compiles a
+    static kernel, a second one recompiles with dynamic lengths, so variable-length batches do
+    not compile once per length.
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _compiled_flex:
-        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex["cuda"] = torch.compile(flex_attention)
     return _compiled_flex["cuda"]
 
 
