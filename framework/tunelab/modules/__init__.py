@@ -4,6 +4,7 @@ from tunelab.modules.attention import Attention
 from tunelab.modules.feed_forward import FeedForward
 from tunelab.modules.kv_cache import KVCache
 from tunelab.modules.masks import (
+    AttentionMask,
     causal_mask,
     document_causal_mask,
     padding_mask,
@@ -14,6 +15,7 @@ from tunelab.modules.rotary import RotaryEmbedding
 
 __all__ = [
     "Attention",
+    "AttentionMask",
     "FeedForward",
     "KVCache",
     "RMSNorm",
