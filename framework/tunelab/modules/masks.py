@@ -3,6 +3,10 @@
 All masks are ``[batch, seq, seq]`` (query, key); the decoder also accepts
 ``[batch, 1, seq, seq]``. Every query row keeps at least one ``True`` (its own position), so
 ``scaled_dot_product_attention`` never normalises an empty row into NaN.
+
+``AttentionMask`` describes the same document-causal (and sliding-window) masks without the
+``[seq, seq]`` tensor; the decoder passes it to its attention layers, whose backend builds the
+form its kernel takes (``tunelab.modules.attention``).
 """
 
 from typing import TYPE_CHECKING
