@@ -6,8 +6,10 @@ Copy it to customise: ``tunelab cp lora_dpo_distributed my_dpo.py``.
 The reference model is the policy itself, never a second copy in memory: inside
 ``reference.active()`` it is the base model (adapters disabled, a flag on the LoRA layers, so it
 works under FSDP2), or, when starting from an SFT adapter (``adapter_dir``), base + that adapter,
-frozen, swapped into the LoRA shards and back (see ``tunelab.training.ReferenceModel``). The
-loss of a step is the mean over all its pairs, across micro-batches and ranks.
+frozen, swapped into the LoRA shards and back (see ``tunelab.training.ReferenceModel``). With
+``reference_logps: precompute`` the reference runs once over the dataset before training and
+the steps look its log-probs up (``tunelab.training.PrecomputedReference``). The loss of a
+step is the mean over all its pairs, across micro-batches and ranks.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: reference and
 policy forwards, loss and backward over its micro-batches, then clip and step, log, validate,
@@ -33,6 +35,7 @@ from tunelab.losses import PreferenceLoss, accumulate_metrics
 from tunelab.training import (
     MetricLoggers,
     NonFiniteGuard,
+    PrecomputedReference,
     ProgressBar,
     ReferenceModel,
     Schedule,
@@ -88,7 +91,8 @@ def main(args: LoRADPOArgs) -> None:
         seed=args.seed,
         frozen_base=args.frozen_base,
     )
-    data = build_data(args, tokenizer, padded_collate_dpo)
+    # Batches carry their pairs' dataset indices (pair_index), for reference_logps: precompute.
+    data = build_data(args, tokenizer, padded_collate_dpo, index_pairs=True)
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
     loss_fn = instantiate(args.loss)
@@ -108,6 +112,18 @@ def main(args: LoRADPOArgs) -> None:
     )
     # The losses apply the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
+    # reference_logps: precompute: every pair's reference log-probs once, before training. The
+    # reference is frozen, so a resumed run recomputes the same table (nothing to save).
+    precomputed = None
+    if args.reference_logps == "precompute" and loss_fn.needs_reference:
+        start = time.perf_counter()
+        precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
+        if dist_info.is_main:
+            print(
+                f"reference log-probs of {len(precomputed.table)} pairs precomputed in "
+                f"{time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
     schedule = Schedule(args)
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
@@ -137,9 +153,12 @@ def main(args: LoRADPOArgs) -> None:
             micro_batches = [
                 to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
             ]
-            # Reference log-probs first, for all micro-batches under one swap (SimPO needs none).
+            # Reference log-probs first, for all micro-batches under one swap (SimPO needs none),
+            # or looked up in the precomputed table.
             references = [None] * len(micro_batches)
-            if loss_fn.needs_reference:
+            if precomputed is not None:
+                references = [precomputed.logps(b) for b in micro_batches]
+            elif loss_fn.needs_reference:
                 with torch.no_grad(), reference.active():
                     references = [policy_forward(model, b, output=output) for b in micro_batches]
             # The step's loss: the mean over all its pairs, across micro-batches and ranks.

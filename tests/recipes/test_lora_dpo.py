@@ -13,15 +13,19 @@ import os
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 import tunelab.peft as peft
+from tunelab.data import padded_collate_dpo
+from tunelab.data.preference import IndexedPairs
 from tunelab.losses import DPOLoss, SimPOLoss, accumulate_metrics
 from tunelab.models import load_pretrained
 from tunelab.training import (
+    PrecomputedReference,
     ReferenceModel,
     global_pair_count,
     global_preference_metrics,
@@ -172,6 +176,39 @@ def test_reference_free_loss_skips_the_reference(tiny_dir):
     assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-6)
 
 
+def test_precomputed_reference_matches_live_forward(tiny_dir):
+    # Pairs of different lengths, so the precompute batches (index order, 3 pairs) and the
+    # "training" batch (another order and size) pad to different lengths.
+    gen = torch.Generator().manual_seed(0)
+    pairs = []
+    for n in range(5):
+        chosen = torch.randint(0, 100, (4 + n,), generator=gen).tolist()
+        rejected = torch.randint(0, 100, (9 - n,), generator=gen).tolist()
+        pairs.append({
+            "chosen_tokens": chosen, "chosen_labels": [-100] * 2 + chosen[2:],
+            "rejected_tokens": rejected, "rejected_labels": [-100] * 2 + rejected[2:],
+        })  # fmt: skip
+    model = _lora_model(tiny_dir, random_b=True)
+    reference = ReferenceModel(model, freeze_current_adapter=False)
+    loader = torch.utils.data.DataLoader(
+        IndexedPairs(pairs), batch_size=3, collate_fn=partial(padded_collate_dpo, pad_id=0)
+    )
+    precomputed = PrecomputedReference.compute(reference, loader, torch.device("cpu"))
+    assert precomputed.table.shape == (5, 2) and precomputed.table.dtype == torch.float32
+    batch = padded_collate_dpo([IndexedPairs(pairs)[i] for i in (4, 1)], pad_id=0)
+    looked_up = precomputed.logps(batch)
+    (live,) = reference.logps([batch])
+    # fp32 log-probs of the same rows padded to other lengths, in other batches: equal up to
+    # float rounding of the differently shaped matmuls (measured max |diff| in TORCH_NOTES).
+    torch.testing.assert_close(looked_up.chosen_logps, live.chosen_logps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(looked_up.rejected_logps, live.rejected_logps, rtol=0, atol=1e-5)
+    diff = max(
+        (looked_up.chosen_logps - live.chosen_logps).abs().max().item(),
+        (looked_up.rejected_logps - live.rejected_logps).abs().max().item(),
+    )
+    print(f"max |precomputed - live| = {diff:.3g}")
+
+
 # -- the recipe, launched with the real CLI on 2 processes ---------------------------------
 
 STEPS = 40
@@ -188,6 +225,11 @@ GOLDEN_LOSSES = [
 
 def _launch(output_dir: Path, *overrides: str) -> list[dict]:
     """Run the recipe; return the rows of its metrics.jsonl (training steps only)."""
+    return _run(output_dir, *overrides)[0]
+
+
+def _run(output_dir: Path, *overrides: str) -> tuple[list[dict], str]:
+    """Run the recipe; return its training rows of metrics.jsonl and its stdout."""
     env = {**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "OMP_NUM_THREADS": "1"}
     command = [
         str(TUNELAB),
@@ -203,7 +245,7 @@ def _launch(output_dir: Path, *overrides: str) -> list[dict]:
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
     rows = [json.loads(line) for line in (output_dir / "logs" / "metrics.jsonl").open()]
-    return [row for row in rows if "loss" in row]
+    return [row for row in rows if "loss" in row], result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +335,28 @@ def test_start_from_sft_adapter_uses_it_as_frozen_reference(full_run, tmp_path):
     # ...and then moves away from the frozen reference: the swap-back restored the policy.
     assert rows[-1]["rewards/margins"] != 0.0
     assert abs(rows[-1]["loss"] - LN2) > 1e-4
+
+
+@pytest.mark.slow
+def test_precomputed_reference_gives_the_live_losses(full_run, tmp_path):
+    # The reference log-probs of every pair computed once before training (each rank a share
+    # of the dataset, gathered), then looked up by pair_index: no reference forward in the
+    # steps. Steps 1-2 sit at B = 0 (policy == reference); step 3 is the first whose loss
+    # depends on both. fp32 on CPU: the log-probs are bit-equal to the live forward's
+    # despite other padding lengths and batch compositions; 1e-6 allows float rounding.
+    rows, stdout = _run(
+        tmp_path,
+        "reference_logps=precompute",
+        "max_steps_per_epoch=3",
+        "checkpoint.save_every_n_steps=null",
+    )
+    assert "reference log-probs of 400 pairs precomputed" in stdout, stdout
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        live = full_run[1][row["step"]]
+        for name in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            assert row[name] == pytest.approx(live[name], abs=1e-6), (row["step"], name)
+        assert row["rewards/accuracies"] == live["rewards/accuracies"]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from tunelab.data import (
     padded_collate_dpo,
     padded_collate_sft,
 )
+from tunelab.data.preference import IndexedPairs
 from tunelab.errors import ConfigError
 
 SAMPLES = [
@@ -96,14 +97,19 @@ def test_collate_sft_stacks_packs():
     assert mixed["input_pos"][1].tolist() == [0, 1, 0, 3, 4, 5, 6, 7]
 
 
+DPO_PAIRS = [
+    {"chosen_tokens": [1, 2, 3], "chosen_labels": [-100, 2, 3],
+     "rejected_tokens": [1, 2, 4, 5], "rejected_labels": [-100, 2, 4, 5]},
+    {"chosen_tokens": [6, 7], "chosen_labels": [-100, 7],
+     "rejected_tokens": [6, 8], "rejected_labels": [-100, 8]},
+    {"chosen_tokens": [9], "chosen_labels": [9],
+     "rejected_tokens": [9, 9], "rejected_labels": [9, 9]},
+]  # fmt: skip
+
+
 def test_collate_dpo_chosen_then_rejected():
-    pairs = [
-        {"chosen_tokens": [1, 2, 3], "chosen_labels": [-100, 2, 3],
-         "rejected_tokens": [1, 2, 4, 5], "rejected_labels": [-100, 2, 4, 5]},
-        {"chosen_tokens": [6, 7], "chosen_labels": [-100, 7],
-         "rejected_tokens": [6, 8], "rejected_labels": [-100, 8]},
-    ]  # fmt: skip
-    batch = padded_collate_dpo(pairs, pad_id=0)
+    batch = padded_collate_dpo(DPO_PAIRS[:2], pad_id=0)
+    assert set(batch) == {"tokens", "labels"}  # no pair_index without IndexedPairs
     assert batch["tokens"].tolist() == [[1, 2, 3, 0], [6, 7, 0, 0], [1, 2, 4, 5], [6, 8, 0, 0]]
     assert batch["labels"].tolist() == [
         [-100, 2, 3, -100],
@@ -111,3 +117,16 @@ def test_collate_dpo_chosen_then_rejected():
         [-100, 2, 4, 5],
         [-100, 8, -100, -100],
     ]
+
+
+def test_collate_dpo_pair_index_from_indexed_pairs():
+    indexed = IndexedPairs(DPO_PAIRS)
+    assert len(indexed) == 3
+    order = [2, 0]  # a sampler's order
+    batch = padded_collate_dpo([indexed[i] for i in order], pad_id=0)
+    plain = padded_collate_dpo([DPO_PAIRS[i] for i in order], pad_id=0)
+    assert batch["pair_index"].dtype == torch.long
+    assert batch["pair_index"].tolist() == order
+    # The rest of the batch is what it is without the index.
+    assert torch.equal(batch["tokens"], plain["tokens"])
+    assert torch.equal(batch["labels"], plain["labels"])

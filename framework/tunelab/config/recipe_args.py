@@ -216,3 +216,5 @@ class LoRADPOArgs(LoRAFinetuneArgs):
     """Preference pairs per micro-batch per process (the forward sees twice as many rows)."""
     adapter_dir: AdapterDir | None = None
     """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
+    reference_logps: Literal["live", "precompute"] = "live"
+    """live: a reference forward per step; precompute: one pass over the dataset up front, none in steps."""

@@ -60,14 +60,19 @@ def padded_collate_dpo(
 
     Args:
         batch: Items with ``chosen_tokens``, ``chosen_labels``, ``rejected_tokens``,
-            ``rejected_labels``.
+            ``rejected_labels`` (and optionally ``pair_index``).
         pad_id: Token id of padding.
         ignore_index: Label of padding.
 
     Returns:
-        ``tokens`` and ``labels`` LongTensors ``[2 * batch, seq]``, padded to the longest side.
+        ``tokens`` and ``labels`` LongTensors ``[2 * batch, seq]``, padded to the longest side;
+        when the items carry ``pair_index`` (their dataset index, from
+        ``tunelab.data.preference.IndexedPairs``), also ``pair_index`` LongTensor ``[batch]``.
     """
     tokens = [item["chosen_tokens"] for item in batch] + [item["rejected_tokens"] for item in batch]
     labels = [item["chosen_labels"] for item in batch] + [item["rejected_labels"] for item in batch]
     length = max(len(row) for row in tokens)
-    return {"tokens": _pad(tokens, length, pad_id), "labels": _pad(labels, length, ignore_index)}
+    out = {"tokens": _pad(tokens, length, pad_id), "labels": _pad(labels, length, ignore_index)}
+    if "pair_index" in batch[0]:
+        out["pair_index"] = torch.tensor([item["pair_index"] for item in batch], dtype=torch.long)
+    return out

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils.data import Dataset
+
 from tunelab.data import _rows
 from tunelab.data._sft_rows import to_sample
 from tunelab.data.chat import tokenize_conversation
@@ -244,3 +246,25 @@ def preference_dataset(
         cache_dir=cache_dir,
         describe=source,
     )
+
+
+class IndexedPairs(Dataset):
+    """A preference dataset whose items also carry their index in it, as ``pair_index``.
+
+    ``padded_collate_dpo`` then gives each batch the dataset index of its pairs, with which
+    precomputed reference log-probs are looked up (``tunelab.training.PrecomputedReference``).
+
+    Args:
+        dataset: A map-style preference dataset.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        """Number of pairs."""
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Item ``index`` of the dataset, with ``pair_index`` set to ``index``."""
+        return {**self.dataset[index], "pair_index": index}

@@ -9,7 +9,7 @@ calls, each with one job:
   :func:`global_token_count`,
   :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
-  :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
+  :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
 - around the step: :class:`Schedule`, :func:`evaluate`, :func:`evaluate_preference`,
   :class:`MetricLoggers`, :class:`ProgressBar`, :func:`peak_memory_gib`, :func:`progress_record`.
 
@@ -44,7 +44,13 @@ from tunelab.training.preference import (
 )
 from tunelab.training.profiler import StepProfiler
 from tunelab.training.progress import ProgressBar
-from tunelab.training.reference import PolicyOutput, ReferenceModel, policy_forward
+from tunelab.training.reference import (
+    PolicyOutput,
+    PrecomputedReference,
+    ReferenceLogps,
+    ReferenceModel,
+    policy_forward,
+)
 from tunelab.training.rng import seed_everything
 from tunelab.training.session import (
     MetricLoggers,
@@ -64,7 +70,9 @@ __all__ = [
     "MetricLoggers",
     "NonFiniteGuard",
     "PolicyOutput",
+    "PrecomputedReference",
     "ProgressBar",
+    "ReferenceLogps",
     "ReferenceModel",
     "Schedule",
     "StdoutLogger",

@@ -27,6 +27,7 @@ from tunelab.losses.metrics import COUNT_KEY
 from tunelab.training.loop import to_device
 from tunelab.training.reference import (
     PolicyOutput,
+    ReferenceLogps,
     ReferenceModel,
     num_pairs,
     policy_forward,
@@ -37,14 +38,17 @@ _TOKENS_KEY = "num_tokens"
 
 
 def preference_loss(
-    loss_fn: PreferenceLoss, policy: PolicyOutput, reference: PolicyOutput | None
+    loss_fn: PreferenceLoss,
+    policy: PolicyOutput,
+    reference: PolicyOutput | ReferenceLogps | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-pair losses of one micro-batch and the sums of its metrics.
 
     Args:
         loss_fn: A DPO-family loss.
         policy: The policy's :func:`policy_forward` of the micro-batch.
-        reference: The reference's, or None for a reference-free loss.
+        reference: The reference's (a forward's, or a :class:`PrecomputedReference` lookup),
+            or None for a reference-free loss.
 
     Returns:
         ``(losses, sums)``: the ``[pairs]`` losses (with grad) and the detached sums of the

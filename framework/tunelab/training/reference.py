@@ -3,7 +3,9 @@
 A ``padded_collate_dpo`` micro-batch holds the chosen rows, then the rejected rows of the same
 pairs (``[2 * pairs, seq]``). :func:`policy_forward` runs one forward over both and sums the
 completion log-probs per row; ``with torch.no_grad(), reference.active():`` makes the model the
-frozen reference for such forwards (:class:`ReferenceModel`).
+frozen reference for such forwards (:class:`ReferenceModel`). :class:`PrecomputedReference`
+holds the reference log-probs of every training pair, computed once before training
+(``reference_logps: precompute``), so that the steps run no reference forward.
 """
 
 import contextlib
@@ -11,13 +13,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
 import tunelab.peft as peft
+from tunelab.distributed import all_reduce_sum
 from tunelab.losses import OutputLayer, sequence_logps
-from tunelab.training.loop import forward
+from tunelab.training.loop import forward, to_device
 
 
 @dataclass(frozen=True)
@@ -123,9 +128,8 @@ class ReferenceModel:
     copies of memory, needs no communication (every rank swaps its own shards; FSDP2 gathers
     from them in the next forward), and is done once per optimizer step for all its
     micro-batches. Gradients and optimizer state are untouched, since the swap happens
-    outside autograd and before the policy forwards. Precomputing reference log-probs over
-    the dataset would be exact too, but costs a full extra pass before training and ties
-    the cache to the data order and world size.
+    outside autograd and before the policy forwards. :class:`PrecomputedReference` instead
+    runs the reference once over the dataset before training.
 
     Use it as ``with torch.no_grad(), reference.active(): ...``: inside, every forward of the
     model is the reference's.
@@ -213,3 +217,80 @@ class ReferenceModel:
                 policy_forward(self.model, b, num_chunks=num_chunks, output=output)
                 for b in micro_batches
             ]
+
+
+@dataclass(frozen=True)
+class ReferenceLogps:
+    """The reference's summed completion log-probs of a micro-batch's pairs, ``[pairs]`` each."""
+
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+
+
+class PrecomputedReference:
+    """The reference log-probs of every pair of a dataset, computed once (a ``[pairs, 2]`` table).
+
+    For a dataset reused over epochs this replaces a reference forward per micro-batch by
+    one pass over the dataset before training. Each rank computes a strided share of the
+    dataset indices (``rank, rank + world_size, ...``; every rank runs the same number of
+    forwards, as FSDP2 needs, the short ones repeating index 0 and discarding it), writes
+    its rows into a zero table, and one all-reduce sum gives every rank the whole table
+    (adding zeros is exact). Row ``i`` is pair ``i`` of the dataset, whatever the world size
+    and the sampler's order, so a resumed run recomputes the same table instead of saving
+    it. Batches find their rows through ``pair_index`` (``IndexedPairs``).
+
+    Build it with :meth:`compute`; :meth:`logps` looks up a micro-batch's rows.
+
+    Args:
+        table: ``[pairs, 2]`` float: chosen, rejected log-probs of each dataset pair.
+    """
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    @classmethod
+    @torch.no_grad()
+    def compute(
+        cls,
+        reference: ReferenceModel,
+        loader: DataLoader,
+        device: torch.device,
+        *,
+        num_chunks: int = 8,
+        output: OutputLayer | None = None,
+    ) -> "PrecomputedReference":
+        """Run the reference over every pair of ``loader.dataset`` (a collective: all ranks).
+
+        Args:
+            reference: The frozen reference.
+            loader: The training loader: its dataset, ``collate_fn`` and ``batch_size`` are
+                used (not its sampler: the whole dataset, in index order, is split here).
+            device: The model's device.
+            num_chunks: Sequence chunks of the fp32 log-softmax.
+            output: The model's ``output_layer``, for chunked logits.
+
+        Returns:
+            The table, the same on every rank, on ``device``.
+        """
+        dataset, batch_size = loader.dataset, loader.batch_size or 1
+        total = len(dataset)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        per_rank = -(-total // world_size)
+        owned = list(range(rank, total, world_size))
+        share = owned + [0] * (per_rank - len(owned))  # filler rows, computed and dropped
+        table = torch.zeros(total, 2, dtype=torch.float32, device=device)
+        with reference.active():
+            for start in range(0, per_rank, batch_size):
+                indices = share[start : start + batch_size]
+                batch = to_device(loader.collate_fn([dataset[i] for i in indices]), device)
+                ref = policy_forward(reference.model, batch, num_chunks=num_chunks, output=output)
+                values = torch.stack([ref.chosen_logps, ref.rejected_logps], dim=1).float()
+                kept = min(len(indices), max(len(owned) - start, 0))
+                table[torch.tensor(indices[:kept], device=device)] = values[:kept]
+        return cls(all_reduce_sum(table))
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> ReferenceLogps:
+        """The reference log-probs of a ``padded_collate_dpo`` batch's pairs, by ``pair_index``."""
+        rows = self.table[batch["pair_index"]]
+        return ReferenceLogps(chosen_logps=rows[:, 0], rejected_logps=rows[:, 1])

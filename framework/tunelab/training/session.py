@@ -20,6 +20,7 @@ from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.config import instantiate
 from tunelab.config.recipe_args import FinetuneArgs
 from tunelab.data import StatefulDistributedSampler
+from tunelab.data.preference import IndexedPairs
 from tunelab.errors import CheckpointError, DataError
 from tunelab.lifecycle import restart_of_job
 from tunelab.training.setup import build_dataloader, config_fingerprint
@@ -47,19 +48,25 @@ class TrainingData:
         return self.sampler.consumed // self.sampler.samples_per_step(per_step)
 
 
-def build_data(args: FinetuneArgs, tokenizer: Any, collate_fn: Callable) -> TrainingData:
+def build_data(
+    args: FinetuneArgs, tokenizer: Any, collate_fn: Callable, *, index_pairs: bool = False
+) -> TrainingData:
     """Build the training (and validation) datasets and loaders from a recipe's config.
 
     Args:
         args: The recipe settings (``dataset``, ``val_dataset``, ``batch_size``, ...).
         tokenizer: Passed to the dataset components.
         collate_fn: Batches samples (``padded_collate_sft`` or ``padded_collate_dpo``).
+        index_pairs: Give the training items of a preference dataset their dataset index
+            (``IndexedPairs``), so that ``padded_collate_dpo`` batches carry ``pair_index``.
 
     Returns:
         The loaders, the sampler and the number of optimizer steps per epoch.
     """
     common = {"batch_size": args.batch_size, "collate_fn": collate_fn, "seed": args.seed}
     dataset = instantiate(args.dataset, tokenizer=tokenizer)
+    if index_pairs:
+        dataset = IndexedPairs(dataset)
     loader, sampler = build_dataloader(dataset, **common, pad_id=tokenizer.pad_id)
     val_loader = None
     if args.val_dataset is not None:
