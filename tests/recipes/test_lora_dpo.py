@@ -32,6 +32,7 @@ from tunelab.training import (
     policy_forward,
     preference_loss,
 )
+from tunelab.training.reference import rank_share
 
 TUNELAB = Path(sys.executable).with_name("tunelab")
 LN2 = math.log(2.0)
@@ -174,6 +175,15 @@ def test_reference_free_loss_skips_the_reference(tiny_dir):
     rejected = out.rejected_logps / out.rejected_lengths
     expected = -torch.nn.functional.logsigmoid(2.0 * (chosen - rejected) - 0.5).mean()
     assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_precompute_shares_cover_every_pair_once_in_equal_forwards():
+    for total, world_size in ((5, 2), (400, 2), (7, 3), (2, 4)):
+        shares = [rank_share(total, rank, world_size) for rank in range(world_size)]
+        assert len({len(share) for share, _ in shares}) == 1  # same forwards on every rank
+        owned = sorted(i for share, n in shares for i in share[:n])
+        assert owned == list(range(total))
+    assert rank_share(5, 1, 2) == ([1, 3, 0], 2)
 
 
 def test_precomputed_reference_matches_live_forward(tiny_dir):
@@ -352,11 +362,14 @@ def test_precomputed_reference_gives_the_live_losses(full_run, tmp_path):
     )
     assert "reference log-probs of 400 pairs precomputed" in stdout, stdout
     assert [row["step"] for row in rows] == [1, 2, 3]
+    names = ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen")
     for row in rows:
         live = full_run[1][row["step"]]
-        for name in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+        for name in names:
             assert row[name] == pytest.approx(live[name], abs=1e-6), (row["step"], name)
         assert row["rewards/accuracies"] == live["rewards/accuracies"]
+    diff = max(abs(row[n] - full_run[1][row["step"]][n]) for row in rows for n in names)
+    print(f"max |precompute - live| over steps 1-3 = {diff:.3g}")
 
 
 @pytest.mark.slow

@@ -219,6 +219,18 @@ class ReferenceModel:
             ]
 
 
+def rank_share(total: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """The dataset indices rank ``rank`` computes in :meth:`PrecomputedReference.compute`.
+
+    Returns:
+        ``(indices, num_owned)``: ``rank, rank + world_size, ...`` (the first ``num_owned``),
+        then index 0 repeated until every rank has ``ceil(total / world_size)`` (fillers,
+        computed so that all ranks run the same forwards, and dropped).
+    """
+    owned = list(range(rank, total, world_size))
+    return owned + [0] * (-(-total // world_size) - len(owned)), len(owned)
+
+
 @dataclass(frozen=True)
 class ReferenceLogps:
     """The reference's summed completion log-probs of a micro-batch's pairs, ``[pairs]`` each."""
@@ -276,17 +288,15 @@ class PrecomputedReference:
         total = len(dataset)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        per_rank = -(-total // world_size)
-        owned = list(range(rank, total, world_size))
-        share = owned + [0] * (per_rank - len(owned))  # filler rows, computed and dropped
+        share, num_owned = rank_share(total, rank, world_size)
         table = torch.zeros(total, 2, dtype=torch.float32, device=device)
         with reference.active():
-            for start in range(0, per_rank, batch_size):
+            for start in range(0, len(share), batch_size):
                 indices = share[start : start + batch_size]
                 batch = to_device(loader.collate_fn([dataset[i] for i in indices]), device)
                 ref = policy_forward(reference.model, batch, num_chunks=num_chunks, output=output)
                 values = torch.stack([ref.chosen_logps, ref.rejected_logps], dim=1).float()
-                kept = min(len(indices), max(len(owned) - start, 0))
+                kept = min(len(indices), max(num_owned - start, 0))
                 table[torch.tensor(indices[:kept], device=device)] = values[:kept]
         return cls(all_reduce_sum(table))
 
