@@ -1,6 +1,8 @@
 """The attention backends (sdpa, flex, dense) against the dense-mask path, fp32: packed and
 unpacked rows, GQA, sliding window and soft-cap, forward and gradient."""
 
+import logging
+
 import pytest
 import torch
 
@@ -160,15 +162,16 @@ def test_backend_choice_and_bad_input():
 
 
 def test_build_model_resolves_the_setting_and_refuses_flex_training_on_cpu(
-    tiny_hf_model_dir, capsys
+    tiny_hf_model_dir, caplog
 ):
     from tunelab.errors import ConfigError
     from tunelab.training import build_model
 
     path = str(tiny_hf_model_dir("llama3_2"))
     cpu = dict(device=torch.device("cpu"), dtype=torch.float32)
-    assert build_model(path, **cpu).attention_backend == "sdpa"
-    assert "attention_backend auto: sdpa on cpu" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="tunelab"):
+        assert build_model(path, **cpu).attention_backend == "sdpa"
+    assert "attention_backend auto: sdpa on cpu" in caplog.text
     assert build_model(path, **cpu, attention_backend="dense").attention_backend == "dense"
     with pytest.raises(ConfigError, match="attention_backend: flex cannot train on cpu"):
         build_model(path, **cpu, attention_backend="flex")

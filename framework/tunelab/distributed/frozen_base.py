@@ -95,7 +95,7 @@ def choose_frozen_base(
     budget_bytes = int(budget.item())
     choice = "replicate" if base <= _BASE_SHARE_OF_BUDGET * budget_bytes else "shard"
     if dist.get_rank() == 0:
-        logger.warning(
+        logger.info(
             "frozen_base: auto picked %s (gathered frozen base %.2f GiB, memory budget per "
             "process %.2f GiB)",
             choice,

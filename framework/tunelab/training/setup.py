@@ -5,6 +5,7 @@ compile, FSDP2), materialised shard by shard and filled from the Hugging Face ch
 no rank ever holds the full model unless the world size is 1.
 """
 
+import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
@@ -24,6 +25,8 @@ from tunelab.errors import ConfigError
 from tunelab.models import from_hf_config, load_hf_into_model
 from tunelab.modules.attention import resolve_attention_backend
 from tunelab.peft.nf4 import copy_rows_nf4_, quantize_base_nf4
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(
@@ -125,8 +128,8 @@ def _attention_backend(backend: str, device: torch.device) -> str:
             f"attention_backend: flex cannot train on {device} (torch has no FlexAttention "
             "backward on CPU); use sdpa or auto"
         )
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"attention_backend {backend}: {resolved} on {device.type}", flush=True)
+    # An INFO record: rank 0 shows it on stderr; stdout stays the recipe's one result line.
+    logger.info("attention_backend %s: %s on %s", backend, resolved, device.type)
     return resolved
 
 
@@ -142,10 +145,11 @@ def _quantize_base_nf4(model: nn.Module, device: torch.device, mesh: DeviceMesh 
         reasons = {}
         for name, why in plan.kept.items():
             reasons.setdefault(name.rpartition(".")[2], f"{name}: {why}")
-        print(
-            f"quantize_base nf4: {len(plan.quantized)} weights in NF4, {len(plan.kept)} kept "
-            f"in the training dtype ({'; '.join(reasons.values())})",
-            flush=True,
+        logger.warning(
+            "quantize_base nf4: %d weights in NF4, %d kept in the training dtype (%s)",
+            len(plan.quantized),
+            len(plan.kept),
+            "; ".join(reasons.values()),
         )
 
 
