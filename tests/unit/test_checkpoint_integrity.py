@@ -58,8 +58,10 @@ def test_hashing_in_a_second_thread_gives_the_same_record(tmp_path):
         stream = integrity.HashingWriter(file, hasher)
         for block in blocks:
             stream.write(block)
-    assert stream.record() == integrity.record_of(b"".join(blocks)) == integrity.record_of(
-        path.read_bytes()
+    assert (
+        stream.record()
+        == integrity.record_of(b"".join(blocks))
+        == integrity.record_of(path.read_bytes())
     )
 
 
