@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tunelab.cli._check import check_config
@@ -142,6 +144,46 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
     return code
 
 
+def _own_children() -> list[int]:
+    """The live child processes of this process (Linux ``/proc``; none found elsewhere)."""
+    pids: list[int] = []
+    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        try:
+            pids += [int(pid) for pid in children.read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _stop_workers_torchrun_missed(signum: int) -> None:
+    """Forward a stop signal to workers torchrun had spawned but not yet recorded, and wait.
+
+    torchrun signals the workers of its process context; a signal that lands while it is
+    still spawning them (after the spawn, before it records them) leaves them running, and
+    they would end silently with this process instead of saying why. Workers start with the
+    stop signals blocked, so the forwarded one waits for their handlers: rank 0 prints the
+    stop line. Waits up to the shutdown timeout, then kills what is left.
+    """
+    children = _own_children()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    timeout_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S))
+    deadline = time.monotonic() + timeout_s
+    for pid in children:
+        while True:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break  # Already reaped.
+            if done or time.monotonic() > deadline:
+                if not done:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+
+
 def _describe_failure(recipe: str, failures: dict) -> str:
     """One line for a failed torchrun job: the first failing rank's own recorded line."""
     # Ranks torchrun stopped after the first failure come back with a signal; skip them.
@@ -218,6 +260,7 @@ def _run_torchrun(
     except SignalException as err:
         # The workers stopped (rank 0 printed the stop line), or a second signal cut the wait
         # short and they die with this process. Nothing to add.
+        _stop_workers_torchrun_missed(int(err.sigval))
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
