@@ -266,9 +266,11 @@ class CheckpointClient:
                 problem = self._verify(checkpoint)
                 if problem is None:
                     return self._load(checkpoint)
+            # Every rank names it (the problem is the same everywhere), so the one error line
+            # is the same whichever rank's error the launcher reports.
+            moved.append(f"{path.name} ({problem})")
             if self.rank == 0:
                 aside = layout.move_aside(path)
-                moved.append(f"{path.name} ({problem})")
                 logger.warning(
                     "skipping checkpoint %s, which failed verification: %s; moved it to %s",
                     path.name,
