@@ -166,7 +166,12 @@ class WandBLogger:
 
     def close(self) -> None:
         """Finish the run (in offline mode its files stay in ``log_dir`` for ``wandb sync``)."""
+        import wandb
+
         self._run.finish()
+        # wandb 0.31's finish can return before its service process has written the run file
+        # (measured: 1 run in 6 held only the file header); teardown waits for the service.
+        wandb.teardown()
 
 
 def _format(value: float) -> str:
