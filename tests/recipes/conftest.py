@@ -177,21 +177,20 @@ COMMON = [
 ]
 
 
+def _reference_run(tmp_path_factory, name: str, recipe: str, config: str) -> Path:
+    """``config`` on one node, 2 processes of batch 8, COMMON settings, in a fresh folder."""
+    out = tmp_path_factory.mktemp(name)
+    tunelab_run(recipe, config, f"output_dir={out}", "batch_size=8", *COMMON)
+    return out
+
+
 @pytest.fixture(scope="session")
 def lora_2p(tmp_path_factory) -> Path:
     """``tiny/lora`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
-    out = tmp_path_factory.mktemp("lora_2p")
-    tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON
-    )
-    return out
+    return _reference_run(tmp_path_factory, "lora_2p", "lora_finetune_distributed", "tiny/lora")
 
 
 @pytest.fixture(scope="session")
 def full_2p(tmp_path_factory) -> Path:
     """``tiny/full`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
-    out = tmp_path_factory.mktemp("full_2p")
-    tunelab_run(
-        "full_finetune_distributed", "tiny/full", f"output_dir={out}", "batch_size=8", *COMMON
-    )
-    return out
+    return _reference_run(tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full")
