@@ -338,6 +338,46 @@ def test_run_error_on_one_nonzero_rank_reaches_the_user(project):
     assert result.stderr.splitlines() == ["tunelab: error: " + MESSAGE.format(1)]
 
 
+def _process_failure(tmp_path, rank: int, exitcode: int, line: str | None):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error{rank}.json"
+    if line is not None:  # As recipe_main records it (whole seconds, like torchrun's own).
+        record = {"message": {"message": line, "extraInfo": {"timestamp": "1700000000"}}}
+        error_file.write_text(json.dumps(record))
+    failure = ProcessFailure(rank, 1000 + rank, exitcode, str(error_file))
+    if line is None:
+        failure.timestamp = 1700000000  # The same second: torchrun breaks ties by nothing.
+    return failure
+
+
+@pytest.mark.parametrize("stopped_code", [143, 130, -15])
+def test_the_reported_failure_is_the_rank_that_failed_not_one_torchrun_stopped(
+    tmp_path, stopped_code
+):
+    # Rank 1 failed; torchrun then stopped rank 0, whose stop handler exited 128 + SIGTERM
+    # (or the signal killed it) in the same second. Seen in CI: the launcher reported rank 0
+    # ("<NONE>", exit 143) instead of rank 1's line.
+    from tunelab.cli._run import _describe_failure, _first_failure
+
+    failures = {
+        0: _process_failure(tmp_path, 0, stopped_code, None),
+        1: _process_failure(tmp_path, 1, 1, MESSAGE.format(1)),
+    }
+    rank, failure = _first_failure(failures)
+    assert (rank, failure.exitcode) == (1, 1)
+    assert _describe_failure("toy", rank, failure) == MESSAGE.format(1)
+
+
+def test_a_failure_without_a_record_is_described_by_its_exit():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from tunelab.cli._run import _describe_failure
+
+    failure = ProcessFailure(1, 1001, -9, "/nonexistent/error.json")
+    assert _describe_failure("toy", 1, failure) == "recipe toy failed on rank 1 (signal 9)"
+
+
 @pytest.mark.slow
 def test_run_error_on_every_rank_is_short(project):
     result = tunelab(

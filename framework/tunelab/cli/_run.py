@@ -184,12 +184,28 @@ def _stop_workers_torchrun_missed(signum: int) -> None:
             time.sleep(0.05)
 
 
-def _describe_failure(recipe: str, failures: dict) -> str:
-    """One line for a failed torchrun job: the first failing rank's own recorded line."""
-    # Ranks torchrun stopped after the first failure come back with a signal; skip them.
-    rank, failure = min(
-        failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp, item[0])
+def _first_failure(failures: dict) -> tuple[int, object]:
+    """The rank whose failure stopped a torchrun job, and its ``ProcessFailure``.
+
+    torchrun stops the other workers once one fails: they come back killed by a signal, or,
+    when their stop handler ran first, with exit code 128 + signal and no recorded line. Those
+    are never the cause while a rank failed on its own. Among the rest, the earliest wins
+    (torchrun's timestamps are whole seconds, so ties go to the lowest rank).
+    """
+
+    def stopped_by_launcher(failure: object) -> bool:
+        return failure.exitcode <= 0 or (
+            failure.exitcode in _STOP_EXIT_CODES and not _recorded_line(failure.error_file_data)
+        )
+
+    return min(
+        failures.items(),
+        key=lambda item: (stopped_by_launcher(item[1]), item[1].timestamp, item[0]),
     )
+
+
+def _describe_failure(recipe: str, rank: int, failure: object) -> str:
+    """One line for a failed torchrun job: the failing rank's own recorded line."""
     message = _recorded_line(failure.error_file_data)
     if message:
         return message
@@ -203,7 +219,8 @@ def _recorded_line(data: object) -> str:
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
         message = message.get("message")
-    return message if isinstance(message, str) else ""
+    # torchrun's placeholder for a worker that recorded nothing.
+    return message if isinstance(message, str) and message != "<NONE>" else ""
 
 
 def _run_torchrun(
@@ -266,8 +283,10 @@ def _run_torchrun(
         codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
         if codes and all(f.exitcode in _STOP_EXIT_CODES for f in err.failures.values()):
             return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
-        print(f"tunelab: error: {_describe_failure(recipe.stem, err.failures)}", file=sys.stderr)
-        return codes[0] if codes else 1
+        rank, failure = _first_failure(err.failures)
+        print(f"tunelab: error: {_describe_failure(recipe.stem, rank, failure)}", file=sys.stderr)
+        code = failure.exitcode
+        return code if 0 < code < 256 else 128 - code if code < 0 else 1  # 128 + signal.
     return 0
 
 
