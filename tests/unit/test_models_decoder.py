@@ -264,8 +264,8 @@ def test_from_hf_config_errors(tmp_path):
         from_hf_config({**HF_LLAMA, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     for family in ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"):
         assert repr(family) in str(error.value)
-    with pytest.raises(ConfigError, match="'yarn' is not supported"):
-        from_hf_config({**HF_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="'mrope' is not supported"):
+        from_hf_config({**HF_LLAMA, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
     with pytest.raises(ConfigError, match="no 'hidden_size'"):
         from_hf_config({k: v for k, v in HF_LLAMA.items() if k != "hidden_size"})
     with pytest.raises(ConfigError, match="sliding_window"):

@@ -63,8 +63,8 @@ def test_inverse_frequencies_linear_and_legacy_type_key():
 
 
 def test_rope_rejects_unsupported_type_and_missing_keys():
-    with pytest.raises(ConfigError, match="'yarn' is not supported"):
-        RotaryEmbedding(8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="'mrope' is not supported"):
+        RotaryEmbedding(8, 10000.0, {"rope_type": "mrope", "factor": 4.0})
     with pytest.raises(ConfigError, match="needs the key 'low_freq_factor'"):
         inverse_frequencies(8, 10000.0, {"rope_type": "llama3", "factor": 8.0})
 

@@ -31,7 +31,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     """RoPE base."""
     rope_scaling: dict[str, Any] | None = None
-    """HF ``rope_scaling`` dict (``rope_type`` default, linear or llama3), or None."""
+    """HF ``rope_scaling`` dict (``rope_type`` linear, llama3, longrope or yarn), or None."""
     max_seq_len: int = 4096
     """Longest sequence the model was trained for, HF ``max_position_embeddings``."""
     tie_embeddings: bool = False
@@ -154,7 +154,11 @@ def rope_from_hf(
             one per layer type).
 
     Returns:
-        The base and the scaling dict (None for plain RoPE).
+        The base and the scaling dict (None for plain RoPE), its type under ``rope_type`` by
+        its canonical name. For ``yarn`` and ``longrope`` the dict is made self-contained, as
+        transformers 5 resolves it: ``original_max_position_embeddings`` from the top level if
+        there (Phi-3 keeps it there), else from the dict, else ``max_position_embeddings``;
+        a missing ``factor`` is ``max_position_embeddings / original``.
     """
     # transformers 5 writes one `rope_parameters` dict holding rope_theta; 4.x writes
     # `rope_theta` plus a `rope_scaling` dict (type under `rope_type` or the older `type`).
@@ -163,12 +167,22 @@ def rope_from_hf(
     parameters = dict(parameters or {})
     theta = float(parameters.pop("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = dict(config.get("rope_scaling") or parameters or {})
-    if rope_type_of(scaling) == "default":
+    rope_type = rope_type_of(scaling)
+    if rope_type == "default":
         return theta, None
-    for key in ("rope_theta", "partial_rotary_factor"):
+    for key in ("rope_theta", "partial_rotary_factor", "type"):
         scaling.pop(key, None)
-    if "type" in scaling:
-        scaling.setdefault("rope_type", scaling.pop("type"))
+    scaling["rope_type"] = rope_type
+    if rope_type in ("yarn", "longrope"):
+        max_seq_len = int(config.get("max_position_embeddings", 4096))
+        original = int(
+            config.get("original_max_position_embeddings")
+            or scaling.get("original_max_position_embeddings")
+            or max_seq_len
+        )
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_seq_len / original
     return theta, scaling
 
 

@@ -62,19 +62,11 @@ def phi3_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         The model's arguments.
     """
     window = config.get("sliding_window")
-    max_seq_len = int(config.get("max_position_embeddings", 4096))
     theta, scaling = rope_from_hf(config)
-    if scaling is not None and scaling.get("rope_type") == "longrope":
-        # Resolved once here, as transformers resolves them: the top-level original length
-        # wins, and the default factor is the context extension ratio.
-        original = int(
-            config.get("original_max_position_embeddings")
-            or scaling.get("original_max_position_embeddings")
-            or max_seq_len
-        )
-        scaling["original_max_position_embeddings"] = original
-        if scaling.get("factor") is None:
-            scaling["factor"] = max_seq_len / original
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        # transformers' Phi3Config reads an old Phi-3 "yarn" as LongRoPE (its short/long
+        # factors); rope_from_hf resolved the lengths and factor alike for both types.
+        scaling["rope_type"] = "longrope"
     return args_from_hf_config(
         config,
         "phi3",

@@ -1,9 +1,13 @@
-"""Rotary position embeddings, with the Llama 3 frequency-scaling rule.
+"""Rotary position embeddings, with the frequency-scaling rules of Hugging Face configs.
 
 RoPE (Su et al., 2021, https://arxiv.org/abs/2104.09864) rotates each pair of query/key
 features by an angle ``position * inv_freq[i]`` with ``inv_freq[i] = theta ** (-2i / head_dim)``.
 The pairs follow Hugging Face's "rotate half" layout (feature ``i`` pairs with
 ``i + head_dim / 2``), so HF q/k weights load with no permutation.
+
+Scaling types (``rope_scaling``): ``linear``, ``llama3``, ``longrope`` (alias ``su``, the name
+older Phi-3 configs use) and ``yarn``. ``dynamic`` (dynamic NTK) is refused: see
+``rope_type_of``.
 """
 
 import math
@@ -15,11 +19,22 @@ from torch import nn
 
 from tunelab.errors import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+# Older names transformers still reads, mapped to the type they mean.
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
+_DYNAMIC_REFUSAL = (
+    "rope_scaling type 'dynamic' (dynamic NTK) is not supported: it is an inference-time "
+    "extrapolation trick whose frequencies transformers recomputes from the longest sequence "
+    "the model has seen so far, so a training step would rotate the same tokens differently "
+    "depending on earlier batches and on padding. Fine-tune without rope_scaling, or use "
+    "'yarn' or 'linear' for a fixed context extension"
+)
 
 
 def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
     """Return the rope type named by an HF ``rope_scaling`` dict (``rope_type`` or ``type``).
+
+    Aliases resolve to their canonical name (``su`` is ``longrope``).
 
     Args:
         scaling: the dict, or None for plain RoPE.
@@ -28,44 +43,100 @@ def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
         One of ``SUPPORTED_ROPE_TYPES``.
 
     Raises:
-        ConfigError: the type is not supported.
+        ConfigError: the type is not supported. ``dynamic`` is refused on purpose: its
+            frequencies depend on the longest sequence seen so far (state carried between
+            forwards in transformers), which has no fixed meaning for training.
     """
     if not scaling:
         return "default"
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+    if rope_type == "dynamic":
+        raise ConfigError(_DYNAMIC_REFUSAL)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
-            f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+            f"rope_scaling type {rope_type!r} is not supported; supported: "
+            f"{SUPPORTED_ROPE_TYPES} (and 'su', an alias of 'longrope')"
         )
     return rope_type
 
 
 def _require(scaling: Mapping[str, Any], key: str) -> Any:
-    if key not in scaling:
+    if scaling.get(key) is None:
         raise ConfigError(f"rope_scaling of type {rope_type_of(scaling)!r} needs the key {key!r}")
     return scaling[key]
 
 
-def longrope_attention_factor(scaling: Mapping[str, Any]) -> float:
-    """The factor LongRoPE multiplies ``cos`` and ``sin`` by.
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
-    ``attention_factor`` if given, else ``sqrt(1 + ln(factor) / ln(L))`` with
-    ``L = original_max_position_embeddings`` (1 when ``factor <= 1``).
+
+def attention_factor_of(scaling: Mapping[str, Any] | None) -> float:
+    """The factor ``cos`` and ``sin`` are multiplied by (1.0 for most types).
+
+    ``attention_factor`` if given, else:
+
+    * ``longrope``: ``sqrt(1 + ln(factor) / ln(L))`` with ``L = original_max_position_embeddings``
+      (1 when ``factor <= 1``);
+    * ``yarn`` (Peng et al., 2023, https://arxiv.org/abs/2309.00071): ``m(factor, mscale) /
+      m(factor, mscale_all_dim)`` when both ``mscale`` and ``mscale_all_dim`` are set (DeepSeek),
+      else ``m(factor, 1)``, with ``m(s, k) = 0.1 * k * ln(s) + 1`` (1 when ``s <= 1``).
 
     Args:
-        scaling: a ``longrope`` scaling dict with ``factor`` and
-            ``original_max_position_embeddings`` resolved.
+        scaling: an HF ``rope_scaling`` dict with ``factor`` and
+            ``original_max_position_embeddings`` resolved, or None.
 
     Returns:
         The factor.
     """
+    rope_type = rope_type_of(scaling)
+    if rope_type not in ("longrope", "yarn"):
+        return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(_require(scaling, "factor"))
+    if rope_type == "yarn":
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        return _yarn_mscale(factor)
     if factor <= 1.0:
         return 1.0
     original = float(_require(scaling, "original_max_position_embeddings"))
     return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_inverse_frequencies(
+    exponents: torch.Tensor, head_dim: int, theta: float, scaling: Mapping[str, Any]
+) -> torch.Tensor:
+    """YaRN's blend of the original (extrapolated) and ``factor``-interpolated frequencies.
+
+    Pair ``i`` completes ``L / (2 pi) * inv_freq[i]`` turns over ``L`` original positions;
+    solving for ``i`` gives the pair index where that count equals ``beta``:
+    ``d(beta) = head_dim * ln(L / (2 pi beta)) / (2 ln theta)``. Pairs below
+    ``d(beta_fast)`` (many turns) keep their frequency, pairs above ``d(beta_slow)`` are
+    divided by ``factor``, and a linear ramp blends those between (``truncate``, the default,
+    widens the bounds to whole pairs).
+    """
+    factor = float(_require(scaling, "factor"))
+    original = float(_require(scaling, "original_max_position_embeddings"))
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def pair_for_turns(turns: float) -> float:
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_for_turns(beta_fast), pair_for_turns(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32)
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1).to(exponents.device)
+    keep = 1 - ramp  # weight of the original frequency
+    wavelength_scale = theta**exponents
+    return 1.0 / (factor * wavelength_scale) * (1 - keep) + 1.0 / wavelength_scale * keep
 
 
 def inverse_frequencies(
@@ -88,7 +159,9 @@ def inverse_frequencies(
 
     ``"linear"`` divides every frequency by ``factor``. ``"longrope"`` (LongRoPE, Ding et al.,
     2024, https://arxiv.org/abs/2402.13753; Phi-3) divides frequency ``i`` by ``short_factor[i]``,
-    or by ``long_factor[i]`` when ``long`` is set.
+    or by ``long_factor[i]`` when ``long`` is set. ``"yarn"``: see ``_yarn_inverse_frequencies``
+    (keys ``factor``, ``original_max_position_embeddings``, optional ``beta_fast`` (32),
+    ``beta_slow`` (1), ``truncate`` (True)).
 
     Args:
         head_dim: rotated features per head (even).
@@ -114,6 +187,8 @@ def inverse_frequencies(
             )
         ext = torch.tensor(factors, dtype=torch.float32, device=device)
         return 1.0 / (ext * theta**exponents)
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(exponents, head_dim, theta, scaling)
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / float(_require(scaling, "factor"))
@@ -144,7 +219,7 @@ class RotaryEmbedding(nn.Module):
 
     LongRoPE picks its short or long factors per forward, as transformers does: the long ones
     when the largest position in ``positions`` is at or past ``original_max_position_embeddings``,
-    and scales ``cos``/``sin`` by ``longrope_attention_factor``.
+    LongRoPE and YaRN scale ``cos``/``sin`` by ``attention_factor_of``.
 
     Args:
         head_dim: rotated features per head (all of them unless partial rotary).
@@ -161,7 +236,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = dict(scaling) if scaling else None
         self.longrope = rope_type_of(scaling) == "longrope"
-        self.attention_factor = longrope_attention_factor(scaling) if self.longrope else 1.0
+        self.attention_factor = attention_factor_of(scaling)
         self._inv_freq: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
     def _frequencies(self, device: torch.device, long: bool = False) -> torch.Tensor:
