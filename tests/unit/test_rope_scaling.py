@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tunelab.errors import ConfigError
-from tunelab.models import args_from_hf
+from tunelab.models import ModelArgs, args_from_hf
 from tunelab.modules.rotary import RotaryEmbedding, attention_factor_of, inverse_frequencies
 
 _HF = dict(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=64,
@@ -77,11 +77,13 @@ def test_old_phi3_names_are_longrope(name):
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
         "original_max_position_embeddings": 16, "factor": 4.0,
     }  # fmt: skip
-    # The module takes the alias too (a hand-built ModelArgs).
-    direct = {**args.rope_scaling, "rope_type": "su"}
+    # Hand-built: the module takes the alias, and ModelArgs writes it as the name it means
+    # (what the KV-cache re-encoding and the Phi-3 export check).
+    direct = {**{k: v for k, v in args.rope_scaling.items() if k != "rope_type"}, "type": "su"}
     assert RotaryEmbedding(16, 10000.0, direct).attention_factor == pytest.approx(
         math.sqrt(1 + math.log(4.0) / math.log(16))
     )
+    assert ModelArgs(**{**vars(args), "rope_scaling": direct}).rope_scaling == args.rope_scaling
 
 
 def test_dynamic_ntk_is_refused_with_the_reason():

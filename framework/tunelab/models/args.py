@@ -92,7 +92,12 @@ class ModelArgs:
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        rope_type_of(self.rope_scaling)
+        rope_type = rope_type_of(self.rope_scaling)
+        scaling = self.rope_scaling
+        if scaling and ("type" in scaling or scaling.get("rope_type") != rope_type):
+            # One spelling downstream: the legacy "type" key and aliases ("su") become rope_type.
+            self.rope_scaling = {k: v for k, v in scaling.items() if k != "type"}
+            self.rope_scaling["rope_type"] = rope_type
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(
                 f"hidden_act {self.hidden_act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}"
