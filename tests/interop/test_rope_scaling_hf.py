@@ -122,6 +122,7 @@ def _tokens(seq_len: int) -> torch.Tensor:
         # conftest's Phi-3 has LongRoPE with original length 12; its file gets the name "su".
         ("phi3", {}, (0,)),
     ],
+    ids=["qwen2_yarn_card", "llama_yarn_all_keys", "phi3_su"],
 )  # fmt: skip
 def test_logits_match_transformers(family, overrides, offsets, tmp_path):
     hf_model = build_tiny_hf_model(family, **overrides).eval()
