@@ -134,6 +134,8 @@ def _yarn_inverse_frequencies(
         high += 0.001  # a step, not a division by zero
     pairs = torch.arange(head_dim // 2, dtype=torch.float32)
     ramp = ((pairs - low) / (high - low)).clamp(0, 1).to(exponents.device)
+    # `1 - keep` rather than `ramp`, and 1 / (factor * w) rather than (1 / w) / factor: the
+    # roundings transformers does, so the tables match its bit for bit.
     keep = 1 - ramp  # weight of the original frequency
     wavelength_scale = theta**exponents
     return 1.0 / (factor * wavelength_scale) * (1 - keep) + 1.0 / wavelength_scale * keep
