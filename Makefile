@@ -53,6 +53,7 @@ format: install
 	$(VENV)/bin/ruff format framework recipes tests bench
 
 bench: install
+	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) bench/run_all.py
 
 clean:

@@ -27,7 +27,17 @@ Variants, each the recipes' settings (``frozen_base``, ``chunked_output``, ``ada
 - ``DDP``: the stand-in for TRL + DDP: our model, not sharded, wrapped in
   ``DistributedDataParallel`` with only the LoRA parameters trainable (one bucketed
   all-reduce of their gradients per step), whole logits and foreach AdamW, as TRL computes;
-- ``compile`` (``--compile``): ``after`` with each block compiled.
+- ``compile`` (``--compile``): ``after`` with each block compiled;
+- ``TRL`` (when ``trl`` is installed: ``pip install -e ".[bench]"``): the peer itself, as a
+  user runs it: ``trl.SFTTrainer`` / ``trl.DPOTrainer`` on the same checkpoint loaded by
+  ``transformers`` (SDPA attention) with a PEFT ``LoraConfig`` of the same rank, alpha and
+  targets; under torchrun the HF Trainer wraps it in ``DistributedDataParallel``. Tuned as a
+  careful user would: no gradient checkpointing (TRL's SFT default turns it on), no unused-
+  parameter search in DDP, fused AdamW (the Trainer's default), logging and saving off. Rows
+  of the same random ids and lengths (SFT rows pre-tokenized; DPO rows as whitespace-separated
+  words of a one-word-per-id tokenizer, so TRL's own tokenization gives back those ids). Its
+  step is timed from the Trainer's ``on_step_begin`` to ``on_step_end`` (the batch is already
+  loaded), split at ``on_pre_optimizer_step``: forward and backward show as ``fwd``.
 
 Phase times are per step, the slowest rank, of the fastest timed step (one untimed warm-up
 step first; on a shared machine load only adds time), best of ``--rounds`` rounds of all rows
@@ -66,6 +76,8 @@ VARIANTS = {
     "DDP": (None, False, False, True, False),
     "compile": ("auto", True, True, False, True),
 }
+# The peer itself: TRL's SFTTrainer / DPOTrainer on transformers + PEFT (DDP on 2 processes).
+PEER = "TRL"
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +97,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recipes", default="sft,dpo", help="sft, dpo or both")
     parser.add_argument("--models", default="wide,vocab", help="wide, vocab or both")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows")
+    parser.add_argument("--variants", default=None, help="only these variants (comma list)")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--recipe", default="sft", help=argparse.SUPPRESS)
@@ -159,6 +172,9 @@ def worker(args: argparse.Namespace) -> None:
 
     info = init_distributed("cpu")
     torch.manual_seed(0)
+    if args.variant == PEER:
+        peer_worker(args, info.world_size)
+        return
     _, chunked, fused, _, _ = VARIANTS[args.variant]
     model, module = _model(args, info.world_size)
     trainable = list(peft.get_adapter_params(module).values())
@@ -200,6 +216,18 @@ def worker(args: argparse.Namespace) -> None:
         optimizer_step(optimizer, trainable, clip_grad_norm=1.0, lr_scheduler=None)
         laps.lap("optimizer")
         times[step] = torch.tensor([laps.seconds[phase] for phase in PHASES])
+    write_result(args, times, peak_before, module.args, trainable)
+
+
+def write_result(
+    args: argparse.Namespace,
+    times: torch.Tensor,
+    peak_before: float,
+    model_args,
+    trainable: list[torch.Tensor],
+) -> None:
+    """Rank 0 writes the row's JSON from every rank's phase times (``[1 + steps, phases]``)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     peak_after = peak_matmul_flops()
     if dist.is_initialized():
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
@@ -207,14 +235,14 @@ def worker(args: argparse.Namespace) -> None:
     machine_peak = max(sum(gather_floats(peak_before)), sum(gather_floats(peak_after)))
     adapter_params = sum(param.numel() for param in trainable)  # global sizes of DTensors
     flops = (lora_sft_flops_per_token if args.recipe == "sft" else lora_dpo_flops_per_token)(
-        module.args, adapter_params, args.seq_len
+        model_args, adapter_params, args.seq_len
     )
     if is_main():
         # The fastest timed step: on a shared machine, load only ever adds time.
         fastest = times[1:][times[1:].sum(dim=1).argmin()]
         phase_s = {phase: fastest[i].item() for i, phase in enumerate(PHASES)}
         compute_s = fastest.sum().item()
-        tokens = args.batch_size * args.seq_len * info.world_size
+        tokens = args.batch_size * args.seq_len * world_size
         result = {
             "phase_s": phase_s,
             "step_s": compute_s,
@@ -227,6 +255,128 @@ def worker(args: argparse.Namespace) -> None:
     if dist.is_initialized():
         dist.barrier()  # rank 0 writes results first; tear down only once all are done
         dist.destroy_process_group()
+
+
+def _word_tokenizer(vocab_size: int):
+    """A tokenizer with one word per id (``w0`` ... ``w{V-1}``), split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="w0", eos_token="w1")
+
+
+def _peer_dataset(args: argparse.Namespace, vocab_size: int, world_size: int):
+    """Rows for ``1 + steps`` steps of every rank: ``make_batch``'s random ids and lengths.
+
+    Which rank trains which row is the Trainer's business (it shuffles); only the shapes and
+    the kind of data matter to the timing, and they match the tunelab rows'.
+    """
+    from datasets import Dataset
+
+    pairs, half = args.batch_size // 2, args.seq_len // 2
+    records: list[dict] = []
+    for step in range(1 + args.steps):
+        for rank in range(world_size):
+            generator = torch.Generator().manual_seed(1000 * step + rank)  # as make_batch
+            tokens = torch.randint(
+                0, vocab_size, (args.batch_size, args.seq_len), generator=generator
+            )
+            if args.recipe == "sft":
+                records += [{"input_ids": row.tolist()} for row in tokens]
+                continue
+            for chosen, rejected in zip(tokens[:pairs], tokens[pairs:], strict=True):
+                words = [f"w{t}" for t in chosen.tolist()]
+                other = [f"w{t}" for t in rejected.tolist()]
+                # Completions end with the EOS word, so TRL adds none: seq_len ids a row.
+                records.append(
+                    {
+                        "prompt": " ".join(words[:half]),
+                        "chosen": " ".join(words[half:-1] + ["w1"]),
+                        "rejected": " ".join(other[half:-1] + ["w1"]),
+                    }
+                )
+    return Dataset.from_list(records)
+
+
+def peer_worker(args: argparse.Namespace, world_size: int) -> None:
+    """The TRL row: the Trainer's own loop, timed per step by a callback."""
+    import trl
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from tunelab.models import from_hf_config
+
+    with torch.device("meta"):
+        model_args = from_hf_config(args.checkpoint).args
+    model = AutoModelForCausalLM.from_pretrained(
+        args.checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    tokenizer = _word_tokenizer(model_args.vocab_size)
+    dataset = _peer_dataset(args, model_args.vocab_size, world_size)
+    lora = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
+    )
+    times = torch.zeros(1 + args.steps, len(PHASES), dtype=torch.float64)
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.laps = Laps()
+
+        def on_pre_optimizer_step(self, *_, **__):
+            self.laps.lap("forward")  # forward and backward: the Trainer runs them together
+
+        def on_step_end(self, _args, state, *__, **___):
+            self.laps.lap("optimizer")
+            times[state.global_step - 1] = torch.tensor(
+                [self.laps.seconds[phase] for phase in PHASES]
+            )
+
+    common = {
+        "output_dir": str(Path(args.result).with_suffix("")),
+        "max_steps": 1 + args.steps,
+        "learning_rate": 1e-4,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "constant",
+        "gradient_checkpointing": False,
+        "ddp_find_unused_parameters": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "dataloader_num_workers": 0,
+        "max_length": args.seq_len,
+        "seed": 0,
+    }
+    if args.recipe == "sft":
+        config = trl.SFTConfig(per_device_train_batch_size=args.batch_size, **common)
+        trainer_class = trl.SFTTrainer
+    else:
+        config = trl.DPOConfig(per_device_train_batch_size=args.batch_size // 2, beta=0.1, **common)
+        trainer_class = trl.DPOTrainer
+    trainer = trainer_class(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[StepTimes()],
+    )
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    peak_before = peak_matmul_flops()
+    reset_peak_rss()
+    trainer.train()
+    write_result(args, times, peak_before, model_args, trainable)
+
+
+def peer_installed() -> bool:
+    """Whether TRL (the peer rows) can run here."""
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
 
 
 @dataclass(frozen=True)
@@ -249,6 +399,9 @@ def row_plan(args: argparse.Namespace) -> list[Plan]:
             for nproc in nprocs:
                 variants = ["before", "after"] + (["sharded", "DDP"] if nproc > 1 else [])
                 variants += ["compile"] if args.compile else []
+                variants += [PEER] if peer_installed() else []
+                if args.variants:
+                    variants = [v for v in variants if v in args.variants.split(",")]
                 plan += [Plan("wide", recipe, nproc, variant) for variant in variants]
     if "vocab" in models:
         plan += [Plan("vocab", "sft", 1, variant) for variant in ("before", "after")]
@@ -304,7 +457,8 @@ def orchestrate(args: argparse.Namespace) -> None:
             "MFU. Variants: before = frozen_base shard, whole logits, foreach AdamW; sharded "
             "= after with frozen_base shard; after = frozen_base auto (replicate), "
             "chunked_output, fused AdamW; DDP = our model in DistributedDataParallel, whole "
-            "logits, foreach AdamW (the stand-in for TRL + DDP)."
+            "logits, foreach AdamW; TRL = trl's SFTTrainer / DPOTrainer on transformers + "
+            "PEFT, DDP on 2 processes (the peer; rows absent when trl is not installed)."
         ],
         extra_columns=["tokens/s", "peak RSS/rank", "ref fwd", "fwd", "bwd", "opt"],
     )
@@ -353,7 +507,12 @@ def target_rows(results: dict[Plan, dict]) -> list[Row]:
             value /= by_key[key]["peak_flops_per_s"]
             base /= by_key[base_key]["peak_flops_per_s"]
         ratio = value / base
-        met = ratio <= threshold if field == "peak_rss_bytes" else ratio >= threshold
+        if threshold is None:  # reported, no target
+            met = None
+        elif field == "peak_rss_bytes":
+            met = ratio <= threshold
+        else:
+            met = ratio >= threshold
         rows.append(
             Row(figure, f"{value:.4g}", f"{base:.4g}", fmt.format(ratio), target, met, ("",) * 6)
         )
@@ -366,9 +525,19 @@ def target_rows(results: dict[Plan, dict]) -> list[Row]:
             "model_flops_per_s", ">= 0.90", 0.9,
         )  # fmt: skip
         add(
-            f"{name}: 2-proc tokens/s, after / DDP",
-            ("wide", recipe, 2, "after"), ("wide", recipe, 2, "DDP"),
+            f"{name}: 2-proc tokens/s, after / TRL (DDP)",
+            ("wide", recipe, 2, "after"), ("wide", recipe, 2, PEER),
             "tokens_per_s", ">= 1.2x", 1.2,
+        )  # fmt: skip
+        add(
+            f"{name}: 1-proc tokens/s, after / TRL",
+            ("wide", recipe, 1, "after"), ("wide", recipe, 1, PEER),
+            "tokens_per_s", ">= 1.0x", 1.0,
+        )  # fmt: skip
+        add(
+            f"{name}: 2-proc tokens/s, after / our model under DDP",
+            ("wide", recipe, 2, "after"), ("wide", recipe, 2, "DDP"),
+            "tokens_per_s", "-", None,
         )  # fmt: skip
         for nproc in (1, 2):
             add(
