@@ -14,7 +14,10 @@ every block and ``lm_head``; the embedding is a lookup, not a matmul):
 - attention scores and their weighting (no weights): forward ``4 d_attn T`` per layer and
   token for a context of ``T`` keys, halved for a causal mask (``2 d_attn T``); backward
   twice the forward, needed in LoRA too (activation gradients);
-- DPO adds the reference forward (adapters off): ``2N + 2 L d_attn T`` per token.
+- DPO adds the reference forward (adapters off): ``2N + 2 L d_attn T`` per token;
+- ``lm_head`` counts only at scored positions (``scored_fraction`` of them: all but the last
+  for SFT on every token, the completion half of a DPO row): the logits of a prompt
+  position feed no loss, so computing them is framework overhead, not model arithmetic.
 """
 
 import time
@@ -25,8 +28,8 @@ from _common import barrier
 from tunelab.models import ModelArgs
 
 
-def base_matmul_params(args: ModelArgs) -> int:
-    """``N``: weights of every projection of the blocks plus ``lm_head``."""
+def base_matmul_params(args: ModelArgs, scored_fraction: float = 1.0) -> float:
+    """``N``: weights of every projection of the blocks, plus ``lm_head`` where scored."""
     attn_dim = args.num_heads * args.head_dim
     kv_dim = args.num_kv_heads * args.head_dim
     per_layer = (
@@ -35,7 +38,7 @@ def base_matmul_params(args: ModelArgs) -> int:
         + attn_dim * args.dim  # o_proj
         + 3 * args.dim * args.intermediate_dim  # gate_proj, up_proj, down_proj
     )
-    return args.num_layers * per_layer + args.vocab_size * args.dim
+    return args.num_layers * per_layer + scored_fraction * args.vocab_size * args.dim
 
 
 def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
@@ -43,16 +46,22 @@ def attention_forward_flops(args: ModelArgs, seq_len: int) -> float:
     return 2.0 * args.num_layers * args.num_heads * args.head_dim * seq_len
 
 
-def lora_sft_flops_per_token(args: ModelArgs, adapter_params: int, seq_len: int) -> float:
+def lora_sft_flops_per_token(
+    args: ModelArgs, adapter_params: int, seq_len: int, scored_fraction: float = 1.0
+) -> float:
     """``4N + 6 N_a + 3 * attention forward``: one LoRA SFT token, forward and backward."""
     attention = attention_forward_flops(args, seq_len)
-    return 4.0 * base_matmul_params(args) + 6.0 * adapter_params + 3.0 * attention
+    base = base_matmul_params(args, scored_fraction)
+    return 4.0 * base + 6.0 * adapter_params + 3.0 * attention
 
 
-def lora_dpo_flops_per_token(args: ModelArgs, adapter_params: int, seq_len: int) -> float:
+def lora_dpo_flops_per_token(
+    args: ModelArgs, adapter_params: int, seq_len: int, scored_fraction: float = 1.0
+) -> float:
     """LoRA SFT's cost per token plus the reference forward ``2N + attention forward``."""
-    reference = 2.0 * base_matmul_params(args) + attention_forward_flops(args, seq_len)
-    return lora_sft_flops_per_token(args, adapter_params, seq_len) + reference
+    base = base_matmul_params(args, scored_fraction)
+    reference = 2.0 * base + attention_forward_flops(args, seq_len)
+    return lora_sft_flops_per_token(args, adapter_params, seq_len, scored_fraction) + reference
 
 
 def peak_matmul_flops(size: int = 2048, repeats: int = 5) -> float:

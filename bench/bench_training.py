@@ -24,7 +24,7 @@ Variants, each the recipes' settings (``frozen_base``, ``chunked_output``, ``ada
 - ``sharded``: the new defaults but ``frozen_base: shard`` (isolates the replicated base);
 - ``after``: the new defaults: ``frozen_base: auto`` (it picks replicate here),
   ``chunked_output: true``, fused AdamW;
-- ``DDP``: the stand-in for TRL + DDP: our model, not sharded, wrapped in
+- ``DDP``: plain DDP of our own model (the issue's stand-in for TRL + DDP): not sharded, in
   ``DistributedDataParallel`` with only the LoRA parameters trainable (one bucketed
   all-reduce of their gradients per step), whole logits and foreach AdamW, as TRL computes;
 - ``compile`` (``--compile``): ``after`` with each block compiled;
@@ -32,10 +32,11 @@ Variants, each the recipes' settings (``frozen_base``, ``chunked_output``, ``ada
   user runs it: ``trl.SFTTrainer`` / ``trl.DPOTrainer`` on the same checkpoint loaded by
   ``transformers`` (SDPA attention) with a PEFT ``LoraConfig`` of the same rank, alpha and
   targets; under torchrun the HF Trainer wraps it in ``DistributedDataParallel``. Tuned as a
-  careful user would: no gradient checkpointing (TRL's SFT default turns it on), no unused-
-  parameter search in DDP, fused AdamW (the Trainer's default), logging and saving off. Rows
-  of the same random ids and lengths (SFT rows pre-tokenized; DPO rows as whitespace-separated
-  words of a one-word-per-id tokenizer, so TRL's own tokenization gives back those ids). Its
+  careful user would for fp32: no bf16 autocast and no gradient checkpointing (TRL's configs
+  turn both on by default), no unused-parameter search in DDP, fused AdamW (the Trainer's
+  default), logging and saving off. Rows of the same random ids and lengths (SFT rows
+  pre-tokenized; DPO rows as whitespace-separated words of a one-word-per-id tokenizer, so
+  TRL's own tokenization gives back those ids). Its
   step is timed from the Trainer's ``on_step_begin`` to ``on_step_end`` (the batch is already
   loaded), split at ``on_pre_optimizer_step``: forward and backward show as ``fwd``.
 
@@ -234,9 +235,15 @@ def write_result(
     peak_rss = max(gather_floats(float(peak_rss_bytes())))
     machine_peak = max(sum(gather_floats(peak_before)), sum(gather_floats(peak_after)))
     adapter_params = sum(param.numel() for param in trainable)  # global sizes of DTensors
-    flops = (lora_sft_flops_per_token if args.recipe == "sft" else lora_dpo_flops_per_token)(
-        model_args, adapter_params, args.seq_len
-    )
+    # Scored positions (make_batch): SFT every one but the last, DPO the completion half.
+    if args.recipe == "sft":
+        flops = lora_sft_flops_per_token(
+            model_args, adapter_params, args.seq_len, (args.seq_len - 1) / args.seq_len
+        )
+    else:
+        flops = lora_dpo_flops_per_token(
+            model_args, adapter_params, args.seq_len, (args.seq_len // 2) / args.seq_len
+        )
     if is_main():
         # The fastest timed step: on a shared machine, load only ever adds time.
         fastest = times[1:][times[1:].sum(dim=1).argmin()]
@@ -342,6 +349,7 @@ def peer_worker(args: argparse.Namespace, world_size: int) -> None:
         "max_grad_norm": 1.0,
         "lr_scheduler_type": "constant",
         "gradient_checkpointing": False,
+        "bf16": False,  # TRL's configs default to bf16 autocast: every row here is fp32
         "ddp_find_unused_parameters": False,
         "use_cpu": True,
         "report_to": "none",

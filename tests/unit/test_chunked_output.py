@@ -152,3 +152,46 @@ def test_whole_logits_are_never_kept_for_the_backward(trainable):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         CrossEntropyLoss(num_chunks=8)(head(hidden), labels)
     assert max(saved) >= whole_logits  # the check above would see whole logits
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_only_scored_positions_go_through_the_output_layer(trainable):
+    # A prompt, padding and a row with no target at all: the output layer sees exactly the
+    # scored positions' hidden rows (the DPO prompt half never gets logits), and the loss
+    # and gradients still equal the whole-logits path.
+    hidden, labels, head = _inputs(3)
+    labels[1] = IGNORE
+    head.weight.requires_grad_(trainable)
+    seen = []
+
+    def forward(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.detach().clone())
+        return head(rows)
+
+    actual_h = hidden.clone().requires_grad_()
+    output = OutputLayer(forward, trainable=trainable, vocab_size=VOCAB)
+    actual, _ = CrossEntropyLoss(num_chunks=3)(actual_h, labels, output=output)
+    scored = labels[:, 1:] != IGNORE
+    expected_rows = hidden[:, :-1][scored]
+    torch.testing.assert_close(torch.cat(seen), expected_rows, rtol=0, atol=0)
+    expected_h = hidden.clone().requires_grad_()
+    expected, _ = CrossEntropyLoss()(head(expected_h), labels)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-12)
+    wrt = [head.weight] if trainable else []
+    got = _grads(actual, actual_h, *wrt)
+    for g, want in zip(got, _grads(expected, expected_h, *wrt)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    assert got[0][1].abs().max() == 0  # the unscored row gets nothing
+
+
+def test_a_rank_with_no_scored_position_still_runs_backward():
+    # Every label ignored (a rank whose rows are all prompt): an empty product, a zero loss
+    # that still reaches the graph, so backward (and FSDP2's collectives) run on every rank.
+    hidden, labels, head = _inputs(4)
+    labels[:] = IGNORE
+    actual_h = hidden.clone().requires_grad_()
+    output = OutputLayer(head, trainable=False, vocab_size=VOCAB)
+    loss, count = CrossEntropyLoss()(actual_h, labels, output=output)
+    assert count == 0 and loss.item() == 0.0
+    (grad,) = torch.autograd.grad(loss, actual_h)
+    assert grad.abs().max() == 0

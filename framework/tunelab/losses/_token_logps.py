@@ -233,7 +233,8 @@ def hidden_target_logps(
 
     Returns:
         ``(logps, mask, logit_sums)``: as :func:`target_logps`, plus the fp32 sum of each
-        position's logits over the vocabulary (detached), ``[batch, seq - 1]``.
+        position's logits over the vocabulary (detached), ``[batch, seq - 1]``. Ignored
+        positions never go through the output layer: their log-prob and logit sum are 0.
 
     Raises:
         ValueError: if the shapes do not line up.
@@ -246,10 +247,15 @@ def hidden_target_logps(
     if targets.shape[1] == 0:
         empty = hidden[:, :0, 0].to(dtype) * 0  # keeps the graph, like target_logps
         return empty, mask, empty.detach().float()
-    # One row per scored position, contiguous (a small copy: dim, not vocab, wide), so that
-    # each chunk is one plain matrix product (a strided 3-D chunk runs as a slower bmm).
-    flat_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    flat_targets = safe_targets.reshape(-1)
+    # Only scored positions go through the output layer (an SFT prompt, a DPO prompt: often
+    # half the rows or more need no logits). Their rows are gathered into one contiguous
+    # [scored, dim] matrix (a small copy: dim, not vocab, wide), so that each chunk is one
+    # plain matrix product (a strided 3-D chunk runs as a slower bmm).
+    batch, seq, dim = hidden.shape
+    positions = torch.arange(batch * seq, device=hidden.device).view(batch, seq)[:, :-1]
+    rows = positions[mask]
+    flat_hidden = hidden.reshape(batch * seq, dim).index_select(0, rows)
+    flat_targets = safe_targets[mask]
     num_chunks = max(1, min(num_chunks, flat_targets.numel()))
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and hidden.requires_grad and not output.trainable:
@@ -270,5 +276,11 @@ def hidden_target_logps(
                 pieces = [_chunk_logps(output.forward, h, t, dtype) for h, t in chunks]
         logps = torch.cat([piece[0] for piece in pieces])
         logit_sums = torch.cat([piece[1] for piece in pieces])
-    logps, logit_sums = logps.view(targets.shape), logit_sums.view(targets.shape)
-    return logps.masked_fill(~mask, 0.0), mask, logit_sums
+    # Back to [batch, seq - 1], 0 at ignored positions (out of place: autograd flows to the
+    # scored rows only).
+    flat_mask = mask.reshape(-1)
+    scored = flat_mask.nonzero().squeeze(-1)
+    zeros = logps.new_zeros(flat_mask.numel())
+    logps = zeros.index_copy(0, scored, logps).view(targets.shape)
+    logit_sums = logit_sums.new_zeros(flat_mask.numel()).index_copy(0, scored, logit_sums)
+    return logps, mask, logit_sums.view(targets.shape)
