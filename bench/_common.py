@@ -41,6 +41,7 @@ def launch_env(nproc: int) -> dict[str, str]:
     """The environment of a benchmark launch: one share of the cores per process."""
     env = dict(os.environ)
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a worker that aborts shows where it was
     # torchrun would set 1 thread per process with a warning; say it explicitly instead, and
     # give a lone process every core.
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))

@@ -195,3 +195,22 @@ def test_a_rank_with_no_scored_position_still_runs_backward():
     assert count == 0 and loss.item() == 0.0
     (grad,) = torch.autograd.grad(loss, actual_h)
     assert grad.abs().max() == 0
+
+
+def test_chunk_count_by_size_or_as_asked():
+    from tunelab.losses._token_logps import CHUNK_LOGITS, chunk_count
+
+    assert chunk_count(None, 1024, 8192) == 1  # 8M logits: one efficient product
+    assert chunk_count(None, 1024, 128256) == 8  # 131M logits: 8 pieces of <= 2**24
+    assert chunk_count(None, 4096, 128256) * CHUNK_LOGITS >= 4096 * 128256
+    assert chunk_count(None, 0, 128256) == 1  # no scored position: one empty piece
+    assert chunk_count(3, 1024, 8192) == 3  # as asked
+    assert chunk_count(64, 10, 8192) == 10  # never more pieces than positions
+
+
+def test_default_chunking_equals_explicit_pieces():
+    hidden, labels, head = _inputs(5)
+    output = OutputLayer(head, trainable=False, vocab_size=VOCAB)
+    by_size, _ = CrossEntropyLoss()(hidden, labels, output=output)
+    in_pieces, _ = CrossEntropyLoss(num_chunks=5)(hidden, labels, output=output)
+    torch.testing.assert_close(by_size, in_pieces, rtol=0, atol=1e-12)

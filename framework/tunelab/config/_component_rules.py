@@ -186,7 +186,7 @@ RULES: dict[str, ComponentRules] = {
     ),
     # Losses.
     "tunelab.losses.cross_entropy.CrossEntropyLoss": ComponentRules(
-        {"num_chunks": Annotated[int, Range(ge=1)], "ignore_index": int}
+        {"num_chunks": Annotated[int, Range(ge=1)] | None, "ignore_index": int}
     ),
     "tunelab.losses.preference.DPOLoss": ComponentRules(
         {"beta": PositiveFloat, "label_smoothing": Annotated[float, Range(ge=0, lt=0.5)]}

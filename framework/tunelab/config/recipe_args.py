@@ -141,7 +141,7 @@ class FinetuneArgs(RecipeArgs):
     attention_backend: Literal["auto", "sdpa", "flex", "dense"] = "auto"
     """Attention kernel: sdpa (scaled_dot_product_attention, is_causal for unpacked rows, a mask for packed ones, GQA without repeating K/V), flex (flex_attention with a block mask built from the packed documents, no [seq, seq] tensor; CUDA only for training), dense (a [batch, seq, seq] mask and repeated K/V: the former path) or auto (flex on CUDA, sdpa on CPU)."""
     chunked_output: bool = True
-    """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
+    """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), and only at scored positions (no logits for prompts or padding), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
 

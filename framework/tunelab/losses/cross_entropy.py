@@ -47,7 +47,9 @@ class CrossEntropyLoss(nn.Module):
     memory is one fp32 chunk instead of a full fp32 copy of ``[batch, seq, vocab]``.
 
     Args:
-        num_chunks: number of sequence chunks for the fp32 upcast (more = less memory).
+        num_chunks: number of chunks for the fp32 upcast (more = less memory), or None
+            (the default): chunks of at most 2**24 logits (64 MiB in fp32), large enough to
+            be efficient matrix products, one chunk for a small vocabulary and batch.
         ignore_index: label value that marks a position as not a target.
 
     Raises:
@@ -58,10 +60,14 @@ class CrossEntropyLoss(nn.Module):
         >>> (loss_sum / global_num_tokens).backward()
     """
 
-    def __init__(self, num_chunks: int = 8, ignore_index: int = -100) -> None:
+    def __init__(self, num_chunks: int | None = None, ignore_index: int = -100) -> None:
         super().__init__()
-        if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
-            raise ConfigError(f"loss.num_chunks must be a positive integer, got {num_chunks!r}")
+        if num_chunks is not None and (
+            not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1
+        ):
+            raise ConfigError(
+                f"loss.num_chunks must be a positive integer or null, got {num_chunks!r}"
+            )
         self.num_chunks = num_chunks
         self.ignore_index = ignore_index
 

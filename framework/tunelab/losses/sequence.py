@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from tunelab.losses._token_logps import OutputLayer, hidden_target_logps, target_logps
+from tunelab.losses._token_logps import (
+    OutputLayer,
+    chunk_count,
+    hidden_target_logps,
+    target_logps,
+)
 
 __all__ = ["sequence_logps"]
 
@@ -14,7 +19,7 @@ def sequence_logps(
     labels: torch.Tensor,
     ignore_index: int = -100,
     *,
-    num_chunks: int = 8,
+    num_chunks: int | None = None,
     output: OutputLayer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed log-probability of each row's completion tokens.
@@ -29,7 +34,8 @@ def sequence_logps(
             hidden states ``[batch, seq, dim]`` instead.
         labels: ``[batch, seq]`` integer labels aligned with the tokens.
         ignore_index: label value that marks a position as not a completion token.
-        num_chunks: number of sequence chunks for the fp32 upcast.
+        num_chunks: number of chunks for the fp32 upcast (None: chunks of at most
+            ``CHUNK_LOGITS`` logits, see :class:`CrossEntropyLoss`).
         output: The model's output layer, applied here chunk by chunk, so the logits never
             exist whole (see :class:`~tunelab.losses.OutputLayer`).
 
@@ -52,7 +58,7 @@ def sequence_logps(
         with torch.no_grad():
             # Per-chunk fp32 sums over the vocabulary; never a full fp32 copy of the logits.
             shifted = logits[:, :-1]
-            chunks = max(1, min(num_chunks, shifted.shape[1]))
+            chunks = chunk_count(num_chunks, shifted.shape[1], shifted.shape[0] * shifted.shape[2])
             logit_sums = torch.cat(
                 [
                     chunk.sum(dim=-1, dtype=torch.float32)

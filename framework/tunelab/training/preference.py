@@ -122,7 +122,7 @@ def evaluate_preference(
     reference: ReferenceModel,
     device: torch.device,
     *,
-    num_chunks: int = 8,
+    num_chunks: int | None = None,
     output: OutputLayer | None = None,
 ) -> dict[str, float]:
     """Loss and preference metrics averaged over every pair of a validation loader.
@@ -133,7 +133,7 @@ def evaluate_preference(
         loss_fn: The training loss.
         reference: The frozen reference.
         device: The model's device.
-        num_chunks: Sequence chunks of the fp32 log-softmax.
+        num_chunks: Chunks of the fp32 log-softmax (None: by size, see ``sequence_logps``).
         output: The model's ``output_layer``, for chunked logits.
 
     Returns:

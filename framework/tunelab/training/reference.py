@@ -51,7 +51,7 @@ def policy_forward(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
     *,
-    num_chunks: int = 8,
+    num_chunks: int | None = None,
     output: OutputLayer | None = None,
 ) -> PolicyOutput:
     """One forward over chosen and rejected rows together, and their completion log-probs.
@@ -199,14 +199,14 @@ class ReferenceModel:
         self,
         micro_batches: list[dict[str, torch.Tensor]],
         *,
-        num_chunks: int = 8,
+        num_chunks: int | None = None,
         output: OutputLayer | None = None,
     ) -> list[PolicyOutput]:
         """Reference log-probs of each micro-batch (one swap for all of them).
 
         Args:
             micro_batches: ``padded_collate_dpo`` batches on the model's device.
-            num_chunks: Sequence chunks of the fp32 log-softmax.
+            num_chunks: Chunks of the fp32 log-softmax (None: by size, see ``sequence_logps``).
             output: The model's ``output_layer``, for chunked logits.
 
         Returns:
@@ -268,7 +268,7 @@ class PrecomputedReference:
         loader: DataLoader,
         device: torch.device,
         *,
-        num_chunks: int = 8,
+        num_chunks: int | None = None,
         output: OutputLayer | None = None,
     ) -> "PrecomputedReference":
         """Run the reference over every pair of ``loader.dataset`` (a collective: all ranks).
@@ -278,7 +278,7 @@ class PrecomputedReference:
             loader: The training loader: its dataset, ``collate_fn`` and ``batch_size`` are
                 used (not its sampler: the whole dataset, in index order, is split here).
             device: The model's device.
-            num_chunks: Sequence chunks of the fp32 log-softmax.
+            num_chunks: Chunks of the fp32 log-softmax (None: by size, see ``sequence_logps``).
             output: The model's ``output_layer``, for chunked logits.
 
         Returns:
