@@ -556,6 +556,11 @@ def target_rows(results: dict[Plan, dict]) -> list[Row]:
         )  # fmt: skip
         for nproc in (1, 2):
             add(
+                f"{name}: {nproc}-proc tokens/s, compile / after",
+                ("wide", recipe, nproc, "compile"), ("wide", recipe, nproc, "after"),
+                "tokens_per_s", "-", None,
+            )  # fmt: skip
+            add(
                 f"{name}: {nproc}-proc tokens/s, after / before",
                 ("wide", recipe, nproc, "after"), ("wide", recipe, nproc, "before"),
                 "tokens_per_s", ">= 1.0x", 1.0,

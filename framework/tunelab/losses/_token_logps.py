@@ -207,6 +207,7 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
         targets: torch.Tensor,
         output: Callable[[torch.Tensor], torch.Tensor],
         num_chunks: int,
+        with_logit_sums: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _compute_dtype(hidden.dtype)
         logps, logit_sums, grads = [], [], []
@@ -219,15 +220,18 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
             index = target_chunk.unsqueeze(-1)
             log_probs = torch.log_softmax(logits.detach(), dim=-1, dtype=dtype)
             logps.append(log_probs.gather(-1, index).squeeze(-1))
-            logit_sums.append(logits.detach().sum(dim=-1, dtype=torch.float32))
-            # d logp_y / d logits = onehot(y) - softmax, then back through the layer.
-            grad_logits = (
-                log_probs.exp_().neg_().scatter_add_(-1, index, torch.ones_like(index, dtype=dtype))
+            if with_logit_sums:
+                logit_sums.append(logits.detach().sum(dim=-1, dtype=torch.float32))
+            # d logp_y / d logits = onehot(y) - softmax. The softmax minus the one-hot goes
+            # back through the layer and the (small) result is negated: one pass over the
+            # [tokens, vocab] chunk fewer than negating the chunk, and bit-identical.
+            minus_grad = log_probs.exp_().scatter_add_(
+                -1, index, torch.full_like(index, -1, dtype=dtype)
             )
-            (grad,) = torch.autograd.grad(logits, hidden_chunk, grad_logits.to(logits.dtype))
-            grads.append(grad)
+            (grad,) = torch.autograd.grad(logits, hidden_chunk, minus_grad.to(logits.dtype))
+            grads.append(grad.neg_())
         ctx.save_for_backward(torch.cat(grads))
-        logit_sums = torch.cat(logit_sums)
+        logit_sums = torch.cat(logit_sums) if with_logit_sums else hidden.new_zeros(0)
         ctx.mark_non_differentiable(logit_sums)
         return torch.cat(logps), logit_sums
 
@@ -235,9 +239,9 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logps: torch.Tensor, _: torch.Tensor
-    ) -> tuple[torch.Tensor, None, None, None]:
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_logps.unsqueeze(-1).to(grad_hidden.dtype), None, None, None
+        return grad_hidden * grad_logps.unsqueeze(-1).to(grad_hidden.dtype), None, None, None, None
 
 
 def hidden_target_logps(
@@ -246,7 +250,9 @@ def hidden_target_logps(
     labels: torch.Tensor,
     ignore_index: int,
     num_chunks: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    with_logit_sums: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`target_logps` from the final hidden states, applying the output layer per chunk.
 
     Args:
@@ -256,11 +262,14 @@ def hidden_target_logps(
         ignore_index: label value that marks a position as not a target.
         num_chunks: number of pieces of the scored positions; one piece's logits is the peak
             extra memory (None: pieces of at most ``CHUNK_LOGITS`` logits).
+        with_logit_sums: Also sum each position's logits (a pass over every chunk; the
+            cross-entropy does not need them).
 
     Returns:
         ``(logps, mask, logit_sums)``: as :func:`target_logps`, plus the fp32 sum of each
-        position's logits over the vocabulary (detached), ``[batch, seq - 1]``. Ignored
-        positions never go through the output layer: their log-prob and logit sum are 0.
+        position's logits over the vocabulary (detached), ``[batch, seq - 1]``, or None
+        without ``with_logit_sums``. Ignored positions never go through the output layer:
+        their log-prob and logit sum are 0.
 
     Raises:
         ValueError: if the shapes do not line up.
@@ -272,7 +281,7 @@ def hidden_target_logps(
     dtype = _compute_dtype(hidden.dtype)
     if targets.shape[1] == 0:
         empty = hidden[:, :0, 0].to(dtype) * 0  # keeps the graph, like target_logps
-        return empty, mask, empty.detach().float()
+        return empty, mask, empty.detach().float() if with_logit_sums else None
     # Only scored positions go through the output layer (an SFT prompt, a DPO prompt: often
     # half the rows or more need no logits). Their rows are gathered into one contiguous
     # [scored, dim] matrix (a small copy: dim, not vocab, wide), so that each chunk is one
@@ -286,7 +295,7 @@ def hidden_target_logps(
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and hidden.requires_grad and not output.trainable:
         logps, logit_sums = _FrozenOutputLogProbs.apply(
-            flat_hidden, flat_targets, output.forward, num_chunks
+            flat_hidden, flat_targets, output.forward, num_chunks, with_logit_sums
         )
     else:
         chunks = zip(flat_hidden.tensor_split(num_chunks), flat_targets.tensor_split(num_chunks))
@@ -308,5 +317,7 @@ def hidden_target_logps(
     scored = flat_mask.nonzero().squeeze(-1)
     zeros = logps.new_zeros(flat_mask.numel())
     logps = zeros.index_copy(0, scored, logps).view(targets.shape)
+    if not with_logit_sums:
+        return logps, mask, None
     logit_sums = logit_sums.new_zeros(flat_mask.numel()).index_copy(0, scored, logit_sums)
     return logps, mask, logit_sums.view(targets.shape)

@@ -93,7 +93,7 @@ class CrossEntropyLoss(nn.Module):
         """
         if output is not None:
             logps, mask, _ = hidden_target_logps(
-                logits, output, labels, self.ignore_index, self.num_chunks
+                logits, output, labels, self.ignore_index, self.num_chunks, with_logit_sums=False
             )
         else:
             logps, mask = target_logps(logits, labels, self.ignore_index, self.num_chunks)
