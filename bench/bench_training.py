@@ -51,6 +51,7 @@ and after the steps (the higher counts).
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -260,8 +261,15 @@ def write_result(
         }
         Path(args.result).write_text(json.dumps(result))
     if dist.is_initialized():
-        dist.barrier()  # rank 0 writes results first; tear down only once all are done
-        dist.destroy_process_group()
+        dist.barrier()  # rank 0 wrote the result; no rank has a collective left
+    # Exit without tearing gloo down. torch 2.13's ProcessGroupGloo destructor joins its run
+    # loop thread while holding the GIL, and that thread may still be freeing the last
+    # barrier's tensors, which needs the GIL: a deadlock (gdb, when DDP's Reducer dropped the
+    # group), or an abort ("terminate called without an active exception"). Only stdio is
+    # left to flush.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _word_tokenizer(vocab_size: int):
