@@ -137,11 +137,20 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
         recorded = ""
     shutil.rmtree(error_file.parent, ignore_errors=True)
     if code != 0 and code not in _STOP_EXIT_CODES:
-        reason = f"exit code {code}" if code > 0 else f"signal {-code}"
-        line = recorded or f"recipe {recipe.stem} failed ({reason})"
+        line = recorded or f"recipe {recipe.stem} failed ({_exit_reason(code)})"
         print(f"tunelab: error: {line}", file=sys.stderr)
-        return code if code > 0 else 128 - code
+        return _exit_status(code)
     return code
+
+
+def _exit_reason(code: int) -> str:
+    """How a worker ended, from its exit code (negative: killed by that signal)."""
+    return f"exit code {code}" if code > 0 else f"signal {-code}"
+
+
+def _exit_status(code: int) -> int:
+    """This command's exit status for a worker's failing exit code (128 + signal if killed)."""
+    return code if code > 0 else 128 - code
 
 
 def _own_children() -> list[int]:
@@ -209,9 +218,7 @@ def _describe_failure(recipe: str, rank: int, failure: object) -> str:
     message = _recorded_line(failure.error_file_data)
     if message:
         return message
-    code = failure.exitcode
-    reason = f"exit code {code}" if code > 0 else f"signal {-code}"
-    return f"recipe {recipe} failed on rank {rank} ({reason})"
+    return f"recipe {recipe} failed on rank {rank} ({_exit_reason(failure.exitcode)})"
 
 
 def _recorded_line(data: object) -> str:
@@ -285,8 +292,7 @@ def _run_torchrun(
             return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
         rank, failure = _first_failure(err.failures)
         print(f"tunelab: error: {_describe_failure(recipe.stem, rank, failure)}", file=sys.stderr)
-        code = failure.exitcode
-        return code if 0 < code < 256 else 128 - code if code < 0 else 1  # 128 + signal.
+        return _exit_status(failure.exitcode)
     return 0
 
 

@@ -287,10 +287,12 @@ def hidden_target_logps(
     # [scored, dim] matrix (a small copy: dim, not vocab, wide), so that each chunk is one
     # plain matrix product (a strided 3-D chunk runs as a slower bmm).
     batch, seq, dim = hidden.shape
-    positions = torch.arange(batch * seq, device=hidden.device).view(batch, seq)[:, :-1]
-    rows = positions[mask]
+    # Index of each scored position in [batch * (seq - 1)] (one device sync), and of its row
+    # in [batch * seq]: each batch row holds one more position than it scores.
+    scored = mask.reshape(-1).nonzero().squeeze(-1)
+    rows = scored + scored // (seq - 1)
     flat_hidden = hidden.reshape(batch * seq, dim).index_select(0, rows)
-    flat_targets = safe_targets[mask]
+    flat_targets = safe_targets.reshape(-1).index_select(0, scored)
     num_chunks = chunk_count(num_chunks, flat_targets.numel(), output.vocab_size)
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and hidden.requires_grad and not output.trainable:
@@ -313,11 +315,8 @@ def hidden_target_logps(
         logit_sums = torch.cat([piece[1] for piece in pieces])
     # Back to [batch, seq - 1], 0 at ignored positions (out of place: autograd flows to the
     # scored rows only).
-    flat_mask = mask.reshape(-1)
-    scored = flat_mask.nonzero().squeeze(-1)
-    zeros = logps.new_zeros(flat_mask.numel())
-    logps = zeros.index_copy(0, scored, logps).view(targets.shape)
+    logps = logps.new_zeros(mask.numel()).index_copy(0, scored, logps).view(targets.shape)
     if not with_logit_sums:
         return logps, mask, None
-    logit_sums = logit_sums.new_zeros(flat_mask.numel()).index_copy(0, scored, logit_sums)
+    logit_sums = logit_sums.new_zeros(mask.numel()).index_copy(0, scored, logit_sums)
     return logps, mask, logit_sums.view(targets.shape)
