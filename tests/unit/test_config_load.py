@@ -135,3 +135,81 @@ def test_builtin_configs_found_recursively(monkeypatch, tmp_path):
 def test_assets_resolver(tmp_path):
     path = write(tmp_path / "a.yaml", "model_dir: ${assets:tiny_llama}\n")
     assert load_config(str(path)).model_dir == str(_paths.assets_dir() / "tiny_llama")
+
+
+# -- text settings take override values literally ---------------------------------------------
+
+TEXTS = {
+    "colon-space": "Reverse the words: red cat sun",
+    "hash": "runs/exp #3",
+    "leading dash": "- a list? no",
+    "braces": "{not: a mapping}",
+    "brackets": "[not, a, list]",
+    "newline": "line one\nline two",
+    "quotes": "'kept' \"as typed\"",
+    "a number": "42",
+    "a bool word": "true",
+    "tab and trailing space": "a\tb ",
+}
+
+
+@pytest.mark.parametrize("text", TEXTS.values(), ids=TEXTS.keys())
+@pytest.mark.parametrize("key", ["prompt", "checkpoint_dir", "input"])
+def test_a_text_setting_takes_the_value_as_typed(key, text):
+    from tunelab.config import GenerateArgs
+
+    cfg = load_config("tiny/generate", [f"{key}={text}"], GenerateArgs)
+    assert cfg[key] == text
+
+
+@pytest.mark.parametrize("text", TEXTS.values(), ids=TEXTS.keys())
+@pytest.mark.parametrize(
+    "key",
+    [
+        "output_dir",  # a top-level path
+        "tokenizer.path",  # a built-in component's path argument
+        "metric_loggers.0.log_dir",  # inside a list of components
+        "dataset.split",
+    ],
+)
+def test_a_text_setting_nested_or_in_a_component_takes_the_value_as_typed(key, text):
+    from tunelab.config import LoRAFinetuneArgs
+
+    cfg = load_config("tiny/lora", [f"{key}={text}"], LoRAFinetuneArgs)
+    assert OmegaConf.select(cfg, key) == text
+
+
+def test_other_settings_keep_yaml_and_null_still_means_none_where_allowed():
+    from tunelab.config import GenerateArgs, LoRAFinetuneArgs
+
+    cfg = load_config(
+        "tiny/lora",
+        [
+            "epochs=2",
+            "lora.targets=[q_proj, v_proj]",
+            "checkpoint.resume_from_checkpoint=true",  # bool | 'auto': not text
+            "clip_grad_norm=null",
+            "lora.quantize_base=null",  # Literal['nf4'] | None
+            "optimizer.lr=1e-3",
+            "output_dir=null",  # a text setting that allows no None gets the word
+        ],
+        LoRAFinetuneArgs,
+    )
+    assert cfg.epochs == 2 and list(cfg.lora.targets) == ["q_proj", "v_proj"]
+    assert cfg.checkpoint.resume_from_checkpoint is True
+    assert cfg.clip_grad_norm is None and cfg.lora.quantize_base is None
+    assert cfg.optimizer.lr == pytest.approx(1e-3)
+    assert cfg.output_dir == "null"
+    generate = load_config("tiny/generate", ["template=null", "input=~"], GenerateArgs)
+    assert generate.template is None and generate.input is None
+
+
+def test_without_settings_the_recipe_key_names_them():
+    # `tunelab run`, `validate` and `data preview` load configs without the settings class:
+    # the config's recipe gives it, so an override means the same in every caller.
+    cfg = load_config("tiny/lora", ["output_dir=runs/exp #3", "epochs=2"])
+    assert cfg.output_dir == "runs/exp #3" and cfg.epochs == 2
+
+
+def test_without_a_known_recipe_every_value_is_yaml(config_file):
+    assert load_config(str(config_file), ["output_dir=runs/exp #3"]).output_dir == "runs/exp"

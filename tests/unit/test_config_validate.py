@@ -247,3 +247,22 @@ def test_field_docs_omits_undocumented_fields():
         "documented": "Has a docstring.",
         "other": "Belongs to other, not to undocumented.",
     }
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("resume=auto", "checkpoint.resume_from_checkpoint"),
+        ("checkpoint.resume=auto", "checkpoint.resume_from_checkpoint"),
+        ("accumulation=2", "gradient_accumulation_steps"),
+        ("save_every=3", "checkpoint.save_every_n_steps"),
+    ],
+)
+def test_a_word_of_a_longer_key_suggests_that_key_in_any_section(override, suggestion):
+    # A character-ratio match misses `resume` for `resume_from_checkpoint`; a word of the last
+    # part of a dotted key finds it.
+    from tunelab.config import LoRAFinetuneArgs, load_config
+
+    problems = validate(load_config("tiny/lora", [override], LoRAFinetuneArgs), LoRAFinetuneArgs)
+    key = override.partition("=")[0]
+    assert problems == [f"unknown key '{key}' in config; did you mean '{suggestion}'?"]

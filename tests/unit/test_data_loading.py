@@ -260,3 +260,20 @@ def test_publish_keeps_the_first_finished_table(tmp_path):
     (work / _cache._MANIFEST).write_text('{"files": []}')
     _cache._publish(work, target)
     assert json.loads((target / _cache._MANIFEST).read_text()) == {"files": []}
+
+
+@pytest.mark.parametrize(
+    ("broken", "where"),
+    [
+        # The row stops before its closing brace: the fault is at its end, not column 1.
+        ('{"instruction": "a", "output": "b"', r"at the end of the row \(column 35\): a closing "),
+        ('{"instruction": "a", "output": "b', r"at the end of the row \(column 34\)"),
+        ('{"instruction": "a" "output": "b"}', r"Expecting ',' delimiter at column 21\)"),
+        ('{"instruction": "a"}}', r"Extra data at column 21\)"),
+    ],
+)
+def test_a_broken_json_row_names_the_column_of_its_fault(tok, tmp_path, broken, where):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(ALPACA[0]) + "\n" + broken + "\n" + json.dumps(ALPACA[1]) + "\n")
+    with pytest.raises(DataError, match=r"broken\.jsonl:2: .*not valid JSON \(.*" + where):
+        instruct_dataset(tok, source=str(path))

@@ -59,6 +59,9 @@ DEFERRED_EXCEPTIONS = {
     ("tunelab.config._model_dir", "tunelab.models.families"),
     # The settings-docs generator reads the built-in recipes' ARGS, as the CLI finds them.
     ("tunelab.config.docs", "tunelab.cli._discovery"),
+    # A config loaded without its settings class finds it from the `recipe` key as the CLI
+    # does, so an override of a text setting means the same in every caller.
+    ("tunelab.config._load", "tunelab.cli._discovery"),
 }
 
 

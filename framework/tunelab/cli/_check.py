@@ -56,11 +56,14 @@ def check_config(
         TunelabError: If anything is missing or the config does not validate.
     """
     recipe_path = resolve_recipe(recipe) if recipe else None
+    args_cls = load_recipe_args(recipe_path) if recipe_path is not None else None
     config_path = resolve_config_path(config)
-    cfg = load_config(str(config_path), overrides)
+    # Without a recipe given, the config's `recipe` key names the settings overrides follow.
+    cfg = load_config(str(config_path), overrides, args_cls)
     if recipe_path is None:
         recipe_path = recipe_of_config(cfg, config_path)
-    args = parse_args(cfg, load_recipe_args(recipe_path))
+        args_cls = load_recipe_args(recipe_path)
+    args = parse_args(cfg, args_cls)
     resume = getattr(getattr(args, "checkpoint", None), "resume_from_checkpoint", None)
     output_dir = getattr(args, "output_dir", None)
     if resume is not None and isinstance(output_dir, str) and output_dir:

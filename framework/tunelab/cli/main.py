@@ -8,7 +8,7 @@ import traceback
 
 from tunelab.cli import _cp, _data, _download, _ls, _run, _validate, _verify
 from tunelab.config._entry import debug_enabled
-from tunelab.errors import TunelabError
+from tunelab.errors import TunelabError, shorten
 
 _COMMANDS = {
     "ls": _ls,
@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tunelab`` command and exit with its code.
 
-    A ``TunelabError`` prints ``tunelab: error: <message>`` and exits 1 (argparse usage errors
-    exit 2); ``--debug`` or ``TUNELAB_DEBUG=1`` shows the traceback as well.
+    A ``TunelabError`` prints ``tunelab: error: <message>`` (each line at most about 200
+    characters, long paths elided in the middle: ``errors.shorten``) and exits 1 (argparse usage
+    errors exit 2); ``--debug`` or ``TUNELAB_DEBUG=1`` shows the traceback as well.
 
     Args:
         argv: The arguments (``sys.argv[1:]`` when None).
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except TunelabError as err:
         if debug:
             traceback.print_exc()
-        print(f"tunelab: error: {err}", file=sys.stderr)
+        print(f"tunelab: error: {shorten(str(err))}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 130

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from tunelab.config._load import load_config
 from tunelab.config._validate import parse_args
-from tunelab.errors import TunelabError, first_line
+from tunelab.errors import TunelabError, first_line, shorten
 from tunelab.lifecycle import (
     TrainingStopped,
     exit_with_launcher,
@@ -40,11 +40,13 @@ def _recipe_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_recipe_cli(argv: list[str] | None = None) -> DictConfig:
+def parse_recipe_cli(argv: list[str] | None = None, args_cls: type | None = None) -> DictConfig:
     """Parse a recipe's command line and load its config.
 
     Args:
         argv: The arguments (``sys.argv[1:]`` when None): ``--config CONFIG [overrides]``.
+        args_cls: The recipe's settings, whose text settings take override values literally
+            (None: those of the recipe the config's ``recipe`` key names).
 
     Returns:
         The loaded config with the overrides applied.
@@ -53,7 +55,7 @@ def parse_recipe_cli(argv: list[str] | None = None) -> DictConfig:
         ConfigError: If the config cannot be loaded or an override is bad.
     """
     namespace = _recipe_parser().parse_intermixed_args(argv)
-    return load_config(namespace.config, namespace.overrides)
+    return load_config(namespace.config, namespace.overrides, args_cls)
 
 
 def debug_enabled(argv: list[str] | None = None) -> bool:
@@ -96,7 +98,8 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
     """Say what failed in one line and exit 1; the traceback goes to the rank's log file.
 
     A ``TunelabError`` (bad input) is its message; anything else is
-    ``rank N: <ExceptionType>: <first line> (traceback in .../logs/rank_N.log)``.
+    ``rank N: <ExceptionType>: <first line> (traceback in .../logs/rank_N.log)``. Each line is
+    shortened to about 200 characters (``errors.shorten``); the log file keeps it whole.
     """
     stack = traceback.format_exc()
     log_path = _write_rank_log(getattr(args, "output_dir", None), stack)
@@ -106,6 +109,8 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
         first = first_line(err)
         line = f"rank {_rank()}: {type(err).__name__}: {first}"
         line += f" (traceback in {log_path})" if log_path else ""
+    # The one place a worker's error line is made: every printer shows it as recorded here.
+    line = shorten(line)
     _close_progress_bars()
     if debug:
         traceback.print_exc()
@@ -221,7 +226,7 @@ def recipe_main(
     debug = debug_enabled(argv)
     args = None
     try:
-        args = parse_args(parse_recipe_cli(argv), args_cls)
+        args = parse_args(parse_recipe_cli(argv, args_cls), args_cls)
         main(args)
     except TunelabError as err:
         _report_failure(err, args, debug)

@@ -13,8 +13,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tunelab import _paths
+from tunelab.config._text_settings import NULL_WORDS, is_optional, is_text, setting_type
 from tunelab.config.constraints import suggest_path
-from tunelab.errors import ConfigError, first_line
+from tunelab.errors import ConfigError, TunelabError, first_line
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 # A dotted key: names (letters, digits, '_' and '-') and list indices, e.g. `a.b`, `loggers.0.dir`.
@@ -125,11 +126,15 @@ def _scientific_floats(value: object) -> object:
     return value
 
 
-def _parse_value(text: str, override: str) -> object:
+def _parse_value(text: str, override: str, hint: object | None = None) -> object:
     # An empty value means an empty string: YAML would read it as null, but `key=` on a command
     # line reads as "set to nothing", and `key=null` says null explicitly.
     if text == "":
         return ""
+    if hint is not None and is_text(hint):
+        # A text setting takes the text as typed (`#`, `: `, braces, a leading `-`, newlines);
+        # `null` still means None where the setting allows it.
+        return None if text in NULL_WORDS and is_optional(hint) else text
     try:
         return _scientific_floats(yaml.safe_load(text))
     except yaml.YAMLError as err:
@@ -149,16 +154,23 @@ def _delete_key(cfg: DictConfig, key: str, override: str) -> None:
     raise ConfigError(f"cannot apply override '{override}': the config has no key '{key}'")
 
 
-def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+def apply_overrides(
+    cfg: DictConfig, overrides: Sequence[str], args_cls: type | None = None
+) -> DictConfig:
     """Apply command-line overrides to a config, in order, in place.
 
     ``key=value`` and ``a.b.c=value`` set a value (created if absent; a mapping value replaces
     the node rather than merging into it), ``~key`` deletes a key. Values are parsed as YAML:
-    ``3`` is an int, ``1e-4`` a float, ``[a,b]`` a list, ``null`` is None, ``true`` a bool.
+    ``3`` is an int, ``1e-4`` a float, ``[a,b]`` a list, ``null`` is None, ``true`` a bool;
+    except that a key ``args_cls`` declares as text (``str``, ``Path``, a ``Literal`` of
+    strings; a built-in component's text argument such as ``tokenizer.path``) takes the value
+    literally, ``#``, ``: ``, braces, a leading ``-`` and newlines included (``null`` is still
+    None where the setting allows None).
 
     Args:
         cfg: The config to change.
         overrides: The override strings.
+        args_cls: The recipe's settings dataclass, or None to parse every value as YAML.
 
     Returns:
         The same config, for chaining.
@@ -176,7 +188,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         key, sep, text = override.partition("=")
         if not sep or not _KEY_RE.match(key):
             raise ConfigError(f"bad override '{override}': expected key=value, a.b.c=value or ~key")
-        value = _parse_value(text, override)
+        hint = setting_type(args_cls, cfg, key) if args_cls is not None else None
+        value = _parse_value(text, override, hint)
         try:
             OmegaConf.update(cfg, key, value, merge=False)
         except OmegaConfBaseException as err:
@@ -184,15 +197,39 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     return cfg
 
 
-def load_config(config: str, overrides: Sequence[str] = ()) -> DictConfig:
+def _recipe_settings(cfg: DictConfig, config_path: Path, overrides: Sequence[str]) -> type | None:
+    """The settings dataclass of the recipe a config names (``recipe:``), or None if unsure."""
+    recipe = cfg.get("recipe")
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if sep and key == "recipe":
+            recipe = text
+    if not isinstance(recipe, str) or not recipe:
+        return None
+    # Deferred and upward: the recipe's ARGS is found the way the CLI finds it (read from the
+    # source for the built-in recipes), so an override means the same in every caller.
+    from tunelab.cli._discovery import load_recipe_args, resolve_recipe
+
+    try:
+        return load_recipe_args(resolve_recipe(recipe, relative_to=config_path.parent))
+    except TunelabError:
+        return None  # Validation names the problem with the recipe.
+
+
+def load_config(
+    config: str, overrides: Sequence[str] = (), args_cls: type | None = None
+) -> DictConfig:
     """Load a config by built-in name or path and apply overrides.
 
     Interpolations (``${other.key}``, ``${assets:NAME}``) stay lazy: they resolve when a value
-    is read, so an override of ``other.key`` reaches every place that refers to it.
+    is read, so an override of ``other.key`` reaches every place that refers to it. An override
+    of a text setting is taken literally (see ``apply_overrides``); the settings are
+    ``args_cls``, or, when None, those of the recipe the config's ``recipe`` key names.
 
     Args:
         config: A path to a YAML file, or a built-in config name such as ``tiny/lora``.
         overrides: ``key=value`` / ``~key`` strings, applied in order.
+        args_cls: The recipe's settings dataclass (None: found from the ``recipe`` key).
 
     Returns:
         The config.
@@ -200,5 +237,8 @@ def load_config(config: str, overrides: Sequence[str] = ()) -> DictConfig:
     Raises:
         ConfigError: If the config is not found, is not valid YAML, or an override is bad.
     """
-    cfg = _read_yaml(resolve_config_path(config))
-    return apply_overrides(cfg, overrides)
+    path = resolve_config_path(config)
+    cfg = _read_yaml(path)
+    if args_cls is None and overrides:
+        args_cls = _recipe_settings(cfg, path, overrides)
+    return apply_overrides(cfg, overrides, args_cls)

@@ -105,6 +105,11 @@ class _Checker:
         leaves: dict[str, str] = {}  # Last name -> full key; the shortest key of a name wins.
         for candidate in sorted(self.all_keys, key=len, reverse=True):
             leaves[candidate.rpartition(".")[2]] = candidate
+        # A word of a longer name (`resume` for `resume_from_checkpoint`), which a
+        # character-ratio match misses when the rest of the name is long.
+        words = [leaf for leaf in leaves if key in leaf.split("_") and key != leaf]
+        if words:
+            return f"; did you mean '{min((leaves[leaf] for leaf in words), key=len)}'?"
         match = difflib.get_close_matches(key, list(leaves), n=1)
         return f"; did you mean '{leaves[match[0]]}'?" if match else ""
 

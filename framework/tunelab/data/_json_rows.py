@@ -87,9 +87,33 @@ def _json_rows(file: Path, field: str | None) -> Iterator[tuple[str | None, int 
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as error:
-                yield None, number, f"not valid JSON ({error.msg} at column {error.colno})"
+                yield None, number, f"not valid JSON ({json_fault(text, error)})"
                 continue
             yield text, number, row
+
+
+def json_fault(row: str, error: json.JSONDecodeError) -> str:
+    """Where and what ``json.loads`` found wrong in one JSON Lines row.
+
+    The row's own line end is not part of the row: a parser that reaches it has found the row
+    unfinished (a missing closing brace, bracket or quote), which is said as such, with the
+    column just past the row's last character.
+
+    Args:
+        row: The row's text, as read (with its line end).
+        error: The error ``json.loads(row)`` raised.
+
+    Returns:
+        ``<what> at column N``, or ``<what> at the end of the row (column N): ...``.
+    """
+    content = row.rstrip("\r\n")
+    what = error.msg.removesuffix(" at")  # "Invalid control character at" says where itself.
+    if error.pos >= len(content.rstrip()):
+        return (
+            f"{what} at the end of the row (column {len(content) + 1}): "
+            "a closing brace, bracket or quote is missing"
+        )
+    return f"{what} at column {error.pos + 1}"
 
 
 def read_json(file: Path, field: str | None, target: Path) -> tuple[list[str], bool]:
