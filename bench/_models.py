@@ -133,7 +133,9 @@ def build_plain_lora_model(checkpoint_dir: str | os.PathLike, lora: Any) -> torc
 
     with torch.device("meta"):
         model = from_hf_config(str(checkpoint_dir))
-        peft.apply_lora(model, targets=lora.targets, rank=lora.rank, alpha=lora.alpha)
+        peft.apply_lora(
+            model, peft.LoRAArgs(targets=lora.targets, rank=lora.rank, alpha=lora.alpha)
+        )
         peft.set_trainable_params(model)
     model.to_empty(device=torch.device("cpu"))
     model.tie_weights()

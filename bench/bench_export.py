@@ -53,8 +53,8 @@ from _models import (
 )
 from _system import PeakRSS
 from tunelab._fs import fsync_path
-from tunelab.checkpoint import CheckpointClient, HFCheckpointReader, LoRASpec, copy_model_files
-from tunelab.config.recipe_args import LoRAArgs
+from tunelab.checkpoint import CheckpointClient, HFCheckpointReader, copy_model_files
+from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.peft.apply import lora_modules
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     return parse_size_args(parser)
 
 
-def gather_merge_save(model, lora: LoRASpec, base: Path, out: Path) -> None:
+def gather_merge_save(model, lora: LoRAArgs, base: Path, out: Path) -> None:
     """The export tunelab replaces: gather everything on rank 0, merge there, write there."""
     rank = dist.get_rank()
     full = {}
@@ -82,7 +82,9 @@ def gather_merge_save(model, lora: LoRASpec, base: Path, out: Path) -> None:
     if rank != 0:
         return
     adapter = {key: value for key, value in full.items() if ".lora_" in key}
-    peft.save_peft_adapter(adapter, lora.peft_config(str(base)), out / "adapter")
+    peft.save_peft_adapter(
+        adapter, lora.peft_config(peft.lora_target_names(model), str(base)), out / "adapter"
+    )
     merged = {}
     for name, module in lora_modules(model).items():
         owner = clean_fqn(name)
@@ -115,7 +117,7 @@ def main() -> None:
         for param in peft.get_adapter_params(model).values():
             local = param.to_local() if isinstance(param, DTensor) else param
             local.normal_(0.0, 0.01)
-    lora = LoRASpec(rank=args.rank, alpha=2.0 * args.rank, targets=tuple(TARGETS))
+    lora = LoRAArgs(rank=args.rank, alpha=2.0 * args.rank, targets=list(TARGETS))
     optimizer = torch.optim.AdamW(peft.get_adapter_params(model).values(), lr=1e-4)
     client = CheckpointClient(
         out,

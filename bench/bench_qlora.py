@@ -36,8 +36,8 @@ from _common import (
 )
 from _models import build_model, parse_size_args, prepare_workspace, size_parser
 from _system import PeakRSS
-from tunelab.checkpoint import CheckpointClient, LoRASpec
-from tunelab.config.recipe_args import LoRAArgs
+from tunelab.checkpoint import CheckpointClient
+from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.peft.nf4 import frozen_linear_bytes
 
@@ -83,7 +83,9 @@ def measure(args, base, out, name: str) -> dict[str, float]:
         "step": median(times),
     }
     if name != "DoRA":
-        spec = LoRASpec(args.rank, 2.0 * args.rank, tuple(TARGETS), **VARIANTS[name])
+        spec = LoRAArgs(
+            rank=args.rank, alpha=2.0 * args.rank, targets=list(TARGETS), **VARIANTS[name]
+        )
         client = CheckpointClient(
             out / name, model=model, optimizer=optimizer, lr_scheduler=None,
             base_checkpoint_dir=base, lora=spec,

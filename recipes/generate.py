@@ -26,7 +26,7 @@ def main(args: GenerateArgs) -> None:
     )
     if args.adapter_dir is not None:
         peft.apply_lora(
-            model, **peft.lora_kwargs_from_config(peft.read_adapter_config(args.adapter_dir))
+            model, peft.LoRAArgs.from_peft_config(peft.read_adapter_config(args.adapter_dir))
         )
         peft.load_peft_adapter(model, args.adapter_dir)
     model.eval()

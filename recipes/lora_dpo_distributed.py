@@ -12,8 +12,8 @@ the steps look its log-probs up (``tunelab.training.PrecomputedReference``). The
 step is the mean over all its pairs, across micro-batches and ranks.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: reference and
-policy forwards, loss and backward over its micro-batches, then clip and step, log, validate,
-export, save), clean-up.
+policy forwards, loss and backward over its micro-batches, then clip and step; then
+``after_step`` logs, validates, exports and saves), clean-up.
 """
 
 import time
@@ -30,13 +30,13 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
-from tunelab.lifecycle import Preemption, lock_output_dir
+from tunelab.lifecycle import RunFolder
 from tunelab.losses import PreferenceLoss, accumulate_metrics
 from tunelab.training import (
+    AfterStep,
     MetricLoggers,
     NonFiniteGuard,
     PrecomputedReference,
-    ProgressBar,
     ReferenceModel,
     Schedule,
     StepProfiler,
@@ -44,15 +44,14 @@ from tunelab.training import (
     build_data,
     build_model,
     build_optimizer,
+    config_fingerprint,
     evaluate_preference,
     global_pair_count,
     global_preference_metrics,
     optimizer_step,
     output_layer,
-    peak_memory_gib,
     policy_forward,
     preference_loss,
-    progress_record,
     resume,
     seed_everything,
     to_device,
@@ -65,21 +64,28 @@ def main(args: LoRADPOArgs) -> None:
     """Train LoRA adapters on preference pairs and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
     dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
-    # One run per output_dir: a second one stops here, before loading or writing anything.
-    lock_output_dir(args.output_dir)
+    # One run per output_dir: the lock first, then the resume setting, then the clean-up of a
+    # killed run's leftovers; a second run stops here, before loading anything.
+    run = RunFolder(args.output_dir)
+    run.start(args.checkpoint.resume_from_checkpoint, may_exist=args.output_dir_may_exist)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
-    # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
-    mesh = data_parallel_mesh(
-        device,
-        replicate_size=args.data_parallel_replicate_size,
-        shard_size=args.data_parallel_shard_size,
-    )
+    loss_fn = instantiate(args.loss)
+    if not isinstance(loss_fn, PreferenceLoss):
+        raise ConfigError(
+            f"loss: lora_dpo_distributed needs a preference loss (tunelab.losses.DPOLoss, "
+            f"IPOLoss, HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
+        )
     model = build_model(
         args.checkpoint_dir,
         device=device,
-        mesh=mesh,
+        # HSDP when data_parallel_replicate_size > 1: shard in a node, replicate across nodes.
+        mesh=data_parallel_mesh(
+            device,
+            replicate_size=args.data_parallel_replicate_size,
+            shard_size=args.data_parallel_shard_size,
+        ),
         dtype=resolve_dtype(args.dtype),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
@@ -92,17 +98,35 @@ def main(args: LoRADPOArgs) -> None:
         frozen_base=args.frozen_base,
     )
     # Batches carry their pairs' dataset indices (pair_index), for reference_logps: precompute.
-    data = build_data(args, tokenizer, padded_collate_dpo, index_pairs=True)
+    data = build_data(
+        args.dataset,
+        tokenizer,
+        padded_collate_dpo,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        seed=args.seed,
+        val_dataset=args.val_dataset,
+        max_steps_per_epoch=args.max_steps_per_epoch,
+        index_pairs=True,
+    )
     trainable = list(peft.get_adapter_params(model).values())
-    optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
-    loss_fn = instantiate(args.loss)
-    if not isinstance(loss_fn, PreferenceLoss):
-        raise ConfigError(
-            f"loss: lora_dpo_distributed needs a preference loss (tunelab.losses.DPOLoss, "
-            f"IPOLoss, HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
-        )
-    loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
-    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler, tokenizer)
+    optimizer, lr_scheduler = build_optimizer(
+        args.optimizer,
+        trainable,
+        lr_scheduler=args.lr_scheduler,
+        num_training_steps=data.steps_per_epoch * args.epochs,
+    )
+    checkpoints = build_checkpoint_client(
+        run,
+        args.checkpoint,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        base_checkpoint_dir=args.checkpoint_dir,
+        lora=args.lora,
+        tokenizer=tokenizer,
+        config_hash=config_fingerprint(args),
+    )
     # Snapshots the SFT adapter, so before resume or training changes it. Swapping it in edits
     # adapter weights in place: first wait for an async save staging them.
     reference = ReferenceModel(
@@ -119,37 +143,42 @@ def main(args: LoRADPOArgs) -> None:
         start = time.perf_counter()
         precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
         if dist_info.is_main:
-            print(
-                f"reference log-probs of {len(precomputed.table)} pairs precomputed in "
-                f"{time.perf_counter() - start:.1f} s",
-                flush=True,
-            )
-    schedule = Schedule(args)
+            seconds = time.perf_counter() - start
+            print(f"reference log-probs of {len(precomputed.table)} pairs: {seconds:.1f} s")
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
-    global_step, start_epoch = resume(args, checkpoints, data)
-    loggers.start_at(global_step)
+    global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
+
+    def validate() -> dict[str, float]:
+        metrics = evaluate_preference(
+            model, data.val_loader, loss_fn, reference, device, output=output
+        )
+        return {f"val_{key}": value for key, value in metrics.items()}
+
+    after_step = AfterStep(
+        checkpoints,
+        data,
+        Schedule(args.checkpoint, args.epochs, args.log_every_n_steps, args.run_val_every_n_steps),
+        loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+        global_step=global_step,
+        validate=validate if data.val_loader is not None else None,
+        profiler=StepProfiler(
+            run.profile_dir,
+            enabled=args.profile,
+            skip_first=args.profile_skip_first,
+            record_steps=args.profile_record_steps,
+        ),  # fmt: skip
+        device=device,
+        is_main=dist_info.is_main,
+    )
 
     # -- train ----------------------------------------------------------------------------
-    progress = ProgressBar(
-        data.steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
-    )
-    profiler = StepProfiler(
-        args.output_dir,
-        enabled=args.profile,
-        skip_first=args.profile_skip_first,
-        record_steps=args.profile_record_steps,
-    )
-    # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
-    preemption = Preemption(checkpoints, close=(progress, loggers))
     model.train()
     for epoch in range(start_epoch, args.epochs):
-        data.sampler.set_epoch(epoch)
-        batches = iter(data.loader)
-        step_in_epoch = data.step_in_epoch(args)
-        while step_in_epoch < data.steps_per_epoch:
-            start = time.perf_counter()
+        batches = data.epoch(epoch)
+        for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
+            after_step.start_step()
             micro_batches = [
                 to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
             ]
@@ -180,51 +209,18 @@ def main(args: LoRADPOArgs) -> None:
                 loss=step_metrics["loss"],
                 step=global_step + 1,
             )
-            profiler.step()
-            data.sampler.advance(args.batch_size * args.gradient_accumulation_steps)
             global_step += 1
-            step_in_epoch += 1
-
-            tokens_per_second = num_tokens / (time.perf_counter() - start)
-            progress.update(
-                loss=step_metrics["loss"], lr=metrics["lr"], tokens_per_second=tokens_per_second
+            # Progress, metrics, validation, export, save, and a stop signal's checkpoint.
+            after_step(
+                global_step,
+                epoch,
+                step_in_epoch,
+                {**metrics, **step_metrics},
+                num_tokens=num_tokens,
             )
-            if schedule.log(global_step):
-                metrics.update(
-                    step_metrics,
-                    tokens_per_second=tokens_per_second,
-                    peak_memory_gib=peak_memory_gib(device),
-                )
-                loggers.log(metrics, global_step)
-            epoch_done = step_in_epoch == data.steps_per_epoch
-            if data.val_loader is not None and schedule.validate(global_step, epoch_done):
-                val_metrics = evaluate_preference(
-                    model, data.val_loader, loss_fn, reference, device, output=output
-                )
-                loggers.log({f"val_{k}": v for k, v in val_metrics.items()}, global_step)
-            if schedule.export(epoch, epoch_done):
-                checkpoints.export(epoch)
-            if schedule.save(global_step, epoch_done):
-                checkpoints.save(
-                    global_step,
-                    epoch,
-                    progress_record(data, epoch_done),
-                    # Nothing is left to overlap the run's last save with: write it in place.
-                    blocking=schedule.is_last(epoch, epoch_done),
-                )
-            if preemption.stop_agreed():  # A collective: every rank asks once per step.
-                preemption.stop(
-                    global_step,
-                    epoch,
-                    progress_record(data, epoch_done),
-                    saved=schedule.save(global_step, epoch_done),
-                )
 
     # -- clean-up -------------------------------------------------------------------------
-    progress.close()
-    profiler.close()
-    checkpoints.close()
-    loggers.close()
+    after_step.close()
     if dist_info.is_main:
         print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)
     destroy_distributed()

@@ -4,10 +4,10 @@ Launch: ``tunelab run --nproc_per_node 2 lora_finetune_distributed --config tiny
 Copy it to customise: ``tunelab cp lora_finetune_distributed my_lora.py``.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: forward, loss and
-backward over its micro-batches, then clip and step, log, validate, export, save), clean-up.
+backward over its micro-batches, then clip and step; then ``after_step`` logs, validates,
+exports and saves), clean-up. Every building block takes the settings it uses, so a copy may
+declare its own settings dataclass in place of ``LoRAFinetuneArgs``.
 """
-
-import time
 
 import torch
 
@@ -21,11 +21,11 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
-from tunelab.lifecycle import Preemption, lock_output_dir
+from tunelab.lifecycle import RunFolder
 from tunelab.training import (
+    AfterStep,
     MetricLoggers,
     NonFiniteGuard,
-    ProgressBar,
     Schedule,
     StepProfiler,
     batch_loss,
@@ -33,12 +33,11 @@ from tunelab.training import (
     build_data,
     build_model,
     build_optimizer,
+    config_fingerprint,
     evaluate,
     global_token_count,
     optimizer_step,
     output_layer,
-    peak_memory_gib,
-    progress_record,
     resume,
     seed_everything,
     to_device,
@@ -51,8 +50,10 @@ def main(args: LoRAFinetuneArgs) -> None:
     """Train LoRA adapters on ``args.dataset`` and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
     dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
-    # One run per output_dir: a second one stops here, before loading or writing anything.
-    lock_output_dir(args.output_dir)
+    # One run per output_dir: the lock first, then the resume setting, then the clean-up of a
+    # killed run's leftovers; a second run stops here, before loading anything.
+    run = RunFolder(args.output_dir)
+    run.start(args.checkpoint.resume_from_checkpoint, may_exist=args.output_dir_may_exist)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
@@ -77,40 +78,65 @@ def main(args: LoRAFinetuneArgs) -> None:
         seed=args.seed,
         frozen_base=args.frozen_base,
     )
-    data = build_data(args, tokenizer, padded_collate_sft)
+    data = build_data(
+        args.dataset,
+        tokenizer,
+        padded_collate_sft,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        seed=args.seed,
+        val_dataset=args.val_dataset,
+        max_steps_per_epoch=args.max_steps_per_epoch,
+    )
     trainable = list(peft.get_adapter_params(model).values())
-    optimizer, lr_scheduler = build_optimizer(args, trainable, data.steps_per_epoch * args.epochs)
+    optimizer, lr_scheduler = build_optimizer(
+        args.optimizer,
+        trainable,
+        lr_scheduler=args.lr_scheduler,
+        num_training_steps=data.steps_per_epoch * args.epochs,
+    )
     loss_fn = instantiate(args.loss)
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
-    loggers = MetricLoggers(args.metric_loggers, enabled=dist_info.is_main)
-    checkpoints = build_checkpoint_client(args, model, optimizer, lr_scheduler, tokenizer)
-    schedule = Schedule(args)
+    checkpoints = build_checkpoint_client(
+        run,
+        args.checkpoint,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        base_checkpoint_dir=args.checkpoint_dir,
+        lora=args.lora,
+        tokenizer=tokenizer,
+        config_hash=config_fingerprint(args),
+    )
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
-    global_step, start_epoch = resume(args, checkpoints, data)
-    loggers.start_at(global_step)
+    global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
+    after_step = AfterStep(
+        checkpoints,
+        data,
+        Schedule(args.checkpoint, args.epochs, args.log_every_n_steps, args.run_val_every_n_steps),
+        loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+        global_step=global_step,
+        validate=data.val_loader
+        and (lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output)}),
+        profiler=StepProfiler(
+            run.profile_dir,
+            enabled=args.profile,
+            skip_first=args.profile_skip_first,
+            record_steps=args.profile_record_steps,
+        ),
+        device=device,
+        is_main=dist_info.is_main,
+    )
 
     # -- train ----------------------------------------------------------------------------
-    progress = ProgressBar(
-        data.steps_per_epoch * args.epochs, initial=global_step, enabled=dist_info.is_main
-    )
-    profiler = StepProfiler(
-        args.output_dir,
-        enabled=args.profile,
-        skip_first=args.profile_skip_first,
-        record_steps=args.profile_record_steps,
-    )
-    # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
-    preemption = Preemption(checkpoints, close=(progress, loggers))
     model.train()
     for epoch in range(start_epoch, args.epochs):
-        data.sampler.set_epoch(epoch)
-        batches = iter(data.loader)
-        step_in_epoch = data.step_in_epoch(args)
-        while step_in_epoch < data.steps_per_epoch:
-            start = time.perf_counter()
+        batches = data.epoch(epoch)
+        for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
+            after_step.start_step()
             micro_batches = [
                 to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
             ]
@@ -133,47 +159,18 @@ def main(args: LoRAFinetuneArgs) -> None:
                 loss=loss,
                 step=global_step + 1,
             )
-            profiler.step()
-            data.sampler.advance(args.batch_size * args.gradient_accumulation_steps)
             global_step += 1
-            step_in_epoch += 1
-
-            tokens_per_second = num_tokens.item() / (time.perf_counter() - start)
-            progress.update(loss=loss, lr=metrics["lr"], tokens_per_second=tokens_per_second)
-            if schedule.log(global_step):
-                metrics.update(
-                    loss=loss,
-                    tokens_per_second=tokens_per_second,
-                    peak_memory_gib=peak_memory_gib(device),
-                )
-                loggers.log(metrics, global_step)
-            epoch_done = step_in_epoch == data.steps_per_epoch
-            if data.val_loader is not None and schedule.validate(global_step, epoch_done):
-                val_loss = evaluate(model, data.val_loader, loss_fn, device, output)
-                loggers.log({"val_loss": val_loss}, global_step)
-            if schedule.export(epoch, epoch_done):
-                checkpoints.export(epoch)
-            if schedule.save(global_step, epoch_done):
-                checkpoints.save(
-                    global_step,
-                    epoch,
-                    progress_record(data, epoch_done),
-                    # Nothing is left to overlap the run's last save with: write it in place.
-                    blocking=schedule.is_last(epoch, epoch_done),
-                )
-            if preemption.stop_agreed():  # A collective: every rank asks once per step.
-                preemption.stop(
-                    global_step,
-                    epoch,
-                    progress_record(data, epoch_done),
-                    saved=schedule.save(global_step, epoch_done),
-                )
+            # Progress, metrics, validation, export, save, and a stop signal's checkpoint.
+            after_step(
+                global_step,
+                epoch,
+                step_in_epoch,
+                {**metrics, "loss": loss},
+                num_tokens=num_tokens.item(),
+            )
 
     # -- clean-up -------------------------------------------------------------------------
-    progress.close()
-    profiler.close()
-    checkpoints.close()
-    loggers.close()
+    after_step.close()
     if dist_info.is_main:
         print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)
     destroy_distributed()

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 from tests.conftest import NEW_FAMILIES
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.config.lora import LoRAArgs
 from tunelab.generation import generate
 from tunelab.models import from_hf_config, load_pretrained
 from tunelab.modules import document_causal_mask, positions_from_document_ids
 from tunelab.peft import (
-    adapter_config,
     adapter_state_dict,
     apply_lora,
     get_adapter_params,
@@ -169,7 +169,7 @@ def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(
     """One process: every linear adapted (Phi-3's fused ones too), PEFT's names and numbers."""
     path = tiny_hf_model_dir(family)
     model = load_pretrained(path)
-    swapped = apply_lora(model, targets="all-linear", rank=4, alpha=8.0)
+    swapped = apply_lora(model, LoRAArgs(targets="all-linear", rank=4, alpha=8.0))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in get_adapter_params(model).items():
@@ -178,10 +178,7 @@ def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(
     tokens = _tokens()
     with torch.no_grad():
         expected = model(tokens)
-    config = adapter_config(
-        rank=4, alpha=8.0, dropout=0.0, targets=swapped, use_rslora=False,
-        base_model_name_or_path=str(path),
-    )  # fmt: skip
+    config = LoRAArgs(rank=4, alpha=8.0, dropout=0.0, use_rslora=False).peft_config(swapped, str(path))  # fmt: skip
     save_peft_adapter(adapter_state_dict(model), config, tmp_path / "adapter")
     adapted = peft.PeftModel.from_pretrained(_hf(path), tmp_path / "adapter").eval()
     theirs = peft.get_peft_model_state_dict(adapted, save_embedding_layers=False)

@@ -14,13 +14,12 @@ peft = pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from tunelab.config.lora import LoRAArgs  # noqa: E402
 from tunelab.peft import (  # noqa: E402
-    adapter_config,
     adapter_state_dict,
     apply_lora,
     get_adapter_params,
     load_peft_adapter,
-    lora_kwargs_from_config,
     merged_state_dict,
     read_adapter_config,
     save_peft_adapter,
@@ -63,15 +62,12 @@ def _perturb(named_params):
 def test_our_dora_adapter_and_merge_load_in_peft_and_transformers(tmp_path):
     base_dir = _base(tmp_path)
     ours = _load(base_dir)
-    swapped = apply_lora(ours, targets=TARGETS, rank=4, alpha=8.0, use_dora=True)
+    swapped = apply_lora(ours, LoRAArgs(targets=TARGETS, rank=4, alpha=8.0, use_dora=True))
     # A fresh DoRA adapter (B = 0, magnitude = ||W|| per row) leaves the model unchanged.
     torch.testing.assert_close(_logits(ours), _logits(_load(base_dir)), rtol=0, atol=1e-5)
     _perturb(get_adapter_params(ours).items())
     expected = _logits(ours)
-    config = adapter_config(
-        rank=4, alpha=8.0, dropout=0.0, targets=swapped, use_rslora=False,
-        base_model_name_or_path=str(base_dir), use_dora=True,
-    )  # fmt: skip
+    config = LoRAArgs(rank=4, alpha=8.0, dropout=0.0, use_rslora=False, use_dora=True).peft_config(swapped, str(base_dir))  # fmt: skip
     adapter_dir = tmp_path / "adapter"
     save_peft_adapter(adapter_state_dict(ours), config, adapter_dir)
     assert read_adapter_config(adapter_dir)["use_dora"] is True
@@ -99,6 +95,6 @@ def test_we_read_a_dora_adapter_peft_wrote(tmp_path):
     peft_model.save_pretrained(tmp_path / "peft_adapter")
 
     ours = _load(base_dir)
-    apply_lora(ours, **lora_kwargs_from_config(read_adapter_config(tmp_path / "peft_adapter")))
+    apply_lora(ours, LoRAArgs.from_peft_config(read_adapter_config(tmp_path / "peft_adapter")))
     load_peft_adapter(ours, tmp_path / "peft_adapter")
     torch.testing.assert_close(_logits(ours), _logits(peft_model), rtol=0, atol=1e-5)

@@ -16,13 +16,12 @@ peft = pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from tunelab.config.lora import LoRAArgs  # noqa: E402
 from tunelab.peft import (  # noqa: E402
-    adapter_config,
     adapter_state_dict,
     apply_lora,
     get_adapter_params,
     load_peft_adapter,
-    lora_kwargs_from_config,
     merged_state_dict,
     read_adapter_config,
     save_peft_adapter,
@@ -69,7 +68,7 @@ def _logits(model):
 def test_our_adapter_and_merge_load_in_peft_and_transformers(tmp_path, targets, tie, use_rslora):
     base_dir = _tiny_llama(tmp_path, tie)
     ours = _load(base_dir)
-    swapped = apply_lora(ours, targets=targets, rank=4, alpha=8.0, use_rslora=use_rslora)
+    swapped = apply_lora(ours, LoRAArgs(targets=targets, rank=4, alpha=8.0, use_rslora=use_rslora))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in get_adapter_params(ours).items():
@@ -79,13 +78,8 @@ def test_our_adapter_and_merge_load_in_peft_and_transformers(tmp_path, targets, 
     assert not torch.allclose(expected, _logits(_load(base_dir)), atol=1e-3)
 
     adapter_dir = tmp_path / "epoch_0" / "adapter"
-    config = adapter_config(
-        rank=4,
-        alpha=8.0,
-        dropout=0.0,
-        targets=swapped,
-        use_rslora=use_rslora,
-        base_model_name_or_path=str(base_dir),
+    config = LoRAArgs(rank=4, alpha=8.0, dropout=0.0, use_rslora=use_rslora).peft_config(
+        swapped, str(base_dir)
     )
     save_peft_adapter(adapter_state_dict(ours), config, adapter_dir)
 
@@ -132,18 +126,13 @@ def test_we_read_an_adapter_peft_wrote(tmp_path):
     peft_dir = tmp_path / "peft_adapter"
     peft_model.save_pretrained(peft_dir)
     # Our config carries every field PEFT itself writes that matters for loading.
-    ours_config = adapter_config(
-        rank=4,
-        alpha=16,
-        dropout=0.0,
-        targets=["q_proj", "up_proj"],
-        use_rslora=False,
-        base_model_name_or_path=None,
+    ours_config = LoRAArgs(rank=4, alpha=16, dropout=0.0, use_rslora=False).peft_config(
+        ["q_proj", "up_proj"], None
     )
     theirs = json.loads((peft_dir / "adapter_config.json").read_text())
     assert set(ours_config) <= set(theirs)
 
     ours = _load(base_dir)
-    apply_lora(ours, **lora_kwargs_from_config(read_adapter_config(peft_dir)))
+    apply_lora(ours, LoRAArgs.from_peft_config(read_adapter_config(peft_dir)))
     load_peft_adapter(ours, peft_dir)
     torch.testing.assert_close(_logits(ours), _logits(peft_model), rtol=0, atol=1e-5)

@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import tunelab.peft as peft
-from tunelab.checkpoint import CheckpointClient, LoRASpec, layout
+from tunelab.checkpoint import CheckpointClient
 from tunelab.checkpoint.dcp import ChecksummedWriter
 from tunelab.checkpoint.dcp import load as load_step
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.errors import CheckpointError
+from tunelab.lifecycle import RunFolder
 from tunelab.losses import CrossEntropyLoss
 from tunelab.training import build_model, forward, global_token_count, optimizer_step
 
@@ -56,7 +57,7 @@ def make_client(model, optimizer, **kwargs):
         optimizer=optimizer,
         lr_scheduler=None,
         base_checkpoint_dir=BASE,
-        lora=LoRASpec(LORA.rank, LORA.alpha, tuple(peft.lora_target_names(model))),
+        lora=LORA,
         writer_factory=lambda path: SlowWriter(path, sync_files=True),
         **kwargs,
     )
@@ -118,7 +119,7 @@ def main():
     client.save(4, 0, {"note": "sync"}, blocking=True)
     assert_unchanged(model, snapshot, "sync save")
     dist.barrier()
-    committed = [c.step for c in layout.committed_checkpoints(OUT)]
+    committed = [c.step for c in RunFolder(OUT).committed_checkpoints()]
     assert committed == [3, 4], committed
     for step, expected in ((3, before_step), (4, snapshot)):
         probe = {
@@ -156,7 +157,7 @@ def main():
     client.save(5, 0, {"note": "third"})
     client.wait()
     dist.barrier()
-    committed = [c.step for c in layout.committed_checkpoints(OUT)]
+    committed = [c.step for c in RunFolder(OUT).committed_checkpoints()]
     assert committed == [4, 5], committed
     client.close()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.recipes.conftest import TUNELAB, interrupted_copy, losses_by_step, run_env, tunelab_run
+from tunelab.checkpoint.layout import temporary_name
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -188,18 +189,20 @@ def test_stale_temporaries_are_removed_and_never_exported(reference, tmp_path):
     out = interrupted_copy(reference, tmp_path / "run", after_step=4)
     shutil.copytree(reference / "epoch_0", out / "epoch_0")
     stale = [
-        out / "epoch_0" / ".adapter.tmp-4242",
-        out / ".epoch_0.partial",
-        out / "step_4" / ".trainer_state.json.tmp-77",
-        out / "step_6",  # uncommitted: a save killed mid-write
+        out / "epoch_0" / temporary_name("adapter", "tmp", 4242),
+        out / temporary_name("epoch_0", "partial"),
+        out / "step_4" / temporary_name("trainer_state.json", "tmp", 77),
     ]
     for path in stale:
         path.mkdir()
         (path / "junk").write_text("x")
+    # Uncommitted: a save killed mid-write, holding what a save writes.
+    (out / "step_6").mkdir()
+    (out / "step_6" / "__0_0.distcp").write_text("x")
     _run(out, "checkpoint.resume_from_checkpoint=true")
-    assert not any(path.exists() for path in stale if path.name != "step_6")
+    assert not any(path.exists() for path in stale)
     names = {p.relative_to(out).as_posix() for p in out.rglob("*")}
-    assert not any("junk" in name or ".tmp-" in name or ".partial" in name for name in names)
+    assert not any("junk" in name or ".tunelab-" in name for name in names)
     assert subprocess.run([TUNELAB, "verify", str(out)]).returncode == 0
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.recipes.conftest import run_env
+from tunelab.checkpoint.layout import is_temporary_name
 
 SCRIPT = Path(__file__).with_name("export_crash_script.py")
 pytestmark = pytest.mark.slow
@@ -53,4 +54,4 @@ def test_killed_export_leaves_the_previous_one_intact(tiny_hf_model_dir, tmp_pat
     # The next export replaces it whole, leftovers of the killed one included.
     assert _export("good", base, out).wait(timeout=120) == 0
     assert _digests(out) == before
-    assert not any(path.name.endswith(".partial") for path in tmp_path.iterdir())
+    assert not any(is_temporary_name(path.name) for path in tmp_path.iterdir())

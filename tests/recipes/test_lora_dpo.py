@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tunelab.peft as peft
+from tunelab.config.lora import LoRAArgs
 from tunelab.data import padded_collate_dpo
 from tunelab.data.preference import IndexedPairs
 from tunelab.losses import DPOLoss, SimPOLoss, accumulate_metrics
@@ -54,7 +55,9 @@ def _pairs_batch(num_pairs: int, seq_len: int, vocab: int, seed: int) -> dict[st
 
 def _lora_model(checkpoint_dir: Path, *, random_b: bool) -> torch.nn.Module:
     model = load_pretrained(checkpoint_dir)
-    peft.apply_lora(model, targets=TARGETS, rank=4, alpha=8.0, dropout=0.0, use_rslora=False)
+    peft.apply_lora(
+        model, LoRAArgs(targets=TARGETS, rank=4, alpha=8.0, dropout=0.0, use_rslora=False)
+    )
     torch.manual_seed(0)
     peft.init_lora_parameters(model)
     if random_b:

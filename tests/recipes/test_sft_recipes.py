@@ -23,6 +23,7 @@ from tests.recipes.conftest import (
     tunelab_run,
 )
 from tunelab._paths import assets_dir
+from tunelab.config.lora import LoRAArgs
 
 pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
@@ -89,9 +90,7 @@ def test_lora_export_loads_in_peft_and_transformers_with_tunelab_logits(lora_2p)
     export = lora_2p / "epoch_0"
     tokens = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     ours = load_pretrained(TINY)
-    peft.apply_lora(
-        ours, **peft.lora_kwargs_from_config(peft.read_adapter_config(export / "adapter"))
-    )
+    peft.apply_lora(ours, LoRAArgs.from_peft_config(peft.read_adapter_config(export / "adapter")))
     peft.load_peft_adapter(ours, export / "adapter")
     assert max(p.abs().max().item() for n, p in ours.named_parameters() if "lora_B" in n) > 1e-3
     with torch.no_grad():

@@ -5,10 +5,11 @@ import pytest
 
 from tunelab.checkpoint import integrity, layout
 from tunelab.errors import CheckpointError
+from tunelab.lifecycle import RunFolder
 
 
 def _make_step(root, step, *, committed=True, payload=b"x" * 10):
-    path = layout.step_dir(root, step)
+    path = RunFolder(root).step_dir(step)
     path.mkdir(parents=True)
     record = integrity.write_bytes(path / "__0_0.distcp", payload)
     if committed:
@@ -33,13 +34,13 @@ def test_uncommitted_directories_are_invisible(tmp_path):
     _make_step(tmp_path, 1)
     _make_step(tmp_path, 2, committed=False)  # e.g. killed mid-write
     (tmp_path / "epoch_0").mkdir()
-    assert [c.step for c in layout.committed_checkpoints(tmp_path)] == [1]
+    assert [c.step for c in RunFolder(tmp_path).committed_checkpoints()] == [1]
 
 
 def test_steps_sort_numerically(tmp_path):
     for step in (2, 10, 1):
         _make_step(tmp_path, step)
-    assert [c.step for c in layout.committed_checkpoints(tmp_path)] == [1, 2, 10]
+    assert [c.step for c in RunFolder(tmp_path).committed_checkpoints()] == [1, 2, 10]
 
 
 def test_verify_names_truncated_missing_and_flipped_files(tmp_path):
@@ -59,8 +60,8 @@ def test_unreadable_manifest_is_reported_not_resumed(tmp_path):
     with pytest.raises(CheckpointError, match="unreadable manifest"):
         layout.read_manifest(path)
     # ...such a directory is not offered for resume, and scan_checkpoints names it.
-    assert layout.committed_checkpoints(tmp_path) == []
-    committed, unreadable = layout.scan_checkpoints(tmp_path)
+    assert RunFolder(tmp_path).committed_checkpoints() == []
+    committed, unreadable = RunFolder(tmp_path).scan_checkpoints()
     assert committed == [] and [u.path for u in unreadable] == [path]
     assert "unreadable manifest" in unreadable[0].reason
 
@@ -78,15 +79,15 @@ def test_prune_keeps_newest_committed_and_never_touches_uncommitted(tmp_path):
     for step in (1, 2, 3):
         _make_step(tmp_path, step)
     in_flight = _make_step(tmp_path, 4, committed=False)
-    deleted = layout.prune(tmp_path, keep_last_n=2)
+    deleted = RunFolder(tmp_path).prune(keep_last_n=2)
     assert [p.name for p in deleted] == ["step_1"]
-    assert [c.step for c in layout.committed_checkpoints(tmp_path)] == [2, 3]
+    assert [c.step for c in RunFolder(tmp_path).committed_checkpoints()] == [2, 3]
     assert in_flight.is_dir()
-    layout.prune(tmp_path, keep_last_n=1)
-    assert [c.step for c in layout.committed_checkpoints(tmp_path)] == [3]
+    RunFolder(tmp_path).prune(keep_last_n=1)
+    assert [c.step for c in RunFolder(tmp_path).committed_checkpoints()] == [3]
     assert in_flight.is_dir()
     with pytest.raises(ValueError):
-        layout.prune(tmp_path, keep_last_n=0)
+        RunFolder(tmp_path).prune(keep_last_n=0)
 
 
 def test_write_atomic_replaces_whole_file(tmp_path):
@@ -101,7 +102,7 @@ def test_move_aside_takes_a_checkpoint_out_of_resume_and_retention(tmp_path):
     path = _make_step(tmp_path, 4)
     aside = layout.move_aside(path)
     assert aside.name.startswith("step_4.corrupt-") and aside.is_dir() and not path.exists()
-    assert layout.committed_checkpoints(tmp_path) == []
+    assert RunFolder(tmp_path).committed_checkpoints() == []
     # The same step can fail twice: the second one gets a name of its own.
     assert layout.move_aside(_make_step(tmp_path, 4)) != aside
 
@@ -115,21 +116,28 @@ def test_remove_stale_deletes_only_leftovers_of_tunelab_naming(tmp_path):
     for path in keep:
         path.write_text("keep")
     stale = [
-        tmp_path / ".epoch_1.partial",
-        tmp_path / ".epoch_0.old",
-        export / ".adapter.tmp-1234",
-        export / ".adapter.old-99",
-        export / ".model.safetensors.partial",
-        good / ".tunelab_manifest.json.tmp-42",
-        tmp_path / ".epoch_0.tmp-a1b2c3d4",
+        tmp_path / layout.temporary_name("epoch_1", "partial"),
+        tmp_path / layout.temporary_name("epoch_0", "old"),
+        export / layout.temporary_name("adapter", "tmp", 1234),
+        export / layout.temporary_name("adapter", "old", 99),
+        export / layout.temporary_name("model.safetensors", "partial"),
+        good / layout.temporary_name(layout.MANIFEST_NAME, "tmp", 42),
+        tmp_path / layout.temporary_name("epoch_0", "tmp", "a1b2c3d4"),
     ]
     for path in stale:
         path.mkdir() if path.name.startswith((".adapter", ".epoch")) else path.write_text("x")
-    user_files = [tmp_path / ".hidden_by_user", tmp_path / "notes.partial"]
+    # A user's files, some named like the temporaries of other tools.
+    user_files = [
+        tmp_path / ".hidden_by_user",
+        tmp_path / "notes.partial",
+        tmp_path / ".env.old",
+        tmp_path / ".cache.partial",
+        tmp_path / ".notes.tmp-12",
+    ]
     for path in user_files:
         path.write_text("mine")
-    deleted = layout.remove_stale(tmp_path)
+    deleted = RunFolder(tmp_path).remove_leftovers()
     assert sorted(deleted) == sorted([leftover, *stale])
     assert all(path.exists() for path in keep + user_files)
-    assert [c.step for c in layout.committed_checkpoints(tmp_path)] == [1]
+    assert [c.step for c in RunFolder(tmp_path).committed_checkpoints()] == [1]
     assert sorted(os.listdir(good)) == ["__0_0.distcp", layout.MANIFEST_NAME]

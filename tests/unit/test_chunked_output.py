@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tunelab.peft as peft
+from tunelab.config.lora import LoRAArgs
 from tunelab.losses import CrossEntropyLoss, OutputLayer, sequence_logps
 from tunelab.models import ModelArgs, TransformerDecoder
 from tunelab.training import batch_loss, output_layer
@@ -111,7 +112,9 @@ def _batch() -> dict[str, torch.Tensor]:
 def test_model_loss_and_gradients_equal_unchunked(lora):
     model = _model(tie=not lora)
     if lora:
-        peft.apply_lora(model, targets=["q_proj", "v_proj", "down_proj"], rank=4, alpha=8.0)
+        peft.apply_lora(
+            model, LoRAArgs(targets=["q_proj", "v_proj", "down_proj"], rank=4, alpha=8.0)
+        )
         peft.set_trainable_params(model)
         with torch.no_grad():  # B = 0 would hide the adapters' gradients through the base
             for param in peft.get_adapter_params(model).values():

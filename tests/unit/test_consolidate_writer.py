@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from tunelab.checkpoint import integrity
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.checkpoint.layout import temporary_name
 from tunelab.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -108,7 +109,7 @@ def test_single_file_has_no_index_and_overwrites_stale_files(tmp_path):
     state = _mixed_state()
     # Leftovers of an older export and of a crashed attempt (bigger, full of junk).
     (tmp_path / "model.safetensors.index.json").write_text("{}")
-    (tmp_path / ".model.safetensors.partial").write_bytes(b"\xff" * 100_000)
+    (tmp_path / temporary_name("model.safetensors", "partial")).write_bytes(b"\xff" * 100_000)
     dcp.save(state, storage_writer=HFSafetensorsWriter(tmp_path, sync_files=False))
     _check_folder(tmp_path, state, ["model.safetensors"])
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunelab.config.lora import LoRAArgs
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.peft import (
     LoRALinear,
@@ -162,7 +163,7 @@ def test_bad_lora_options_raise_config_error(kwargs, message):
 
 def test_apply_lora_swaps_targets_and_trains_only_adapters():
     model = TinyLM()
-    swapped = apply_lora(model, targets=["q_proj", "v_proj", "lm_head"], rank=2, alpha=4)
+    swapped = apply_lora(model, LoRAArgs(targets=["q_proj", "v_proj", "lm_head"], rank=2, alpha=4))
     assert swapped == [
         "model.layers.0.self_attn.q_proj",
         "model.layers.0.self_attn.v_proj",
@@ -184,7 +185,7 @@ def test_apply_lora_swaps_targets_and_trains_only_adapters():
 
 def test_all_linear_excludes_lm_head():
     model = TinyLM()
-    swapped = apply_lora(model, targets="all-linear", rank=2, alpha=4)
+    swapped = apply_lora(model, LoRAArgs(targets="all-linear", rank=2, alpha=4))
     assert len(swapped) == 12 and "lm_head" not in swapped
     assert not isinstance(model.lm_head, LoRALinear)
 
@@ -193,20 +194,20 @@ def test_apply_lora_errors():
     with pytest.raises(
         TunelabError, match=r"'qproj' matches no nn.Linear.*down_proj, gate_proj, lm_head, o_proj"
     ):
-        apply_lora(TinyLM(), targets=["q_proj", "qproj"], rank=2, alpha=4)
+        apply_lora(TinyLM(), LoRAArgs(targets=["q_proj", "qproj"], rank=2, alpha=4))
     with pytest.raises(TunelabError, match="targets is empty"):
-        apply_lora(TinyLM(), targets=[], rank=2, alpha=4)
+        apply_lora(TinyLM(), LoRAArgs(targets=[], rank=2, alpha=4))
     model = TinyLM()
-    apply_lora(model, targets=["q_proj"], rank=2, alpha=4)
+    apply_lora(model, LoRAArgs(targets=["q_proj"], rank=2, alpha=4))
     with pytest.raises(TunelabError, match="already has LoRA"):
-        apply_lora(model, targets=["v_proj"], rank=2, alpha=4)
+        apply_lora(model, LoRAArgs(targets=["v_proj"], rank=2, alpha=4))
     with pytest.raises(TunelabError, match="no LoRA layers"):
         set_trainable_params(TinyLM())
 
 
 def test_tied_lm_head_stays_tied():
     model = TinyLM(tie=True)
-    apply_lora(model, targets=["lm_head"], rank=2, alpha=4)
+    apply_lora(model, LoRAArgs(targets=["lm_head"], rank=2, alpha=4))
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -221,7 +222,7 @@ def test_disable_adapter_gives_base_output_and_restores_even_on_error():
     base = TinyLM()
     model = TinyLM()
     model.load_state_dict(base.state_dict())
-    apply_lora(model, targets="all-linear", rank=2, alpha=4)
+    apply_lora(model, LoRAArgs(targets="all-linear", rank=2, alpha=4))
     _randomise_b(model)
     tokens = torch.tensor([[1, 2, 3, 4]])
     with_adapter = model(tokens)
@@ -239,7 +240,7 @@ def test_meta_build_then_materialise_and_init():
     reference = TinyLM()
     with torch.device("meta"):
         model = TinyLM()
-        apply_lora(model, targets=["q_proj", "down_proj"], rank=3, alpha=6)
+        apply_lora(model, LoRAArgs(targets=["q_proj", "down_proj"], rank=3, alpha=6))
     assert model.model.layers[0].self_attn.q_proj.lora_A.weight.is_meta
     model.to_empty(device="cpu")
     missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)

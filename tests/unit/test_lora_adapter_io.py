@@ -9,13 +9,12 @@ from safetensors import safe_open
 from torch import nn
 
 from tunelab.checkpoint.integrity import verify_folder
+from tunelab.config.lora import LoRAArgs
 from tunelab.errors import CheckpointError, ConfigError, TunelabError
 from tunelab.peft import (
-    adapter_config,
     adapter_state_dict,
     apply_lora,
     load_peft_adapter,
-    lora_kwargs_from_config,
     read_adapter_config,
     save_peft_adapter,
 )
@@ -51,7 +50,7 @@ class Tiny(nn.Module):
 def _lora_model(rank=2, alpha=4.0, seed=0):
     torch.manual_seed(seed)
     model = Tiny()
-    targets = apply_lora(model, targets=["q_proj", "v_proj"], rank=rank, alpha=alpha)
+    targets = apply_lora(model, LoRAArgs(targets=["q_proj", "v_proj"], rank=rank, alpha=alpha))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -60,13 +59,8 @@ def _lora_model(rank=2, alpha=4.0, seed=0):
 
 
 def _config(targets, rank=2, alpha=4.0):
-    return adapter_config(
-        rank=rank,
-        alpha=alpha,
-        dropout=0.0,
-        targets=targets,
-        use_rslora=False,
-        base_model_name_or_path="/base",
+    return LoRAArgs(rank=rank, alpha=alpha, dropout=0.0, use_rslora=False).peft_config(
+        targets, "/base"
     )
 
 
@@ -107,7 +101,9 @@ def test_adapter_config_fields():
         "base_model_name_or_path": "/base",
     }
     assert {key: config[key] for key in expected} == expected
-    assert lora_kwargs_from_config(config) == {
+    parsed = LoRAArgs.from_peft_config(config)
+    fields = ("targets", "rank", "alpha", "dropout", "use_rslora", "use_dora")
+    assert {key: getattr(parsed, key) for key in fields} == {
         "targets": ["q_proj", "v_proj"],
         "rank": 2,
         "alpha": 4.0,
@@ -115,11 +111,11 @@ def test_adapter_config_fields():
         "use_rslora": False,
         "use_dora": False,
     }
-    assert lora_kwargs_from_config({**config, "use_dora": True})["use_dora"] is True
+    assert LoRAArgs.from_peft_config({**config, "use_dora": True}).use_dora is True
     with pytest.raises(ConfigError, match="resolved module names"):
         _config("all-linear")
     with pytest.raises(CheckpointError, match="rank_pattern"):
-        lora_kwargs_from_config({**config, "rank_pattern": {"q_proj": 4}})
+        LoRAArgs.from_peft_config({**config, "rank_pattern": {"q_proj": 4}})
 
 
 def test_save_then_load_round_trip(tmp_path):
@@ -138,7 +134,7 @@ def test_save_then_load_round_trip(tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
 
     fresh = Tiny()
-    apply_lora(fresh, **lora_kwargs_from_config(read_adapter_config(out)))
+    apply_lora(fresh, LoRAArgs.from_peft_config(read_adapter_config(out)))
     load_peft_adapter(fresh, out)
     for key, value in adapter_state_dict(model).items():
         assert torch.equal(adapter_state_dict(fresh)[key], value), key
@@ -152,7 +148,7 @@ def test_save_replaces_an_existing_adapter_whole(tmp_path):
     save_peft_adapter(adapter_state_dict(other), _config(targets), target)
     assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no temp or retired folders left
     loaded = Tiny()
-    apply_lora(loaded, targets=targets, rank=2, alpha=4.0)
+    apply_lora(loaded, LoRAArgs(targets=targets, rank=2, alpha=4.0))
     load_peft_adapter(loaded, target)
     key = "model.layers.0.self_attn.q_proj.lora_B.weight"
     assert torch.equal(adapter_state_dict(loaded)[key], adapter_state_dict(other)[key])
@@ -182,7 +178,7 @@ def test_load_errors_name_the_problem(tmp_path):
     out = save_peft_adapter(adapter_state_dict(model), _config(targets), tmp_path / "adapter")
 
     wrong_rank = Tiny()
-    apply_lora(wrong_rank, targets=targets, rank=3, alpha=4.0)
+    apply_lora(wrong_rank, LoRAArgs(targets=targets, rank=3, alpha=4.0))
     with pytest.raises(
         CheckpointError,
         match=r"\(r, lora_alpha, use_rslora, use_dora\)=\(2, 4.0, False, False\).*\(3, 4.0, False, False\)",
@@ -190,14 +186,14 @@ def test_load_errors_name_the_problem(tmp_path):
         load_peft_adapter(wrong_rank, out)
 
     fewer = Tiny()
-    apply_lora(fewer, targets=["q_proj"], rank=2, alpha=4.0)
+    apply_lora(fewer, LoRAArgs(targets=["q_proj"], rank=2, alpha=4.0))
     with pytest.raises(
         CheckpointError, match=r"unexpected \['model.layers.0.self_attn.v_proj.lora_A.weight'"
     ):
         load_peft_adapter(fewer, out)
 
     more = Tiny()
-    apply_lora(more, targets=["q_proj", "v_proj", "lm_head"], rank=2, alpha=4.0)
+    apply_lora(more, LoRAArgs(targets=["q_proj", "v_proj", "lm_head"], rank=2, alpha=4.0))
     with pytest.raises(
         CheckpointError, match=r"missing \['lm_head.lora_A.weight', 'lm_head.lora_B.weight'\]"
     ):

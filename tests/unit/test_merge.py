@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from tunelab.config.lora import LoRAArgs
 from tunelab.peft import (
     LoRALinear,
     apply_lora,
@@ -63,7 +64,7 @@ def test_merge_is_computed_in_fp32_then_cast_to_bf16():
 def _lora_model(tie=False):
     torch.manual_seed(0)
     model = Tiny(tie=tie)
-    apply_lora(model, targets=["q_proj", "down_proj", "lm_head"], rank=2, alpha=3.0)
+    apply_lora(model, LoRAArgs(targets=["q_proj", "down_proj", "lm_head"], rank=2, alpha=3.0))
     with torch.no_grad():
         for name, param in get_adapter_params(model).items():
             if "lora_B" in name:

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tunelab.config.lora import LoRAArgs
 from tunelab.peft import (
-    adapter_config,
     adapter_state_dict,
     apply_lora,
     disable_adapter,
@@ -117,7 +117,7 @@ def _check(rank, adapter_dir):
     torch.manual_seed(0)
     base = TinyLM()
     reference = copy.deepcopy(base)
-    apply_lora(reference, targets=TARGETS, rank=RANK, alpha=ALPHA)
+    apply_lora(reference, LoRAArgs(targets=TARGETS, rank=RANK, alpha=ALPHA))
     torch.manual_seed(1)
     init_lora_parameters(reference)
     torch.manual_seed(2)
@@ -126,13 +126,8 @@ def _check(rank, adapter_dir):
             if "lora_B" in name:
                 param.normal_()
     if rank == 0:
-        config = adapter_config(
-            rank=RANK,
-            alpha=ALPHA,
-            dropout=0.0,
-            targets=TARGETS,
-            use_rslora=False,
-            base_model_name_or_path=None,
+        config = LoRAArgs(rank=RANK, alpha=ALPHA, dropout=0.0, use_rslora=False).peft_config(
+            TARGETS, None
         )
         save_peft_adapter(adapter_state_dict(reference), config, adapter_dir)
     dist.barrier()
@@ -140,7 +135,7 @@ def _check(rank, adapter_dir):
     # The recipe's path: meta build, swap, shard per block and root, materialise, load, init.
     with torch.device("meta"):
         model = TinyLM()
-        apply_lora(model, targets=TARGETS, rank=RANK, alpha=ALPHA)
+        apply_lora(model, LoRAArgs(targets=TARGETS, rank=RANK, alpha=ALPHA))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

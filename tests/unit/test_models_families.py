@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from tunelab.config.lora import LoRAArgs
 from tunelab.errors import ConfigError
 from tunelab.models import ModelArgs, TransformerDecoder, args_from_hf
 from tunelab.modules import Attention, RMSNorm
@@ -235,7 +236,9 @@ def test_all_linear_lora_on_fused_phi3_modules_in_list_form():
     from tunelab.peft import apply_lora
 
     model = _model(fused_projections=True)
-    swapped = apply_lora(model, targets=["all-linear"], rank=2, alpha=4.0)  # the config form
+    swapped = apply_lora(
+        model, LoRAArgs(targets=["all-linear"], rank=2, alpha=4.0)
+    )  # the config form
     assert sorted({name.rpartition(".")[2] for name in swapped}) == [
         "down_proj", "gate_up_proj", "o_proj", "qkv_proj",
     ]  # fmt: skip

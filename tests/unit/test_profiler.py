@@ -41,7 +41,7 @@ def _step_numbers(trace: dict) -> set[int]:
 
 
 def test_records_the_steps_after_skip_first_into_a_chrome_trace(tmp_path, log):
-    profiler = StepProfiler(tmp_path, enabled=True, skip_first=2, record_steps=2)
+    profiler = StepProfiler(tmp_path / "profile", enabled=True, skip_first=2, record_steps=2)
     _train(profiler, 6)
     assert not profiler.enabled  # stopped once written: later steps cost nothing
     profiler.close()

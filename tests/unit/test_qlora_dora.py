@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunelab.config.lora import LoRAArgs
 from tunelab.errors import ConfigError
 from tunelab.peft import LoRALinear, apply_lora, disable_adapter, merged_state_dict
 from tunelab.peft.merge import merge_weight
@@ -56,7 +57,7 @@ def _meta_model(**lora):
                 "lm_head": nn.Linear(256, 128, bias=False),
             }
         )
-        apply_lora(model, targets=["q_proj"], rank=2, alpha=4.0, **lora)
+        apply_lora(model, LoRAArgs(targets=["q_proj"], rank=2, alpha=4.0, **lora))
     return model
 
 
@@ -158,7 +159,8 @@ def test_dora_forward_equals_its_merge_and_disabled_is_the_base(quantize):
 
 def test_save_and_export_leave_live_weights_unchanged(world_of_one, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tunelab.checkpoint import CheckpointClient, LoRASpec
+    from tunelab.checkpoint import CheckpointClient
+    from tunelab.config.lora import LoRAArgs
     from tunelab.config.recipe_args import LoRAArgs
     from tunelab.peft import get_adapter_params, lora_target_names
     from tunelab.training import build_model
@@ -198,7 +200,7 @@ def test_save_and_export_leave_live_weights_unchanged(world_of_one, tmp_path):
         optimizer=optimizer,
         lr_scheduler=None,
         base_checkpoint_dir=tmp_path / "base",
-        lora=LoRASpec(2, 4.0, tuple(lora_target_names(model)), use_dora=True),
+        lora=LoRAArgs(rank=2, alpha=4.0, targets=lora_target_names(model), use_dora=True),
     )
     client.save(1, 0, {"note": "sync"}, blocking=True)
     client.export(0)

@@ -13,7 +13,6 @@ from typing import Any
 
 _EXPORTS = {
     "CheckpointClient": "tunelab.checkpoint.client",
-    "LoRASpec": "tunelab.checkpoint.client",
     "ResumeState": "tunelab.checkpoint.client",
     "SAFE_WEIGHTS_INDEX_NAME": "tunelab.checkpoint.hf",
     "SAFE_WEIGHTS_NAME": "tunelab.checkpoint.hf",

@@ -48,14 +48,16 @@ from tunelab.checkpoint.dcp import (
     saved_keys,
 )
 from tunelab.checkpoint.export import export_hf
-from tunelab.checkpoint.lora_spec import LoRASpec
 from tunelab.checkpoint.state import (
     TRAINER_STATE_NAME,
     gather_rng_states,
     restore_rng_states,
     to_json,
 )
+from tunelab.config.lora import LoRAArgs
 from tunelab.errors import CheckpointError, first_line
+from tunelab.lifecycle.run_folder import CommittedCheckpoint, RunFolder
+from tunelab.peft import lora_target_names
 
 logger = logging.getLogger(__name__)
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -82,7 +84,7 @@ class CheckpointClient:
     """Saves, commits, exports and restores a run's checkpoints.
 
     Args:
-        output_dir: The run's output folder (``step_{N}/``, ``epoch_{E}/`` go there).
+        run: The run's folder (``step_{N}/``, ``epoch_{E}/`` go there), or its path.
         model: The (possibly FSDP2-sharded) model.
         optimizer: Its optimizer.
         lr_scheduler: Its LR scheduler, or None.
@@ -103,13 +105,13 @@ class CheckpointClient:
 
     def __init__(
         self,
-        output_dir: str | os.PathLike,
+        run: RunFolder | str | os.PathLike,
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any | None,
         base_checkpoint_dir: str | os.PathLike,
-        lora: LoRASpec | None = None,
+        lora: LoRAArgs | None = None,
         enable_async: bool = False,
         keep_last_n: int | None = None,
         config_hash: str = "",
@@ -121,7 +123,8 @@ class CheckpointClient:
                 "CheckpointClient was built before the process group: call "
                 "tunelab.distributed.init_distributed() first in a multi-process run"
             )
-        self.output_dir = Path(output_dir)
+        self.run = run if isinstance(run, RunFolder) else RunFolder(run)
+        self.output_dir = self.run.root
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.base_checkpoint_dir = Path(base_checkpoint_dir)
         self.lora = lora
@@ -161,7 +164,12 @@ class CheckpointClient:
             The step directory.
         """
         self._saver.wait()
-        path = layout.step_dir(self.output_dir, step)
+        path = self.run.step_dir(step)
+        if path.is_symlink():
+            # Writing (or clearing) it would reach into whatever it points at.
+            raise CheckpointError(
+                f"{path} is a link; tunelab never writes through links in an output_dir: remove it"
+            )
         if layout.read_manifest(path) is not None:
             # Overwriting a committed checkpoint in place would break it mid-write.
             raise CheckpointError(f"{path} is already a committed checkpoint")
@@ -210,7 +218,7 @@ class CheckpointClient:
             raise as_checkpoint_error(error, path, "writing checkpoint") from error
         logger.info("committed checkpoint %s", path)
         if self.keep_last_n is not None:
-            for deleted in layout.prune(self.output_dir, self.keep_last_n):
+            for deleted in self.run.prune(self.keep_last_n):
                 logger.info("pruned checkpoint %s", deleted)
 
     def _tensor_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -252,7 +260,7 @@ class CheckpointClient:
         """
         candidates: list[Any] = [None]
         if self.rank == 0:
-            committed, unreadable = layout.scan_checkpoints(self.output_dir)
+            committed, unreadable = self.run.scan_checkpoints()
             found = [(c.step, c.path, c.manifest, None) for c in committed]
             found += [(c.step, c.path, None, c.reason) for c in unreadable]
             candidates = [sorted(found, key=lambda item: item[0], reverse=True)]
@@ -261,7 +269,7 @@ class CheckpointClient:
         moved = []
         for step, path, manifest, problem in candidates[0]:
             if manifest is not None:
-                checkpoint = layout.CommittedCheckpoint(step, path, manifest)
+                checkpoint = CommittedCheckpoint(step, path, manifest)
                 self._check_fingerprint(checkpoint)
                 problem = self._verify(checkpoint)
                 if problem is None:
@@ -285,7 +293,7 @@ class CheckpointClient:
             )
         return None
 
-    def _verify(self, checkpoint: layout.CommittedCheckpoint) -> str | None:
+    def _verify(self, checkpoint: CommittedCheckpoint) -> str | None:
         """Check every file of ``checkpoint`` against its checksums, ranks sharing the reads.
 
         Returns:
@@ -323,7 +331,7 @@ class CheckpointClient:
         failure: list[Any] = [None]
         if self.rank == 0:
             try:
-                for path in layout.remove_stale(self.output_dir):
+                for path in self.run.remove_leftovers():
                     logger.info("removed %s, left by an interrupted run", path)
             except OSError as error:
                 failure = [str(as_checkpoint_error(error, self.output_dir, "cleaning"))]
@@ -331,7 +339,7 @@ class CheckpointClient:
         if failure[0] is not None:
             raise CheckpointError(failure[0])
 
-    def _load(self, checkpoint: layout.CommittedCheckpoint) -> ResumeState:
+    def _load(self, checkpoint: CommittedCheckpoint) -> ResumeState:
         trainer_state = json.loads((checkpoint.path / TRAINER_STATE_NAME).read_text())
         tensors, param_groups = self._tensor_state()
         missing = {f"model.{key}" for key in tensors["model"]} - saved_keys(checkpoint.path)
@@ -369,7 +377,7 @@ class CheckpointClient:
             path=checkpoint.path,
         )
 
-    def _check_fingerprint(self, checkpoint: layout.CommittedCheckpoint) -> None:
+    def _check_fingerprint(self, checkpoint: CommittedCheckpoint) -> None:
         saved = checkpoint.manifest.get("fingerprint", {})
         for key, value in self._fingerprint.items():
             if saved.get(key) != value:
@@ -390,7 +398,11 @@ class CheckpointClient:
             The export folder.
         """
         self._saver.wait()
-        path = layout.epoch_dir(self.output_dir, epoch)
+        path = self.run.epoch_dir(epoch)
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path} is a link; tunelab never writes through links in an output_dir: remove it"
+            )
         try:
             return export_hf(
                 self.model,
@@ -424,7 +436,9 @@ class CheckpointClient:
         trainable_hash = hashlib.sha256(json.dumps(trainable).encode()).hexdigest()[:16]
         return {
             "base_model_config": base_hash,
-            "lora": None if self.lora is None else _lora_record(self.lora),
+            "lora": (
+                None if self.lora is None else self.lora.fingerprint(lora_target_names(self.model))
+            ),
             "trainable_parameters": trainable_hash,
         }
 
@@ -445,20 +459,3 @@ class CheckpointClient:
 
 def _global_shape(param: torch.Tensor) -> torch.Size:
     return param.shape if not isinstance(param, DTensor) else param.size()
-
-
-def _lora_record(lora: LoRASpec) -> dict[str, Any]:
-    # Dropout may change between runs without invalidating the adapter. DoRA and a quantized
-    # base change what the adapter computes; recorded only when set, so LoRA records stay as
-    # they were.
-    record: dict[str, Any] = {
-        "rank": lora.rank,
-        "alpha": lora.alpha,
-        "targets": sorted(lora.targets),
-        "use_rslora": lora.use_rslora,
-    }
-    if lora.use_dora:
-        record["use_dora"] = True
-    if lora.quantize_base is not None:
-        record["quantize_base"] = lora.quantize_base
-    return record

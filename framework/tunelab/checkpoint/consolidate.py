@@ -44,6 +44,7 @@ from tunelab.checkpoint._safetensors_layout import (
 from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from tunelab.checkpoint.hf_write import parse_size
 from tunelab.checkpoint.integrity import FileRecord, digest, record_of, record_of_ranges
+from tunelab.checkpoint.layout import temporary_name
 from tunelab.errors import CheckpointError, ConfigError
 
 __all__ = ["HFSafetensorsWriter", "temp_name"]
@@ -53,7 +54,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 def temp_name(file_name: str) -> str:
     """The hidden name a file or folder is written under until it is renamed into place."""
-    return f".{file_name}.partial"
+    return temporary_name(file_name, "partial")
 
 
 class HFSafetensorsWriter(StorageWriter):

@@ -20,7 +20,7 @@ from torch import nn
 import tunelab.peft as peft
 from tunelab.checkpoint.hf import HFCheckpointReader
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
-from tunelab.checkpoint.lora_spec import LoRASpec
+from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import gather_full_tensors
 from tunelab.peft.merge import lazy_merged_state_dict
 
@@ -30,7 +30,7 @@ def export_hf(
     output_dir: str | os.PathLike,
     *,
     base_checkpoint_dir: str | os.PathLike,
-    lora: LoRASpec | None = None,
+    lora: LoRAArgs | None = None,
     process_group: dist.ProcessGroup | None = None,
     extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
@@ -57,7 +57,7 @@ def export_hf(
         # One collective for the whole (small) adapter; the merge reuses its gathered A's.
         adapter = gather_full_tensors(peft.adapter_state_dict(model))
         if rank == 0:
-            config = lora.peft_config(str(base_checkpoint_dir))
+            config = lora.peft_config(peft.lora_target_names(model), str(base_checkpoint_dir))
             peft.save_peft_adapter(adapter, config, output_dir / "adapter")
         # The merges run inside the writer, one weight at a time, as each is written.
         state_dict, merges = lazy_merged_state_dict(model, full_adapter=adapter)

@@ -25,7 +25,7 @@ from tunelab.checkpoint.consolidate import DEFAULT_MAX_SHARD_SIZE, HFSafetensors
 from tunelab.checkpoint.dcp import as_checkpoint_error
 from tunelab.checkpoint.hf_write import copy_model_files
 from tunelab.checkpoint.integrity import MANIFEST_NAME
-from tunelab.checkpoint.layout import is_temporary_name, write_manifest
+from tunelab.checkpoint.layout import is_temporary_name, temporary_name, write_manifest
 from tunelab.errors import CheckpointError, TunelabError
 
 __all__ = ["save_hf_sharded"]
@@ -48,7 +48,7 @@ def save_hf_sharded(
     """Export a (possibly sharded) HF-keyed state dict as a Hugging Face model folder.
 
     All ranks of ``process_group`` call this. The files are written into a sibling temporary
-    folder (``.{name}.partial``) which rank 0 renames to ``output_dir`` at the end, so a crash
+    folder (``.{name}.tunelab-partial``) which rank 0 renames to ``output_dir`` at the end, so a crash
     never leaves a partial export over a good one. An existing ``output_dir`` is replaced;
     its entries that are not weights and that the export does not write (e.g. ``adapter/``)
     are kept.
@@ -152,7 +152,7 @@ class _TransformingPlanner(DefaultSavePlanner):
 
 
 def _is_weights_name(name: str) -> bool:
-    return name.endswith((".safetensors", ".bin", ".index.json", ".partial"))
+    return name.endswith((".safetensors", ".bin", ".index.json")) or is_temporary_name(name)
 
 
 def _carried_over(name: str, produced: set[str]) -> bool:
@@ -175,7 +175,12 @@ def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
     weights (a LoRA ``adapter/`` folder written just before, say) move into the new folder;
     the old weights are deleted, never mixed with the new ones.
     """
-    previous = final.parent / f".{final.name}.old"
+    if final.is_symlink():
+        # Its entries would be moved out of whatever it points at.
+        raise CheckpointError(
+            f"{final} is a link; tunelab never writes through links in an output_dir: remove it"
+        )
+    previous = final.parent / temporary_name(final.name, "old")
     shutil.rmtree(previous, ignore_errors=True)
     if final.exists():
         produced = {entry.name for entry in staging.iterdir()}

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.cli._discovery import load_recipe_args, resolve_recipe
 from tunelab.config import load_config, parse_args, resolve_config_path
 from tunelab.errors import ConfigError, TunelabError
+from tunelab.lifecycle import RunFolder
 
 
 def recipe_of_config(cfg: DictConfig, config_path: Path) -> Path:
@@ -67,6 +67,8 @@ def check_config(
     resume = getattr(getattr(args, "checkpoint", None), "resume_from_checkpoint", None)
     output_dir = getattr(args, "output_dir", None)
     if resume is not None and isinstance(output_dir, str) and output_dir:
-        # What the recipe would refuse at start, said before any process starts.
-        check_resume_setting(output_dir, resume)
+        # What the recipe would refuse at start, said before any process starts: another run
+        # holding the folder first, then what the folder holds.
+        may_exist = bool(getattr(args, "output_dir_may_exist", True))
+        RunFolder(output_dir).check_before_start(resume, may_exist=may_exist)
     return config_path, recipe_path

@@ -25,6 +25,7 @@ from tunelab.lifecycle import (
 )
 from tunelab.lifecycle.preemption import signal_name
 from tunelab.lifecycle.restarts import restart_follows
+from tunelab.lifecycle.run_folder import RunFolder
 
 T = TypeVar("T")
 
@@ -84,7 +85,7 @@ def _write_rank_log(output_dir: object, text: str) -> str | None:
     """Append ``text`` to ``{output_dir}/logs/rank_{RANK}.log``; return its path, or None."""
     if not isinstance(output_dir, str) or not output_dir:
         return None
-    path = os.path.join(output_dir, "logs", f"rank_{_rank()}.log")
+    path = str(RunFolder(output_dir).rank_log(_rank()))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a", encoding="utf-8") as file:

@@ -25,6 +25,7 @@ from tunelab.config.constraints import (
     OutputDir,
     Range,
 )
+from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs
 
 AtLeastOne = Annotated[int, Range(ge=1)]
 """A count or interval that must be 1 or more."""
@@ -32,28 +33,6 @@ AdapterDir = Annotated[
     str, ExistingPath("dir", contains=("adapter_config.json", "adapter_model.safetensors"))
 ]
 """A PEFT adapter folder."""
-
-
-@dataclass(kw_only=True)
-class LoRAArgs:
-    """LoRA adapter settings."""
-
-    rank: AtLeastOne = 8
-    """Rank r of the low-rank update B @ A."""
-    alpha: Annotated[float, Finite(), Range(gt=0)] = 16.0
-    """Scale numerator: the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA)."""
-    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
-    """Dropout on the adapter's input."""
-    targets: Annotated[list[Annotated[str, NonEmpty()]], NonEmpty()] = field(
-        default_factory=lambda: ["q_proj", "v_proj"]
-    )
-    """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head; Phi-3: qkv_proj gate_up_proj), or ["all-linear"]."""
-    use_rslora: bool = False
-    """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
-    use_dora: bool = False
-    """DoRA: learn a magnitude per output feature on top of the low-rank update (weight-decomposed LoRA, as PEFT's use_dora)."""
-    quantize_base: Literal["nf4"] | None = None
-    """QLoRA: nf4 stores the frozen linear weights (not lm_head) in 4-bit NormalFloat (torchao), quantized shard by shard as they load (None: the training dtype)."""
 
 
 @dataclass(kw_only=True)
@@ -78,6 +57,8 @@ class FinetuneArgs(RecipeArgs):
 
     output_dir: Annotated[str, NonEmpty(), OutputDir()]
     """Folder for checkpoints (step_N/), exports (epoch_E/) and logs (logs/)."""
+    output_dir_may_exist: bool = False
+    """Let a first run write into a non-empty output_dir that tunelab did not make (tunelab never deletes or moves what it did not write there)."""
     checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
     """The base model: a Hugging Face folder (config.json, safetensors, tokenizer files)."""
     seed: int = 0
@@ -172,6 +153,17 @@ class LoRAFinetuneArgs(FinetuneArgs):
     """Start from an existing PEFT adapter folder instead of a fresh adapter."""
     frozen_base: Literal["auto", "replicate", "shard"] = "auto"
     """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
+
+    def check_settings(self) -> list[str]:
+        """With ``adapter_dir``, the adapter's settings fill ``lora`` (or conflict with it)."""
+        problems = super().check_settings()
+        # A folder without the file is already reported by adapter_dir's own check.
+        if (
+            self.adapter_dir is not None
+            and (Path(self.adapter_dir) / ADAPTER_CONFIG_NAME).is_file()
+        ):
+            problems += self.lora.reconcile_with_adapter(self.adapter_dir)
+        return problems
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,9 @@
 
 Three promises (docs/recipes.md, "Stopping, preemption and orphans"):
 
-- One run owns an output_dir: rank 0 holds a lock on it for its whole life
-  (:func:`lock_output_dir`; ``tunelab run`` checks it before starting anything).
+- One run owns an output_dir: :class:`RunFolder` names every path in it, and its rank 0 holds
+  a lock on it for its whole life (:meth:`RunFolder.start`; ``tunelab run`` checks it before
+  starting anything).
 - Workers never outlive their launcher: they die with it, even when it is SIGKILLed
   (:func:`exit_with_launcher`, called by ``recipe_main``).
 - A stop signal (SIGTERM, SIGINT) becomes a committed checkpoint at a step every rank agrees
@@ -28,13 +29,17 @@ from tunelab.lifecycle.preemption import (
     stop_signals_blocked,
 )
 from tunelab.lifecycle.restarts import restart_of_job
+from tunelab.lifecycle.run_folder import CommittedCheckpoint, RunFolder, UnreadableCheckpoint
 
 __all__ = [
     "LAUNCHER_PID_ENV",
     "LOCK_FILE_NAME",
     "STOP_SIGNALS",
+    "CommittedCheckpoint",
     "Preemption",
+    "RunFolder",
     "TrainingStopped",
+    "UnreadableCheckpoint",
     "check_output_dir_free",
     "exit_with_launcher",
     "install_stop_handlers",

@@ -38,6 +38,7 @@ _HOLDER_BYTES = 4096
 # `tunelab run` checks the lock by taking and releasing it: if a run's rank 0 tries in that
 # instant, it must not mistake the check for a run. Real holders keep the lock for hours.
 _RETRY_S = 1.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Locks this process holds, kept open until it exits: output_dir -> file descriptor.
 _held: dict[Path, int] = {}
 
@@ -86,9 +87,15 @@ def check_output_dir_free(output_dir: str | os.PathLike) -> None:
     """
     path = Path(output_dir) / LOCK_FILE_NAME
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     except FileNotFoundError:
         return
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise CheckpointError(
+            f"{path} is a link; tunelab never writes through links in an output_dir: remove it"
+        ) from None
     try:
         _lock_or_raise(fd, Path(output_dir), retry_s=0.0)
     finally:
@@ -101,7 +108,16 @@ def _acquire(output_dir: Path) -> None:
         return
     output_dir.mkdir(parents=True, exist_ok=True)
     # No O_TRUNC: a second run must not wipe the holder's details before it reads them.
-    fd = os.open(output_dir / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    # O_NOFOLLOW: a lock file that is a link must not make us write through it.
+    try:
+        fd = os.open(output_dir / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise CheckpointError(
+            f"{output_dir / LOCK_FILE_NAME} is a link; tunelab never writes through links in an "
+            "output_dir: remove it"
+        ) from None
     try:
         locked = _lock_or_raise(fd, output_dir, retry_s=_RETRY_S)
     except BaseException:

@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
+from tunelab.lifecycle.run_folder import RunFolder
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a run with a checkpoint."""
 REPEAT_WINDOW_S = 2.0
@@ -206,9 +208,7 @@ class Preemption:
         self._checkpoints.close()
         for closeable in self._close:
             closeable.close()
-        from tunelab.checkpoint.layout import step_dir  # Imports torch: not at the top.
-
-        checkpoint = step_dir(self._checkpoints.output_dir, step).name
+        checkpoint = RunFolder(self._checkpoints.output_dir).step_dir(step).name
         raise TrainingStopped(
             self._agreed,
             f"stopped by {signal_name(self._agreed)} at step {step}; checkpoint {checkpoint} "

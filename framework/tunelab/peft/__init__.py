@@ -1,5 +1,6 @@
 """LoRA as one generic module swap: adapter state in PEFT names, and a shard-local merge."""
 
+from tunelab.config.lora import LoRAArgs, read_adapter_config
 from tunelab.peft.apply import (
     apply_lora,
     disable_adapter,
@@ -10,19 +11,18 @@ from tunelab.peft.apply import (
 )
 from tunelab.peft.lora import LoRALinear
 from tunelab.peft.merge import merged_state_dict
-from tunelab.peft.peft_io import load_peft_adapter, read_adapter_config, save_peft_adapter
-from tunelab.peft.state import adapter_config, adapter_state_dict, lora_kwargs_from_config
+from tunelab.peft.peft_io import load_peft_adapter, save_peft_adapter
+from tunelab.peft.state import adapter_state_dict
 
 __all__ = [
+    "LoRAArgs",
     "LoRALinear",
-    "adapter_config",
     "adapter_state_dict",
     "apply_lora",
     "disable_adapter",
     "get_adapter_params",
     "init_lora_parameters",
     "load_peft_adapter",
-    "lora_kwargs_from_config",
     "lora_target_names",
     "merged_state_dict",
     "read_adapter_config",

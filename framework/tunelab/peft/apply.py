@@ -12,13 +12,11 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tunelab.config.lora import ALL_LINEAR, LoRAArgs
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
 from tunelab.peft._names import MAGNITUDE
 from tunelab.peft.lora import LoRALinear, validate_lora_options
-
-ALL_LINEAR = "all-linear"
-"""Target every ``nn.Linear`` except the output layer ``lm_head``, as PEFT does."""
 
 LORA_TARGETS = (
     "q_proj",
@@ -74,16 +72,7 @@ def _matches(fqn: str, target: str) -> bool:
     return fqn == target or fqn.endswith("." + target)
 
 
-def apply_lora(
-    model: nn.Module,
-    *,
-    targets: Sequence[str] | str,
-    rank: int,
-    alpha: float,
-    dropout: float = 0.0,
-    use_rslora: bool = False,
-    use_dora: bool = False,
-) -> list[str]:
+def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
     """Replace each targeted ``nn.Linear`` with a ``LoRALinear`` over the same parameters.
 
     Call it before ``fully_shard`` (the swap needs plain parameters). The model may live on
@@ -92,15 +81,11 @@ def apply_lora(
 
     Args:
         model: Any module with ``nn.Linear`` children.
-        targets: Names to adapt: a module matches a target equal to its FQN or to a
-            dot-separated suffix of it, as in PEFT (e.g. ``["q_proj", "v_proj"]`` or
-            ``"self_attn.q_proj"``); or ``"all-linear"`` for every linear layer except
-            ``lm_head``.
-        rank: Adapter rank ``r``.
-        alpha: LoRA ``alpha`` (scale ``alpha / r``).
-        dropout: Dropout probability on the adapter input.
-        use_rslora: Scale by ``alpha / sqrt(r)`` (rsLoRA).
-        use_dora: Weight-decomposed LoRA (DoRA): add a trainable magnitude per output feature.
+        lora: The adapter settings. ``lora.targets`` names what to adapt: a module matches a
+            target equal to its FQN or to a dot-separated suffix of it, as in PEFT (e.g.
+            ``["q_proj", "v_proj"]`` or ``"self_attn.q_proj"``); or ``["all-linear"]`` for
+            every linear layer except ``lm_head``. ``quantize_base`` is not applied here
+            (``tunelab.training.build_model`` quantizes the base).
 
     Returns:
         The FQNs of the swapped modules, in module order.
@@ -110,11 +95,11 @@ def apply_lora(
         TunelabError: If a target matches no linear layer (the message lists the available
             names), if LoRA was already applied, or if the model is already sharded.
     """
-    validate_lora_options(rank, alpha, dropout)
+    validate_lora_options(lora.rank, lora.alpha, lora.dropout)
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise TunelabError("apply_lora: the model already has LoRA layers; apply it once")
     linears = _linear_modules(model)
-    selected = _select_targets(linears, targets)
+    selected = _select_targets(linears, lora.targets)
     for fqn in selected:
         linear = linears[fqn]
         if isinstance(linear.weight, DTensor):
@@ -123,15 +108,15 @@ def apply_lora(
             )
         parent_name, _, child_name = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        lora = LoRALinear.from_linear(
+        swapped = LoRALinear.from_linear(
             linear,
-            rank=rank,
-            alpha=alpha,
-            dropout=dropout,
-            use_rslora=use_rslora,
-            use_dora=use_dora,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            use_rslora=lora.use_rslora,
+            use_dora=lora.use_dora,
         )
-        setattr(parent, child_name, lora)
+        setattr(parent, child_name, swapped)
     set_trainable_params(model)
     return selected
 

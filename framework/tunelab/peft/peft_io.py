@@ -22,17 +22,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab._fs import fsync_path
 from tunelab.checkpoint.integrity import write_bytes
-from tunelab.checkpoint.layout import write_manifest
+from tunelab.checkpoint.layout import temporary_name, write_manifest
+from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs, read_adapter_config
 from tunelab.errors import CheckpointError
 from tunelab.peft.apply import lora_modules
 from tunelab.peft.state import (
     adapter_state_dict,
     from_peft_state_dict,
-    lora_kwargs_from_config,
     to_peft_state_dict,
 )
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 # Files that mean "a full model lives here"; an adapter must not be written beside them.
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
@@ -50,7 +49,7 @@ def save_peft_adapter(
     Args:
         state_dict: Adapter weights under native keys, full (not sharded) tensors, e.g.
             ``{k: v.full_tensor() for k, v in adapter_state_dict(model).items()}``.
-        config: The ``adapter_config.json`` content (see ``adapter_config``).
+        config: The ``adapter_config.json`` content (``LoRAArgs.peft_config``).
         output_dir: The adapter folder; replaced as a whole if it exists.
 
     Returns:
@@ -77,8 +76,8 @@ def save_peft_adapter(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # Temporary names of tunelab's pattern (a run removes them at start if a crash left
     # them), made with plain mkdir so modes follow the umask like every other output.
-    staging = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
-    retired = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
+    staging = output_dir.parent / temporary_name(output_dir.name, "tmp", os.getpid())
+    retired = output_dir.parent / temporary_name(output_dir.name, "old", os.getpid())
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
@@ -105,36 +104,6 @@ def save_peft_adapter(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir
-
-
-def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
-    """Read and check a PEFT LoRA ``adapter_config.json``.
-
-    Use it to apply LoRA with the saved settings before loading the weights:
-    ``apply_lora(model, **lora_kwargs_from_config(read_adapter_config(d)))``.
-
-    Args:
-        adapter_dir: The adapter folder.
-
-    Returns:
-        The parsed config.
-
-    Raises:
-        CheckpointError: If the file is missing or unreadable, or is not a LoRA config.
-    """
-    path = Path(adapter_dir) / ADAPTER_CONFIG_NAME
-    if not path.is_file():
-        raise CheckpointError(f"no {ADAPTER_CONFIG_NAME} in adapter folder {adapter_dir}")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"cannot read {path}: {error}") from error
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise CheckpointError(f"{path}: peft_type must be 'LORA', got {config.get('peft_type')!r}")
-    missing = [key for key in ("r", "lora_alpha", "target_modules") if key not in config]
-    if missing:
-        raise CheckpointError(f"{path}: missing {', '.join(missing)}")
-    return config
 
 
 @torch.no_grad()
@@ -170,10 +139,10 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
     """
     adapter_dir = Path(adapter_dir)
     config = read_adapter_config(adapter_dir)
-    expected = lora_kwargs_from_config(config)
+    expected = LoRAArgs.from_peft_config(config)
+    want = (expected.rank, expected.alpha, expected.use_rslora, expected.use_dora)
     for name, module in lora_modules(model).items():
         got = (module.rank, module.alpha, module.use_rslora, module.use_dora)
-        want = (expected["rank"], expected["alpha"], expected["use_rslora"], expected["use_dora"])
         if got != want:
             raise CheckpointError(
                 f"adapter {adapter_dir} has (r, lora_alpha, use_rslora, use_dora)={want}, "

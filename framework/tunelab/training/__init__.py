@@ -4,14 +4,16 @@ A recipe (``recipes/*.py``) writes its training step out in full; these are the 
 calls, each with one job:
 
 - set-up: :func:`build_model` (meta build, LoRA, FSDP2, sharded load), :func:`build_data`,
-  :func:`build_optimizer`, :func:`build_checkpoint_client`, :func:`resume`;
+  :func:`build_optimizer`, :func:`build_checkpoint_client`, :func:`resume`,
+  :func:`config_fingerprint`;
 - the step: :func:`to_device`, :func:`output_layer`, :func:`forward`, :func:`batch_loss`,
   :func:`global_token_count`,
   :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
-- around the step: :class:`Schedule`, :func:`evaluate`, :func:`evaluate_preference`,
-  :class:`MetricLoggers`, :class:`ProgressBar`, :func:`peak_memory_gib`, :func:`progress_record`.
+- after the step: :class:`AfterStep` (progress, metrics, validation, export, save, stop),
+  with :class:`Schedule`, :class:`MetricLoggers`, :class:`ProgressBar`, :class:`StepProfiler`;
+  :func:`evaluate`, :func:`evaluate_preference`, :func:`peak_memory_gib`.
 
 Components for configs: ``adamw``, the LR schedules and the metric loggers.
 """
@@ -53,18 +55,20 @@ from tunelab.training.reference import (
 )
 from tunelab.training.rng import seed_everything
 from tunelab.training.session import (
+    AfterStep,
     MetricLoggers,
     Schedule,
     TrainingData,
     build_checkpoint_client,
     build_data,
     build_optimizer,
-    progress_record,
     resume,
 )
-from tunelab.training.setup import build_model
+from tunelab.training.setup import build_model, config_fingerprint
 
 __all__ = [
+    "AfterStep",
+    "config_fingerprint",
     "JsonlLogger",
     "MetricLogger",
     "MetricLoggers",
@@ -99,7 +103,6 @@ __all__ = [
     "peak_memory_gib",
     "policy_forward",
     "preference_loss",
-    "progress_record",
     "resume",
     "seed_everything",
     "to_device",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from tunelab.checkpoint.layout import temporary_name
 from tunelab.errors import ConfigError, first_line
 
 
@@ -67,7 +68,7 @@ class JsonlLogger:
                 continue
             if isinstance(record, dict) and record.get("step", 0) <= step:
                 kept.append(line + "\n")
-        temp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        temp = self.path.with_name(temporary_name(self.path.name, "tmp", os.getpid()))
         temp.write_text("".join(kept), encoding="utf-8")
         os.replace(temp, self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115

@@ -2,7 +2,7 @@
 
 Usage, around the training loop::
 
-    profiler = StepProfiler(output_dir, enabled=True, skip_first=5, record_steps=3)
+    profiler = StepProfiler(run.profile_dir, enabled=True, skip_first=5, record_steps=3)
     for batch in loader:
         ...  # forward, backward, optimizer step
         profiler.step()
@@ -31,7 +31,6 @@ from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-PROFILE_DIR_NAME = "profile"
 """The folder under the output folder that holds the traces."""
 
 
@@ -39,7 +38,7 @@ class StepProfiler:
     """Record ``record_steps`` training steps after ``skip_first`` with ``torch.profiler``.
 
     Args:
-        output_dir: The run's output folder; traces go to ``{output_dir}/profile/``.
+        directory: Where the traces go (``RunFolder.profile_dir``: ``{output_dir}/profile/``).
         enabled: Whether to profile at all; when False every call is a no-op.
         skip_first: Steps to run before recording (at least 1 is advised: the profiler warms
             up during the last skipped step).
@@ -51,7 +50,7 @@ class StepProfiler:
 
     def __init__(
         self,
-        output_dir: str | os.PathLike,
+        directory: str | os.PathLike,
         *,
         enabled: bool = True,
         skip_first: int = 1,
@@ -61,7 +60,7 @@ class StepProfiler:
             raise ConfigError(f"profiler skip_first must be 0 or more, got {skip_first}")
         if record_steps < 1:
             raise ConfigError(f"profiler record_steps must be 1 or more, got {record_steps}")
-        self.directory = Path(output_dir) / PROFILE_DIR_NAME
+        self.directory = Path(directory)
         self.skip_first = skip_first
         self.record_steps = record_steps
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

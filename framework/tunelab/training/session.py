@@ -1,12 +1,17 @@
-"""The set-up and bookkeeping every training recipe shares, each default once.
+"""The set-up and bookkeeping every training recipe shares, each taking only what it uses.
 
-Data loaders, optimizer and schedule, the checkpoint client, resume, when to validate /
-export / save, and metric loggers. The training step itself is written out in each recipe.
+Data loaders, optimizer and schedule, the checkpoint client, resume, and :class:`AfterStep`:
+what a recipe does after each optimizer step (progress, metrics, validation, export, save,
+a stop signal). The training step itself is written out in each recipe. No building block here
+takes a recipe's whole settings object: they take the records they use (``CheckpointArgs``,
+``LoRAArgs``, a ``RunFolder``) and plain values, so a copied recipe with its own settings
+dataclass calls them unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,15 +20,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-import tunelab.peft as peft
-from tunelab.checkpoint.layout import check_resume_setting
 from tunelab.config import instantiate
-from tunelab.config.recipe_args import FinetuneArgs
+from tunelab.config.lora import LoRAArgs
+from tunelab.config.recipe_args import CheckpointArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.data.preference import IndexedPairs
-from tunelab.errors import CheckpointError, DataError
-from tunelab.lifecycle import restart_of_job
-from tunelab.training.setup import build_dataloader, config_fingerprint
+from tunelab.errors import DataError
+from tunelab.lifecycle import Preemption, RunFolder, restart_of_job
+from tunelab.training.loop import peak_memory_gib
+from tunelab.training.profiler import StepProfiler
+from tunelab.training.progress import ProgressBar
+from tunelab.training.setup import build_dataloader
 
 if TYPE_CHECKING:
     from tunelab.checkpoint import CheckpointClient
@@ -31,153 +38,188 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainingData:
-    """A recipe's loaders and the sampler whose position checkpoints save."""
+    """A recipe's loaders, the sampler whose position checkpoints save, and the step size."""
 
     loader: DataLoader
     """This rank's training micro-batches."""
     sampler: StatefulDistributedSampler
     """The resumable sampler behind ``loader``."""
     val_loader: DataLoader | None
-    """Validation micro-batches, or None without ``val_dataset``."""
+    """Validation micro-batches, or None without a validation dataset."""
     steps_per_epoch: int
     """Optimizer steps per epoch (``max_steps_per_epoch`` applied)."""
+    samples_per_step: int
+    """This rank's samples per optimizer step: ``batch_size * gradient_accumulation_steps``."""
 
-    def step_in_epoch(self, args: FinetuneArgs) -> int:
+    def step_in_epoch(self) -> int:
         """Optimizer steps already taken in the sampler's epoch (non-zero after a resume)."""
-        per_step = args.batch_size * args.gradient_accumulation_steps
-        return self.sampler.consumed // self.sampler.samples_per_step(per_step)
+        return self.sampler.consumed // self.sampler.samples_per_step(self.samples_per_step)
+
+    def epoch(self, epoch: int) -> Iterator[Any]:
+        """This rank's micro-batches of ``epoch``, from the saved position on."""
+        self.sampler.set_epoch(epoch)
+        return iter(self.loader)
+
+    def advance(self) -> None:
+        """Count one optimizer step's samples as used (call after the step)."""
+        self.sampler.advance(self.samples_per_step)
+
+    def progress(self, epoch_done: bool) -> dict[str, Any]:
+        """What a step checkpoint records of the recipe's progress."""
+        return {"sampler": self.sampler.state_dict(), "epoch_done": epoch_done}
 
 
 def build_data(
-    args: FinetuneArgs, tokenizer: Any, collate_fn: Callable, *, index_pairs: bool = False
+    dataset: Any,
+    tokenizer: Any,
+    collate_fn: Callable,
+    *,
+    batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    seed: int = 0,
+    val_dataset: Any = None,
+    max_steps_per_epoch: int | None = None,
+    index_pairs: bool = False,
 ) -> TrainingData:
-    """Build the training (and validation) datasets and loaders from a recipe's config.
+    """Build the training (and validation) datasets and loaders.
 
     Args:
-        args: The recipe settings (``dataset``, ``val_dataset``, ``batch_size``, ...).
+        dataset: The training dataset's component node (called with ``tokenizer``).
         tokenizer: Passed to the dataset components.
         collate_fn: Batches samples (``padded_collate_sft`` or ``padded_collate_dpo``).
+        batch_size: Samples per micro-batch per process.
+        gradient_accumulation_steps: Micro-batches per optimizer step.
+        seed: Seed of the per-epoch shuffle.
+        val_dataset: The validation dataset's component node, or None.
+        max_steps_per_epoch: Cap on optimizer steps per epoch.
         index_pairs: Give the training items of a preference dataset their dataset index
             (``IndexedPairs``), so that ``padded_collate_dpo`` batches carry ``pair_index``.
 
     Returns:
         The loaders, the sampler and the number of optimizer steps per epoch.
+
+    Raises:
+        DataError: The dataset is too small for one optimizer step.
     """
-    common = {"batch_size": args.batch_size, "collate_fn": collate_fn, "seed": args.seed}
-    dataset = instantiate(args.dataset, tokenizer=tokenizer)
+    common = {"batch_size": batch_size, "collate_fn": collate_fn, "seed": seed}
+    train = instantiate(dataset, tokenizer=tokenizer)
     if index_pairs:
-        dataset = IndexedPairs(dataset)
-    loader, sampler = build_dataloader(dataset, **common, pad_id=tokenizer.pad_id)
+        train = IndexedPairs(train)
+    loader, sampler = build_dataloader(train, **common, pad_id=tokenizer.pad_id)
     val_loader = None
-    if args.val_dataset is not None:
-        val_dataset = instantiate(args.val_dataset, tokenizer=tokenizer)
+    if val_dataset is not None:
+        validation = instantiate(val_dataset, tokenizer=tokenizer)
         val_loader, _ = build_dataloader(
-            val_dataset, **common, shuffle=False, pad_id=tokenizer.pad_id
+            validation, **common, shuffle=False, pad_id=tokenizer.pad_id
         )
-    steps_per_epoch = len(loader) // args.gradient_accumulation_steps
-    if args.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, args.max_steps_per_epoch)
+    steps_per_epoch = len(loader) // gradient_accumulation_steps
+    if max_steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, max_steps_per_epoch)
     if steps_per_epoch == 0:
         # A run of zero steps would "finish" with nothing trained and nothing exported.
-        per_step = args.batch_size * args.gradient_accumulation_steps * sampler.num_replicas
+        per_step = batch_size * gradient_accumulation_steps * sampler.num_replicas
         raise DataError(
-            f"dataset: {len(dataset)} samples, but one optimizer step takes {per_step} "
-            f"(batch_size {args.batch_size} x gradient_accumulation_steps "
-            f"{args.gradient_accumulation_steps} x {sampler.num_replicas} processes): "
+            f"dataset: {len(train)} samples, but one optimizer step takes {per_step} "
+            f"(batch_size {batch_size} x gradient_accumulation_steps "
+            f"{gradient_accumulation_steps} x {sampler.num_replicas} processes): "
             "no step can run; use more data or a smaller batch"
         )
-    return TrainingData(loader, sampler, val_loader, steps_per_epoch)
+    samples_per_step = batch_size * gradient_accumulation_steps
+    return TrainingData(loader, sampler, val_loader, steps_per_epoch, samples_per_step)
 
 
 def build_optimizer(
-    args: FinetuneArgs, params: Iterable[torch.Tensor], num_training_steps: int
+    optimizer: Any,
+    params: Iterable[torch.Tensor],
+    *,
+    lr_scheduler: Any = None,
+    num_training_steps: int,
 ) -> tuple[torch.optim.Optimizer, Any]:
-    """Instantiate the optimizer over ``params`` and its LR schedule (None if not configured)."""
-    optimizer = instantiate(args.optimizer, params=params)
-    lr_scheduler = None
-    if args.lr_scheduler is not None:
-        lr_scheduler = instantiate(
-            args.lr_scheduler, optimizer=optimizer, num_training_steps=num_training_steps
-        )
-    return optimizer, lr_scheduler
+    """Instantiate the optimizer over ``params`` and its LR schedule (None if not configured).
+
+    Args:
+        optimizer: The optimizer's component node (called with ``params``).
+        params: The trainable parameters.
+        lr_scheduler: The schedule's component node, or None for a constant LR.
+        num_training_steps: Optimizer steps in the whole run.
+    """
+    built = instantiate(optimizer, params=params)
+    schedule = None
+    if lr_scheduler is not None:
+        schedule = instantiate(lr_scheduler, optimizer=built, num_training_steps=num_training_steps)
+    return built, schedule
 
 
 def build_checkpoint_client(
-    args: FinetuneArgs,
+    run: RunFolder,
+    checkpoint: CheckpointArgs,
+    *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
+    base_checkpoint_dir: str,
+    lora: LoRAArgs | None = None,
     tokenizer: Any = None,
+    config_hash: str = "",
 ) -> CheckpointClient:
     """The run's ``CheckpointClient`` (call after ``init_distributed``).
 
-    A recipe whose settings have ``lora`` gets adapter-only checkpoints and LoRA exports. With
-    ``tokenizer``, exports also carry what it adds to the base model's files (an overridden
-    chat template), so the exported model is served with the template it was trained on.
+    Args:
+        run: The run's folder.
+        checkpoint: The ``checkpoint`` settings (async saves, retention).
+        model: The model, optimizer and schedule whose state is saved.
+        optimizer: See ``model``.
+        lr_scheduler: See ``model`` (None: constant LR).
+        base_checkpoint_dir: The base model's folder (exports copy its files).
+        lora: The LoRA record for adapter-only checkpoints and LoRA exports; None for full
+            fine-tuning.
+        tokenizer: With it, exports also carry what it adds to the base model's files (an
+            overridden chat template), so the model is served with the template it was
+            trained on.
+        config_hash: Recorded in manifests (``config_fingerprint``).
     """
     # Imported here: tunelab.checkpoint imports tunelab.training (RNG state) as it loads.
-    from tunelab.checkpoint import CheckpointClient, LoRASpec
+    from tunelab.checkpoint import CheckpointClient
 
-    lora = getattr(args, "lora", None)
-    spec = None
-    if lora is not None:
-        spec = LoRASpec(
-            rank=lora.rank,
-            alpha=lora.alpha,
-            targets=tuple(peft.lora_target_names(model)),
-            use_rslora=lora.use_rslora,
-            dropout=lora.dropout,
-            use_dora=lora.use_dora,
-            quantize_base=lora.quantize_base,
-        )
     return CheckpointClient(
-        args.output_dir,
+        run,
         model=model,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        base_checkpoint_dir=args.checkpoint_dir,
-        lora=spec,
-        enable_async=args.checkpoint.enable_async_checkpointing,
-        keep_last_n=args.checkpoint.keep_last_n_checkpoints,
-        config_hash=config_fingerprint(args),
+        base_checkpoint_dir=base_checkpoint_dir,
+        lora=lora,
+        enable_async=checkpoint.enable_async_checkpointing,
+        keep_last_n=checkpoint.keep_last_n_checkpoints,
+        config_hash=config_hash,
         export_files=tokenizer.extra_files() if hasattr(tokenizer, "extra_files") else None,
     )
 
 
-def resume(
-    args: FinetuneArgs, checkpoints: CheckpointClient, data: TrainingData
-) -> tuple[int, int]:
+def resume(checkpoints: CheckpointClient, data: TrainingData, mode: bool | str) -> tuple[int, int]:
     """Restore the newest committed checkpoint as ``checkpoint.resume_from_checkpoint`` says.
 
-    ``true`` resumes and fails when there is nothing to resume; ``"auto"`` resumes when
-    ``output_dir`` holds a committed checkpoint and starts fresh otherwise (what a
+    ``true`` resumes (``RunFolder.start`` already refused a folder with nothing to resume);
+    ``"auto"`` resumes when there is a committed checkpoint and starts fresh otherwise (what a
     scheduler's restart loop needs); ``false`` starts fresh. Rank 0 prints what was done.
 
     Returns:
         ``(global_step, start_epoch)``: ``(0, 0)`` for a fresh run.
-
-    Raises:
-        CheckpointError: A fresh run's ``output_dir`` already holds committed checkpoints
-            (said at start, not at the first save that would collide with one), or
-            ``resume_from_checkpoint: true`` finds nothing to resume.
     """
-    mode = args.checkpoint.resume_from_checkpoint
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     # A torchrun restart (--max-restarts) says so: "restart 1 of 2: resumed from step_4 ...".
     restart, max_restarts = restart_of_job()
     said = f"restart {restart} of {max_restarts}: " if restart else ""
-    _check_resume_setting_once(args.output_dir, mode)
     if mode is False:
         return 0, 0
     resumed = checkpoints.load_latest()
     if resumed is None:
         if is_main:
-            print(f"{said}no checkpoint in {args.output_dir}: starting fresh", flush=True)
+            print(f"{said}no checkpoint in {checkpoints.run}: starting fresh", flush=True)
         return 0, 0
     data.sampler.load_state_dict(resumed.progress["sampler"])
     start_epoch = resumed.epoch + 1 if resumed.progress["epoch_done"] else resumed.epoch
     if is_main:
-        step_in_epoch = 0 if resumed.progress["epoch_done"] else data.step_in_epoch(args)
+        step_in_epoch = 0 if resumed.progress["epoch_done"] else data.step_in_epoch()
         print(
             f"{said}resumed from {resumed.path.name} (epoch {start_epoch}, step {step_in_epoch} "
             f"of {data.steps_per_epoch})",
@@ -186,57 +228,156 @@ def resume(
     return resumed.step, start_epoch
 
 
-def _check_resume_setting_once(output_dir: str, mode: bool | str) -> None:
-    """``check_resume_setting`` on rank 0, its verdict raised on every rank.
-
-    One view of the folder: on a network filesystem another node's listing may lag rank 0's,
-    and a rank raising alone would leave the others waiting in their next collective.
-    """
-    problem: list[str | None] = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            check_resume_setting(output_dir, mode)
-        except CheckpointError as error:
-            problem = [str(error)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(problem[0])
-
-
-def progress_record(data: TrainingData, epoch_done: bool) -> dict[str, Any]:
-    """What a step checkpoint records of the recipe's progress."""
-    return {"sampler": data.sampler.state_dict(), "epoch_done": epoch_done}
-
-
 @dataclass(frozen=True)
 class Schedule:
-    """When to validate, export and save, from a recipe's settings."""
+    """When to log, validate, export and save.
 
-    args: FinetuneArgs
+    Args:
+        checkpoint: The ``checkpoint`` settings (save and export intervals).
+        epochs: Epochs in the run.
+        log_every_n_steps: Log metrics every N optimizer steps.
+        run_val_every_n_steps: Validate every N steps (always at epoch ends); None: only there.
+    """
+
+    checkpoint: CheckpointArgs
+    epochs: int
+    log_every_n_steps: int = 1
+    run_val_every_n_steps: int | None = None
 
     def validate(self, global_step: int, epoch_done: bool) -> bool:
         """Every ``run_val_every_n_steps`` and at each epoch end."""
-        return epoch_done or _every(global_step, self.args.run_val_every_n_steps)
+        return epoch_done or _every(global_step, self.run_val_every_n_steps)
 
     def export(self, epoch: int, epoch_done: bool) -> bool:
         """At epoch ends, every ``export_every_n_epochs`` and always the last."""
         return epoch_done and (
             self.is_last(epoch, epoch_done)
-            or _every(epoch + 1, self.args.checkpoint.export_every_n_epochs)
+            or _every(epoch + 1, self.checkpoint.export_every_n_epochs)
         )
 
     def save(self, global_step: int, epoch_done: bool) -> bool:
         """Every ``save_every_n_steps`` and at each epoch end."""
-        return epoch_done or _every(global_step, self.args.checkpoint.save_every_n_steps)
+        return epoch_done or _every(global_step, self.checkpoint.save_every_n_steps)
 
     def log(self, global_step: int) -> bool:
         """Every ``log_every_n_steps``."""
-        return _every(global_step, self.args.log_every_n_steps)
+        return _every(global_step, self.log_every_n_steps)
 
     def is_last(self, epoch: int, epoch_done: bool) -> bool:
         """Whether this step ends the run (its save has nothing left to overlap with)."""
-        return epoch_done and epoch == self.args.epochs - 1
+        return epoch_done and epoch == self.epochs - 1
+
+
+class AfterStep:
+    """What every training recipe does after its optimizer step, in this order.
+
+    Advance the progress bar and the profiler; log the step's metrics; validate; export at an
+    epoch end; save a step checkpoint; and, when a SIGTERM or SIGINT arrived, stop with a
+    committed checkpoint at a step every rank agrees on. Built after resume (it starts the
+    progress bar at the resumed step and arms the stop handling).
+
+    Args:
+        checkpoints: The run's checkpoint client.
+        data: The training data (its position goes into each checkpoint).
+        schedule: When to log, validate, export and save.
+        loggers: The metric loggers (``MetricLoggers``).
+        global_step: The step the run starts from (``resume``).
+        validate: Returns the validation metrics (``{"val_loss": ...}``), or None without
+            validation data.
+        profiler: Records a few steps when enabled.
+        device: For the peak-memory figure.
+        is_main: Whether this rank draws the progress bar (rank 0).
+    """
+
+    def __init__(
+        self,
+        checkpoints: CheckpointClient,
+        data: TrainingData,
+        schedule: Schedule,
+        *,
+        loggers: MetricLoggers,
+        global_step: int,
+        validate: Callable[[], dict[str, float]] | None,
+        profiler: StepProfiler,
+        device: torch.device,
+        is_main: bool,
+    ) -> None:
+        self.checkpoints, self.data, self.schedule = checkpoints, data, schedule
+        self.loggers, self.validate, self.profiler, self.device = (
+            loggers,
+            validate,
+            profiler,
+            device,
+        )
+        loggers.start_at(global_step)
+        total = data.steps_per_epoch * schedule.epochs
+        self.progress = ProgressBar(total, initial=global_step, enabled=is_main)
+        # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
+        self.preemption = Preemption(checkpoints, close=(self.progress, loggers))
+        self._start = time.perf_counter()
+
+    def start_step(self) -> None:
+        """Start the clock of a step (for its tokens/s)."""
+        self._start = time.perf_counter()
+
+    def __call__(
+        self,
+        global_step: int,
+        epoch: int,
+        step_in_epoch: int,
+        metrics: dict[str, float],
+        *,
+        num_tokens: float,
+    ) -> None:
+        """Do the bookkeeping of the step just taken.
+
+        Args:
+            global_step: Optimizer steps taken in the run, this one included.
+            epoch: The epoch of this step.
+            step_in_epoch: Optimizer steps taken in this epoch, this one included.
+            metrics: The step's metrics, with at least ``loss`` and ``lr``.
+            num_tokens: Tokens the step trained on, over all ranks.
+
+        Raises:
+            TrainingStopped: A stop signal arrived; the checkpoint of this step is committed.
+        """
+        self.profiler.step()
+        self.data.advance()
+        tokens_per_second = num_tokens / (time.perf_counter() - self._start)
+        self.progress.update(
+            loss=metrics["loss"], lr=metrics["lr"], tokens_per_second=tokens_per_second
+        )
+        schedule = self.schedule
+        if schedule.log(global_step):
+            metrics = {
+                **metrics,
+                "tokens_per_second": tokens_per_second,
+                "peak_memory_gib": peak_memory_gib(self.device),
+            }
+            self.loggers.log(metrics, global_step)
+        epoch_done = step_in_epoch == self.data.steps_per_epoch
+        if self.validate is not None and schedule.validate(global_step, epoch_done):
+            self.loggers.log(self.validate(), global_step)
+        if schedule.export(epoch, epoch_done):
+            self.checkpoints.export(epoch)
+        saved = schedule.save(global_step, epoch_done)
+        if saved:
+            self.checkpoints.save(
+                global_step,
+                epoch,
+                self.data.progress(epoch_done),
+                # Nothing is left to overlap the run's last save with: write it in place.
+                blocking=schedule.is_last(epoch, epoch_done),
+            )
+        if self.preemption.stop_agreed():  # A collective: every rank asks once per step.
+            self.preemption.stop(global_step, epoch, self.data.progress(epoch_done), saved=saved)
+
+    def close(self) -> None:
+        """Finish the progress bar and profiler, wait for the last save, close the loggers."""
+        self.progress.close()
+        self.profiler.close()
+        self.checkpoints.close()
+        self.loggers.close()
 
 
 class MetricLoggers:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 import tunelab.peft as peft
-from tunelab.config.recipe_args import LoRAArgs
+from tunelab.config.lora import LoRAArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.distributed import apply_activation_checkpointing, shard_model
 from tunelab.distributed.frozen_base import choose_frozen_base
@@ -83,16 +83,7 @@ def build_model(
                     f"lora.targets: lm_head cannot be adapted in {checkpoint_dir}, whose "
                     "config ties it to the input embeddings (tie_word_embeddings: true)"
                 )
-            peft.apply_lora(
-                model,
-                targets=lora.targets,
-                rank=lora.rank,
-                alpha=lora.alpha,
-                dropout=lora.dropout,
-                use_rslora=lora.use_rslora,
-                use_dora=lora.use_dora,
-            )
-            peft.set_trainable_params(model)
+            peft.apply_lora(model, lora)
     quantized = lora is not None and lora.quantize_base == "nf4"
     if quantized:
         _quantize_base_nf4(model, device, mesh)

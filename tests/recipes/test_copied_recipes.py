@@ -1,0 +1,80 @@
+"""A copied recipe stands alone: its own settings dataclass, the building blocks unchanged.
+
+Each training recipe is copied with the real ``tunelab cp`` and edited the way a user would:
+it declares its own settings dataclass (not a subclass of the built-in settings) that drops a
+setting the copy no longer uses (``compile``: the copy never compiles) and adds one of its
+own (``greeting``, printed at start). The copy then runs through the real ``tunelab run`` on 2
+processes, and must train exactly like the built-in recipe with the same config.
+"""
+
+import subprocess
+
+import pytest
+
+from tests.recipes.conftest import TUNELAB, losses_by_step, run_env, tunelab_run
+
+# The edits a user makes to the copy: its own dataclass in place of the built-in ARGS.
+_OWN_SETTINGS = '''
+import dataclasses
+
+from tunelab.config import RecipeArgs
+
+
+def _own_settings(builtin):
+    """A dataclass of its own: the built-in fields minus ``compile``, plus ``greeting``."""
+    kept = [
+        (f.name, f.type, f) for f in dataclasses.fields(builtin) if f.name not in ("compile",)
+    ]
+    greeting = ("greeting", str, dataclasses.field(default="hello from my copy"))
+    # The fields with defaults come after the required ones, as a dataclass needs.
+    kept.sort(key=lambda item: item[2].default is dataclasses.MISSING
+              and item[2].default_factory is dataclasses.MISSING, reverse=True)
+    return dataclasses.make_dataclass(
+        "MySettings", [*kept, greeting], bases=(RecipeArgs,), kw_only=True
+    )
+
+
+ARGS = _own_settings({builtin})
+'''
+
+RECIPES = [
+    ("full_finetune_distributed", "tiny/full", "FullFinetuneArgs"),
+    ("lora_finetune_distributed", "tiny/lora", "LoRAFinetuneArgs"),
+    ("lora_dpo_distributed", "tiny/lora_dpo", "LoRADPOArgs"),
+]
+STEPS = ("epochs=1", "max_steps_per_epoch=3", "checkpoint.save_every_n_steps=2")
+
+
+def _copy(recipe: str, builtin: str, path) -> None:
+    subprocess.run([TUNELAB, "cp", recipe, str(path)], check=True, env=run_env())
+    text = path.read_text()
+    assert f"\nARGS = {builtin}\n" in text and "compile_blocks=args.compile," in text
+    text = text.replace(f"\nARGS = {builtin}\n", _OWN_SETTINGS.format(builtin=builtin))
+    # The copy drops `compile` and uses its own `greeting`.
+    text = text.replace("compile_blocks=args.compile,", "compile_blocks=False,")
+    start = "    device = dist_info.device\n"
+    assert start in text
+    text = text.replace(start, start + "    print(args.greeting, flush=True)\n")
+    path.write_text(text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, config, builtin", RECIPES, ids=[r[0] for r in RECIPES])
+def test_a_copy_with_its_own_settings_dataclass_trains_like_the_builtin(
+    recipe, config, builtin, tmp_path
+):
+    copy = tmp_path / "my_recipe.py"
+    _copy(recipe, builtin, copy)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    result = tunelab_run(str(copy), config, f"output_dir={mine}", *STEPS)
+    assert "hello from my copy" in result.stdout
+    tunelab_run(recipe, config, f"output_dir={theirs}", *STEPS)
+    assert losses_by_step(mine) == losses_by_step(theirs)
+    assert len(losses_by_step(mine)) == 3
+    # The copy's own checkpoint and export came from the same building blocks.
+    assert (mine / "step_2").is_dir() and (mine / "epoch_0").is_dir()
+    # A setting it dropped is an unknown key for the copy, named as such.
+    refused = tunelab_run(
+        str(copy), config, f"output_dir={tmp_path / 'x'}", "compile=true", check=False
+    )
+    assert refused.returncode != 0 and "compile" in refused.stderr

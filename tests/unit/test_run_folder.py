@@ -1,0 +1,131 @@
+"""RunFolder: the one owner of output_dir (names, lock first, links, what clean-up may touch)."""
+
+import hashlib
+import os
+
+import pytest
+
+from tunelab.checkpoint import integrity, layout
+from tunelab.errors import CheckpointError
+from tunelab.lifecycle import RunFolder
+from tunelab.lifecycle.output_lock import _held, lock_output_dir
+from tunelab.lifecycle.run_folder import MARKER_NAME
+
+
+def _committed_step(root, step):
+    path = RunFolder(root).step_dir(step)
+    path.mkdir(parents=True)
+    record = integrity.write_bytes(path / "__0_0.distcp", b"x" * 10)
+    layout.commit(path, {"step": step, "epoch": 0}, {"__0_0.distcp": record})
+    return path
+
+
+def _digest_tree(root):
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_every_path_in_the_folder_is_named_by_it(tmp_path):
+    run = RunFolder(tmp_path / "out")
+    assert run.step_dir(7) == tmp_path / "out" / "step_7"
+    assert run.epoch_dir(2) == tmp_path / "out" / "epoch_2"
+    assert run.rank_log(1) == tmp_path / "out" / "logs" / "rank_1.log"
+    assert run.profile_dir == tmp_path / "out" / "profile"
+    assert run.lock_file == tmp_path / "out" / ".tunelab.lock"
+
+
+def test_retention_never_follows_a_step_link_into_another_run(tmp_path):
+    other = tmp_path / "other_run"
+    _committed_step(other, 6)
+    before = _digest_tree(other)
+    mine = tmp_path / "mine"
+    _committed_step(mine, 4)
+    _committed_step(mine, 5)
+    os.symlink(other / "step_6", mine / "step_6")
+    run = RunFolder(mine)
+    # The link is not a checkpoint of this run: not resumed, not pruned, not cleaned.
+    assert [c.step for c in run.committed_checkpoints()] == [4, 5]
+    assert [p.name for p in run.prune(keep_last_n=1)] == ["step_4"]
+    run.remove_leftovers()
+    assert _digest_tree(other) == before
+    assert (mine / "step_6").is_symlink()
+
+
+def test_clean_up_removes_only_what_tunelab_wrote(tmp_path, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    user = {
+        out / ".env.old": "HF_TOKEN=secret",
+        out / ".cache.partial": "mine",
+        out / "step_1" / "train.jsonl": '{"text": "a dataset the user keeps here"}',
+    }
+    for path, text in user.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    killed_save = out / "step_3"
+    killed_save.mkdir()
+    (killed_save / "__0_0.distcp").write_bytes(b"partial")
+    (killed_save / "trainer_state.json").write_text("{}")
+    temporary = out / layout.temporary_name("epoch_0", "partial")
+    temporary.mkdir()
+    deleted = RunFolder(out).remove_leftovers()
+    assert sorted(deleted) == sorted([killed_save, temporary])
+    assert all(path.read_text() == text for path, text in user.items())
+    assert "step_1 (train.jsonl)" in caplog.text  # named once, left in place
+
+
+def test_a_lock_file_that_is_a_link_is_never_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / ".tunelab.lock")
+    with pytest.raises(CheckpointError, match="is a link"):
+        lock_output_dir(out)
+    assert victim.read_text() == "precious"
+    with pytest.raises(CheckpointError, match="is a link"):
+        RunFolder(out).check_before_start(False)
+
+
+def test_a_first_run_into_a_foreign_folder_is_refused_unless_allowed(tmp_path):
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "holiday.jpg").write_text("jpg")
+    run = RunFolder(out)
+    with pytest.raises(CheckpointError, match="not made by tunelab.*output_dir_may_exist"):
+        run.check_before_start(False, may_exist=False)
+    run.check_before_start(False, may_exist=True)
+    # A folder tunelab made (its marker) or one holding its committed checkpoints is its own.
+    (out / MARKER_NAME).write_text("{}")
+    run.check_before_start(False, may_exist=False)
+    older = tmp_path / "older_run"
+    _committed_step(older, 2)
+    RunFolder(older).check_before_start(True, may_exist=False)
+
+
+def test_start_takes_the_lock_before_looking_at_checkpoints(tmp_path):
+    out = tmp_path / "busy"
+    _committed_step(out, 2)
+    lock_output_dir(out)  # this process is "the other run"
+    try:
+        # A second run into a busy folder that holds checkpoints is told it is busy, not
+        # told to resume (which would then fail on the lock).
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(1) as pool:
+            message = pool.apply(_check_in_another_process, (str(out),))
+        assert "is in use by another run" in message
+    finally:
+        os.close(_held.pop(out.resolve()))
+
+
+def _check_in_another_process(out: str) -> str:
+    try:
+        RunFolder(out).check_before_start(False)
+    except CheckpointError as error:
+        return str(error)
+    return "no error"
