@@ -5,7 +5,11 @@ see docs/api.md). This root module exports the error family and nothing that nee
 ``import tunelab.config`` stays fast.
 """
 
+from tunelab._library_noise import silence_known_library_noise
 from tunelab.errors import CheckpointError, ConfigError, DataError, TrainingError, TunelabError
+
+# First thing, before any library is imported: torchao reads its switch at import time.
+silence_known_library_noise()
 
 __version__ = "0.1.0"
 

@@ -24,9 +24,11 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "tunelab",
             "tunelab.errors",
             "tunelab._fs",
+            "tunelab._model_files",
             "tunelab._paths",
             "tunelab._rng",
             "tunelab._torch_compat",
+            "tunelab._library_noise",
         ),
     },
     {
