@@ -375,7 +375,43 @@ def test_a_failure_without_a_record_is_described_by_its_exit():
     from tunelab.cli._run import _describe_failure
 
     failure = ProcessFailure(1, 1001, -9, "/nonexistent/error.json")
-    assert _describe_failure("toy", 1, failure) == "recipe toy failed on rank 1 (signal 9)"
+    assert _describe_failure("toy", 1, failure) == (
+        "recipe toy failed on rank 1 (killed by SIGKILL, signal 9 "
+        "(out of memory? the kernel's OOM killer sends it))"
+    )
+    failure = ProcessFailure(1, 1001, -11, "/nonexistent/error.json")
+    assert (
+        _describe_failure("toy", 1, failure)
+        == "recipe toy failed on rank 1 (killed by SIGSEGV, signal 11)"
+    )
+
+
+@pytest.mark.parametrize("killed_by", [9, 11, 6])
+def test_a_worker_killed_by_a_signal_it_does_not_handle_is_the_cause(tmp_path, killed_by):
+    # Rank 1 was SIGKILLed (the OOM killer) mid-step; rank 0 then recorded "Connection closed
+    # by peer" and was stopped with 143. Seen in issue 23: exit 143 ("stopped, committed")
+    # and rank 0's line.
+    from tunelab.cli._run import _describe_failure, _exit_status, _first_failure
+
+    failures = {
+        0: _process_failure(tmp_path, 0, 143, "rank 0: RuntimeError: Connection closed by peer"),
+        1: _process_failure(tmp_path, 1, -killed_by, None),
+    }
+    rank, failure = _first_failure(failures)
+    assert (rank, failure.exitcode) == (1, -killed_by)
+    assert _exit_status(failure.exitcode) == 128 + killed_by
+    assert "on rank 1 (killed by SIG" in _describe_failure("toy", rank, failure)
+
+
+def test_a_worker_torchrun_sigkilled_after_the_shutdown_timeout_is_not_the_cause(tmp_path):
+    from tunelab.cli._run import SHUTDOWN_TIMEOUT_S, _first_failure
+
+    failures = {
+        0: _process_failure(tmp_path, 0, 1, MESSAGE.format(0)),
+        1: _process_failure(tmp_path, 1, -9, None),
+    }
+    failures[1].timestamp += SHUTDOWN_TIMEOUT_S  # hung in a collective until torchrun's SIGKILL
+    assert _first_failure(failures)[0] == 0
 
 
 @pytest.mark.slow

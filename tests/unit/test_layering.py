@@ -25,6 +25,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "tunelab.errors",
             "tunelab._fs",
             "tunelab._model_files",
+            "tunelab._model_files",
             "tunelab._paths",
             "tunelab._rng",
             "tunelab._torch_compat",

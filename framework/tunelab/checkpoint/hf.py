@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tunelab._model_files import model_file, open_model_file, read_model_text
 from tunelab.errors import CheckpointError
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -66,22 +67,27 @@ def hf_dtype_name(dtype: torch.dtype) -> str:
 
 
 # ---- reading ------------------------------------------------------------------------------
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
+def read_safetensors_header(
+    path: str | os.PathLike, folder: str | os.PathLike | None = None
+) -> dict[str, dict]:
     """Parse and check a safetensors header without reading tensor data.
 
     Args:
         path: the file.
+        folder: the model folder it belongs to (links may not lead out of it; see
+            ``tunelab._model_files``); the file's parent when None.
 
     Returns:
         Tensor name -> ``{"dtype", "shape", "data_offsets"}`` (``__metadata__`` removed).
 
     Raises:
-        CheckpointError: the file is missing, truncated, or its header is not valid.
+        CheckpointError: the file is missing, truncated, or its header is not valid, or it
+            is a link out of its folder.
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_model_file(path, folder) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
             if header_len is None or 8 + header_len > size:
@@ -102,7 +108,12 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
             begin, end = entry["data_offsets"]
             numel = 1
             for dim in entry["shape"]:
-                numel *= int(dim)
+                _check_count(dim)
+                numel *= dim
+            _check_count(begin)
+            _check_count(end)
+            if begin > end:
+                raise ValueError(key)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}") from None
         if end - begin != numel * dtype.itemsize:
@@ -113,6 +124,12 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
                 f"section but the file holds {data_size} bytes"
             )
     return header
+
+
+def _check_count(value: object) -> None:
+    """A size, offset or dimension read from a file: a non-negative int (not a float, not 1e400)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(value)
 
 
 class HFCheckpointReader:
@@ -143,7 +160,7 @@ class HFCheckpointReader:
                 raise CheckpointError(
                     f"{path} is missing; {SAFE_WEIGHTS_INDEX_NAME} maps tensors to it"
                 )
-            for key, entry in read_safetensors_header(path).items():
+            for key, entry in read_safetensors_header(path, self.checkpoint_dir).items():
                 if key in self._entries:
                     raise CheckpointError(
                         f"{path}: {key!r} also appears in {self._entries[key][0]}"
@@ -165,8 +182,9 @@ class HFCheckpointReader:
         index = self.checkpoint_dir / SAFE_WEIGHTS_INDEX_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(read_model_text(index, self.checkpoint_dir))["weight_map"]
                 assert isinstance(weight_map, dict)
+                assert all(isinstance(file, str) for file in weight_map.values())
             except (ValueError, KeyError, TypeError, AssertionError):
                 raise CheckpointError(f"{index}: corrupt index (no weight_map object)") from None
             return weight_map
@@ -189,7 +207,8 @@ class HFCheckpointReader:
 
     def _handle(self, filename: str):  # safetensors' handle type is not public
         if filename not in self._handles:
-            path = self.checkpoint_dir / filename
+            # The checked path: no link out of the folder, a regular file (mmap'ed).
+            path = model_file(self.checkpoint_dir / filename, self.checkpoint_dir)
             try:
                 self._handles[filename] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as error:  # safetensors raises its own error types

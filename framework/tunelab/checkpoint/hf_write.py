@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tunelab._model_files import read_model_text
 from tunelab.checkpoint.hf import MODEL_FILE_PATTERNS, hf_dtype_name
 from tunelab.checkpoint.integrity import FileRecord, copy_file, write_bytes
 from tunelab.errors import CheckpointError
@@ -66,7 +67,8 @@ def copy_model_files(
         Each copied or written file's name and checksum record (taken as it is written).
 
     Raises:
-        CheckpointError: ``source_dir`` does not exist or its ``config.json`` is not JSON.
+        CheckpointError: ``source_dir`` does not exist, its ``config.json`` is not JSON, or a
+            file to copy is a link out of it or not a regular file.
     """
     source, output = Path(source_dir), Path(output_dir)
     if not source.is_dir():
@@ -74,16 +76,18 @@ def copy_model_files(
     copied: dict[str, FileRecord] = {}
     for pattern in MODEL_FILE_PATTERNS:
         for path in sorted(source.glob(pattern)):
-            if not path.is_file() or path.name in copied:
+            if path.name in copied or (path.is_dir() and not path.is_symlink()):
                 continue
             if path.name == "config.json":
                 try:
-                    config = json.loads(path.read_text())
+                    config = json.loads(read_model_text(path, source))
                 except ValueError:
                     raise CheckpointError(f"{path}: not valid JSON") from None
                 copied[path.name] = _write_config(config, output / path.name, torch_dtype)
             else:
-                copied[path.name] = copy_file(path, output / path.name)
+                # By content, through the checked open: a link out of the model folder (to
+                # /proc/self/environ, say) is an error naming it, never part of an export.
+                copied[path.name] = copy_file(path, output / path.name, source_folder=source)
     for name, data in (extra_files or {}).items():
         copied[name] = write_bytes(output / name, data)
     return copied

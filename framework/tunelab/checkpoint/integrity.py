@@ -30,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from tunelab._model_files import open_model_file
 from tunelab.errors import CheckpointError
 
 DIGEST_NAME = "xxh3_128"
@@ -83,9 +84,15 @@ def write_bytes(path: Path, data: bytes) -> FileRecord:
     return record_of(data)
 
 
-def copy_file(source: Path, target: Path) -> FileRecord:
-    """Copy ``source`` to ``target`` (hashing the bytes on their way) and return the record."""
-    with open(source, "rb") as reader, open(target, "wb") as writer:
+def copy_file(source: Path, target: Path, *, source_folder: Path | None = None) -> FileRecord:
+    """Copy ``source`` to a new ``target`` (hashing the bytes on their way); return the record.
+
+    Copied by content: ``target`` gets the mode the umask gives, never ``source``'s. The source
+    is a file of a model folder (``source_folder``, its parent when None): it is opened through
+    ``tunelab._model_files.open_model_file``, so a link out of that folder, a FIFO, a device or
+    a ``/proc`` file is refused (``CheckpointError``), never published.
+    """
+    with open_model_file(source, source_folder) as reader, open(target, "wb") as writer:
         hashing = HashingWriter(writer)
         shutil.copyfileobj(reader, hashing, _READ_BYTES)
         writer.flush()

@@ -42,7 +42,9 @@ is launched through torch.distributed.run; a single-node launch without a rendez
 or master port gets a free port of its own.
 
 SIGTERM or SIGINT (Ctrl-C) stops the run at the end of a step with a committed checkpoint and
-exit code 128 + signal; a second one stops it at once. The workers die with this command.
+exit code 128 + signal (143, 130); a second one stops it at once. The workers die with this
+command. A worker killed by any other signal (SIGKILL from the out-of-memory killer, SIGSEGV)
+ends the run with 128 + that signal (137, 139, ...) and a line naming its rank and signal.
 """
 
 # torchrun's loud INFO/WARNING lines (rendezvous banners, "failed (exitcode...)") repeat what
@@ -65,7 +67,11 @@ SHUTDOWN_TIMEOUT_S = 300
 # torch's switch for the rendezvous store that workers share across restarts (see below).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # A recipe that exits with these stopped on a signal and printed its own line.
-_STOP_EXIT_CODES = frozenset(128 + signum for signum in STOP_SIGNALS)
+STOPPED_EXIT_CODES = frozenset(128 + signum for signum in STOP_SIGNALS)
+"""Exit codes of a run stopped by SIGTERM/SIGINT (143, 130): the last step is committed."""
+# Signals a launcher sends its workers to stop them (torchrun's --signals-to-handle): a worker
+# killed by one of these was stopped, not the cause. Any other signal killed it on its own.
+_LAUNCHER_SIGNALS = frozenset((*STOP_SIGNALS, *_TORCHRUN_SIGNALS))
 
 
 class _StoppedBeforeStart(BaseException):
@@ -136,7 +142,7 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
     except (OSError, ValueError):
         recorded = ""
     shutil.rmtree(error_file.parent, ignore_errors=True)
-    if code != 0 and code not in _STOP_EXIT_CODES:
+    if code != 0 and code not in STOPPED_EXIT_CODES:
         line = recorded or f"recipe {recipe.stem} failed ({_exit_reason(code)})"
         print(f"tunelab: error: {line}", file=sys.stderr)
         return _exit_status(code)
@@ -145,7 +151,14 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
 
 def _exit_reason(code: int) -> str:
     """How a worker ended, from its exit code (negative: killed by that signal)."""
-    return f"exit code {code}" if code > 0 else f"signal {-code}"
+    if code > 0:
+        return f"exit code {code}"
+    try:
+        name = signal_name(-code)
+    except ValueError:
+        return f"signal {-code}"
+    why = " (out of memory? the kernel's OOM killer sends it)" if -code == signal.SIGKILL else ""
+    return f"killed by {name}, signal {-code}{why}"
 
 
 def _exit_status(code: int) -> int:
@@ -196,27 +209,49 @@ def _stop_workers_torchrun_missed(signum: int) -> None:
 def _first_failure(failures: dict) -> tuple[int, object]:
     """The rank whose failure stopped a torchrun job, and its ``ProcessFailure``.
 
-    torchrun stops the other workers once one fails: they come back killed by a signal, or,
-    when their stop handler ran first, with exit code 128 + signal and no recorded line. Those
-    are never the cause while a rank failed on its own. Among the rest, the earliest wins
-    (torchrun's timestamps are whole seconds, so ties go to the lowest rank).
+    A worker killed by a signal no launcher sends (SIGKILL from the out-of-memory killer,
+    SIGSEGV, SIGABRT) died on its own: it is the cause, and the errors its peers then record
+    ("Connection reset by peer") are its consequence. The one exception is a worker torchrun
+    itself SIGKILLed when it outlived the shutdown timeout after another rank failed.
+
+    Otherwise torchrun stops the other workers once one fails: they come back killed by a
+    signal, or, when their stop handler ran first, with exit code 128 + signal and no recorded
+    line. Those are never the cause while a rank failed on its own. Among the rest, the
+    earliest wins (torchrun's timestamps are whole seconds, so ties go to the lowest rank).
     """
+    recorded = [f.timestamp for f in failures.values() if _recorded_line(f.error_file_data)]
+    timeout_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S))
+
+    def died_on_its_own(failure: object) -> bool:
+        if failure.exitcode >= 0 or -failure.exitcode in _LAUNCHER_SIGNALS:
+            return False
+        # SIGKILLed by torchrun after a hang that another rank's failure caused?
+        return not (
+            -failure.exitcode == signal.SIGKILL
+            and recorded
+            and failure.timestamp - min(recorded) >= timeout_s
+        )
 
     def stopped_by_launcher(failure: object) -> bool:
         return failure.exitcode <= 0 or (
-            failure.exitcode in _STOP_EXIT_CODES and not _recorded_line(failure.error_file_data)
+            failure.exitcode in STOPPED_EXIT_CODES and not _recorded_line(failure.error_file_data)
         )
 
     return min(
         failures.items(),
-        key=lambda item: (stopped_by_launcher(item[1]), item[1].timestamp, item[0]),
+        key=lambda item: (
+            not died_on_its_own(item[1]),
+            stopped_by_launcher(item[1]),
+            item[1].timestamp,
+            item[0],
+        ),
     )
 
 
 def _describe_failure(recipe: str, rank: int, failure: object) -> str:
     """One line for a failed torchrun job: the failing rank's own recorded line."""
     message = _recorded_line(failure.error_file_data)
-    if message:
+    if message and failure.exitcode > 0:
         return message
     return f"recipe {recipe} failed on rank {rank} ({_exit_reason(failure.exitcode)})"
 
@@ -288,7 +323,7 @@ def _run_torchrun(
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
-        if codes and all(f.exitcode in _STOP_EXIT_CODES for f in err.failures.values()):
+        if codes and all(f.exitcode in STOPPED_EXIT_CODES for f in err.failures.values()):
             return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
         rank, failure = _first_failure(err.failures)
         print(f"tunelab: error: {_describe_failure(recipe.stem, rank, failure)}", file=sys.stderr)

@@ -9,13 +9,16 @@ does not fit the model, in a fraction of a second.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tunelab._model_files import bad_links, open_model_file, read_model_text
 from tunelab.config.constraints import suggest_path
+from tunelab.errors import CheckpointError
 
 _PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -36,9 +39,15 @@ _HUB_CACHE_DIR = re.compile(r"models--([^/]+?)--([^/]+)")
 
 
 def read_json(path: Path) -> tuple[Any, str | None]:
-    """Return ``(data, None)``, or ``(None, problem)`` naming the file and the JSON error."""
+    """Return ``(data, None)``, or ``(None, problem)`` naming the file and the JSON error.
+
+    The file is read as a file of its folder (``tunelab._model_files``): a link out of it, or a
+    FIFO or device, is a problem, never read.
+    """
     try:
-        return json.loads(path.read_text(encoding="utf-8")), None
+        return json.loads(read_model_text(path)), None
+    except CheckpointError as err:
+        return None, str(err)
     except OSError as err:
         return None, f"cannot read {path}: {err.strerror or err}"
     except UnicodeDecodeError:
@@ -205,8 +214,8 @@ def _safetensors_problem(file: Path) -> str | None:
     # A safetensors file is an 8-byte little-endian header length, a JSON header whose
     # data_offsets say where each tensor's bytes are, then the bytes: a cut download is short.
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as handle:
+        with open_model_file(file) as handle:
+            size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
                 return f"{file} is not a safetensors file (it is {size} bytes long)"
@@ -214,6 +223,8 @@ def _safetensors_problem(file: Path) -> str | None:
             if header_size > min(size - 8, 100_000_000):
                 return f"{file} is not a safetensors file (bad header length)"
             header = json.loads(handle.read(header_size))
+    except CheckpointError as err:
+        return str(err)
     except OSError as err:
         return f"cannot read {file}: {err.strerror or err}"
     except (ValueError, UnicodeDecodeError):
@@ -295,6 +306,9 @@ def model_dir_problems(path: str) -> list[str]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         return [f"{path} has no config.json: not a Hugging Face model folder; " + _instead(folder)]
+    links = bad_links(folder)
+    if links:  # Before anything in the folder is read.
+        return links
     config, problem = read_json(config_file)
     if problem:
         return [problem]

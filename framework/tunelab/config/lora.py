@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from tunelab._model_files import read_model_text
 from tunelab.config.constraints import Finite, NonEmpty, Range
 from tunelab.errors import CheckpointError, ConfigError
 
@@ -215,7 +216,7 @@ def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no {ADAPTER_CONFIG_NAME} in adapter folder {adapter_dir}")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_model_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"cannot read {path}: {error}") from error
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":

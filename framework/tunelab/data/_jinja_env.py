@@ -6,6 +6,10 @@ a ``tojson`` filter that keeps non-ASCII text and key order); a ``namespace()`` 
 underscore attributes and a ``dict`` that is not the ``dict`` type, so a template from a model
 folder cannot reach Python internals; and the ``{% generation %}`` extension, which records the
 character span of each block while a render is tracked.
+
+Every hook of the sandbox (calls, attribute and item access, filters, the ``*``, ``%``, ``+``
+and ``**`` operators, namespace assignments) also holds the render to its budget of time and
+size (``_render_budget``), so a template cannot exhaust the machine.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import _PassArg
 
+from tunelab.data import _render_budget
 from tunelab.errors import DataError
 
 _MIN_JINJA = (3, 1, 6)  # Older releases have known sandbox escapes.
@@ -67,9 +73,20 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Jinja's own tojson escapes HTML characters and sorts keys; chat templates expect neither.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    encoder = json.JSONEncoder(
+        ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+    entry = _render_budget.current()
+    if entry is None:
+        return encoder.encode(value)
+    # Built piece by piece and measured as it grows: an indent makes the text far larger
+    # than the value it describes.
+    pieces, size = [], 0
+    for piece in encoder.iterencode(value):
+        size += len(piece)
+        entry.check_size(size, "tojson output")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def _strftime_now(format: str) -> str:
@@ -95,6 +112,10 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _check_namespace_name(name)
+        entry = _render_budget.current()
+        if entry is not None:  # A namespace carries values across loop iterations.
+            entry.check_time()
+            _render_budget.check_result(entry, value, "namespace assignment")
         super().__setitem__(name, value)
 
 
@@ -106,6 +127,107 @@ class _Dict:
 
     def fromkeys(self, *args: Any, **kwargs: Any) -> dict:  # noqa: D102
         return dict.fromkeys(*args, **kwargs)
+
+
+def _is_data_callable(obj: Any) -> bool:
+    """Whether ``obj``'s arguments are data, not amounts, or are checked by ``obj`` itself.
+
+    Building a dict allocates nothing beyond what it is given; ``str.format`` checks its widths.
+    """
+    if isinstance(obj, _Dict) or obj is _Namespace or hasattr(obj, "_tunelab_budgeted"):
+        return True
+    owner = getattr(obj, "__self__", None)
+    return isinstance(owner, (dict, _Dict))  # dict.get(key, default) and the like
+
+
+def _budgeted_filter(name: str, function: Any) -> Any:
+    """``function`` as a filter held to the render budget (its value is data, not an amount)."""
+    pass_arg = _PassArg.from_obj(function)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        entry = _render_budget.current()
+        if entry is None:
+            return function(*args, **kwargs)
+        entry.check_time()
+        value_at = 0 if pass_arg is None else 1  # after context/environment, when passed
+        value, amounts = args[value_at] if len(args) > value_at else None, args[value_at + 1 :]
+        what = f"the {name} filter"
+        if name == "format" and isinstance(value, str):
+            _render_budget.check_percent_format(entry, value, tuple(amounts) or kwargs)
+        else:
+            _render_budget.check_amounts(entry, [*amounts, *kwargs.values()], what)
+            _render_budget.check_amplifier(entry, name, value, amounts, kwargs)
+        return _render_budget.check_result(entry, function(*args, **kwargs), what)
+
+    return wrapper
+
+
+class _BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with every hook holding the render to its budget."""
+
+    intercepted_binops = frozenset(("*", "%", "+", "**"))
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        """Call ``__obj`` from the template, within the render budget."""
+        entry = _render_budget.current()
+        if entry is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        entry.check_time()
+        if not _is_data_callable(__obj):
+            _render_budget.check_amounts(entry, [*args, *kwargs.values()], repr_name(__obj))
+            owner = getattr(__obj, "__self__", None)
+            if isinstance(owner, str):
+                name = getattr(__obj, "__name__", "")
+                _render_budget.check_amplifier(entry, name, owner, args, kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        return _render_budget.check_result(entry, result, repr_name(__obj))
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        """Apply ``operator`` after checking its result's size."""
+        entry = _render_budget.current()
+        if entry is not None:
+            _render_budget.check_binop(entry, operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        """Attribute access from the template (the deadline is checked on each)."""
+        entry = _render_budget.current()
+        if entry is not None:
+            entry.check_time()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        """Item access from the template (the deadline is checked on each)."""
+        entry = _render_budget.current()
+        if entry is not None:
+            entry.check_time()
+        return super().getitem(obj, argument)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        """``str.format``/``format_map``, sandboxed by jinja, with its widths checked first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        template, is_map = value.__self__, value.__name__ == "format_map"
+
+        @functools.wraps(wrapped)
+        def wrapper(*args: Any, **kwargs: Any) -> str:
+            entry = _render_budget.current()
+            if entry is not None:
+                if is_map and len(args) == 1 and isinstance(args[0], dict):
+                    args, kwargs = (), args[0]
+                _render_budget.check_str_format(entry, template, args, kwargs)
+            return wrapped(*args, **kwargs)
+
+        wrapper._tunelab_budgeted = True  # type: ignore[attr-defined]
+        return wrapper
+
+
+def repr_name(obj: Any) -> str:
+    """A short name of a callable for budget messages."""
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    return f"{name}()" if name else type(obj).__name__
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,10 +243,18 @@ def environment() -> ImmutableSandboxedEnvironment:
             f"chat templates need jinja2>=3.1.6 (older releases have sandbox escapes); "
             f"found {jinja2.__version__}: pip install -U jinja2"
         )
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, loopcontrols]
+    environment = _BudgetedSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlocks, loopcontrols],
+        # No constant folding: it would run a template's constant expressions (a
+        # `'%0999999999d'|format(1)`) while compiling, outside any render budget.
+        optimized=False,
     )
     environment.filters["tojson"] = _tojson
+    environment.filters = {
+        name: _budgeted_filter(name, function) for name, function in environment.filters.items()
+    }
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     environment.globals["dict"] = _Dict()

@@ -27,8 +27,10 @@ from typing import Any
 
 import jinja2
 
+from tunelab._model_files import read_model_text
+from tunelab.data import _render_budget
 from tunelab.data._jinja_env import environment, no_tracking, template_line, tracking
-from tunelab.errors import ConfigError, DataError
+from tunelab.errors import CheckpointError, ConfigError, DataError
 
 # The named special tokens a template sees, as transformers' ``special_tokens_map`` lists them.
 SPECIAL_TOKEN_KEYS = (
@@ -136,11 +138,16 @@ class ChatTemplate:
     @functools.cached_property
     def _compiled(self) -> jinja2.Template:
         try:
-            return environment().from_string(self.text)
+            # Compiling evaluates constant output (`{{ 'x' * 3 }}`): it has a budget too.
+            with _render_budget.budget(len(self.text)):
+                return environment().from_string(self.text)
         except jinja2.TemplateSyntaxError as error:
             raise DataError(
                 f"chat template {self.source}: line {error.lineno}: {error.message}"
             ) from None
+        except _render_budget.RenderBudgetExceeded as error:
+            message = str(error) or "compiling took longer than the render budget"
+            raise DataError(f"chat template {self.source}: {message}") from None
 
     def check(self) -> None:
         """Compile the template.
@@ -228,11 +235,21 @@ class ChatTemplate:
         rendered: list[str] = []
         spans: list[tuple[int, int]] = []
         try:
-            with tracking(rendered, spans) if track else no_tracking():
+            with (
+                _render_budget.budget(_render_budget.input_chars(variables)) as limits,
+                tracking(rendered, spans) if track else no_tracking(),
+            ):
+                size = 0
                 for block in compiled.generate(**variables):
+                    size += len(block)
+                    limits.check_size(size, "the rendered text")
                     rendered.append(block)
         except ChatTemplateError:
             raise
+        except _render_budget.RenderBudgetExceeded as error:
+            # The template is untrusted code: it may not exhaust the machine.
+            message = str(error) or limits.timeout_message()
+            raise ChatTemplateError(f"chat template {self.source}: {message}") from None
         except Exception as error:  # The template is untrusted code: any failure is its own.
             line = template_line(error)
             where = f" (line {line})" if line is not None else ""
@@ -242,9 +259,12 @@ class ChatTemplate:
         return "".join(rendered), spans
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, folder: Path | None = None) -> str:
+    """A template file's text; one of a tokenizer ``folder`` only through its checked open."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8") if folder is None else read_model_text(path, folder)
+    except CheckpointError as error:
+        raise DataError(str(error)) from None
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"{path}: cannot read the chat template ({error})") from error
 
@@ -269,11 +289,11 @@ def find_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, tu
     found: dict[str, tuple[str, str]] = {}
     file = folder / _TEMPLATE_FILE
     if file.is_file():
-        found["default"] = (_read_text(file), str(file))
+        found["default"] = (_read_text(file, folder), str(file))
     extra = folder / _TEMPLATE_DIR
     if extra.is_dir():
         for path in sorted(extra.glob("*.jinja")):
-            found[path.name.removesuffix(".jinja")] = (_read_text(path), str(path))
+            found[path.name.removesuffix(".jinja")] = (_read_text(path, folder), str(path))
     if found:
         return found
     value = config.get("chat_template")

@@ -15,13 +15,14 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from tunelab._model_files import read_model_text
 from tunelab.data.chat_template import (
     SPECIAL_TOKEN_KEYS,
     ChatTemplate,
     find_chat_templates,
     select_chat_template,
 )
-from tunelab.errors import ConfigError, DataError
+from tunelab.errors import CheckpointError, ConfigError, DataError
 
 # End-of-turn tokens of common chat formats; generation stops at any of them when present, and
 # chat-template training stops an assistant turn's labels after them.
@@ -218,7 +219,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_model_text(path))
+    except CheckpointError as error:
+        raise DataError(str(error)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DataError(f"{path}: not valid JSON ({error})") from error
 
@@ -270,7 +273,10 @@ def load_tokenizer(
     if not file.is_file():
         raise DataError(f"tokenizer file not found: {file}")
     try:
-        hf_tokenizer = _HFTokenizer.from_file(str(file))
+        # From the bytes read through the checked open: a link out of the folder is refused.
+        hf_tokenizer = _HFTokenizer.from_str(read_model_text(file))
+    except CheckpointError as error:
+        raise DataError(str(error)) from None
     except Exception as error:  # the Rust side raises plain Exception for a bad file
         raise DataError(f"{file}: cannot load tokenizer ({error})") from error
     folder = file.parent

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunelab._model_files import read_model_text
 from tunelab.errors import CheckpointError, ConfigError
 from tunelab.models.args import ModelArgs
 from tunelab.models.gemma import (
@@ -68,7 +69,7 @@ def read_hf_config(checkpoint_dir_or_config: str | os.PathLike | Mapping[str, An
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a Hugging Face checkpoint needs config.json")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_model_text(path))
     except ValueError as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(config, dict):

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab._fs import fsync_path
+from tunelab._model_files import model_file
 from tunelab.checkpoint.integrity import write_bytes
 from tunelab.checkpoint.layout import temporary_name, write_manifest
 from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs, read_adapter_config
@@ -154,7 +155,8 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
             f"no {ADAPTER_WEIGHTS_NAME} in adapter folder {adapter_dir} (only safetensors is read)"
         )
     try:
-        loaded = from_peft_state_dict(load_file(weights_path))
+        # The checked path: a link out of the adapter folder is refused, never read.
+        loaded = from_peft_state_dict(load_file(model_file(weights_path, adapter_dir)))
     except SafetensorError as error:
         raise CheckpointError(f"cannot read {weights_path}: {error}") from error
     targets = adapter_state_dict(model)

@@ -1,0 +1,130 @@
+"""Chat templates cannot exhaust the machine: every render has a time and a size budget.
+
+Each bomb hung, allocated gigabytes or ended in a traceback before (issue 23, finding 9); now
+each stops within a few seconds with one ``DataError`` line naming the template.
+"""
+
+import threading
+import time
+
+import pytest
+
+from tunelab.data import _render_budget
+from tunelab.data.chat_template import ChatTemplate
+from tunelab.errors import DataError
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+# Stopped by the deadline (loops with no hook in their body, long pure-Python helpers).
+SLOW = {
+    "nested loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "lipsum": "{{ lipsum(10**6) }}",
+    "sorting in a loop": "{% for i in range(99999) %}{% set x = range(99999)|list|sort %}{% endfor %}",
+    "exponential macro": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
+    "{% endmacro %}{{ f(40) }}",
+}
+# Stopped by the size budget, before the allocation.
+LARGE = {
+    "tojson indent": "{{ messages|tojson(indent=10**9) }}",
+    "starred format width": "{{ '%*d'|format(10**9, 1) }}",
+    "format width": "{{ '%0999999999d'|format(1) }}",
+    "percent width": "{% set w = 1 %}{{ '%0999999999d' % w }}",
+    "str.format width": "{{ '{:>999999999}'.format(1) }}",
+    "str.format nested width": "{{ '{:>{}}'.format(1, 10**9) }}",
+    "string repetition": "{{ 'a' * 10**9 }}",
+    "list repetition": "{{ ([1] * 10**9)|length }}",
+    "range": "{{ range(10**9)|list|length }}",
+    "center": "{{ 'a'.center(10**9) }}",
+    "doubling in a namespace": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling through a macro": "{% macro d(s, n) %}{{ d(s ~ s, n - 1) if n else s|length }}"
+    "{% endmacro %}{{ d('ab', 40) }}",
+    "replace": "{% set s = 'a' * 100000 %}{{ s.replace('a', s)|length }}",
+    "join": "{{ range(100000)|join('x' * 100000)|length }}",
+    "indent with a string": "{% set s = 'a\n' * 400000 %}{{ s|indent('x' * 1000) }}",
+    "output": "{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}",
+}
+
+
+def _render(text: str, name: str) -> str:
+    return ChatTemplate(text, source=f"<{name}>").render(MESSAGES)
+
+
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_a_slow_template_is_stopped_at_the_deadline_with_one_line(name):
+    start = time.monotonic()
+    with pytest.raises(DataError) as error:
+        _render(SLOW[name], name)
+    elapsed = time.monotonic() - start
+    assert elapsed < _render_budget.RENDER_SECONDS + 30, elapsed  # it used to run for hours
+    message = str(error.value)
+    assert message.startswith(f"chat template <{name}>") and "\n" not in message, message
+    assert "render budget" in message, message
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_a_large_template_result_is_refused_before_it_is_allocated(name):
+    start = time.monotonic()
+    with pytest.raises(DataError) as error:
+        _render(LARGE[name], name)
+    message = str(error.value)
+    assert message.startswith(f"chat template <{name}>") and "\n" not in message, message
+    assert "render budget" in message, message
+    # Refused before the allocation: well inside the time budget, which it does not need.
+    assert time.monotonic() - start < _render_budget.RENDER_SECONDS, message
+
+
+def test_the_budget_grows_with_the_input_and_ordinary_templates_render_unchanged():
+    template = ChatTemplate(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+        "{{ '%5d'|format(3) }}{{ '{:>4}'.format(7) }}{{ messages[:1]|tojson(indent=2) }}"
+        "{{ dict(ts=1700000000).ts }}{{ 'a,b'.replace(',', ', ') }}{{ ['x', 'y']|join(', ') }}",
+        source="ordinary",
+    )
+    long = "word " * 400_000  # 2M characters: more than the fixed part of the budget
+    text = template.render(
+        [{"role": "user", "content": long}, {"role": "assistant", "content": "ok"}]
+    )
+    assert (
+        text.startswith("<|user|>word word") and text.count("word") == 800_000
+    )  # content and tojson
+    assert text.endswith('    3   7[\n  {\n    "role": "user",\n    "content": "' + long + '"\n  }\n]'
+                         "1700000000a, bx, y")  # fmt: skip
+
+
+def test_a_stop_never_outlives_its_render():
+    # Many renders that end just before the watchdog would stop them: none of them, and
+    # nothing after them, may see the stop.
+    template = ChatTemplate("{% for i in range(2000) %}{{ i }}{% endfor %}", source="quick")
+    original = _render_budget.RENDER_SECONDS
+    _render_budget.RENDER_SECONDS = 0.0
+    try:
+        for _ in range(20):
+            with pytest.raises(DataError):
+                template.render(MESSAGES)
+    finally:
+        _render_budget.RENDER_SECONDS = original
+    time.sleep(3 * _render_budget._WATCH_INTERVAL_S)
+    assert template.render(MESSAGES).startswith("012")
+
+
+def test_renders_in_threads_each_have_their_own_budget():
+    results: dict[str, object] = {}
+
+    def render(name: str, text: str) -> None:
+        try:
+            results[name] = _render(text, name)
+        except DataError as error:
+            results[name] = error
+
+    slow = threading.Thread(target=render, args=("slow", SLOW["nested loops"]))
+    slow.start()
+    quick = [
+        threading.Thread(target=render, args=(f"quick{i}", "{{ messages[0].content }}"))
+        for i in range(4)
+    ]
+    for thread in quick:
+        thread.start()
+    for thread in [*quick, slow]:
+        thread.join(timeout=120)
+    assert isinstance(results["slow"], DataError)
+    assert all(results[f"quick{i}"] == "hi" for i in range(4)), results
