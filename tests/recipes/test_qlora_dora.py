@@ -1,7 +1,8 @@
 """QLoRA and DoRA end to end: real ``tunelab run`` on 1 and 2 processes (gloo, fp32).
 
 QLoRA runs on a tiny Llama whose every linear layer holds whole NF4 blocks on 2 processes
-(hidden 256, the embedded tiny model's tokenizer): 2 and 1 processes give the same losses, a
+(hidden 256, the embedded tiny model's tokenizer): 2 and 1 processes, and HSDP with 2 replicas
+of one shard, give the same losses, a
 kill-and-resume continues exactly, and the merged export loads in transformers with the
 logits of our NF4 model + adapter, as does PEFT with the adapter on the NF4-rounded base. A
 QLoRA + DoRA DPO run starts at loss ln 2 (the reference, adapters off, is the policy at step
@@ -15,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.recipes.conftest import interrupted_copy, losses_by_step, tunelab_run
 from tunelab._paths import assets_dir
@@ -140,6 +142,27 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
         dequantized = to_nf4(original.state_dict()[name]).get_original_weight()
         assert not torch.equal(merged.state_dict()[name], original.state_dict()[name])
         assert (merged.state_dict()[name] - dequantized).abs().max() < 0.05
+
+
+def test_qlora_hsdp_two_replicas_of_one_shard(qlora_2p, nf4_model_dir, tmp_path):
+    """HSDP (2, 1): each rank holds whole NF4 weights (FSDP2 copies, does not gather).
+
+    Global batch 8 as the FSDP run's; each rank quantizes whole weights (shard coordinate 0 on
+    both ranks), which equals the FSDP run's row-by-row quantization bit for bit, so losses
+    and export agree to fp32 reduction order.
+    """
+    out = tmp_path / "hsdp_2x1"
+    _run("tiny/qlora", out, f"checkpoint_dir={nf4_model_dir}",
+         "data_parallel_replicate_size=2", "data_parallel_shard_size=1")  # fmt: skip
+    losses, reference = losses_by_step(out), losses_by_step(qlora_2p)
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    for step in losses:
+        assert abs(losses[step] - reference[step]) <= 1e-6, (step, losses, reference)
+    ours = load_file(out / "epoch_0" / "model.safetensors")
+    fsdp = load_file(qlora_2p / "epoch_0" / "model.safetensors")
+    assert ours.keys() == fsdp.keys()
+    for key in ours:
+        assert torch.allclose(ours[key], fsdp[key], rtol=0, atol=1e-6), key
 
 
 def _peft_on_dequantized_base(base_dir, adapter_dir):

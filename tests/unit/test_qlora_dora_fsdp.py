@@ -1,12 +1,15 @@
-"""QLoRA (NF4 base) and DoRA under FSDP2 on 2 gloo processes, against one process.
+"""QLoRA (NF4 base) and DoRA under FSDP2 and HSDP on gloo processes, against one process.
 
-One model, built the recipe's way (meta, LoRA with DoRA on some layers, NF4 base, shard,
-materialise, load rows): each rank's NF4 shard equals the rows of torchao's quantization of
-the whole weight bit for bit; forward and gradients equal a one-process model's; the
+Meshes: FSDP on 2 ranks, HSDP (2, 1) on 2 and 2 x 2 on 4 (where a rank's shard coordinate is
+not its global rank). One model, built the recipe's way (meta, LoRA with DoRA on some layers,
+NF4 base, shard, materialise, load the rows the loader picks): each rank's NF4 shard equals the
+rows of its shard coordinate in torchao's quantization of the whole weight, bit for bit;
+forward and gradients (over every rank's batch) equal a one-process model's; the
 shard-local merge equals a merge of gathered tensors, and neither merging nor saving the
 adapter touches a live weight.
 """
 
+import math
 import tempfile
 
 import pytest
@@ -19,12 +22,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tunelab.peft import adapter_state_dict, apply_lora, init_lora_parameters, merged_state_dict
+from tunelab.models.loading import _local_slices
+from tunelab.peft import (
+    LoRALinear,
+    adapter_state_dict,
+    init_lora_parameters,
+    merged_state_dict,
+)
 from tunelab.peft.merge import merge_weight
 from tunelab.peft.nf4 import copy_rows_nf4_, dequantize, is_nf4, quantize_base_nf4
 
 pytest.importorskip("torchao")
-WORLD_SIZE = 2
 HIDDEN, KV, INTER, VOCAB = 256, 128, 512, 37
 RANK, ALPHA = 4, 8.0
 
@@ -58,14 +66,20 @@ class TinyLM(nn.Module):
         return self.lm_head(h)
 
 
-def _build(full_state, mesh=None, dora=("q_proj", "down_proj")):
-    """The recipe's order; ``dora`` layers get DoRA, ``up_proj`` plain LoRA."""
+def _build(full_state, mesh=None, dora=("q_proj", "down_proj"), num_shards=2):
+    """The recipe's order; ``dora`` layers get DoRA, ``up_proj`` plain LoRA.
+
+    Each rank loads the rows the loader picks for it (``tunelab.models.loading``), the code
+    under test; the adapter values are set here from the shard coordinate.
+    """
     with torch.device("meta"):
         model = TinyLM()
-        apply_lora(model, targets=list(dora), rank=RANK, alpha=ALPHA, use_dora=True)
+        model.requires_grad_(False)  # as apply_lora leaves it: only the adapters train
         for layer in model.layers:
+            for name in dora:
+                setattr(layer, name, apply_lora_one(getattr(layer, name), use_dora=True))
             layer.up_proj = apply_lora_one(layer.up_proj)
-    plan = quantize_base_nf4(model, device=torch.device("cpu"), world_size=WORLD_SIZE)
+    plan = quantize_base_nf4(model, device=torch.device("cpu"), world_size=num_shards)
     if mesh is not None:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -74,10 +88,10 @@ def _build(full_state, mesh=None, dora=("q_proj", "down_proj")):
     with torch.no_grad():
         for key, param in model.state_dict(keep_vars=True).items():
             if key in full_state:
+                _, spans = _local_slices(param)
                 rows = full_state[key]
-                if isinstance(param, DTensor):
-                    rank = dist.get_rank()
-                    rows = rows.chunk(WORLD_SIZE)[rank]
+                for dim, (offset, size) in enumerate(spans):
+                    rows = rows.narrow(dim, offset, size)
                 copy_rows_nf4_(param, rows)
     torch.manual_seed(1)
     init_lora_parameters(model)
@@ -89,23 +103,26 @@ def _build(full_state, mesh=None, dora=("q_proj", "down_proj")):
                 full = torch.randn(value.shape) * 0.05
                 if "magnitude" in key:
                     full = (_full(value) * (1 + full)).contiguous()
-                _set_full(value, full)
+                _set_full(value, full, num_shards)
     return model, plan
 
 
-def apply_lora_one(linear):
-    from tunelab.peft import LoRALinear
-
-    return LoRALinear.from_linear(linear, rank=RANK, alpha=ALPHA)
+def apply_lora_one(linear, use_dora=False):
+    return LoRALinear.from_linear(linear, rank=RANK, alpha=ALPHA, use_dora=use_dora)
 
 
 def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _set_full(value, full):
+def _shard_coordinate(num_shards):
+    """This rank's index along the shard dimension of a row-major ``(replicate, shard)`` mesh."""
+    return dist.get_rank() % num_shards
+
+
+def _set_full(value, full, num_shards):
     if isinstance(value, DTensor):
-        value.to_local().copy_(full.chunk(WORLD_SIZE)[dist.get_rank()])
+        value.to_local().copy_(full.chunk(num_shards)[_shard_coordinate(num_shards)])
     else:
         value.copy_(full)
 
@@ -124,36 +141,48 @@ def _nf4_state(model):
     return state
 
 
-def _check(rank):
+def _check(rank, mesh_shape):
     from torchao.quantization import to_nf4
 
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    num_shards = mesh_shape[-1]
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    shard = _shard_coordinate(num_shards)
     torch.manual_seed(0)
     full_state = {k: v.detach().clone() for k, v in TinyLM().state_dict().items()}
-    model, plan = _build(full_state, mesh)
-    reference, _ = _build(full_state)
+    model, plan = _build(full_state, mesh, num_shards=num_shards)
+    reference, _ = _build(full_state, num_shards=num_shards)
     assert sorted(plan.kept) == ["layers.0.gate", "layers.1.gate"]
     assert "lm_head" not in plan.quantized and "layers.0.k_proj" in plan.quantized
+    assert model.layers[0].q_proj.weight.device_mesh.ndim == len(mesh_shape)
 
-    # Each rank's NF4 rows: torchao's quantization of the whole weight, split by rows.
+    # Each rank's NF4 rows: torchao's quantization of the whole weight, split by rows, the
+    # piece of this rank's shard coordinate (not of its global rank: on (2, 1) and 2 x 2 they
+    # differ, and replicas hold the same rows).
     for name in plan.quantized:
         whole = to_nf4(full_state[f"{name}.weight"], 64, 256)
         local = model.get_submodule(name).weight.to_local()
-        assert is_nf4(local) and local.shape[0] == whole.shape[0] // WORLD_SIZE, name
+        assert is_nf4(local) and local.shape[0] == whole.shape[0] // num_shards, name
         for attr in ("quantized_data", "quantized_scalers", "quantization_factor"):
-            expected = getattr(whole, attr).chunk(WORLD_SIZE)[rank]
+            expected = getattr(whole, attr).chunk(num_shards)[shard]
             assert torch.equal(getattr(local, attr), expected), (name, attr)
         assert torch.equal(local.scaler_mean, whole.scaler_mean), name
         unsharded = reference.get_submodule(name).weight
         assert torch.equal(unsharded.get_original_weight(), whole.get_original_weight()), name
 
-    # Forward and gradients equal the one-process model's (fp32).
-    tokens = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    # Forward and gradients equal the one-process model's (fp32). Every rank has its own
+    # tokens: the gradient FSDP2 reduces (within the shard group, then across replicas) is
+    # that of the mean loss over all ranks' batches.
+    world_size = dist.get_world_size()
+    all_tokens = torch.randint(
+        0, VOCAB, (world_size, 2, 6), generator=torch.Generator().manual_seed(3)
+    )
+    tokens = all_tokens[rank]
     logits = model(tokens)
     expected_logits = reference(tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
     logits.square().mean().backward()
-    expected_logits.square().mean().backward()
+    torch.stack([reference(t).square().mean() for t in all_tokens]).mean().backward()
     reference_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -182,13 +211,6 @@ def _check(rank):
         else:
             expected = base
         torch.testing.assert_close(value.full_tensor(), expected, rtol=1e-6, atol=1e-7)
-    # HSDP (a 2-D mesh: replicate x shard): the block maxima gather over the shard dimension.
-    hsdp_mesh = init_device_mesh("cpu", (1, WORLD_SIZE), mesh_dim_names=("replicate", "shard"))
-    hsdp, _ = _build(full_state, hsdp_mesh)
-    q_proj = hsdp.layers[0].q_proj.weight
-    assert q_proj.device_mesh.ndim == 2 and is_nf4(q_proj.to_local())
-    with torch.no_grad():
-        torch.testing.assert_close(hsdp(tokens), expected_logits, rtol=1e-5, atol=1e-5)
     # And a model holding the merged weights computes what the adapted model computes.
     plain = TinyLM()
     plain.load_state_dict({k: v.full_tensor() for k, v in merged.items()})
@@ -200,19 +222,24 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _worker(rank, init_file):
+def _worker(rank, init_file, mesh_shape):
+    world_size = math.prod(mesh_shape)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
-        _check(rank)
+        _check(rank, mesh_shape)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+# FSDP over 2 ranks; HSDP (2, 1): 2 replicas of one shard, where FSDP2 copies instead of
+# gathering; HSDP 2 x 2 on 4 processes. On the last two a rank's global index and its shard
+# coordinate differ.
 @pytest.mark.slow
-def test_qlora_and_dora_under_fsdp2_two_processes(tmp_path):
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 1), (2, 2)], ids=["fsdp2", "hsdp2x1", "hsdp2x2"])
+def test_qlora_and_dora_under_fsdp2(tmp_path, mesh_shape):
     with tempfile.NamedTemporaryFile(dir=tmp_path, delete=False) as init_file:
         pass
-    mp.spawn(_worker, args=(init_file.name,), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(init_file.name, mesh_shape), nprocs=math.prod(mesh_shape), join=True)

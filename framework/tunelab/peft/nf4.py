@@ -19,7 +19,8 @@ stays in the training dtype, and :func:`quantize_base_nf4` returns its name.
 
 The model is quantized on the meta device, before ``fully_shard``: FSDP2 then shards the
 ``NF4Tensor`` by rows, ``to_empty`` allocates the packed shards, and the loader fills them with
-:func:`copy_rows_nf4_`.
+:func:`copy_rows_nf4_`. On an HSDP mesh whose shard groups have one rank (``replicate x 1``),
+FSDP2 copies instead of gathering, and ``_nf4_fsdp`` adapts torchao's hooks to that.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tunelab.errors import ConfigError
+from tunelab.peft._nf4_fsdp import gather_one_tensor_on_one_rank
 
 NF4_BLOCK_SIZE = 64
 """Values per quantization block (the QLoRA paper's setting)."""
@@ -53,6 +55,8 @@ def _torchao_nf4() -> tuple[type, Callable[..., torch.Tensor]]:
             raise ConfigError(
                 "lora.quantize_base: nf4 needs torchao (pip install 'torchao>=0.18')"
             ) from error
+    # HSDP with one rank per shard group (replicate x 1) needs one all-gather input.
+    gather_one_tensor_on_one_rank(NF4Tensor)
     return NF4Tensor, to_nf4
 
 
