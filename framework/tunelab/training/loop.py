@@ -115,7 +115,9 @@ def evaluate(
 ) -> float:
     """Mean token loss over a whole validation loader, over all ranks.
 
-    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk.
+    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk. The
+    loss is also a ``validation loss X`` log line (INFO: shown on rank 0, between progress-bar
+    refreshes), so it is on the console when it is computed, not only in the metric loggers.
     """
     was_training = model.training
     model.eval()
@@ -128,7 +130,9 @@ def evaluate(
     # An FSDP2 root keeps unsharded parameters after a no_grad forward (TORCH_NOTES).
     reshard(model)
     model.train(was_training)
-    return (totals[0] / totals[1].clamp_min(1)).item()
+    val_loss = (totals[0] / totals[1].clamp_min(1)).item()
+    logger.info("validation loss %.4f", val_loss)
+    return val_loss
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -10,6 +10,8 @@ micro-batching or world size (FSDP2 averages gradients over ranks, hence the fac
 ranks (:func:`global_preference_metrics`).
 """
 
+import logging
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -33,6 +35,8 @@ from tunelab.training.reference import (
     policy_forward,
     reshard_all,
 )
+
+logger = logging.getLogger(__name__)
 
 _TOKENS_KEY = "num_tokens"
 
@@ -163,4 +167,6 @@ def evaluate_preference(
             f"val_dataset has fewer than batch_size={loader.batch_size} pairs per process; "
             "lower batch_size or add validation pairs"
         )
-    return _global_means(sums)[0]
+    means = _global_means(sums)[0]
+    logger.info("validation loss %.4f", means["loss"])
+    return means
