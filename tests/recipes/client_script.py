@@ -3,10 +3,9 @@
 Usage: client_script.py MODE BASE_DIR OUTPUT_DIR
 """
 
-import json
 import os
 import sys
-import time
+import threading
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ import tunelab.peft as peft
 from tunelab.checkpoint import CheckpointClient
 from tunelab.checkpoint.dcp import ChecksummedWriter
 from tunelab.checkpoint.dcp import load as load_step
+from tunelab.checkpoint.integrity import MANIFEST_NAME
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.errors import CheckpointError
@@ -29,13 +29,30 @@ LORA = LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
 VOCAB = 301
 
 
-class SlowWriter(ChecksummedWriter):
-    """Delays the data write of step_3, so a save is in flight for a while."""
+HELD_STEP = "step_3"
+WRITE_STARTED = threading.Event()
+RELEASE_WRITE = threading.Event()
+HOLD_TIMEOUT_S = 300
+
+
+class HeldWriter(ChecksummedWriter):
+    """Holds the data write of step_3 until the script releases it (no timing involved).
+
+    A save that blocked its caller until written would never return to the code that releases
+    it: the writer then gives up after ``HOLD_TIMEOUT_S`` and the save fails.
+    """
 
     def write_data(self, plan, planner):
-        if Path(self.path).name == "step_3":
-            time.sleep(2.0)
+        if Path(self.path).name == HELD_STEP:
+            WRITE_STARTED.set()
+            if not RELEASE_WRITE.wait(HOLD_TIMEOUT_S):
+                raise RuntimeError(f"{HELD_STEP}'s write was never released: save() blocked")
         return super().write_data(plan, planner)
+
+
+def is_committed(step):
+    """Whether step ``step`` is committed (its manifest, written last, exists)."""
+    return (OUT / f"step_{step}" / MANIFEST_NAME).is_file()
 
 
 def local_snapshot(model):
@@ -58,7 +75,7 @@ def make_client(model, optimizer, **kwargs):
         lr_scheduler=None,
         base_checkpoint_dir=BASE,
         lora=LORA,
-        writer_factory=lambda path: SlowWriter(path, sync_files=True),
+        writer_factory=lambda path: HeldWriter(path, sync_files=True),
         **kwargs,
     )
 
@@ -106,16 +123,24 @@ def main():
 
     client = make_client(model, optimizer, enable_async=True, keep_last_n=2)
     snapshot = local_snapshot(model)
-    start = time.perf_counter()
     client.save(3, 0, {"note": "async"})
-    blocked = time.perf_counter() - start
+    # save() returned while step 3's write is held: the writer is running and nothing is
+    # committed yet.
+    assert WRITE_STARTED.wait(HOLD_TIMEOUT_S), "step 3's write never started"
+    assert not is_committed(3), "step 3 committed while its write was held"
     assert_unchanged(model, snapshot, "async save")
     before_step = snapshot
-    # Staging runs on while training goes on; the optimizer step waits for it, so step 3
-    # must hold the weights of before this extra step.
+    # Training goes on while the write is held: the optimizer step waits only for the staging
+    # copy, so step 3 must hold the weights of before this extra step.
     train(model, optimizer, params, 1, info.rank, info.world_size)
+    assert not is_committed(3), "step 3 committed while its write was held"
     snapshot = local_snapshot(model)
-    # A sync save right after the slowed async one: it must wait, not hang or overlap.
+    assert any(not torch.equal(snapshot[k], before_step[k]) for k in snapshot), "no step ran"
+    RELEASE_WRITE.set()
+    client.wait()
+    dist.barrier()  # rank 0 commits
+    assert is_committed(3), "step 3 not committed once its write was released"
+    # A sync save right after an async one: it must wait, not hang or overlap.
     client.save(4, 0, {"note": "sync"}, blocking=True)
     assert_unchanged(model, snapshot, "sync save")
     dist.barrier()
@@ -175,7 +200,7 @@ def main():
     assert resumed.step == 4 and resumed.progress == {"note": "sync"}, resumed
     reader.close()
     if info.rank == 0:
-        print("CLIENT_OK", json.dumps({"blocked_s": blocked}), flush=True)
+        print("CLIENT_OK", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,7 @@
-"""CheckpointClient guarantees on 2 real processes (gloo): order, no mutation, sync after
-async, retention, corrupt-checkpoint fallback, and the export read back by transformers/PEFT."""
+"""CheckpointClient guarantees on 2 real processes (gloo): order, no mutation, an async save
+that returns and lets training go on while its write is held (not committed until released),
+sync after async, retention, corrupt-checkpoint fallback, and the export read back by
+transformers/PEFT."""
 
 from pathlib import Path
 
@@ -30,8 +32,10 @@ def client_run(tiny_hf_model_dir, tmp_path_factory):
 
 def test_saves_exports_retention_and_fallback(client_run):
     _, out, result = client_run
-    # The script asserts bitwise-unchanged weights after each save and the export, both
-    # checkpoints committed after sync-after-async, retention and the fallback to step 4.
+    # The script asserts that save(3) returns while its writer is held on an event, that a
+    # training step runs and step 3 stays uncommitted until the event is set, then commits;
+    # bitwise-unchanged weights after each save and the export, both checkpoints committed
+    # after sync-after-async, retention and the fallback to step 4.
     assert "CLIENT_OK" in result.stdout
     assert "skipping checkpoint" in result.stderr and "step_5" in result.stderr
 

@@ -136,7 +136,8 @@ def test_resume_with_another_lora_rank_is_a_clear_error(lora_2p, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-SLOW_WRAPPER = """
+HELD_WRAPPER = """
+import os
 import time
 from pathlib import Path
 
@@ -145,47 +146,89 @@ from tunelab._paths import recipes_dir
 from tunelab.config.recipe_args import LoRAFinetuneArgs
 
 ARGS = LoRAFinetuneArgs
+GATES = Path(os.environ["TUNELAB_TEST_WRITE_GATES"])
 
 
-class SlowWriter(checkpoint_dcp.ChecksummedWriter):
+class HeldWriter(checkpoint_dcp.ChecksummedWriter):
+    # Holds a step's data write while GATES/<step folder>.hold exists (at most 10 minutes).
     def write_data(self, plan, planner):
-        if Path(self.path).name == "step_4":
-            time.sleep(60)
+        name = Path(self.path).name
+        hold = GATES / f"{name}.hold"
+        if hold.exists():
+            (GATES / f"{name}.writing").touch()
+            deadline = time.monotonic() + 600
+            while hold.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}'s write was never released")
+                time.sleep(0.05)
         return super().write_data(plan, planner)
 
 
 if __name__ == "__main__":
     import runpy
-    checkpoint_dcp.default_writer = lambda path: SlowWriter(path, sync_files=True)
+    checkpoint_dcp.default_writer = lambda path: HeldWriter(path, sync_files=True)
     runpy.run_path(str(recipes_dir() / "lora_finetune_distributed.py"), run_name="__main__")
 """
+HOLD_WAIT_S = 300
 
 
-def test_sigkill_during_async_write_leaves_it_uncommitted_and_resume_is_exact(lora_2p, tmp_path):
-    recipe = tmp_path / "slow_lora.py"
-    recipe.write_text(SLOW_WRAPPER)
-    out = tmp_path / "run"
+def _logged_steps(out):
+    """Steps in metrics.jsonl so far (complete lines only: the run is still writing it)."""
+    path = out / "logs" / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    lines = text.splitlines(keepends=True)
+    return {json.loads(line)["step"] for line in lines if line.endswith("\n") and '"loss"' in line}
+
+
+def _is_committed(out, step):
+    return (out / f"step_{step}" / "tunelab_manifest.json").is_file()
+
+
+def _wait_for(condition, process, what):
+    deadline = time.monotonic() + HOLD_WAIT_S
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_async_saves_let_training_go_on_and_sigkill_leaves_a_held_write_uncommitted(
+    lora_2p, tmp_path
+):
+    """Asynchrony without timing: the writes of step_2 and step_4 are held on files.
+
+    Steps 3 and 5 are logged while the write of the step before is held and uncommitted (a
+    save that blocked would never reach them). step_2 commits once released; the run is
+    SIGKILLed while step_4's write is held, and the resume from step_2 is exact.
+    """
+    recipe = tmp_path / "held_lora.py"
+    recipe.write_text(HELD_WRAPPER)
+    out, gates = tmp_path / "run", tmp_path / "gates"
+    gates.mkdir()
+    for step in (2, 4):
+        (gates / f"step_{step}.hold").touch()
     command = [
         TUNELAB, "run", "--nproc_per_node", "2", str(recipe), "--config", "tiny/lora",
         f"output_dir={out}", "batch_size=8", *COMMON, "checkpoint.save_every_n_steps=2",
         "checkpoint.enable_async_checkpointing=true",
     ]  # fmt: skip
     process = subprocess.Popen(
-        command, env=run_env(), start_new_session=True,
+        command, env=run_env(TUNELAB_TEST_WRITE_GATES=str(gates)), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while not (out / "step_4" / "trainer_state.json").exists():
-            assert process.poll() is None, "the run ended before its step-4 save"
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        time.sleep(2)  # the write is in flight (slowed), training goes on
+        _wait_for(lambda: 3 in _logged_steps(out), process, "step 3 (step_2's write held)")
+        assert (gates / "step_2.writing").exists()
+        assert not _is_committed(out, 2), "step_2 committed while its write was held"
+        (gates / "step_2.hold").unlink()
+        _wait_for(lambda: _is_committed(out, 2), process, "step_2's commit once released")
+        _wait_for(lambda: 5 in _logged_steps(out), process, "step 5 (step_4's write held)")
+        assert (gates / "step_4.writing").exists()
+        assert not _is_committed(out, 4), "step_4 committed while its write was held"
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    assert (out / "step_2" / "tunelab_manifest.json").is_file()
-    assert not (out / "step_4" / "tunelab_manifest.json").exists()
+    assert _is_committed(out, 2) and not _is_committed(out, 4)
     shutil.rmtree(out / "logs")
     _run("lora_finetune_distributed", "tiny/lora", out, "checkpoint.resume_from_checkpoint=true")
     resumed = losses_by_step(out)
