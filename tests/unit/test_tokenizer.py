@@ -141,3 +141,21 @@ def test_fingerprint_follows_what_decides_the_ids_and_pickles():
     assert copy.fingerprint == tok.fingerprint
     messages = [{"role": "user", "content": "hi"}]
     assert copy.chat_template.render(messages) == tok.chat_template.render(messages)
+
+
+def test_a_vocabulary_of_special_tokens_only_is_refused(tmp_path):
+    # Every word would become <unk>: a run with it trains to the end and learns nothing.
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    hf = HFTokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "</s>": 2}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>", "pad_token": "<pad>"}')
+    with pytest.raises(DataError, match=r"tokenizer\.json: the vocabulary holds only special"):
+        load_tokenizer(tmp_path)
+    # One ordinary word is enough: a small vocabulary is not refused for being small.
+    hf = HFTokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "</s>": 2, "red": 3}, "<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path).vocab_size == 4

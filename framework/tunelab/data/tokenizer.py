@@ -238,6 +238,29 @@ def _post_processor_adds(tokenizer: _HFTokenizer, token: str | None) -> bool:
     return bool(ids) and ids[0] == tokenizer.token_to_id(token)
 
 
+def _refuse_special_only(tokenizer: _HFTokenizer, file: Path, specials: set[str]) -> None:
+    """Refuse a vocabulary of special tokens only: every word of the data would be one of them.
+
+    A vocabulary of nothing but ``<pad>``/``<unk>``/``</s>`` makes every word ``<unk>`` (or
+    padding), and training on it runs to the end and learns nothing. ``specials`` are the
+    BOS/EOS/pad token texts the config files name; the tokenizer's own special and unknown
+    tokens are added here. One ordinary token is enough to pass.
+    """
+    specials = set(specials)
+    specials.update(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+    unknown = getattr(tokenizer.model, "unk_token", None)
+    if isinstance(unknown, str):
+        specials.add(unknown)
+    vocabulary = tokenizer.get_vocab(with_added_tokens=True)
+    if any(token not in specials for token in vocabulary):
+        return
+    shown = ", ".join(sorted(vocabulary, key=vocabulary.__getitem__)[:8])
+    raise DataError(
+        f"{file}: the vocabulary holds only special tokens ({shown}): every word of the data "
+        "would become one of them; use the model's own tokenizer.json"
+    )
+
+
 def load_tokenizer(
     path: str | Path, max_seq_len: int | None = None, chat_template: str | None = None
 ) -> Tokenizer:
@@ -264,8 +287,8 @@ def load_tokenizer(
         The tokenizer.
 
     Raises:
-        DataError: If ``tokenizer.json`` is missing or unreadable, no EOS token is known, or a
-            chat template file cannot be read.
+        DataError: If ``tokenizer.json`` is missing or unreadable, no EOS token is known, it
+            holds only special tokens, or a chat template file cannot be read.
         ConfigError: If ``chat_template`` names no template, file or template text.
     """
     path = Path(path)
@@ -296,6 +319,9 @@ def load_tokenizer(
         raise DataError(
             f"{folder}: no eos_token in tokenizer_config.json or special_tokens_map.json"
         )
+    _refuse_special_only(
+        hf_tokenizer, file, {token for token in (bos, eos, special("pad_token", None)) if token}
+    )
     if chat_template is not None and not isinstance(chat_template, str):
         raise ConfigError(f"chat_template must be a string, got {type(chat_template).__name__}")
     # What templates see as bos_token, eos_token, ...: the config files only, like transformers
