@@ -30,6 +30,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "tunelab._rng",
             "tunelab._torch_compat",
             "tunelab._library_noise",
+            "tunelab._json_lines",
         ),
     },
     {

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from tunelab.cli._data_check import check_json_rows
 from tunelab.cli._discovery import load_recipe_args, resolve_recipe
 from tunelab.config import load_config, parse_args, resolve_config_path
 from tunelab.errors import ConfigError, TunelabError
@@ -71,4 +72,5 @@ def check_config(
         # holding the folder first, then what the folder holds.
         may_exist = bool(getattr(args, "output_dir_may_exist", True))
         RunFolder(output_dir).check_before_start(resume, may_exist=may_exist)
+    check_json_rows(args)  # A broken row of local JSON data, before any worker starts.
     return config_path, recipe_path
