@@ -264,15 +264,39 @@ def test_static_lookup_defers_what_it_cannot_know():
     assert inspect_component("collections.Counter")[0] == "collections.Counter"
 
 
-def test_every_component_rule_names_a_real_argument():
-    for name, rules in RULES.items():
-        dotted = name
-        found_name, signature = inspect_component(dotted)
-        assert found_name == name
-        params = signature.parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        for argument in rules.args:
-            assert argument in params or takes_any, (name, argument)
+# Rules known to name an argument the callable does not take (a defect to fix in
+# config/_component_rules.py, not here): chat_dataset has no column_map (its rule copies the
+# instruct builders' _DATASET), so the value goes through **load_dataset_kwargs to
+# datasets.load_dataset, which has no such argument either.
+_KNOWN_BAD_RULES = {"tunelab.data.sft.chat_dataset": "column_map"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True, reason=f"rule names {_KNOWN_BAD_RULES[name]!r}, not an argument"
+            ),
+        )
+        if name in _KNOWN_BAD_RULES
+        else name
+        for name in RULES
+    ],
+)
+def test_every_component_rule_names_a_real_argument(name):
+    # A named parameter of the callable itself: a **kwargs catch-all (forwarded to
+    # datasets.load_dataset or wandb.init) would accept any name, so it vouches for none.
+    found_name, signature = inspect_component(name)
+    assert found_name == name
+    named = {
+        key
+        for key, parameter in signature.parameters.items()
+        if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+    for argument in RULES[name].args:
+        assert argument in named, (name, argument)
 
 
 def test_rule_choices_match_the_data_package():
