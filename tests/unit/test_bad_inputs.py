@@ -436,16 +436,16 @@ CASES = [
 
 
 def _write_model(root: Path, name: str, **changes) -> Path:
-    """A copy of the tiny model folder (weights linked) with files replaced or removed."""
+    """A copy of the tiny model folder with files replaced or removed.
+
+    Copied, weights included: a link out of a model folder is refused (issue 23).
+    """
     folder = root / name
     folder.mkdir()
     for source in TINY.iterdir():
         if source.suffix == ".jsonl":
             continue
-        if source.name == "model.safetensors":
-            (folder / source.name).symlink_to(source)
-        else:
-            shutil.copyfile(source, folder / source.name)
+        shutil.copyfile(source, folder / source.name)
     config = json.loads((TINY / "config.json").read_text())
     for key, value in changes.pop("config", {}).items():
         if value is None:

@@ -53,6 +53,7 @@ from tunelab.checkpoint.state import (
     gather_rng_states,
     restore_rng_states,
     to_json,
+    trainer_state_problem,
 )
 from tunelab.config.lora import LoRAArgs
 from tunelab.errors import CheckpointError, first_line
@@ -312,6 +313,11 @@ class CheckpointClient:
                 if name not in files
             ]
             problems += integrity.unlisted_files(checkpoint.path, files)
+            # Fields are checked before use: a forged state falls back like a corrupt one.
+            state_problem = trainer_state_problem(
+                checkpoint.path / TRAINER_STATE_NAME, checkpoint.step
+            )
+            problems += [state_problem] if state_problem else []
         gathered: list[Any] = [problems]
         if self.world_size > 1:
             gathered = [None] * self.world_size

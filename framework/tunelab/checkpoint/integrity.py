@@ -18,10 +18,12 @@ This module imports neither torch nor anything that does, so ``tunelab verify`` 
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
@@ -40,6 +42,9 @@ MANIFEST_NAME = "tunelab_manifest.json"
 MANIFEST_VERSION = 2
 """Version 2 adds per-file digests; version 1 manifests (sizes only) cannot be verified."""
 _READ_BYTES = 16 << 20
+# A manifest lists a few hundred files at most; one this large is not one tunelab wrote.
+_MAX_MANIFEST_BYTES = 64 << 20
+_DIGEST_CHARS = 32  # hex characters of an XXH3-128 digest
 # Writes at least this large are hashed in a second thread while they are written.
 _OVERLAP_BYTES = 1 << 20
 
@@ -187,26 +192,88 @@ class RecordBook:
 # -- verification ------------------------------------------------------------------------
 
 
+def _is_count(value: Any) -> bool:
+    """A size, offset or length read from a file: a non-negative int (never 1e400, -1, 2.0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def record_problem(record: Any) -> str | None:
+    """What is wrong with a manifest's record of one file, or None when it is well formed.
+
+    A record is ``{"size": n, "ranges": [[offset, length, digest], ...]}`` with non-negative
+    integers (not floats, not 1e400, not -1) whose ranges tile ``[0, size)`` in order, and
+    32-hex-digit digests: anything else is refused before a byte of the file is read.
+    """
+    malformed = "its manifest record is malformed"
+    if not isinstance(record, Mapping) or not _is_count(record.get("size")):
+        return malformed
+    size, ranges = record["size"], record.get("ranges")
+    if not isinstance(ranges, list):
+        return malformed
+    position = 0
+    for piece in ranges:
+        if not (isinstance(piece, list) and len(piece) == 3):
+            return malformed
+        offset, length, expected = piece
+        if not (_is_count(offset) and _is_count(length)):
+            return f"{malformed} (a range at {offset!r} of {length!r} bytes)"
+        if not (isinstance(expected, str) and len(expected) == _DIGEST_CHARS):
+            return f"{malformed} (digest {expected!r})"
+        if offset != position:
+            return f"its manifest ranges leave a gap or overlap at byte {position}"
+        position += length
+    if position != size:
+        return f"its manifest record covers {position} of {size} bytes"
+    return None
+
+
+def open_regular(path: Path) -> io.BufferedReader:
+    """Open a file tunelab wrote for reading: never through a link, never a FIFO or device.
+
+    Raises:
+        FileNotFoundError: If it does not exist.
+        CheckpointError: If it is a link or not a regular file (it would hang or never end).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"{path} is a link: tunelab writes no links in checkpoints and follows none"
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def check_file(path: Path, record: Mapping[str, Any]) -> str | None:
     """Verify one file against its record.
 
     Returns:
         None when size and every range digest match, else what is wrong (one phrase).
     """
+    problem = record_problem(record)
+    if problem is not None:
+        return problem
+    size = record["size"]
+    ranges = [(offset, length, expected) for offset, length, expected in record["ranges"]]
     try:
-        size, ranges = int(record["size"]), record["ranges"]
-        ranges = [(int(offset), int(length), str(expected)) for offset, length, expected in ranges]
-    except (KeyError, TypeError, ValueError):
-        return "its manifest record is malformed"
-    if not path.is_file():
+        file = open_regular(path)
+    except FileNotFoundError:
         return "is missing"
-    actual = path.stat().st_size
-    if actual != size:
-        return f"has {actual} bytes, the manifest records {size}"
-    covered = sum(length for _, length, _ in ranges)
-    if covered != size:
-        return f"its manifest record covers {covered} of {size} bytes"
-    with open(path, "rb") as file:
+    except CheckpointError as error:
+        return str(error).removeprefix(f"{path} ")
+    with file:
+        actual = os.fstat(file.fileno()).st_size
+        if actual != size:
+            return f"has {actual} bytes, the manifest records {size}"
         for offset, length, expected in ranges:
             hasher = xxhash.xxh3_128()
             file.seek(offset)
@@ -226,15 +293,20 @@ def read_manifest_file(directory: Path) -> dict[str, Any]:
     """Read ``directory``'s manifest.
 
     Raises:
-        CheckpointError: If it is missing, not JSON, not an object, of an unknown version, or
-            has no file records.
+        CheckpointError: If it is missing, a link, not a regular file, not JSON, not an object,
+            of an unknown version, or has no file records or a malformed one (a size that is
+            not a non-negative integer, ranges that do not tile the file, a bad digest).
     """
     path = directory / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_text())
+        with open_regular(path) as file:
+            raw = file.read(_MAX_MANIFEST_BYTES + 1)
+        if len(raw) > _MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{path}: unreadable manifest (over {_MAX_MANIFEST_BYTES} bytes)")
+        manifest = json.loads(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise CheckpointError(f"{path}: unreadable manifest ({error})") from error
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: the manifest is not a JSON object")
@@ -246,6 +318,10 @@ def read_manifest_file(directory: Path) -> dict[str, Any]:
         )
     if manifest.get("digest") != DIGEST_NAME or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path}: the manifest has no {DIGEST_NAME} file records")
+    for name, record in manifest["files"].items():
+        problem = record_problem(record)
+        if problem is not None:  # Refused whole: a resume falls back as from a corrupt one.
+            raise CheckpointError(f"{path}: {name}: {problem}")
     return manifest
 
 

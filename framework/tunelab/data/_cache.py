@@ -214,7 +214,7 @@ def _build(
                 workers,
             )
             table = raw.dataset.map(
-                TokenizeRows(rows, kind, index, raw.json_rows),
+                TokenizeRows(rows, kind, index, raw.json_rows, getattr(rows, "max_chars", None)),
                 batched=True,
                 with_indices=True,
                 remove_columns=raw.dataset.column_names,

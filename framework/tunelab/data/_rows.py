@@ -11,6 +11,45 @@ from typing import Any
 from tunelab.data.templates import ROLES, Message
 from tunelab.errors import ConfigError, DataError
 
+# The first max_seq_len tokens of a text lie within its first max_seq_len * L characters when
+# no token is longer than L characters; this many tokens' worth more absorbs a word cut short.
+_SPARE_TOKENS = 256
+_MIN_TOKEN_CHARS = 16
+
+
+def text_bound(longest_token_chars: int, max_seq_len: int | None) -> int | None:
+    """How many characters of a text can matter to a sample cut to ``max_seq_len`` tokens.
+
+    A sample keeps its first ``max_seq_len`` tokens, and no token spans more than
+    ``longest_token_chars`` characters, so text past ``(max_seq_len + spare) * longest``
+    characters never reaches a sample: it is cut before the (costly) render and tokenization,
+    and a 500 MB row costs what a row of that bound costs.
+
+    Args:
+        longest_token_chars: The tokenizer's longest token, in characters.
+        max_seq_len: The sample length; None (no cut) bounds nothing.
+
+    Returns:
+        The bound in characters, or None.
+    """
+    if max_seq_len is None:
+        return None
+    return (max_seq_len + _SPARE_TOKENS) * max(longest_token_chars, _MIN_TOKEN_CHARS)
+
+
+def cut_long_text(value: Any, max_chars: int | None) -> Any:
+    """``value`` with every string in it (in nested lists and dicts) cut to ``max_chars``."""
+    if max_chars is None:
+        return value
+    if isinstance(value, str):
+        return value[:max_chars] if len(value) > max_chars else value
+    if isinstance(value, dict):
+        return {key: cut_long_text(item, max_chars) for key, item in value.items()}
+    if isinstance(value, list):
+        return [cut_long_text(item, max_chars) for item in value]
+    return value
+
+
 # ShareGPT speaker names to roles.
 _SHAREGPT_ROLES = {
     "system": "system",

@@ -70,6 +70,11 @@ class Render:
     train_on_input: bool
     max_seq_len: int | None
 
+    @property
+    def max_chars(self) -> int | None:
+        """Characters of a text that can reach a sample (``_rows.text_bound``)."""
+        return _rows.text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
+
     def samples(self, pairs: list[tuple[str, str]], column: str) -> list[dict[str, Any]]:
         turns = tokenize_turns(
             self.tokenizer,
@@ -89,6 +94,11 @@ class InstructRows:
     render: Render
     columns: dict[str, str]
 
+    @property
+    def max_chars(self) -> int | None:
+        """Characters of a text that can reach a sample (``_rows.text_bound``)."""
+        return self.render.max_chars
+
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Samples of one row; raises ``BadRow``."""
         instruction = _rows.read_text(row, self.columns["instruction"])
@@ -106,6 +116,11 @@ class ChatRows:
     column: str
     style: str
 
+    @property
+    def max_chars(self) -> int | None:
+        """Characters of a text that can reach a sample (``_rows.text_bound``)."""
+        return self.render.max_chars
+
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Samples of one row; raises ``BadRow``."""
         pairs = _rows.read_messages(row.get(self.column), self.column, self.style)
@@ -120,6 +135,11 @@ class TextRows:
     tokenizer: Tokenizer
     column: str
     max_seq_len: int | None
+
+    @property
+    def max_chars(self) -> int | None:
+        """Characters of a text that can reach a sample (``_rows.text_bound``)."""
+        return _rows.text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
 
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Samples of one row; raises ``BadRow``."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tunelab.data._json_rows import JSON_LINE, JSON_PROBLEM, JSON_TEXT
-from tunelab.data._rows import BadRow
+from tunelab.data._rows import BadRow, cut_long_text
 
 # The token columns of each kind of sample.
 SAMPLE_COLUMNS = {
@@ -68,12 +68,16 @@ class TokenizeRows:
         kind: ``sft`` or ``preference``.
         source: The source's index among the dataset's sources.
         json_rows: Whether the batch holds JSON text (``_json_rows``) to decode.
+        max_chars: Strings of a row are cut to this many characters before the row function
+            sees them (``_rows.text_bound``: past it no character reaches a sample); None
+            cuts nothing.
     """
 
     rows: RowFunction
     kind: str
     source: int
     json_rows: bool
+    max_chars: int | None = None
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         """Tokenize a batch of rows; ``indices`` are their 0-based positions in the source."""
@@ -84,7 +88,8 @@ class TokenizeRows:
         for position, index in enumerate(indices):
             line = batch[JSON_LINE][position] if self.json_rows else None
             try:
-                samples = self.rows(self._row(batch, names, position))
+                row = cut_long_text(self._row(batch, names, position), self.max_chars)
+                samples = self.rows(row)
             except BadRow as bad:
                 empty = dict.fromkeys(SAMPLE_COLUMNS[self.kind], [])
                 self._append(out, empty, False, False, bad.problem, bad.column, index, line)

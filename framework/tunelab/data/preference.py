@@ -113,6 +113,11 @@ class PreferenceRows:
     columns: dict[str, str]
     prompt_column: str | None
 
+    @property
+    def max_chars(self) -> int | None:
+        """Characters of a text that can reach a sample (``_rows.text_bound``)."""
+        return _rows.text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
+
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The pair's item, with ``truncated`` and ``completion``; raises ``BadRow``."""
         chosen_column, rejected_column = self.columns["chosen"], self.columns["rejected"]

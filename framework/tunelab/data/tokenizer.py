@@ -56,6 +56,12 @@ class Tokenizer:
             another one); an export must then carry it (``extra_files``).
     """
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token (bounds the text a token can cover)."""
+        return max((len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True)),
+                   default=1)  # fmt: skip
+
     def __init__(
         self,
         tokenizer: _HFTokenizer,

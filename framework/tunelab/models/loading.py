@@ -4,18 +4,32 @@ A rank fills its sharded parameters with only its own rows, read straight from t
 """
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tunelab._torch_compat import local_shape_and_global_offset
-from tunelab.checkpoint.hf import HFCheckpointReader
+from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, HFCheckpointReader
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import CheckpointError
+from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.models.families import args_from_hf, read_hf_config
+
+# The config.json keys that set tensor dimensions, for naming the one that disagrees.
+_DIMENSION_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 def from_hf_config(
@@ -33,10 +47,77 @@ def from_hf_config(
         The model, randomly initialised (or on meta).
 
     Raises:
-        CheckpointError: no readable ``config.json``.
+        CheckpointError: no readable ``config.json``, or its dimensions do not match the shapes
+            of the weights beside it (checked before any parameter is allocated).
         ConfigError: an unsupported family or feature.
     """
-    return TransformerDecoder(args_from_hf(checkpoint_dir_or_config))
+    config = read_hf_config(checkpoint_dir_or_config)
+    folder = None
+    if not isinstance(checkpoint_dir_or_config, Mapping):
+        folder = Path(checkpoint_dir_or_config)
+        folder = folder if folder.is_dir() else folder.parent
+    for name in (*_DIMENSION_KEYS, "num_hidden_layers"):
+        value = config.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            source = "config" if folder is None else folder / "config.json"
+            raise CheckpointError(f"{source}: {name} {value!r} is not a positive integer")
+    args = args_from_hf(config)
+    if folder is not None:
+        check_dimensions(args, folder)
+    return TransformerDecoder(args)
+
+
+def check_dimensions(args: ModelArgs, checkpoint_dir: Path) -> None:
+    """Check the tensor shapes ``config.json`` implies against the weights' headers.
+
+    A ``config.json`` is data: an ``intermediate_size`` of 1e10 would have the model allocate
+    hundreds of gigabytes before a weight is read. The model is built on the meta device
+    (nothing allocated) and each of its tensors compared with the safetensors header of the
+    same name, so a config that disagrees with its weights is one error naming the key.
+
+    Args:
+        args: The model's settings, from ``config.json``.
+        checkpoint_dir: The folder of ``config.json``; nothing is checked when it holds no
+            weights (a config-only folder).
+
+    Raises:
+        CheckpointError: A tensor's shape, or the number of layers, differs from the weights.
+    """
+    if not any(
+        (checkpoint_dir / name).is_file() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
+    ):
+        return
+    config_file = checkpoint_dir / "config.json"
+    with HFCheckpointReader(checkpoint_dir) as reader:
+        layers = [int(m.group(1)) for key in reader.keys() if (m := _LAYER_INDEX.search(key))]
+        if layers and args.num_layers > max(layers) + 1:
+            raise CheckpointError(
+                f"{config_file}: num_hidden_layers {args.num_layers} does not match the weights, "
+                f"which hold {max(layers) + 1} layers"
+            )
+        with torch.device("meta"):
+            model = TransformerDecoder(args)
+        expected = model.state_dict_adapter.to_hf(model.state_dict())
+        for key, tensor in expected.items():
+            if key not in reader or tuple(reader.shape(key)) == tuple(tensor.shape):
+                continue
+            actual, wanted = tuple(reader.shape(key)), tuple(tensor.shape)
+            config = read_hf_config(checkpoint_dir)
+            culprits = [
+                f"{name} {config[name]!r}"
+                for name in _DIMENSION_KEYS
+                if isinstance(config.get(name), int | float)
+                and config[name] in wanted
+                and config[name] not in actual
+            ]
+            which = " and ".join(culprits) if culprits else "its dimensions"
+            verb = "does" if len(culprits) == 1 else "do"
+            raise CheckpointError(
+                f"{config_file}: {which} {verb} not match the weights: {key} is {list(actual)} "
+                f"in {reader.file_of(key).name}, the config makes it {list(wanted)}"
+            )
 
 
 @dataclass
