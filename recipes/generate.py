@@ -8,10 +8,11 @@ prints the completion (greedy, or temperature / top-k sampling, with a KV cache)
 import torch
 
 import tunelab.peft as peft
-from tunelab.config import GenerateArgs, recipe_main
+from tunelab.config import GenerateArgs
 from tunelab.data import Message, get_template, load_tokenizer, tokenize_messages
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
 from tunelab.generation import generate
+from tunelab.lifecycle import recipe_main
 from tunelab.models import load_pretrained
 
 ARGS = GenerateArgs

@@ -4,25 +4,21 @@ Launch: ``tunelab run --nproc_per_node 2 lora_dpo_distributed --config tiny/lora
 Copy it to customise: ``tunelab cp lora_dpo_distributed my_dpo.py``.
 
 The reference model is the policy itself, never a second copy in memory: inside
-``reference.active()`` it is the base model (adapters disabled, a flag on the LoRA layers, so it
-works under FSDP2), or, when starting from an SFT adapter (``adapter_dir``), base + that adapter,
-frozen, swapped into the LoRA shards and back (see ``tunelab.training.ReferenceModel``). With
-``reference_logps: precompute`` the reference runs once over the dataset before training and
-the steps look its log-probs up (``tunelab.training.PrecomputedReference``). The loss of a
-step is the mean over all its pairs, across micro-batches and ranks.
+``reference.active()`` it is the base model (adapters disabled), or, when starting from an SFT
+adapter (``adapter_dir``), base + that adapter, frozen (``tunelab.training.ReferenceModel``).
+With ``reference_logps: precompute`` it runs once over the dataset before training
+(``tunelab.training.PrecomputedReference``). A step's loss is the mean over all its pairs.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: reference and
 policy forwards, loss and backward over its micro-batches, then clip and step; then
 ``after_step`` logs, validates, exports and saves), clean-up.
 """
 
-import time
-
 import torch
 
 import tunelab.peft as peft
 from tunelab import ConfigError
-from tunelab.config import LoRADPOArgs, instantiate, recipe_main
+from tunelab.config import LoRADPOArgs, instantiate
 from tunelab.data import padded_collate_dpo
 from tunelab.distributed import (
     data_parallel_mesh,
@@ -30,7 +26,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
-from tunelab.lifecycle import RunFolder
+from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import PreferenceLoss, accumulate_metrics
 from tunelab.training import (
     AfterStep,
@@ -107,6 +103,9 @@ def main(args: LoRADPOArgs) -> None:
         seed=args.seed,
         val_dataset=args.val_dataset,
         max_steps_per_epoch=args.max_steps_per_epoch,
+        # A resume on another number of processes keeps the run's global batch.
+        resume_from=run if args.checkpoint.resume_from_checkpoint else None,
+        allow_global_batch_change=args.allow_global_batch_change,
         index_pairs=True,
     )
     trainable = list(peft.get_adapter_params(model).values())
@@ -140,11 +139,7 @@ def main(args: LoRADPOArgs) -> None:
     # reference is frozen, so a resumed run recomputes the same table (nothing to save).
     precomputed = None
     if args.reference_logps == "precompute" and loss_fn.needs_reference:
-        start = time.perf_counter()
         precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
-        if dist_info.is_main:
-            seconds = time.perf_counter() - start
-            print(f"reference log-probs of {len(precomputed.table)} pairs: {seconds:.1f} s")
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
@@ -180,7 +175,7 @@ def main(args: LoRADPOArgs) -> None:
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
             micro_batches = [
-                to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
+                to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
             ]
             # Reference log-probs first, for all micro-batches under one swap (SimPO needs none),
             # or looked up in the precomputed table.

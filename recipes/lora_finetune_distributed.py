@@ -12,7 +12,7 @@ declare its own settings dataclass in place of ``LoRAFinetuneArgs``.
 import torch
 
 import tunelab.peft as peft
-from tunelab.config import LoRAFinetuneArgs, instantiate, recipe_main
+from tunelab.config import LoRAFinetuneArgs, instantiate
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
@@ -21,7 +21,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
-from tunelab.lifecycle import RunFolder
+from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
     AfterStep,
     MetricLoggers,
@@ -87,6 +87,9 @@ def main(args: LoRAFinetuneArgs) -> None:
         seed=args.seed,
         val_dataset=args.val_dataset,
         max_steps_per_epoch=args.max_steps_per_epoch,
+        # A resume on another number of processes keeps the run's global batch.
+        resume_from=run if args.checkpoint.resume_from_checkpoint else None,
+        allow_global_batch_change=args.allow_global_batch_change,
     )
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(
@@ -138,7 +141,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
             micro_batches = [
-                to_device(next(batches), device) for _ in range(args.gradient_accumulation_steps)
+                to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
             ]
             # The step's loss: token losses summed over micro-batches and ranks, divided by their
             # number of target tokens, so every token weighs the same at any world size.

@@ -2,6 +2,7 @@
 the good one: the old folder stays byte-identical, and the next export succeeds."""
 
 import hashlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,3 +56,64 @@ def test_killed_export_leaves_the_previous_one_intact(tiny_hf_model_dir, tmp_pat
     assert _export("good", base, out).wait(timeout=120) == 0
     assert _digests(out) == before
     assert not any(is_temporary_name(path.name) for path in tmp_path.iterdir())
+
+
+REEXPORT = Path(__file__).with_name("reexport_crash_script.py")
+
+
+def _payload(folder: Path) -> dict[str, str]:
+    """Digests of an export's weights and adapter (manifests name times, not content)."""
+    return {
+        path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.suffix in (".safetensors", ".json")
+        and path.name not in ("tunelab_manifest.json",)
+    }  # fmt: skip
+
+
+def _reexport(mode: str, out: Path, stall: str | None = None):
+    return subprocess.Popen(
+        [sys.executable, str(REEXPORT), mode, str(out), *([stall] if stall else [])],
+        env=run_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_exports(tmp_path_factory):
+    """An old and a new LoRA export of the tiny model (adapter + merged weights differ)."""
+    root = tmp_path_factory.mktemp("exports")
+    payloads = {}
+    for mode in ("old", "new"):
+        assert _reexport(mode, root / mode / "epoch_0").wait(timeout=300) == 0
+        payloads[mode] = _payload(root / mode / "epoch_0")
+    assert payloads["old"] != payloads["new"]
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(
+        payloads["old"]
+    )
+    return root, payloads
+
+
+@pytest.mark.parametrize("stall", ["adapter", "weights", "swap", "between_renames"])
+def test_a_killed_re_export_leaves_the_old_export_or_the_new_one_whole(
+    lora_exports, tmp_path, stall
+):
+    from tunelab.checkpoint.integrity import verify_folder
+    from tunelab.lifecycle import RunFolder
+
+    root, payloads = lora_exports
+    run = tmp_path / "run"
+    shutil.copytree(root / "old", run)
+    out = run / "epoch_0"
+    process = _reexport("new", out, stall)
+    try:
+        assert process.stdout.readline().strip() == "STALLED"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    # What the next run finds once it has cleaned up (a crash between two renames is undone).
+    RunFolder(run).remove_leftovers()
+    assert _payload(out) in (payloads["old"], payloads["new"])
+    expected = payloads["new"] if stall == "swap" else payloads["old"]
+    assert _payload(out) == expected
+    assert verify_folder(out) == []
+    assert sorted(p.name for p in run.iterdir()) == ["epoch_0"]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 FAILING_RECIPE = """
 import os
 
-from tunelab.config import recipe_main
+from tunelab.lifecycle import recipe_main
 from tunelab.config.recipe_args import LoRAFinetuneArgs
 from tunelab.distributed import init_distributed
 

@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunelab.config import Component, RecipeArgs, component, instantiate, recipe_main
+from tunelab.config import Component, RecipeArgs, component, instantiate
+from tunelab.lifecycle import recipe_main
 from tunelab.errors import DataError
 
 

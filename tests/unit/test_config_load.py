@@ -205,11 +205,17 @@ def test_other_settings_keep_yaml_and_null_still_means_none_where_allowed():
 
 
 def test_without_settings_the_recipe_key_names_them():
-    # `tunelab run`, `validate` and `data preview` load configs without the settings class:
-    # the config's recipe gives it, so an override means the same in every caller.
-    cfg = load_config("tiny/lora", ["output_dir=runs/exp #3", "epochs=2"])
+    # `tunelab run`, `validate` and `data preview` load configs through the CLI, which finds
+    # the settings class from the config's recipe, so an override means the same everywhere.
+    from tunelab.cli._check import load_recipe_config
+
+    cfg, _, _ = load_recipe_config("tiny/lora", ["output_dir=runs/exp #3", "epochs=2"])
     assert cfg.output_dir == "runs/exp #3" and cfg.epochs == 2
 
 
 def test_without_a_known_recipe_every_value_is_yaml(config_file):
+    from tunelab.cli._check import load_recipe_config
+
     assert load_config(str(config_file), ["output_dir=runs/exp #3"]).output_dir == "runs/exp"
+    cfg, _, recipe = load_recipe_config(str(config_file), ["output_dir=runs/exp #3"])
+    assert recipe is None and cfg.output_dir == "runs/exp"

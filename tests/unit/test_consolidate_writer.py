@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tunelab.checkpoint import integrity
+from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.checkpoint.layout import temporary_name
@@ -151,9 +151,16 @@ def test_world_one_dtensors_replace_an_existing_export(world_of_one, tmp_path):
     )
     (source / "tokenizer.json").write_text("{}")
     out = tmp_path / "epoch_0"
-    (out / "adapter").mkdir(parents=True)  # written just before, as a LoRA export does
-    (out / "adapter" / "adapter_config.json").write_text("{}")
-    (out / "model-00001-of-00009.safetensors").write_bytes(b"stale weights")
+    out.mkdir()
+    # A previous export of tunelab's: its manifest lists what it wrote.
+    stale = integrity.write_bytes(out / "model-00001-of-00009.safetensors", b"stale weights")
+    layout.write_manifest(out, {"model-00001-of-00009.safetensors": stale}, kind="export")
+
+    def write_adapter(new_export):  # first, into the new folder, as a LoRA export does
+        (new_export / "adapter").mkdir()
+        record = integrity.write_bytes(new_export / "adapter" / "adapter_config.json", b"{}")
+        layout.write_manifest(new_export / "adapter", {"adapter_config.json": record})
+
     result = save_hf_sharded(
         sharded,
         out,
@@ -161,6 +168,7 @@ def test_world_one_dtensors_replace_an_existing_export(world_of_one, tmp_path):
         process_group=dist.group.WORLD,
         source_dir=source,
         torch_dtype=torch.bfloat16,
+        first=write_adapter,
     )
     assert result == out
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -174,6 +182,21 @@ def test_world_one_dtensors_replace_an_existing_export(world_of_one, tmp_path):
     assert (out / "adapter" / "adapter_config.json").read_text() == "{}"
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "epoch_0"]
+    # Replaced whole: a second export without an adapter leaves none behind.
+    save_hf_sharded(sharded, out, process_group=dist.group.WORLD, source_dir=source)
+    assert not (out / "adapter").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "epoch_0"]
+
+
+def test_a_replaced_export_with_files_tunelab_did_not_write_is_kept_aside(tmp_path):
+    state = _mixed_state()
+    out = tmp_path / "epoch_0"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    save_hf_sharded(state, out, sync_files=False)
+    assert not (out / "notes.txt").exists() and (out / "tunelab_manifest.json").is_file()
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("epoch_0.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "the user's"
 
 
 def test_max_shard_size_must_be_positive(tmp_path):

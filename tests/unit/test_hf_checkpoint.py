@@ -266,11 +266,13 @@ def test_failed_save_keeps_existing_output_and_leaves_no_temp(checkpoint, tmp_pa
         save_hf_sharded(state, path, source_dir=tmp_path / "missing")
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert listing(path.parent) == ["ckpt"]
-    # A successful save replaces the old weights completely; files it does not write (a
-    # tokenizer, an adapter/ folder) move into the new export.
+    # A successful save replaces the folder whole: the new one holds exactly what it wrote.
+    # The old one held files tunelab did not write (it made no manifest): kept aside, whole.
     save_hf_sharded(state, path, max_shard_size=3000)
-    assert "model.safetensors" not in listing(path) and "tokenizer.json" in listing(path)
-    assert listing(path.parent) == ["ckpt"]
+    assert "model.safetensors" not in listing(path) and "tokenizer.json" not in listing(path)
+    kept = [name for name in listing(path.parent) if name != "ckpt"]
+    assert len(kept) == 1 and kept[0].startswith("ckpt.replaced-")
+    assert {p.name: p.read_bytes() for p in (path.parent / kept[0]).iterdir()} == before
     torch.testing.assert_close(
         HFCheckpointReader(path).get("model.norm.weight"), state["model.norm.weight"]
     )

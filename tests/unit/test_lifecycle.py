@@ -268,7 +268,8 @@ TOY_RECIPE = """
 import os, signal, time
 from dataclasses import dataclass
 
-from tunelab.config import RecipeArgs, recipe_main
+from tunelab.config import RecipeArgs
+from tunelab.lifecycle import recipe_main
 from tunelab.lifecycle import Preemption
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tunelab.config._entry import _ProgressSafeHandler, configure_logging
+from tunelab.lifecycle.entry import _ProgressSafeHandler, configure_logging
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "framework" / "tunelab"
 

@@ -160,7 +160,6 @@ def test_dora_forward_equals_its_merge_and_disabled_is_the_base(quantize):
 def test_save_and_export_leave_live_weights_unchanged(world_of_one, tmp_path):
     transformers = pytest.importorskip("transformers")
     from tunelab.checkpoint import CheckpointClient
-    from tunelab.config.lora import LoRAArgs
     from tunelab.config.recipe_args import LoRAArgs
     from tunelab.peft import get_adapter_params, lora_target_names
     from tunelab.training import build_model

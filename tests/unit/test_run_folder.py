@@ -52,6 +52,21 @@ def test_retention_never_follows_a_step_link_into_another_run(tmp_path):
     run.remove_leftovers()
     assert _digest_tree(other) == before
     assert (mine / "step_6").is_symlink()
+    # A run into such a folder stops before training, naming the link.
+    with pytest.raises(CheckpointError, match="step_6 is a link"):
+        run.check_before_start(True)
+
+
+def test_an_epoch_link_is_refused_before_anything_is_written_through_it(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(elsewhere, out / "epoch_0")
+    with pytest.raises(CheckpointError, match="epoch_0 is a link"):
+        RunFolder(out).check_before_start(False)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["precious.txt"]
 
 
 def test_clean_up_removes_only_what_tunelab_wrote(tmp_path, caplog):

@@ -8,6 +8,10 @@ aliases them) and every rank writes its rows straight into the final safetensors
 through DCP, whose finish step writes the headers and the index. No rank gathers the model.
 Each merge runs inside the writer just before its rows are written, so one merged weight
 exists at a time and one rank's merge overlaps the other ranks' writes.
+
+Both go into a new folder that replaces ``epoch_{E}/`` as a whole at the end (one atomic
+exchange where the system can): a crash at any moment leaves the old export or the new one,
+each verifying, never a new adapter beside old weights.
 """
 
 import os
@@ -23,6 +27,9 @@ from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import gather_full_tensors
 from tunelab.peft.merge import lazy_merged_state_dict
+
+ADAPTER_DIR_NAME = "adapter"
+"""A LoRA export's PEFT adapter folder, inside the export (never beside merged weights)."""
 
 
 def export_hf(
@@ -51,14 +58,17 @@ def export_hf(
         The export folder.
     """
     output_dir = Path(output_dir)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     base_checkpoint_dir = Path(base_checkpoint_dir)
+    write_adapter = None
     if lora is not None:
         # One collective for the whole (small) adapter; the merge reuses its gathered A's.
         adapter = gather_full_tensors(peft.adapter_state_dict(model))
-        if rank == 0:
-            config = lora.peft_config(peft.lora_target_names(model), str(base_checkpoint_dir))
-            peft.save_peft_adapter(adapter, config, output_dir / "adapter")
+        config = lora.peft_config(peft.lora_target_names(model), str(base_checkpoint_dir))
+
+        def write_adapter(new_export: Path) -> None:
+            # Into the new export's folder, first: the two are replaced together, whole.
+            peft.save_peft_adapter(adapter, config, new_export / ADAPTER_DIR_NAME)
+
         # The merges run inside the writer, one weight at a time, as each is written.
         state_dict, merges = lazy_merged_state_dict(model, full_adapter=adapter)
     else:
@@ -74,5 +84,6 @@ def export_hf(
         torch_dtype=dtype,
         local_transforms={model.state_dict_adapter.to_hf_key(k): f for k, f in merges.items()},
         extra_files=extra_files,
+        first=write_adapter,
     )
     return output_dir

@@ -20,12 +20,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from tunelab._fs import fsync_path
+from tunelab._fs import exchange_paths, fsync_path
 from tunelab.checkpoint.consolidate import DEFAULT_MAX_SHARD_SIZE, HFSafetensorsWriter, temp_name
 from tunelab.checkpoint.dcp import as_checkpoint_error
 from tunelab.checkpoint.hf_write import copy_model_files
-from tunelab.checkpoint.integrity import MANIFEST_NAME
-from tunelab.checkpoint.layout import is_temporary_name, temporary_name, write_manifest
+from tunelab.checkpoint.layout import retire_folder, temporary_name, write_manifest
 from tunelab.errors import CheckpointError, TunelabError
 
 __all__ = ["save_hf_sharded"]
@@ -44,14 +43,15 @@ def save_hf_sharded(
     thread_count: int = 1,
     local_transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
+    first: Callable[[Path], None] | None = None,
 ) -> Path:
     """Export a (possibly sharded) HF-keyed state dict as a Hugging Face model folder.
 
     All ranks of ``process_group`` call this. The files are written into a sibling temporary
-    folder (``.{name}.tunelab-partial``) which rank 0 renames to ``output_dir`` at the end, so a crash
-    never leaves a partial export over a good one. An existing ``output_dir`` is replaced;
-    its entries that are not weights and that the export does not write (e.g. ``adapter/``)
-    are kept.
+    folder (``.{name}.tunelab-partial``) which rank 0 swaps with ``output_dir`` at the end, in
+    one atomic step where the system can, so a crash leaves the old export or the new one,
+    whole, never a mix. An existing ``output_dir`` is replaced as a whole: the new one holds
+    everything it needs (``first`` writes a LoRA adapter into it).
 
     Args:
         state_dict: HF key to tensor or ``DTensor``.
@@ -72,6 +72,8 @@ def save_hf_sharded(
             rank's compute overlaps the others' writes.
         extra_files: Files rank 0 writes beside the copied model files, by name
             (``copy_model_files``), e.g. an overridden ``chat_template.jinja``.
+        first: Rank 0 calls it with the new folder before any weight is written (a LoRA
+            export writes its small adapter there first); what it writes is part of the export.
 
     Returns:
         The output folder.
@@ -86,6 +88,9 @@ def save_hf_sharded(
     if is_rank_zero:
         # No rank writes before the plan step, in which rank 0 takes part after this.
         shutil.rmtree(staging, ignore_errors=True)
+        if first is not None:
+            staging.mkdir(parents=True)
+            first(staging)
     writer = HFSafetensorsWriter(
         staging,
         fqn_to_file=fqn_to_file,
@@ -151,44 +156,28 @@ class _TransformingPlanner(DefaultSavePlanner):
         return data if transform is None else transform(data)
 
 
-def _is_weights_name(name: str) -> bool:
-    return name.endswith((".safetensors", ".bin", ".index.json")) or is_temporary_name(name)
-
-
-def _carried_over(name: str, produced: set[str]) -> bool:
-    """Whether an entry of the previous export moves into the new one (``adapter/``, say).
-
-    Not weights, not written anew, not a manifest, not a temporary of a killed write.
-    """
-    return (
-        name not in produced
-        and name != MANIFEST_NAME
-        and not _is_weights_name(name)
-        and not is_temporary_name(name)
-    )
-
-
 def _swap_into_place(staging: Path, final: Path, sync_files: bool) -> None:
-    """Rename ``staging`` to ``final``, replacing an existing ``final`` folder.
+    """Replace ``final`` by ``staging`` as a whole, in one atomic step where the system can.
 
-    Entries of the existing folder that the new export does not write and that are not
-    weights (a LoRA ``adapter/`` folder written just before, say) move into the new folder;
-    the old weights are deleted, never mixed with the new ones.
+    The new export holds everything it needs (a LoRA export's adapter included), so nothing
+    moves over from the old one. The old folder is then retired (``layout.retire_folder``):
+    deleted when it holds only what tunelab wrote, else kept aside under a new name.
     """
     if final.is_symlink():
-        # Its entries would be moved out of whatever it points at.
+        # Its entries would be replaced inside whatever it points at.
         raise CheckpointError(
             f"{final} is a link; tunelab never writes through links in an output_dir: remove it"
         )
-    previous = final.parent / temporary_name(final.name, "old")
-    shutil.rmtree(previous, ignore_errors=True)
-    if final.exists():
-        produced = {entry.name for entry in staging.iterdir()}
-        for entry in final.iterdir():
-            if _carried_over(entry.name, produced):
-                os.replace(entry, staging / entry.name)
+    if not final.exists():
+        os.replace(staging, final)
+    elif exchange_paths(staging, final):
+        retire_folder(staging, final.name)  # The exchange left the old export at `staging`.
+    else:
+        # Two renames: a crash between them leaves the old export under its temporary name,
+        # which the run folder's clean-up puts back (RunFolder.remove_leftovers).
+        previous = final.parent / temporary_name(final.name, "old")
         os.replace(final, previous)
-    os.replace(staging, final)
-    shutil.rmtree(previous, ignore_errors=True)
+        os.replace(staging, final)
+        retire_folder(previous, final.name)
     if sync_files:
         fsync_path(final.parent)

@@ -9,8 +9,10 @@ mid-save can never leave a half-written checkpoint that looks resumable.
 """
 
 import json
+import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,15 @@ from tunelab.checkpoint.integrity import (
     FileRecord,
     read_manifest_file,
 )
+from tunelab.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 # Names tunelab gives files and folders while it writes them: ``.{name}.tunelab-{kind}`` with an
 # optional ``-{tag}`` (a pid). The ``tunelab-`` part keeps a user's ``.env.old`` or
 # ``.cache.partial`` out of the pattern: clean-up removes only what matches it.
 _TEMPORARY_KINDS = ("tmp", "old", "partial")
-_TEMPORARY_PATTERN = re.compile(r"^\..+\.tunelab-(tmp|old|partial)(-[A-Za-z0-9_]+)?$")
+_TEMPORARY_PATTERN = re.compile(r"^\.(.+)\.tunelab-(tmp|old|partial)(-[A-Za-z0-9_]+)?$")
 
 
 def temporary_name(name: str, kind: str, tag: str | int | None = None) -> str:
@@ -50,6 +55,12 @@ def temporary_name(name: str, kind: str, tag: str | int | None = None) -> str:
 def is_temporary_name(name: str) -> bool:
     """Whether ``name`` is one tunelab gives a file or folder while writing it."""
     return bool(_TEMPORARY_PATTERN.match(name))
+
+
+def parse_temporary_name(name: str) -> tuple[str, str] | None:
+    """``(final name, kind)`` of a temporary name (``temporary_name``'s inverse), or None."""
+    match = _TEMPORARY_PATTERN.match(name)
+    return (match.group(1), match.group(2)) if match else None
 
 
 def write_atomic(path: Path, data: bytes, *, sync: bool = True) -> None:
@@ -129,3 +140,47 @@ def move_aside(path: Path) -> Path:
     os.replace(path, target)
     fsync_path(path.parent)
     return target
+
+
+def retire_folder(path: Path, final_name: str) -> Path | None:
+    """Remove a replaced folder that tunelab wrote; keep aside one that holds anything else.
+
+    The folder is tunelab's own when every file in it is listed by its manifest or by the
+    manifest of a sub-folder (an export's ``adapter/``), or is a temporary of tunelab's
+    naming. Otherwise it is renamed ``{final_name}.replaced-{time}`` and named in a warning:
+    tunelab never deletes what it did not write.
+
+    Returns:
+        Where the folder was kept, or None when it was deleted.
+    """
+    if _only_tunelab_files(path):
+        shutil.rmtree(path)
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = path.with_name(f"{final_name}.replaced-{stamp}")
+    suffix = 1
+    while kept.exists():
+        kept = path.with_name(f"{final_name}.replaced-{stamp}-{suffix}")
+        suffix += 1
+    os.replace(path, kept)
+    logger.warning("kept %s aside as %s: it holds files tunelab did not write", final_name, kept)
+    return kept
+
+
+def _only_tunelab_files(folder: Path) -> bool:
+    listed: set[Path] = set()
+    for manifest_path in folder.rglob(MANIFEST_NAME):
+        if manifest_path.is_symlink():
+            return False
+        try:
+            files = read_manifest_file(manifest_path.parent)["files"]
+        except (CheckpointError, KeyError, TypeError):
+            return False
+        listed |= {manifest_path.parent / name for name in files} | {manifest_path}
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            return False
+        if path.is_file() and path not in listed and not is_temporary_name(path.name):
+            if not any(is_temporary_name(part) for part in path.relative_to(folder).parts):
+                return False
+    return True

@@ -40,6 +40,38 @@ def recipe_of_config(cfg: DictConfig, config_path: Path) -> Path:
         raise ConfigError(f"config {config_path}, key 'recipe': {err}") from err
 
 
+def load_recipe_config(
+    config: str, overrides: Sequence[str], recipe: str | None = None
+) -> tuple[DictConfig, Path, Path | None]:
+    """Load a config with overrides typed by its recipe's settings (text taken literally).
+
+    Args:
+        config: A built-in config name or a YAML path.
+        overrides: ``key=value`` / ``~key`` strings.
+        recipe: The recipe (name or path); None takes the config's ``recipe`` key (or a
+            ``recipe=`` override).
+
+    Returns:
+        The config, its file, and the recipe script (None when the config names none that
+        exists: validation then says so).
+    """
+    config_path = resolve_config_path(config)
+    if recipe is None:
+        recipe = load_config(str(config_path)).get("recipe")
+        for override in overrides:
+            key, sep, text = override.partition("=")
+            if sep and key == "recipe":
+                recipe = text
+    recipe_path = args_cls = None
+    if isinstance(recipe, str) and recipe:
+        try:
+            recipe_path = resolve_recipe(recipe, relative_to=config_path.parent)
+            args_cls = load_recipe_args(recipe_path)
+        except TunelabError:
+            recipe_path = args_cls = None  # check_config names the problem with the recipe.
+    return load_config(str(config_path), overrides, args_cls), config_path, recipe_path
+
+
 def check_config(
     config: str, overrides: Sequence[str], recipe: str | None = None
 ) -> tuple[Path, Path]:
@@ -56,15 +88,12 @@ def check_config(
     Raises:
         TunelabError: If anything is missing or the config does not validate.
     """
-    recipe_path = resolve_recipe(recipe) if recipe else None
-    args_cls = load_recipe_args(recipe_path) if recipe_path is not None else None
-    config_path = resolve_config_path(config)
-    # Without a recipe given, the config's `recipe` key names the settings overrides follow.
-    cfg = load_config(str(config_path), overrides, args_cls)
+    if recipe:
+        resolve_recipe(recipe)  # A recipe given by name must exist: said here, plainly.
+    cfg, config_path, recipe_path = load_recipe_config(config, overrides, recipe)
     if recipe_path is None:
         recipe_path = recipe_of_config(cfg, config_path)
-        args_cls = load_recipe_args(recipe_path)
-    args = parse_args(cfg, args_cls)
+    args = parse_args(cfg, load_recipe_args(recipe_path))
     resume = getattr(getattr(args, "checkpoint", None), "resume_from_checkpoint", None)
     output_dir = getattr(args, "output_dir", None)
     if resume is not None and isinstance(output_dir, str) and output_dir:

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from tunelab.cli._check import recipe_of_config
+from tunelab.cli._check import load_recipe_config, recipe_of_config
 from tunelab.cli._discovery import load_recipe_args
-from tunelab.config import instantiate, load_config, parse_args, resolve_config_path
+from tunelab.config import instantiate, parse_args
 from tunelab.errors import ConfigError
 
 IGNORE_INDEX = -100  # tunelab.data.IGNORE_INDEX, without importing torch to parse arguments
@@ -73,9 +73,8 @@ def build_dataset(config: str, overrides: list[str]) -> tuple[Any, Any]:
     Raises:
         TunelabError: If the config does not validate against its recipe or has no dataset.
     """
-    config_path = resolve_config_path(config)
-    cfg = load_config(str(config_path), overrides)
-    args = parse_args(cfg, load_recipe_args(recipe_of_config(cfg, config_path)))
+    cfg, config_path, recipe_path = load_recipe_config(config, overrides)
+    args = parse_args(cfg, load_recipe_args(recipe_path or recipe_of_config(cfg, config_path)))
     if getattr(args, "dataset", None) is None or getattr(args, "tokenizer", None) is None:
         raise ConfigError(f"config {config_path} has no dataset to preview")
     tokenizer = instantiate(args.tokenizer)

@@ -15,8 +15,8 @@ from types import ModuleType
 import yaml
 
 from tunelab import _paths
+from tunelab._paths import suggest_path
 from tunelab.config import RecipeArgs, builtin_configs
-from tunelab.config.constraints import suggest_path
 from tunelab.errors import ConfigError, TunelabError
 
 

@@ -7,8 +7,8 @@ import sys
 import traceback
 
 from tunelab.cli import _cp, _data, _download, _ls, _run, _validate, _verify
-from tunelab.config._entry import debug_enabled
 from tunelab.errors import TunelabError, shorten
+from tunelab.lifecycle.entry import debug_enabled
 
 _COMMANDS = {
     "ls": _ls,

@@ -11,7 +11,6 @@ Nothing here imports torch, so checking a config stays fast.
 """
 
 from tunelab.config._args import Component, RecipeArgs, component, field_docs
-from tunelab.config._entry import parse_recipe_cli, recipe_main
 from tunelab.config._instantiate import import_component, instantiate
 from tunelab.config._load import apply_overrides, builtin_configs, load_config, resolve_config_path
 from tunelab.config._validate import parse_args, validate
@@ -65,8 +64,6 @@ __all__ = [
     "instantiate",
     "load_config",
     "parse_args",
-    "parse_recipe_cli",
-    "recipe_main",
     "resolve_config_path",
     "validate",
 ]

@@ -46,9 +46,12 @@ NonNegativeFloat = Annotated[float, Finite(), Range(ge=0)]
 PositiveFloat = Annotated[float, Finite(), Range(gt=0)]
 Steps = Annotated[int, Range(ge=0)]
 SequenceLength = Annotated[int, Range(ge=1)] | None
-# "auto" (the tokenizer's own chat template) and the names of tunelab.data.TEMPLATES; a unit
-# test keeps them equal.
-TEMPLATE_NAMES = ("auto", "instruct", "alpaca", "llama3", "chatml")
+AUTO_TEMPLATE = "auto"
+"""The tokenizer's own chat template."""
+NAMED_TEMPLATES = ("instruct", "alpaca", "llama3", "chatml")
+"""The named formats for base models, defined here once: ``tunelab.data.TEMPLATES`` implements
+them in this order, and settings (``template``) allow them without importing the data code."""
+TEMPLATE_NAMES = (AUTO_TEMPLATE, *NAMED_TEMPLATES)
 Template = Annotated[str, OneOf(*TEMPLATE_NAMES)]
 Split = Annotated[str, NonEmpty()]
 # Loader names and file suffixes tunelab.data.sources accepts; a unit test keeps them equal.

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tunelab import _paths
+from tunelab._paths import builtin_configs, suggest_path
 from tunelab.config._text_settings import NULL_WORDS, is_optional, is_text, setting_type
-from tunelab.config.constraints import suggest_path
-from tunelab.errors import ConfigError, TunelabError, first_line
+from tunelab.errors import ConfigError, first_line
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 # A dotted key: names (letters, digits, '_' and '-') and list indices, e.g. `a.b`, `loggers.0.dir`.
@@ -42,23 +42,6 @@ def _register_resolver(name: str, resolver: Callable[[str], str]) -> None:
 # `${assets:NAME}` lets built-in configs point at the embedded tiny model and data, wherever the
 # package is installed.
 _register_resolver("assets", _assets_resolver)
-
-
-def builtin_configs() -> dict[str, Path]:
-    """Return the built-in configs, found by scanning ``configs_dir()`` recursively.
-
-    Returns:
-        A mapping from config name (the path relative to ``configs_dir()`` without its
-        suffix, ``/``-separated, e.g. ``tiny/lora``) to the YAML file, sorted by name.
-    """
-    root = _paths.configs_dir()
-    if not root.is_dir():
-        return {}
-    found = {}
-    for path in root.rglob("*"):
-        if path.suffix in _YAML_SUFFIXES and path.is_file():
-            found[path.relative_to(root).with_suffix("").as_posix()] = path
-    return dict(sorted(found.items()))
 
 
 def resolve_config_path(config: str) -> Path:
@@ -197,25 +180,6 @@ def apply_overrides(
     return cfg
 
 
-def _recipe_settings(cfg: DictConfig, config_path: Path, overrides: Sequence[str]) -> type | None:
-    """The settings dataclass of the recipe a config names (``recipe:``), or None if unsure."""
-    recipe = cfg.get("recipe")
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if sep and key == "recipe":
-            recipe = text
-    if not isinstance(recipe, str) or not recipe:
-        return None
-    # Deferred and upward: the recipe's ARGS is found the way the CLI finds it (read from the
-    # source for the built-in recipes), so an override means the same in every caller.
-    from tunelab.cli._discovery import load_recipe_args, resolve_recipe
-
-    try:
-        return load_recipe_args(resolve_recipe(recipe, relative_to=config_path.parent))
-    except TunelabError:
-        return None  # Validation names the problem with the recipe.
-
-
 def load_config(
     config: str, overrides: Sequence[str] = (), args_cls: type | None = None
 ) -> DictConfig:
@@ -223,13 +187,14 @@ def load_config(
 
     Interpolations (``${other.key}``, ``${assets:NAME}``) stay lazy: they resolve when a value
     is read, so an override of ``other.key`` reaches every place that refers to it. An override
-    of a text setting is taken literally (see ``apply_overrides``); the settings are
-    ``args_cls``, or, when None, those of the recipe the config's ``recipe`` key names.
+    of a text setting is taken literally (see ``apply_overrides``) when ``args_cls``, the
+    recipe's settings, says which settings are text (``tunelab.cli`` finds them from the
+    config's ``recipe`` key: ``load_recipe_config``).
 
     Args:
         config: A path to a YAML file, or a built-in config name such as ``tiny/lora``.
         overrides: ``key=value`` / ``~key`` strings, applied in order.
-        args_cls: The recipe's settings dataclass (None: found from the ``recipe`` key).
+        args_cls: The recipe's settings dataclass (None: every value is parsed as YAML).
 
     Returns:
         The config.
@@ -239,6 +204,4 @@ def load_config(
     """
     path = resolve_config_path(config)
     cfg = _read_yaml(path)
-    if args_cls is None and overrides:
-        args_cls = _recipe_settings(cfg, path, overrides)
     return apply_overrides(cfg, overrides, args_cls)

@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tunelab._paths import suggest_path
+from tunelab.config._model_dir import model_dir_problems
+
 
 class Constraint:
     """A rule a value must follow, attached to a type with ``Annotated[T, constraint]``."""
@@ -179,37 +182,6 @@ class PathCheck(Constraint):
         raise NotImplementedError
 
 
-def suggest_path(path: str | os.PathLike) -> str | None:
-    """Return the path with its first missing part replaced by the closest existing name.
-
-    ``data/sft.jsnol`` gives ``data/sft.jsonl`` when that file exists; None when nothing close
-    exists, or the path exists.
-
-    Args:
-        path: A path that may not exist.
-
-    Returns:
-        The corrected path as a string, or None.
-    """
-    path = Path(path).expanduser()
-    parts = path.parts
-    for index in range(1, len(parts) + 1):
-        here = Path(*parts[:index])
-        if here.exists():
-            continue
-        parent = Path(*parts[: index - 1]) if index > 1 else Path(".")
-        try:
-            names = [entry.name for entry in os.scandir(parent)]
-        except OSError:
-            return None
-        close = difflib.get_close_matches(parts[index - 1], names, n=1, cutoff=0.6)
-        if not close:
-            return None
-        fixed = Path(*parts[: index - 1], close[0], *parts[index:])
-        return str(fixed) if fixed.exists() else None
-    return None
-
-
 def missing_path_message(what: str, path: str | os.PathLike) -> str:
     """Return ``"<what> not found: <path>"`` with a did-you-mean of a close existing path."""
     message = f"{what} not found: {path}"
@@ -303,8 +275,6 @@ class ModelDir(PathCheck):
         return "Hugging Face model folder: config.json, *.safetensors, tokenizer.json"
 
     def problems(self, path: str) -> list[str]:  # noqa: D102
-        from tunelab.config._model_dir import model_dir_problems
-
         return model_dir_problems(path)
 
 

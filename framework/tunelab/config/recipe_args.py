@@ -15,13 +15,13 @@ from typing import Annotated, Literal
 from omegaconf import DictConfig
 
 from tunelab.config._args import Component, RecipeArgs, component
+from tunelab.config._component_rules import Template
 from tunelab.config._model_dir import tokenizer_fits_model
 from tunelab.config.constraints import (
     ExistingPath,
     Finite,
     ModelDir,
     NonEmpty,
-    OneOf,
     OutputDir,
     Range,
 )
@@ -89,6 +89,8 @@ class FinetuneArgs(RecipeArgs):
     """Samples per micro-batch per process."""
     gradient_accumulation_steps: AtLeastOne = 1
     """Micro-batches per optimizer step."""
+    allow_global_batch_change: bool = False
+    """On resume with another number of processes, keep batch_size and gradient_accumulation_steps as configured even though the global batch (batch_size x gradient_accumulation_steps x processes) then differs from the checkpoint's; by default tunelab keeps the checkpoint's global batch, so the run is the uninterrupted one."""
     epochs: AtLeastOne = 1
     """Passes over the training data."""
     max_steps_per_epoch: AtLeastOne | None = None
@@ -178,7 +180,7 @@ class GenerateArgs(RecipeArgs):
     """The user prompt (for instruct-style models, the instruction)."""
     input: str | None = None
     """Optional input joined to the prompt the way the template joins an instruct row's input."""
-    template: Annotated[str, OneOf("auto", "llama3", "chatml", "instruct", "alpaca")] | None = None
+    template: Template | None = None
     """Template to wrap the prompt in (auto: the model's own chat template), or None for raw text."""
     max_new_tokens: AtLeastOne = 64
     """Tokens to generate at most."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tunelab.config._component_rules import NAMED_TEMPLATES
 from tunelab.data.chat_template import (
     REASONING_KEYS,
     ChatTemplate,
@@ -55,10 +56,8 @@ def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
         ConfigError: If the tokenizer has none; the message names the named formats.
         DataError: If the template does not compile.
     """
-    from tunelab.data.templates import TEMPLATES  # templates.py imports this module
-
     if tokenizer.chat_template is None:
-        formats = ", ".join(sorted(TEMPLATES))
+        formats = ", ".join(sorted(NAMED_TEMPLATES))
         raise ConfigError(
             f"template: auto renders with the tokenizer's own chat template, but "
             f"{tokenizer.no_chat_template_reason}. Give the tokenizer one (its chat_template "

@@ -16,6 +16,7 @@ end-of-turn token are masked when ``message.masked`` is true.
 import difflib
 from dataclasses import dataclass
 
+from tunelab.config._component_rules import AUTO_TEMPLATE, NAMED_TEMPLATES
 from tunelab.data.chat import chat_template_of, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate
 from tunelab.data.tokenizer import Tokenizer
@@ -23,7 +24,7 @@ from tunelab.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant")
 # The template name that means "the tokenizer's own chat template".
-AUTO = "auto"
+AUTO = AUTO_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,6 @@ class Template:
 class Llama3Template(Template):
     r"""Llama 3: ``<|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>``."""
 
-    name = "llama3"
-
     def start(self, tokenizer: Tokenizer) -> list[_Piece]:  # noqa: D102
         return [(self.special(tokenizer, "<|begin_of_text|>"), True)]
 
@@ -110,8 +109,6 @@ class Llama3Template(Template):
 class ChatMLTemplate(Template):
     r"""ChatML (Qwen): ``<|im_start|>role\ncontent<|im_end|>\n``, no BOS."""
 
-    name = "chatml"
-
     def turn(self, tokenizer: Tokenizer, message: Message) -> list[_Piece]:  # noqa: D102
         return [
             (self.special(tokenizer, "<|im_start|>"), True),
@@ -131,8 +128,6 @@ class InstructTemplate(Template):
     An instruct row with an input renders as ``### Instruction:\n{instruction}\n\n### Input:
     \n{input}\n\n### Response:\n{output}<eos>``; a system message is plain text before it.
     """
-
-    name = "instruct"
 
     def start(self, tokenizer: Tokenizer) -> list[_Piece]:  # noqa: D102
         return [(tokenizer.bos_id, True)] if tokenizer.add_bos_token else []
@@ -167,7 +162,6 @@ class AlpacaTemplate(InstructTemplate):
     the bracketed part when the row has an input; it is always masked.
     """
 
-    name = "alpaca"
     _PREAMBLE = (
         "Below is an instruction that describes a task. Write a response that appropriately "
         "completes the request.\n\n"
@@ -186,8 +180,19 @@ class AlpacaTemplate(InstructTemplate):
         return [(self._PREAMBLE_WITH_INPUT if with_input else self._PREAMBLE, True), *pieces]
 
 
+def _named(name: str, template: Template) -> Template:
+    template.name = name
+    return template
+
+
+# The names are config's NAMED_TEMPLATES (settings check them without importing this module).
 TEMPLATES: dict[str, Template] = {
-    t.name: t for t in (Llama3Template(), ChatMLTemplate(), InstructTemplate(), AlpacaTemplate())
+    name: _named(name, template)
+    for name, template in zip(
+        NAMED_TEMPLATES,
+        (InstructTemplate(), AlpacaTemplate(), Llama3Template(), ChatMLTemplate()),
+        strict=True,
+    )
 }
 
 

@@ -18,6 +18,7 @@ promise without it (its one-process path never loads torch). The collectives imp
 they run.
 """
 
+from tunelab.lifecycle.entry import parse_recipe_cli, recipe_main
 from tunelab.lifecycle.output_lock import LOCK_FILE_NAME, check_output_dir_free, lock_output_dir
 from tunelab.lifecycle.parent_death import LAUNCHER_PID_ENV, exit_with_launcher
 from tunelab.lifecycle.preemption import (
@@ -44,6 +45,8 @@ __all__ = [
     "exit_with_launcher",
     "install_stop_handlers",
     "lock_output_dir",
+    "parse_recipe_cli",
+    "recipe_main",
     "restart_of_job",
     "signal_received",
     "stop_signals_blocked",

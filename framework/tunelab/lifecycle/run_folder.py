@@ -135,6 +135,7 @@ class RunFolder:
                 tunelab's (see :meth:`check_owned`).
         """
         check_output_dir_free(self.root)
+        self.check_no_links()
         self.check_owned(may_exist=may_exist)
         if resume is not None:
             self.check_resume_setting(resume)
@@ -159,6 +160,7 @@ class RunFolder:
         _on_rank0_raise_everywhere(lambda: self._start_on_rank0(resume, may_exist))
 
     def _start_on_rank0(self, resume: bool | str, may_exist: bool) -> None:
+        self.check_no_links()
         self.check_owned(may_exist=may_exist)
         self.check_resume_setting(resume)
         self._mark()
@@ -167,6 +169,24 @@ class RunFolder:
                 logger.info("removed %s, left by an interrupted run", path)
         except OSError as error:
             raise CheckpointError(f"cannot clean up {self.root}: {error}") from error
+
+    def check_no_links(self) -> None:
+        """Refuse a folder whose checkpoint or export names are links (said before training).
+
+        A run would write (a save, an export) through such a link into whatever it points at.
+
+        Raises:
+            CheckpointError: Naming the first link and its target.
+        """
+        if not self.root.is_dir():
+            return
+        for path in sorted(self.root.iterdir()):
+            named = _STEP_PATTERN.match(path.name) or _EPOCH_PATTERN.match(path.name)
+            if named and path.is_symlink():
+                raise CheckpointError(
+                    f"{path} is a link (to {os.readlink(path)}); tunelab never writes through "
+                    "links in an output_dir: remove it, or pick another output_dir"
+                )
 
     def check_owned(self, *, may_exist: bool) -> None:
         """Refuse a non-empty folder that tunelab did not make, unless ``may_exist``.
@@ -308,11 +328,20 @@ class RunFolder:
         deleted: list[Path] = []
         kept: list[str] = []
         for path in sorted(self.root.iterdir()):
-            if path.is_symlink():
+            parsed = layout.parse_temporary_name(path.name)
+            if path.is_symlink() or parsed is None:
                 continue
-            if layout.is_temporary_name(path.name):
-                _remove_tree(path)
-                deleted.append(path)
+            final, kind = parsed
+            if kind == "old" and path.is_dir():
+                if not (self.root / final).exists() and not (self.root / final).is_symlink():
+                    # A crash between an export's two renames: the old export goes back.
+                    os.replace(path, self.root / final)
+                    logger.info("restored %s, which an interrupted export had moved aside", final)
+                elif layout.retire_folder(path, final) is None:
+                    deleted.append(path)
+                continue
+            _remove_tree(path)
+            deleted.append(path)
         steps = self._entries(_STEP_PATTERN)
         folders = [path for _, path in steps] + [path for _, path in self._entries(_EPOCH_PATTERN)]
         adapters = [folder / "adapter" for folder in folders]

@@ -9,6 +9,7 @@ holds the reference log-probs of every training pair, computed once before train
 """
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -282,8 +283,9 @@ class PrecomputedReference:
             output: The model's ``output_layer``, for chunked logits.
 
         Returns:
-            The table, the same on every rank, on ``device``.
+            The table, the same on every rank, on ``device``. Rank 0 says how long it took.
         """
+        began = time.perf_counter()
         dataset, batch_size = loader.dataset, loader.batch_size or 1
         total = len(dataset)
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -298,7 +300,13 @@ class PrecomputedReference:
                 values = torch.stack([ref.chosen_logps, ref.rejected_logps], dim=1).float()
                 kept = min(len(indices), max(num_owned - start, 0))
                 table[torch.tensor(indices[:kept], device=device)] = values[:kept]
-        return cls(all_reduce_sum(table))
+        table = all_reduce_sum(table)
+        if rank == 0:
+            seconds = time.perf_counter() - began
+            print(
+                f"reference log-probs of {total} pairs precomputed in {seconds:.1f} s", flush=True
+            )
+        return cls(table)
 
     def logps(self, batch: dict[str, torch.Tensor]) -> ReferenceLogps:
         """The reference log-probs of a ``padded_collate_dpo`` batch's pairs, by ``pair_index``."""

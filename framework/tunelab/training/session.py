@@ -10,6 +10,7 @@ dataclass calls them unchanged.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.config.recipe_args import CheckpointArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.data.preference import IndexedPairs
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 from tunelab.lifecycle import Preemption, RunFolder, restart_of_job
 from tunelab.training.loop import peak_memory_gib
 from tunelab.training.profiler import StepProfiler
@@ -48,6 +49,8 @@ class TrainingData:
     """Validation micro-batches, or None without a validation dataset."""
     steps_per_epoch: int
     """Optimizer steps per epoch (``max_steps_per_epoch`` applied)."""
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step (resume may have chosen it: ``keep_global_batch``)."""
     samples_per_step: int
     """This rank's samples per optimizer step: ``batch_size * gradient_accumulation_steps``."""
 
@@ -66,7 +69,12 @@ class TrainingData:
 
     def progress(self, epoch_done: bool) -> dict[str, Any]:
         """What a step checkpoint records of the recipe's progress."""
-        return {"sampler": self.sampler.state_dict(), "epoch_done": epoch_done}
+        return {
+            "sampler": self.sampler.state_dict(),
+            "epoch_done": epoch_done,
+            # Samples per optimizer step over all ranks: a resume on another world size keeps it.
+            "global_batch": self.sampler.samples_per_step(self.samples_per_step),
+        }
 
 
 def build_data(
@@ -80,6 +88,8 @@ def build_data(
     val_dataset: Any = None,
     max_steps_per_epoch: int | None = None,
     index_pairs: bool = False,
+    resume_from: RunFolder | None = None,
+    allow_global_batch_change: bool = False,
 ) -> TrainingData:
     """Build the training (and validation) datasets and loaders.
 
@@ -94,13 +104,24 @@ def build_data(
         max_steps_per_epoch: Cap on optimizer steps per epoch.
         index_pairs: Give the training items of a preference dataset their dataset index
             (``IndexedPairs``), so that ``padded_collate_dpo`` batches carry ``pair_index``.
+        resume_from: The run folder when the run may resume (``resume_from_checkpoint`` true
+            or auto): the global batch its newest checkpoint recorded is kept on any number
+            of processes (see :func:`keep_global_batch`).
+        allow_global_batch_change: Resume with the configured batch even when it changes the
+            global batch (the run is then not the uninterrupted one).
 
     Returns:
         The loaders, the sampler and the number of optimizer steps per epoch.
 
     Raises:
         DataError: The dataset is too small for one optimizer step.
+        ConfigError: A resume cannot keep the recorded global batch on this world size.
     """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if resume_from is not None and not allow_global_batch_change:
+        batch_size, gradient_accumulation_steps = keep_global_batch(
+            resume_from, batch_size, gradient_accumulation_steps, world_size
+        )
     common = {"batch_size": batch_size, "collate_fn": collate_fn, "seed": seed}
     train = instantiate(dataset, tokenizer=tokenizer)
     if index_pairs:
@@ -125,7 +146,73 @@ def build_data(
             "no step can run; use more data or a smaller batch"
         )
     samples_per_step = batch_size * gradient_accumulation_steps
-    return TrainingData(loader, sampler, val_loader, steps_per_epoch, samples_per_step)
+    return TrainingData(
+        loader, sampler, val_loader, steps_per_epoch, gradient_accumulation_steps, samples_per_step
+    )
+
+
+def keep_global_batch(
+    run: RunFolder, batch_size: int, gradient_accumulation_steps: int, world_size: int
+) -> tuple[int, int]:
+    """The per-process batch and accumulation that keep a resumed run's global batch.
+
+    ``batch_size`` is per process, so the same settings on another number of processes would
+    change the samples per optimizer step, the step count and the schedule. The newest
+    committed checkpoint records the global batch ``G``; on resume this keeps ``G``: the
+    configured ``batch_size`` with ``G / (batch_size * world_size)`` accumulation steps when
+    that divides, else the largest smaller ``batch_size`` that divides ``G / world_size``. The
+    data order, step count and schedule are then those of the uninterrupted run. Rank 0 says
+    what it chose in one line.
+
+    Args:
+        run: The run folder (nothing to keep when it holds no committed checkpoint, or one
+            from before the global batch was recorded).
+        batch_size: The configured samples per micro-batch per process.
+        gradient_accumulation_steps: The configured micro-batches per optimizer step.
+        world_size: Processes in this run.
+
+    Returns:
+        ``(batch_size, gradient_accumulation_steps)`` to use.
+
+    Raises:
+        ConfigError: ``G`` cannot be split evenly over ``world_size`` processes.
+    """
+    committed = run.committed_checkpoints()
+    recorded = _recorded_global_batch(committed[-1].path) if committed else None
+    if recorded is None or recorded == batch_size * gradient_accumulation_steps * world_size:
+        return batch_size, gradient_accumulation_steps
+    name = committed[-1].path.name
+    if recorded % world_size:
+        raise ConfigError(
+            f"{name} was trained with a global batch of {recorded} samples per step, which "
+            f"{world_size} processes cannot split evenly: resume on a number of processes that "
+            "divides it, or set allow_global_batch_change=true (the run then differs)"
+        )
+    per_process = recorded // world_size
+    chosen = next(
+        size for size in range(min(batch_size, per_process), 0, -1) if per_process % size == 0
+    )
+    accumulation = per_process // chosen
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"resume: keeping {name}'s global batch of {recorded} on {world_size} process(es): "
+            f"batch_size {chosen}, gradient_accumulation_steps {accumulation} (configured "
+            f"{batch_size} x {gradient_accumulation_steps})",
+            flush=True,
+        )
+    return chosen, accumulation
+
+
+def _recorded_global_batch(step_dir: Any) -> int | None:
+    """The global batch a step checkpoint's trainer state records, or None."""
+    from tunelab.checkpoint.state import TRAINER_STATE_NAME  # Imports torch: here, not on top.
+
+    try:
+        state = json.loads((step_dir / TRAINER_STATE_NAME).read_text())
+        value = state["progress"]["global_batch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # An older checkpoint, or one load_latest will refuse with its reason.
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def build_optimizer(

@@ -1,4 +1,9 @@
-"""The command line of a recipe script: ``recipe.py --config PATH [overrides]``."""
+"""A recipe process's start and end: ``recipe_main``.
+
+It parses ``recipe.py --config PATH [overrides]``, validates the settings, arms the stop
+handlers and the launcher watch, runs the recipe, and turns its failure into one line and an
+exit code.
+"""
 
 from __future__ import annotations
 
@@ -17,13 +22,13 @@ from omegaconf import DictConfig
 from tunelab.config._load import load_config
 from tunelab.config._validate import parse_args
 from tunelab.errors import TunelabError, first_line, shorten
-from tunelab.lifecycle import (
+from tunelab.lifecycle.parent_death import exit_with_launcher
+from tunelab.lifecycle.preemption import (
     TrainingStopped,
-    exit_with_launcher,
     install_stop_handlers,
+    signal_name,
     signal_received,
 )
-from tunelab.lifecycle.preemption import signal_name
 from tunelab.lifecycle.restarts import restart_follows
 from tunelab.lifecycle.run_folder import RunFolder
 
