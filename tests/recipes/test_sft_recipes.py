@@ -134,6 +134,12 @@ def test_resume_with_another_lora_rank_is_a_clear_error(lora_2p, tmp_path):
     assert result.returncode != 0
     assert "was made with another lora" in result.stderr
     assert "Traceback" not in result.stderr
+    # One line that still shows the rank on each side, its words (the path aside) under 200
+    # characters: the settings records are elided after their first keys.
+    (line,) = [text for text in result.stderr.splitlines() if text.startswith("tunelab: error: ")]
+    assert "'rank': 8" in line and "'rank': 4" in line
+    words = line.removeprefix("tunelab: error: ").partition(" was made")[2]
+    assert len(words) < 200, line
 
 
 HELD_WRAPPER = """
