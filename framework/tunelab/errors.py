@@ -44,7 +44,7 @@ MAX_LINE_CHARS = 200
 _PATH_RE = re.compile(r"[\w.~@+-]*(?:/[\w.~@+=,#-]+)+/?")
 _ELLIPSIS = "..."
 # A path up to this long is whole: its head says where, its tail names the file.
-_LONG_PATH_CHARS = 64
+_LONG_PATH_CHARS = 100
 # A printed mapping or list longer than this keeps only its start (`{'rank': 8, 'alpha'...}`).
 _LONG_VALUE_CHARS = 24
 # A line still longer than this after the elisions loses its middle, whatever it holds.
@@ -98,7 +98,7 @@ def shorten(message: str, limit: int = MAX_LINE_CHARS) -> str:
 
     A line over ``limit`` first loses the middle of long printed values (``{...}``,
     ``[...]``: their start stays), then of long paths (``/data/proj...run/step_152``: the root
-    and the file name stay), until it fits; a path of 64 characters or less stays whole, as
+    and the file name stay), until it fits; a path of 100 characters or less stays whole, as
     the file it names may be the whole message. A line still over twice ``limit`` loses its
     middle (`` ... ``), keeping what failed and what to do.
 
