@@ -266,3 +266,19 @@ def test_a_word_of_a_longer_key_suggests_that_key_in_any_section(override, sugge
     problems = validate(load_config("tiny/lora", [override], LoRAFinetuneArgs), LoRAFinetuneArgs)
     key = override.partition("=")[0]
     assert problems == [f"unknown key '{key}' in config; did you mean '{suggestion}'?"]
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("lr=1e-3", "optimizer.lr"),
+        ("warmup=5", "lr_scheduler.num_warmup_steps"),
+        ("log_dir=x", "metric_loggers.0.log_dir"),
+    ],
+)
+def test_an_argument_of_a_component_is_suggested_by_its_name(override, suggestion):
+    from tunelab.config import LoRAFinetuneArgs, load_config
+
+    problems = validate(load_config("tiny/lora", [override], LoRAFinetuneArgs), LoRAFinetuneArgs)
+    key = override.partition("=")[0]
+    assert problems == [f"unknown key '{key}' in config; did you mean '{suggestion}'?"]

@@ -84,14 +84,33 @@ def key_paths(cls: type, prefix: str = "") -> list[str]:
     return paths
 
 
+def component_argument_keys(cfg: DictConfig) -> list[str]:
+    """The argument keys of the config's top-level components (``optimizer.lr``, ``metric_loggers.0.log_dir``)."""
+    keys = []
+    for name in cfg.keys():
+        try:
+            node = cfg[name]
+            nodes = list(enumerate(node)) if isinstance(node, ListConfig) else [(None, node)]
+        except OmegaConfBaseException:
+            continue  # Reported where the key is checked.
+        for index, item in nodes:
+            if isinstance(item, DictConfig) and COMPONENT_KEY in item.keys():
+                prefix = _join(str(name), index) if index is not None else str(name)
+                keys += [_join(prefix, str(key)) for key in item.keys() if key != COMPONENT_KEY]
+    return keys
+
+
 class _Checker:
     """Walks a config and a dataclass tree together, collecting every problem."""
 
-    def __init__(self, root: type | None = None) -> None:
+    def __init__(self, root: type | None = None, cfg: DictConfig | None = None) -> None:
         self.problems: list[str] = []
         self.bad_paths: set[str] = set()
-        # Every key of the whole settings tree, so a key in the wrong section finds its place.
+        # Every key of the whole settings tree, so a key in the wrong section finds its place;
+        # and the arguments the config gives its components (`lr` -> `optimizer.lr`).
         self.all_keys = key_paths(root) if root is not None else []
+        if cfg is not None:
+            self.all_keys += component_argument_keys(cfg)
 
     def suggest_key(self, key: str, path: str, here: typing.Iterable[str]) -> str:
         """A did-you-mean for an unknown key: the same name in another section first."""
@@ -345,7 +364,7 @@ def validate(cfg: DictConfig, args_cls: type) -> list[str]:
     Returns:
         One message per problem; empty when the config is valid.
     """
-    checker = _Checker(args_cls)
+    checker = _Checker(args_cls, cfg)
     args = checker.dataclass(cfg, args_cls, "")
     if isinstance(args, RecipeArgs):
         checker.problems.extend(args.check_settings())
@@ -370,7 +389,7 @@ def parse_args(cfg: DictConfig, args_cls: type[T]) -> T:
     """
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"a config is a mapping of keys to values, got {type(cfg).__name__}")
-    checker = _Checker(args_cls)
+    checker = _Checker(args_cls, cfg)
     args = checker.dataclass(cfg, args_cls, "")
     if isinstance(args, RecipeArgs):
         checker.problems.extend(args.check_settings())
