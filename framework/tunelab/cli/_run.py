@@ -16,15 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from tunelab.cli._check import check_config
-from tunelab.config import load_config
-from tunelab.config._entry import ERROR_FILE_ENV, REPORTED_BY_LAUNCHER_ENV, _recipe_parser
+from tunelab.cli._check import check_config, load_recipe_config
 from tunelab.lifecycle import (
     LAUNCHER_PID_ENV,
     STOP_SIGNALS,
     check_output_dir_free,
     stop_signals_blocked,
 )
+from tunelab.lifecycle.entry import ERROR_FILE_ENV, REPORTED_BY_LAUNCHER_ENV, _recipe_parser
 from tunelab.lifecycle.preemption import signal_name
 
 USAGE = """\
@@ -334,7 +333,7 @@ def _run_torchrun(
 def _check_output_dir(child_args: list[str]) -> None:
     """Stop before any process starts when another run holds the config's output_dir."""
     config, overrides = child_args[1], child_args[2:]
-    output_dir = load_config(config, overrides).get("output_dir")
+    output_dir = load_recipe_config(config, overrides)[0].get("output_dir")
     if isinstance(output_dir, str) and output_dir:
         check_output_dir_free(output_dir)
 

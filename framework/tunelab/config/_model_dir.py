@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tunelab._model_files import bad_links, open_model_file, read_model_text
-from tunelab.config.constraints import suggest_path
+from tunelab._paths import builtin_configs, suggest_path
 from tunelab.errors import CheckpointError
 
 _PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -73,8 +73,6 @@ def repo_hint(folder: Path) -> str | None:
     match = _HUB_CACHE_DIR.search(folder.as_posix())
     if match:
         return f"{match.group(1)}/{match.group(2)}"
-    from tunelab.config._load import builtin_configs
-
     for config in builtin_configs().values():
         try:
             text = config.read_text(encoding="utf-8")
