@@ -83,6 +83,35 @@ def losses_by_step(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
 
 
+def assert_same_exports(output_dir: Path, reference_dir: Path, *, atol: float | None = None):
+    """Every exported tensor (``epoch_*``: merged weights, adapter) equals the reference run's.
+
+    ``atol`` None: bit for bit (``torch.equal``), for a resume on the world size it was saved
+    with; a number: the largest absolute difference allowed (another world size sums in
+    another order).
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(
+        p.relative_to(reference_dir) for p in reference_dir.glob("epoch_*/**/*.safetensors")
+    )
+    assert files, f"{reference_dir} has no export"
+    assert files == sorted(
+        p.relative_to(output_dir) for p in output_dir.glob("epoch_*/**/*.safetensors")
+    )
+    for name in files:
+        ours, expected = load_file(output_dir / name), load_file(reference_dir / name)
+        assert ours.keys() == expected.keys(), name
+        for key, tensor in ours.items():
+            if atol is None:
+                same = torch.equal(tensor, expected[key])
+            else:
+                same = torch.allclose(tensor, expected[key], rtol=0, atol=atol)
+            difference = (tensor - expected[key]).abs().max().item()
+            assert same, (str(name), key, difference, atol)
+
+
 class Nodes:
     """``tunelab run`` started as several loopback "nodes" (one launcher each, c10d rendezvous).
 

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.conftest import TUNELAB, free_port, losses_by_step, run_env, tunelab_run
+from tests.recipes.conftest import (
+    TUNELAB,
+    assert_same_exports,
+    free_port,
+    losses_by_step,
+    run_env,
+    tunelab_run,
+)
 from tunelab._paths import recipes_dir
 
 pytestmark = pytest.mark.slow
@@ -147,25 +154,30 @@ def _assert_stopped(code: int, stdout: str, stderr: str, signum: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
-    """The losses of an uninterrupted 2-process run."""
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 2-process run: its losses and its export."""
     out = tmp_path_factory.mktemp("uninterrupted")
     tunelab_run("lora_finetune_distributed", "tiny/lora", *_overrides(out, BETWEEN_SAVES))
-    losses = losses_by_step(out)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses
+    assert sorted(losses_by_step(out)) == list(range(1, STEPS + 1))
+    return out
 
 
-def _assert_exact_resume(out: Path, step: int, reference: dict, *, nproc: int, tol: float):
+def _assert_exact_resume(out: Path, step: int, reference: Path, *, nproc: int, tol: float | None):
+    """The resumed run's later losses and its export equal the reference run's.
+
+    ``tol`` None: bit for bit (the reference's world size); else the largest difference allowed
+    in a loss and in an exported weight.
+    """
     resumed = tunelab_run(
         "lora_finetune_distributed", "tiny/lora",
         *_overrides(out, BETWEEN_SAVES, "checkpoint.resume_from_checkpoint=true", nproc=nproc),
         nproc=nproc,
     )  # fmt: skip
     assert f"finished at step {STEPS}" in resumed.stdout
-    losses = losses_by_step(out)
+    losses, expected = losses_by_step(out), losses_by_step(reference)
     for later in range(step + 1, STEPS + 1):
-        assert abs(losses[later] - reference[later]) <= tol, (later, losses[later])
+        assert abs(losses[later] - expected[later]) <= (tol or 0), (later, losses[later])
+    assert_same_exports(out, reference, atol=tol)
 
 
 # --- preemption -----------------------------------------------------------------------------------
@@ -190,7 +202,7 @@ def test_sigterm_between_saves_commits_the_agreed_step_and_resume_is_exact(
     assert _committed_steps(out) == [step]  # No scheduled save before it.
     assert max(_logged_steps(out)) == step  # It finished that step and did not start another.
     assert not run.workers()
-    _assert_exact_resume(out, step, reference, nproc=2, tol=1e-6)
+    _assert_exact_resume(out, step, reference, nproc=2, tol=None)
 
 
 def test_sigterm_to_a_one_process_run(reference, tmp_path):
