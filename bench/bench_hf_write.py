@@ -117,12 +117,15 @@ def main() -> None:
             if args.sync_files:
                 os.fsync(handle.fileno())
 
-    cleanup()
-    tunelab_write()  # warm-up: imports, page cache, first-call costs
-    cleanup()
     # Interleaved rounds, so a burst of load from other processes hits all three alike.
     times: dict[str, list[float]] = {"tunelab": [], "torch": [], "raw": []}
     actions = {"tunelab": tunelab_write, "torch": torch_write, "raw": raw_write}
+    # One untimed warm-up of every compared path (imports, page cache, first-call costs), so
+    # none of them pays its first call in the timed rounds.
+    cleanup()
+    for action in actions.values():
+        action()
+        cleanup()
     for _ in range(args.repeats):
         for name, action in actions.items():
             times[name].append(time_once(action, cleanup))
@@ -133,7 +136,8 @@ def main() -> None:
         gib = total_bytes / 2**30
         print(
             f"\n{gib:.2f} GiB fp32, {dist.get_world_size()} ranks, {len(state)} tensors, "
-            f"2 files, sync_files={args.sync_files}, median of {args.repeats}\n"
+            f"2 files, sync_files={args.sync_files}, median of {args.repeats} after one "
+            "untimed warm-up of each path\n"
         )
         rows = [
             ("vs torch HF writer (consolidating)", t_tunelab, t_torch, t_torch / t_tunelab,

@@ -13,7 +13,8 @@ factors; ``lm_head``, embeddings and norms are not counted: they stay in the tra
 either way), the peak resident memory growth while building and training (``VmHWM``, see
 ``_common.PeakRSS``), and the median time of a training step (forward, backward, AdamW) and
 its tokens/s. Then the export (adapter, then the merged model, written by both ranks) of LoRA
-and QLoRA, barrier to barrier. Target: QLoRA's frozen linear bytes <= 0.3x LoRA's.
+and QLoRA, barrier to barrier. QLoRA's frozen linear bytes over LoRA's is a stated figure,
+not a target: it compares NF4's byte count with fp32's and holds by construction (~0.13x).
 """
 
 import argparse
@@ -105,8 +106,11 @@ def main() -> None:
     lora, qlora, dora = results["LoRA"], results["QLoRA"], results["DoRA"]
     ratio = qlora["frozen"] / lora["frozen"]
     rows = [
-        Row("frozen linear weights per rank, QLoRA", mebibytes(qlora["frozen"]),
-            mebibytes(lora["frozen"]), f"{ratio:.3f}x", "<= 0.3x", ratio <= 0.3),
+        # A stated figure, not a target: NF4's packed bytes (0.5 byte per value plus block
+        # scales) against fp32's 4 bytes come to ~0.13x by construction; the measured
+        # figures that can miss are the RSS, time and export rows.
+        Row("frozen linear weights per rank, QLoRA (NF4 bytes by construction)",
+            mebibytes(qlora["frozen"]), mebibytes(lora["frozen"]), f"{ratio:.3f}x", "-", None),
         Row("peak RSS growth per rank (build + steps), QLoRA", mebibytes(qlora["peak"]),
             mebibytes(lora["peak"]), f"{qlora['peak'] / lora['peak']:.2f}x", "-", None),
         Row("peak RSS growth per rank (build + steps), DoRA", mebibytes(dora["peak"]),
