@@ -3,9 +3,9 @@
 The tiny family models of tests/conftest.py (window 5, soft-caps, q/k norms, fused Phi-3
 projections, partial rotary, LongRoPE) get the embedded tiny tokenizer and train with packed
 sequences, so the sliding window and the soft-caps run in the training path under document
-masks. The exported adapter, applied by PEFT to the transformers model, must give the logits
-of our merged export loaded by transformers, which tests the shard-local merge of every
-weight, the fused ones included.
+masks. The step-1 loss equals transformers' on the same batch. The exported adapter, applied
+by PEFT to the transformers model, must give the logits of our merged export loaded by
+transformers, which tests the shard-local merge of every weight, the fused ones included.
 """
 
 import shutil
@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import build_tiny_hf_model
 from tests.recipes.conftest import losses_by_step, tunelab_run
+from tests.recipes.independent_loss import sft_step_one_loss
 from tunelab._paths import assets_dir
 
 transformers = pytest.importorskip("transformers")
@@ -22,6 +23,8 @@ peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
+# Step 1 against transformers: fp32 kernels summing in another order (soft-caps, windows).
+STEP_ONE_TOLERANCE = 1e-5
 # Phi-3's fused modules by name, Gemma 3 through all-linear, the others by their HF names.
 _LLAMA_NAMES = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 TARGETS = {
@@ -69,6 +72,12 @@ def test_two_process_lora_adapter_loads_in_peft_like_our_merged_export(tmp_path,
     )
     losses = losses_by_step(out)
     assert sorted(losses) == [1, 2] and all(torch.isfinite(torch.tensor(list(losses.values()))))
+    # Step 1 is the base model's forward: transformers (eager attention), each packed document
+    # on its own, on the same 4 samples.
+    expected = sft_step_one_loss(
+        "tiny/lora", f"checkpoint_dir={base}", "dataset.packed=true", global_batch=4
+    )
+    assert abs(losses[1] - expected) <= STEP_ONE_TOLERANCE, (losses[1], expected)
     export = out / "epoch_0"
     tokens = torch.randint(0, 810, (2, 17), generator=torch.Generator().manual_seed(0))
     merged, info = transformers.AutoModelForCausalLM.from_pretrained(
