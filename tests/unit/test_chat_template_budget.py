@@ -42,6 +42,20 @@ LARGE = {
     "join": "{{ range(100000)|join('x' * 100000)|length }}",
     "indent with a string": "{% set s = 'a\n' * 400000 %}{{ s|indent('x' * 1000) }}",
     "output": "{% for i in range(99999) %}{{ 'x' * 99999 }}{% endfor %}",
+    # Small to build through shared references, gigantic as text.
+    "printed shared references": "{% set l = range(100000)|list %}{{ [l] * 100000 }}",
+    "a dict of shared lists": "{% set l = range(100000)|list %}"
+    "{{ dict.fromkeys(range(100000), l) }}",
+    "a string of shared lists": "{% set l = range(100000)|list %}"
+    "{{ dict.fromkeys(range(100000), l)|string|length }}",
+    "a concatenation of shared lists": "{% set l = range(100000)|list %}"
+    "{{ ('a' ~ dict.fromkeys(range(100000), l))|length }}",
+    "a format of shared lists": "{% set l = range(100000)|list %}"
+    "{{ '{}'.format(dict.fromkeys(range(100000), l))|length }}",
+    "doubling with +": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "batch": "{{ range(10)|batch(10**9)|list }}",
+    "replace of the empty string": "{{ ('x' * 1000)|replace('', 'y' * 10000) }}",
 }
 
 

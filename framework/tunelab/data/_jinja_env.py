@@ -7,9 +7,9 @@ underscore attributes and a ``dict`` that is not the ``dict`` type, so a templat
 folder cannot reach Python internals; and the ``{% generation %}`` extension, which records the
 character span of each block while a render is tracked.
 
-Every hook of the sandbox (calls, attribute and item access, filters, the ``*``, ``%``, ``+``
-and ``**`` operators, namespace assignments) also holds the render to its budget of time and
-size (``_render_budget``), so a template cannot exhaust the machine.
+Every hook of the sandbox (calls, filters, the ``*``, ``%`` and ``**`` operators, namespace
+assignments) also holds the render to its budget of time and size (``_render_budget``), so a
+template cannot exhaust the machine.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import jinja2
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import _PassArg
@@ -153,6 +154,8 @@ def _budgeted_filter(name: str, function: Any) -> Any:
         value_at = 0 if pass_arg is None else 1  # after context/environment, when passed
         value, amounts = args[value_at] if len(args) > value_at else None, args[value_at + 1 :]
         what = f"the {name} filter"
+        if isinstance(value, (list, tuple, dict)):  # a filter may print it (string, join)
+            _render_budget.check_text(entry, [value], f"the value passed to {what}")
         if name == "format" and isinstance(value, str):
             _render_budget.check_percent_format(entry, value, tuple(amounts) or kwargs)
         else:
@@ -163,10 +166,42 @@ def _budgeted_filter(name: str, function: Any) -> Any:
     return wrapper
 
 
+class _BudgetedCodeGenerator(CodeGenerator):
+    """Jinja's code generator, with ``a ~ b`` measured before its text is made."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:  # noqa: D102
+        self.write("environment.budgeted_concat((")
+        for argument in node.nodes:
+            self.visit(argument, frame)
+            self.write(", ")
+        self.write("))")
+
+
+def _budgeted_output(value: Any) -> Any:
+    """``finalize``: what ``{{ value }}`` prints is measured before it becomes text."""
+    if not isinstance(value, str):
+        entry = _render_budget.current()
+        if entry is not None:
+            _render_budget.check_text(entry, [value], "a printed value")
+    return value
+
+
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, with every hook holding the render to its budget."""
 
-    intercepted_binops = frozenset(("*", "%", "+", "**"))
+    code_generator_class = _BudgetedCodeGenerator
+
+    def budgeted_concat(self, values: tuple[Any, ...]) -> str:
+        """``a ~ b ~ ...`` (jinja's ``str_join``), measured first."""
+        entry = _render_budget.current()
+        if entry is not None:
+            entry.check_time()
+            _render_budget.check_text(entry, values, "a concatenation")
+        return "".join(map(str, values))
+
+    # `+` and `~` at most double a value, and a doubled value is checked where it is kept
+    # (a namespace, a call's arguments, the output); these three multiply it.
+    intercepted_binops = frozenset(("*", "%", "**"))
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         """Call ``__obj`` from the template, within the render budget."""
@@ -189,20 +224,6 @@ class _BudgetedSandbox(ImmutableSandboxedEnvironment):
         if entry is not None:
             _render_budget.check_binop(entry, operator, left, right)
         return super().call_binop(context, operator, left, right)
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        """Attribute access from the template (the deadline is checked on each)."""
-        entry = _render_budget.current()
-        if entry is not None:
-            entry.check_time()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        """Item access from the template (the deadline is checked on each)."""
-        entry = _render_budget.current()
-        if entry is not None:
-            entry.check_time()
-        return super().getitem(obj, argument)
 
     def wrap_str_format(self, value: Any) -> Any:
         """``str.format``/``format_map``, sandboxed by jinja, with its widths checked first."""
@@ -250,6 +271,7 @@ def environment() -> ImmutableSandboxedEnvironment:
         # No constant folding: it would run a template's constant expressions (a
         # `'%0999999999d'|format(1)`) while compiling, outside any render budget.
         optimized=False,
+        finalize=_budgeted_output,
     )
     environment.filters["tojson"] = _tojson
     environment.filters = {

@@ -4,16 +4,16 @@ A template from a model folder is untrusted code. The sandbox keeps it from Pyth
 but not from work: nested loops, ``lipsum(10**6)``, ``tojson(indent=10**9)``, a format width of
 a billion, ``'a' * 10**9``. Each render therefore runs under a budget:
 
-* **time**: ``RENDER_SECONDS`` per render. The sandbox's hooks (every call, attribute and item
-  access, intercepted operator, filter) check the deadline; a loop with none of those in its
+* **time**: ``RENDER_SECONDS`` per render. The sandbox's hooks (every call, filter,
+  intercepted operator, namespace assignment) check the deadline; a loop with none of those in its
   body (``{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}``) or a
   long pure-Python helper is stopped by a watchdog thread, which raises ``RenderBudgetExceeded``
   in the rendering thread at its next bytecode (``PyThreadState_SetAsyncExc``).
 * **size**: ``max_chars = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * input characters``. The
   output, every value a call, filter, operator or namespace assignment produces, and every
   length, width, indent or count passed to one are held to it; amounts that decide an
-  allocation before it happens (``*`` repetition, ``%``/``format`` widths, ``+``, ``**``,
-  ``tojson`` output) are checked before the allocation.
+  allocation before it happens (``*`` repetition, ``%``/``format`` widths, ``**``, ``replace``,
+  ``join``, ``tojson`` output) are checked before the allocation.
 
 A render that exceeds either stops with ``RenderBudgetExceeded``; the chat template turns it
 into one ``ChatTemplateError`` line naming the template.
@@ -42,6 +42,8 @@ RENDER_INPUT_FACTOR = 8
 MAX_INT_BITS = 1 << 20
 """Bits of an integer an operator may produce (``9**9**9`` is refused before it is computed)."""
 _WATCH_INTERVAL_S = 0.05
+# The hooks read the clock on every this-many-th call (the watchdog covers the time between).
+_CLOCK_EVERY = 16
 # The watchdog raises again in a render that ignored (swallowed) its first stop.
 _RESTOP_INTERVAL_S = 1.0
 
@@ -60,21 +62,32 @@ class Budget:
 
     Attributes:
         deadline: ``time.monotonic()`` value past which the render stops.
-        max_chars: The largest output, value, width or count the render may produce or use.
         seconds: The time limit, for messages.
+        inputs: The render's input (its variables), measured only when a size passes
+            ``RENDER_BASE_CHARS`` (most renders never need the measure).
         thread_id: The rendering thread (``threading.get_ident()``).
         stopped_at: When the watchdog raised into the thread, 0 while it has not.
     """
 
     deadline: float
-    max_chars: int
     seconds: float
+    inputs: Any = None
     thread_id: int = field(default_factory=threading.get_ident)
     stopped_at: float = 0.0
+    ticks: int = 0
+    _max_chars: int | None = None
+
+    @property
+    def max_chars(self) -> int:
+        """The largest output, value, width or count the render may produce or use."""
+        if self._max_chars is None:
+            self._max_chars = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * input_chars(self.inputs)
+        return self._max_chars
 
     def check_time(self) -> None:
-        """Raise ``RenderBudgetExceeded`` once the deadline has passed."""
-        if time.monotonic() > self.deadline:
+        """Raise ``RenderBudgetExceeded`` once the deadline has passed (read every few calls)."""
+        self.ticks += 1
+        if self.ticks % _CLOCK_EVERY == 1 and time.monotonic() > self.deadline:
             raise RenderBudgetExceeded(self.timeout_message())
 
     def timeout_message(self) -> str:
@@ -83,7 +96,7 @@ class Budget:
 
     def check_size(self, size: int, what: str) -> None:
         """Raise ``RenderBudgetExceeded`` when ``size`` is over ``max_chars``."""
-        if size > self.max_chars:
+        if size > RENDER_BASE_CHARS and size > self.max_chars:
             raise RenderBudgetExceeded(
                 f"{what} of {size} exceeds the render budget of {self.max_chars} characters"
             )
@@ -104,7 +117,7 @@ def input_chars(value: Any, limit: int = 1 << 34) -> int:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item)
-        elif isinstance(item, Mapping):
+        elif isinstance(item, (dict, Mapping)):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
@@ -115,11 +128,12 @@ def input_chars(value: Any, limit: int = 1 << 34) -> int:
 
 
 @contextmanager
-def budget(input_size: int, seconds: float | None = None) -> Iterator[Budget]:
+def budget(inputs: Any, seconds: float | None = None) -> Iterator[Budget]:
     """Run a render under a budget (see the module docstring); renders may nest.
 
     Args:
-        input_size: Characters of the render's input (``input_chars``).
+        inputs: The render's input (strings, nested in lists and dicts): the size limit
+            grows with its characters (``input_chars``).
         seconds: The time limit; ``RENDER_SECONDS`` when None.
 
     Yields:
@@ -130,11 +144,10 @@ def budget(input_size: int, seconds: float | None = None) -> Iterator[Budget]:
     """
     seconds = RENDER_SECONDS if seconds is None else seconds
     outer = _CURRENT.get()
-    limit = RENDER_BASE_CHARS + RENDER_INPUT_FACTOR * input_size
     if outer is not None:  # A nested render shares the outer one's limits.
         entry = outer
     else:
-        entry = Budget(deadline=time.monotonic() + seconds, max_chars=limit, seconds=seconds)
+        entry = Budget(deadline=time.monotonic() + seconds, seconds=seconds, inputs=inputs)
     token = _CURRENT.set(entry)
     if outer is None:
         _WATCHDOG.watch(entry)
@@ -198,8 +211,49 @@ _WATCHDOG = _Watchdog()
 
 
 # ---- checks the sandbox runs ------------------------------------------------------------
+def text_size(value: Any, limit: int) -> int:
+    """A lower bound of ``len(str(value))``, counted only until it passes ``limit``.
+
+    A list that holds one large list 100000 times is small to build and gigantic to print:
+    this walks the value (stopping once the count passes ``limit``, so shared references cost
+    nothing more) and measures the text it would become before any of it is made.
+    """
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, bool) or item is None:
+            total += 4
+        elif isinstance(item, int):
+            total += max(1, item.bit_length() * 3 // 10)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 2 + 2 * max(len(item) - 1, 0)
+            stack.extend(item)
+        elif isinstance(item, (dict, Mapping)):
+            total += 2 + 4 * len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        else:
+            total += 1
+    return total
+
+
+def check_text(entry: Budget, values: Any, what: str) -> None:
+    """Check the text ``values`` become (each printed or joined) before it is made."""
+    limit = entry.max_chars
+    total = 0
+    for value in values:
+        total += len(value) if isinstance(value, str) else text_size(value, limit - total)
+        entry.check_size(total, what)
+
+
 def _size(value: Any) -> int | None:
-    if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)):
+    if isinstance(value, str):  # the common case first: most values are text
+        return len(value)
+    if value is None or isinstance(value, int | float):
+        return None
+    if isinstance(value, (bytes, list, tuple, dict, set, frozenset)):
         return len(value)
     return None
 
@@ -241,9 +295,10 @@ def check_percent_format(entry: Budget, template: str, args: Any) -> None:
                 starred = True
             elif amount:
                 entry.check_size(int(amount), "a format width")
+    values = args if isinstance(args, tuple) else (args,)
     if starred:  # A `*` takes its width from the arguments.
-        values = args if isinstance(args, tuple) else (args,)
         check_amounts(entry, [v for v in values if isinstance(v, int)], "a format width")
+    check_text(entry, [template, *values], "a formatted text")
 
 
 def check_str_format(entry: Budget, template: str, args: Any, kwargs: Mapping) -> None:
@@ -263,16 +318,24 @@ def check_str_format(entry: Budget, template: str, args: Any, kwargs: Mapping) -
         check_amounts(
             entry, [v for v in (*args, *kwargs.values()) if isinstance(v, int)], "a format width"
         )
+    check_text(entry, [template, *args, *kwargs.values()], "a formatted text")
 
 
 def check_binop(entry: Budget, operator: str, left: Any, right: Any) -> None:
     """Check an operator's result size before it is computed."""
     entry.check_time()
+    if operator == "+":
+        if isinstance(left, str) and isinstance(right, str):  # text joined: the common case
+            entry.check_size(len(left) + len(right), "a concatenation")
+            return
     if operator == "*":
         for sequence, count in ((left, right), (right, left)):
             size = _size(sequence)
-            if size is not None and isinstance(count, int):
+            if size is not None and isinstance(count, int) and not isinstance(count, bool):
                 entry.check_size(size * max(count, 0), "a repetition")
+                if count > 0 and not isinstance(sequence, str):  # as text, when printed
+                    weight = text_size(sequence, entry.max_chars // count + 1)
+                    entry.check_size(weight * count, "a repetition (as text)")
         if isinstance(left, int) and isinstance(right, int):
             if left.bit_length() + right.bit_length() > MAX_INT_BITS:
                 raise RenderBudgetExceeded("a product exceeds the render budget's integer size")
@@ -321,9 +384,11 @@ def check_amplifier(entry: Budget, name: str, value: Any, args: Any, kwargs: Map
         if not isinstance(separator, str):
             separator, items = _argument(args, kwargs, 0, "d", ""), value
         if isinstance(separator, str) and isinstance(items, (list, tuple, dict, str, range)):
-            strings = sum(len(item) for item in items if isinstance(item, str))
-            size = max(len(items) - 1, 0) * len(separator) + strings
+            size = max(len(items) - 1, 0) * len(separator)
             entry.check_size(size, f"a {what} result")
+            for item in items:
+                size += len(item) if isinstance(item, str) else text_size(item, entry.max_chars)
+                entry.check_size(size, f"a {what} result")
     elif name == "translate" and isinstance(value, str):
         table = _argument(args, kwargs, 0, "table")
         if isinstance(table, Mapping):

@@ -139,7 +139,7 @@ class ChatTemplate:
     def _compiled(self) -> jinja2.Template:
         try:
             # Compiling evaluates constant output (`{{ 'x' * 3 }}`): it has a budget too.
-            with _render_budget.budget(len(self.text)):
+            with _render_budget.budget(self.text):
                 return environment().from_string(self.text)
         except jinja2.TemplateSyntaxError as error:
             raise DataError(
@@ -236,7 +236,7 @@ class ChatTemplate:
         spans: list[tuple[int, int]] = []
         try:
             with (
-                _render_budget.budget(_render_budget.input_chars(variables)) as limits,
+                _render_budget.budget(variables) as limits,
                 tracking(rendered, spans) if track else no_tracking(),
             ):
                 size = 0
