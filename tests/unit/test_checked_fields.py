@@ -149,11 +149,11 @@ def test_a_forged_trainer_state_is_refused_before_use(tmp_path, changes, problem
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("intermediate_size", "10000000000", "intermediate_size 10000000000 does not match the weights"),
+        ("intermediate_size", "10000000000", "but the config gives (10000000000, 128): intermediate_size 10000000000 in"),
         ("intermediate_size", "1e10", "intermediate_size 10000000000.0 is not a positive integer"),
         ("intermediate_size", "1e400", "intermediate_size inf is not a positive integer"),
         ("hidden_size", "-4", "hidden_size -4 is not a positive integer"),
-        ("hidden_size", "4096", "hidden_size 4096 does not match the weights"),
+        ("hidden_size", "4096", "but the config gives (810, 4096): hidden_size 4096 in"),
         ("num_hidden_layers", "100000", "num_hidden_layers 100000 does not match the weights"),
     ],
 )  # fmt: skip

@@ -115,8 +115,8 @@ def check_dimensions(args: ModelArgs, checkpoint_dir: Path) -> None:
             which = " and ".join(culprits) if culprits else "its dimensions"
             verb = "does" if len(culprits) == 1 else "do"
             raise CheckpointError(
-                f"{config_file}: {which} {verb} not match the weights: {key} is {list(actual)} "
-                f"in {reader.file_of(key).name}, the config makes it {list(wanted)}"
+                f"{reader.file_of(key)}: {key!r} has shape {actual} but the config gives "
+                f"{wanted}: {which} in {config_file} {verb} not match the weights"
             )
 
 
