@@ -84,3 +84,16 @@ def test_a_global_batch_that_cannot_be_kept_is_one_clear_error(lora_2p, tmp_path
         RESUME, "allow_global_batch_change=true", nproc=3,
     )  # fmt: skip
     assert "keeping" not in allowed.stdout
+
+
+def test_a_2_process_checkpoint_resumed_on_4_with_hsdp_keeps_the_global_batch(lora_2p, tmp_path):
+    out = interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
+    # 2 replicas x 2 shards; batch_size=8 per process would be 32 samples per step on 4.
+    result = tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
+        RESUME, "data_parallel_replicate_size=2", "data_parallel_shard_size=2", nproc=4,
+    )  # fmt: skip
+    assert "global batch of 16 on 4 process(es): batch_size 4, gradient_accumulation_steps 1" in (
+        result.stdout
+    )
+    _assert_same_run(out, lora_2p, 1e-5)

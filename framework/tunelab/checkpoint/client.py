@@ -386,10 +386,16 @@ class CheckpointClient:
     def _check_fingerprint(self, checkpoint: CommittedCheckpoint) -> None:
         saved = checkpoint.manifest.get("fingerprint", {})
         for key, value in self._fingerprint.items():
-            if saved.get(key) != value:
+            theirs = saved.get(key)
+            if theirs != value:
+                if isinstance(theirs, dict) and isinstance(value, dict):
+                    # Only what differs: "checkpoint has {'rank': 8}, this run has {'rank': 4}".
+                    differ = [k for k in {**theirs, **value} if theirs.get(k) != value.get(k)]
+                    theirs = {k: theirs[k] for k in differ if k in theirs}
+                    value = {k: value[k] for k in differ if k in value}
                 raise CheckpointError(
                     f"{checkpoint.path} was made with another {key.replace('_', ' ')}: "
-                    f"checkpoint has {saved.get(key)!r}, this run has {value!r}. "
+                    f"checkpoint has {theirs!r}, this run has {value!r}. "
                     "Use another output_dir or set checkpoint.resume_from_checkpoint=false."
                 )
 
