@@ -45,9 +45,9 @@ step first), best of ``--rounds`` rounds of all rows
 (interleaved, so a burst of load does not hit one variant only). Tokens/s counts every processed position over forward + backward +
 optimizer, all ranks together. Peak RSS is the largest rank's peak resident set during the
 steps (reset after the model is built). MFU: model FLOPs (see ``_flops.py``) per second of the
-median step over one calibrated peak: the highest per-process rate of a 2048 x 2048 fp32
-``torch.mm`` measured in the whole job (on every rank at once, before and after each row's
-steps), printed, times the row's processes. The old MFU (fastest step over the row's own peak
+median step over one calibrated peak: the highest rate of a 2048 x 2048 fp32 ``torch.mm`` run
+on every rank at once (before and after each row's steps) measured in the whole job, printed;
+every row uses the whole machine. The old MFU (fastest step over the row's own peak
 measurement, which a loaded moment lowers) is shown beside it.
 """
 
@@ -475,14 +475,15 @@ def orchestrate(args: argparse.Namespace) -> None:
         if row not in results or result["tokens_per_s"] > results[row]["tokens_per_s"]:
             results[row] = result  # the best round
     shutil.rmtree(root, ignore_errors=True)
-    # One calibrated peak for every row: the highest fp32 matmul FLOP/s per process measured
-    # anywhere in this job (a loaded moment lowers a row's own peak measurement and so raised
-    # its MFU); a row of N processes is measured against N times it.
-    calibrated_row = max(results, key=lambda row: results[row]["peak_flops_per_s"] / row.nproc)
-    calibrated = results[calibrated_row]["peak_flops_per_s"] / calibrated_row.nproc
+    # One calibrated peak for every row: the machine's highest fp32 matmul FLOP/s measured
+    # anywhere in this job, all of a row's processes at once (a loaded moment lowers a row's
+    # own peak measurement, and so raised its MFU). Every row uses the whole machine: each of
+    # its N processes runs cores / N threads (_common.torchrun).
+    calibrated_row = max(results, key=lambda row: results[row]["peak_flops_per_s"])
+    calibrated = results[calibrated_row]["peak_flops_per_s"]
     print(
-        f"calibrated peak: {calibrated / 1e9:.1f} GFLOP/s per process (fp32 2048 x 2048 "
-        f"torch.mm, the highest measured in this job, in row {calibrated_row})"
+        f"calibrated peak: {calibrated / 1e9:.1f} GFLOP/s (fp32 2048 x 2048 torch.mm on every "
+        f"process at once, the highest measured in this job, in row {calibrated_row})"
     )
     rows = [
         table_row(row, configs[row.model], result, calibrated) for row, result in results.items()
@@ -496,9 +497,8 @@ def orchestrate(args: argparse.Namespace) -> None:
             f"{args.vocab_seq_len}, 1 row; LoRA r=8 on {', '.join(TARGETS)}, fp32; the median "
             f"of {args.steps} timed steps, best of {args.rounds} round(s) of all rows; times "
             "per step, slowest rank. tunelab = model FLOP/s achieved in the median step, "
-            f"alternative = the calibrated peak ({calibrated / 1e9:.1f} GFLOP/s per process, "
-            "the highest fp32 matmul rate measured in this job) times the row's processes, "
-            "ratio = MFU; old MFU = the fastest step over the row's own peak measurement (the "
+            f"alternative = the calibrated peak ({calibrated / 1e9:.1f} GFLOP/s, the highest "
+            "fp32 matmul rate of the machine measured in this job), ratio = MFU; old MFU = the fastest step over the row's own peak measurement (the "
             "method before issue 25). Variants: before = frozen_base shard, whole logits, foreach AdamW; sharded "
             "= after with frozen_base shard; after = frozen_base auto (replicate), "
             "chunked_output, fused AdamW; DDP = our model in DistributedDataParallel, whole "
@@ -512,7 +512,7 @@ def orchestrate(args: argparse.Namespace) -> None:
 def table_row(row: Plan, config: dict, result: dict, calibrated: float) -> Row:
     """One measured line: MFU (calibrated peak, median step; and the old way), tokens/s, memory
     and phases."""
-    peak = calibrated * row.nproc
+    peak = calibrated
     mfu = result["model_flops_per_s"] / peak
     old_mfu = result["fastest_model_flops_per_s"] / result["peak_flops_per_s"]
     phases = result["phase_s"]
@@ -552,9 +552,9 @@ def target_rows(results: dict[Plan, dict], calibrated: float) -> list[Row]:
         if key not in by_key or base_key not in by_key:
             return
         value, base = by_key[key][field], by_key[base_key][field]
-        if field == "model_flops_per_s":  # MFU: each over the calibrated peak of its processes
-            value /= calibrated * key[2]
-            base /= calibrated * base_key[2]
+        if field == "model_flops_per_s":  # MFU: each over the one calibrated peak
+            value /= calibrated
+            base /= calibrated
         ratio = value / base
         if threshold is None:  # reported, no target
             met = None
