@@ -144,3 +144,20 @@ def _check_in_another_process(out: str) -> str:
     except CheckpointError as error:
         return str(error)
     return "no error"
+
+
+def test_a_manifest_that_is_a_fifo_or_a_link_is_unreadable_not_in_flight(tmp_path):
+    out = tmp_path / "out"
+    good = _committed_step(out, 1)
+    fifo_step = RunFolder(out).step_dir(2)
+    fifo_step.mkdir()
+    os.mkfifo(fifo_step / layout.MANIFEST_NAME)
+    link_step = RunFolder(out).step_dir(3)
+    link_step.mkdir()
+    os.symlink("/dev/zero", link_step / layout.MANIFEST_NAME)
+    committed, unreadable = RunFolder(out).scan_checkpoints()  # returns: no hang on the FIFO
+    assert [c.path for c in committed] == [good]
+    assert [u.step for u in unreadable] == [2, 3]
+    # Clean-up leaves them (they hold a manifest entry): resume moves them aside instead.
+    RunFolder(out).remove_leftovers()
+    assert fifo_step.is_dir() and link_step.is_dir()

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from tunelab._model_files import read_model_bytes
 from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint._dcp_json import METADATA_JSON_NAME
 from tunelab.checkpoint.dcp import (
@@ -436,7 +437,7 @@ class CheckpointClient:
     def _make_fingerprint(self) -> dict[str, Any]:
         config_path = self.base_checkpoint_dir / "config.json"
         base_hash = (
-            hashlib.sha256(config_path.read_bytes()).hexdigest()[:16]
+            hashlib.sha256(read_model_bytes(config_path)).hexdigest()[:16]
             if config_path.is_file()
             else None
         )

@@ -120,8 +120,10 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     Raises:
         CheckpointError: The manifest exists but is unreadable or has no checksums.
     """
-    if not (directory / MANIFEST_NAME).is_file():
+    if not os.path.lexists(directory / MANIFEST_NAME):
         return None
+    # A manifest that is a link, a FIFO or a device is there but unreadable: the step is
+    # reported (and passed over on resume), not taken for one still being written.
     return read_manifest_file(directory)
 
 
