@@ -144,16 +144,18 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
         assert (merged.state_dict()[name] - dequantized).abs().max() < 0.05
 
 
-def test_qlora_hsdp_two_replicas_of_one_shard(qlora_2p, nf4_model_dir, tmp_path):
-    """HSDP (2, 1): each rank holds whole NF4 weights (FSDP2 copies, does not gather).
-
-    Global batch 8 as the FSDP run's; each rank quantizes whole weights (shard coordinate 0 on
-    both ranks), which equals the FSDP run's row-by-row quantization bit for bit, so losses
-    and export agree to fp32 reduction order.
-    """
-    out = tmp_path / "hsdp_2x1"
+# HSDP meshes where a rank's shard coordinate differs from its global rank, global batch 8 as
+# the FSDP run's. (2, 1): each rank holds whole NF4 weights (FSDP2 copies, does not gather);
+# 2 x 2 on 4 processes: each shard group quantizes its halves of the rows. Either way the NF4
+# bytes equal the FSDP run's bit for bit, so losses and export agree to fp32 reduction order.
+@pytest.mark.parametrize(
+    ("replicate", "shard", "nproc"), [(2, 1, 2), (2, 2, 4)], ids=["hsdp2x1", "hsdp2x2"]
+)
+def test_qlora_hsdp_matches_fsdp(qlora_2p, nf4_model_dir, tmp_path, replicate, shard, nproc):
+    out = tmp_path / "hsdp"
     _run("tiny/qlora", out, f"checkpoint_dir={nf4_model_dir}",
-         "data_parallel_replicate_size=2", "data_parallel_shard_size=1")  # fmt: skip
+         f"data_parallel_replicate_size={replicate}", f"data_parallel_shard_size={shard}",
+         f"batch_size={8 // nproc}", nproc=nproc)  # fmt: skip
     losses, reference = losses_by_step(out), losses_by_step(qlora_2p)
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     for step in losses:
