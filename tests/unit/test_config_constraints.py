@@ -268,7 +268,7 @@ def test_static_lookup_defers_what_it_cannot_know():
 # config/_component_rules.py, not here): chat_dataset has no column_map (its rule copies the
 # instruct builders' _DATASET), so the value goes through **load_dataset_kwargs to
 # datasets.load_dataset, which has no such argument either.
-_KNOWN_BAD_RULES = {"tunelab.data.sft.chat_dataset": "column_map"}
+_KNOWN_BAD_RULES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,8 @@ RULES: dict[str, ComponentRules] = {
     "tunelab.data.sft.instruct_dataset": ComponentRules(_DATASET, check_data_source),
     "tunelab.data.sft.chat_dataset": ComponentRules(
         {
-            **_DATASET,
+            # Conversations name their column (conversation_column), not a column_map.
+            **{key: rule for key, rule in _DATASET.items() if key != "column_map"},
             "conversation_column": Annotated[str, NonEmpty()] | None,
             "conversation_style": Annotated[str, OneOf("auto", "openai", "sharegpt")],
         },
