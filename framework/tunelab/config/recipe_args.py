@@ -212,3 +212,62 @@ class LoRADPOArgs(LoRAFinetuneArgs):
     """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
     reference_logps: Literal["live", "precompute"] = "live"
     """live: a reference forward per step; precompute: one pass over the dataset up front, none in steps."""
+
+
+@dataclass(kw_only=True)
+class GRPOArgs(LoRAFinetuneArgs):
+    """Settings of grpo_distributed: online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO)."""
+
+    dataset: Component = component(call_args=("tokenizer",))
+    """The prompt dataset (tunelab.data.prompt_dataset): a prompt per row, other columns for the rewards."""
+    val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
+    """Not used by grpo_distributed yet (leave it out)."""
+    loss: Component | None = component(required=False)
+    """Not used by grpo_distributed: its loss is set by clip_eps_low/high, beta and loss_aggregation (leave it out)."""
+    rewards: list[Component] = component(call_args=("prompts", "completions", "rows"))
+    """Reward functions (prompts, completions, rows, **settings) -> list[float], summed with reward_weights."""
+    reward_weights: list[Annotated[float, Finite()]] | None = None
+    """One weight per reward (None: all 1.0)."""
+    batch_size: AtLeastOne = 2
+    """Prompts per micro-batch per process (each sampled num_generations times)."""
+    num_generations: Annotated[int, Range(ge=2)] = 4
+    """Completions sampled per prompt (the group size G)."""
+    max_new_tokens: AtLeastOne = 32
+    """Tokens a completion has at most (also Dr. GRPO's constant length)."""
+    temperature: Annotated[float, Finite(), Range(ge=0)] = 1.0
+    """Sampling temperature (0: greedy, which gives a group no variety)."""
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    """Nucleus sampling: keep the most likely tokens up to this probability (1: all)."""
+    top_k: AtLeastOne | None = None
+    """Sample only among the k most likely tokens (None: all)."""
+    num_iterations: AtLeastOne = 1
+    """Optimizer steps per batch of rollouts (>1 reuses them with the sampling policy's stored log-probs)."""
+    clip_eps_low: Annotated[float, Finite(), Range(ge=0, lt=1)] = 0.2
+    """The ratio is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: Annotated[float, Finite(), Range(ge=0)] = 0.2
+    """The ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28)."""
+    loss_aggregation: Literal["sequence_mean", "token_mean", "constant_length"] = "sequence_mean"
+    """sequence_mean (GRPO: mean of each completion's token mean), token_mean (DAPO: every token weighs the same), constant_length (Dr. GRPO: token sum / (completions x max_new_tokens))."""
+    scale_rewards: bool = True
+    """Divide each group's centred rewards by its std (GRPO, DAPO); false for Dr. GRPO."""
+    beta: Annotated[float, Finite(), Range(ge=0)] = 0.0
+    """Weight of the k3 KL to the reference (the base with adapters disabled); 0 skips the reference forward."""
+    dynamic_sampling: bool = False
+    """Leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling, without resampling)."""
+
+    def check_settings(self) -> list[str]:
+        """The settings grpo_distributed does not use must be left out."""
+        problems = super().check_settings()
+        if self.loss is not None:
+            problems.append(
+                "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"
+            )
+        if self.val_dataset is not None:
+            problems.append(
+                "key 'val_dataset': grpo_distributed does not validate yet; leave it out"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards or []):
+            problems.append(
+                f"key 'reward_weights': {len(self.reward_weights)} weights for {len(self.rewards or [])} rewards; give one each"
+            )
+        return problems

@@ -6,6 +6,7 @@ from tunelab.data.collate import padded_collate_dpo, padded_collate_sft
 from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
+from tunelab.data.prompts import PromptDataset, padded_collate_prompts, prompt_dataset
 from tunelab.data.sampler import StatefulDistributedSampler
 from tunelab.data.sft import chat_dataset, instruct_dataset, text_dataset
 from tunelab.data.templates import TEMPLATES, Message, Template, get_template, tokenize_messages
@@ -20,6 +21,7 @@ __all__ = [
     "DatasetSpec",
     "Message",
     "MixedDataset",
+    "PromptDataset",
     "StatefulDistributedSampler",
     "Template",
     "TokenizedDataset",
@@ -32,8 +34,10 @@ __all__ = [
     "mix_dataset",
     "pack_samples",
     "padded_collate_dpo",
+    "padded_collate_prompts",
     "padded_collate_sft",
     "preference_dataset",
+    "prompt_dataset",
     "text_dataset",
     "tokenize_conversation",
     "tokenize_messages",

@@ -11,6 +11,10 @@ calls, each with one job:
   :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
+- online RL (GRPO): :class:`ModelRolloutEngine` (behind :class:`RolloutEngine`),
+  :class:`SamplingSettings`, :func:`sampling_seeds`, :class:`Rewards` and the built-in rewards,
+  :func:`rollout_batch`, :func:`completion_logps`, :class:`Rollout`, :func:`global_sums`,
+  :func:`write_completions`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, export, save, stop),
   with :class:`Schedule`, :class:`MetricLoggers`, :class:`ProgressBar`, :class:`StepProfiler`;
   :func:`evaluate`, :func:`evaluate_preference`, :func:`peak_memory_gib`.
@@ -18,6 +22,14 @@ calls, each with one job:
 Components for configs: ``adamw``, the LR schedules and the metric loggers.
 """
 
+from tunelab.training.grpo import (
+    Rollout,
+    completion_logps,
+    global_sums,
+    rollout_batch,
+    sampling_seeds,
+    write_completions,
+)
 from tunelab.training.loop import (
     NonFiniteGuard,
     batch_loss,
@@ -53,7 +65,19 @@ from tunelab.training.reference import (
     ReferenceModel,
     policy_forward,
 )
+from tunelab.training.rewards import (
+    Rewards,
+    completion_length_reward,
+    exact_answer_reward,
+    regex_reward,
+)
 from tunelab.training.rng import seed_everything
+from tunelab.training.rollout import (
+    ModelRolloutEngine,
+    RolloutEngine,
+    SamplingSettings,
+    sample_tokens,
+)
 from tunelab.training.session import (
     AfterStep,
     MetricLoggers,
@@ -67,6 +91,20 @@ from tunelab.training.session import (
 from tunelab.training.setup import build_model, config_fingerprint
 
 __all__ = [
+    "Rollout",
+    "completion_logps",
+    "global_sums",
+    "rollout_batch",
+    "sampling_seeds",
+    "write_completions",
+    "Rewards",
+    "completion_length_reward",
+    "exact_answer_reward",
+    "regex_reward",
+    "ModelRolloutEngine",
+    "RolloutEngine",
+    "SamplingSettings",
+    "sample_tokens",
     "AfterStep",
     "config_fingerprint",
     "JsonlLogger",

@@ -1,0 +1,143 @@
+"""Building blocks of the GRPO recipe's step: seeds, rollout batches, log-probs, global metrics.
+
+The recipe (``recipes/grpo_distributed.py``) writes its step out: sample, score, compute the
+advantages, then one or more optimizer passes over the rollouts. These are the parts it calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tunelab.distributed import all_reduce_sum
+from tunelab.losses import OutputLayer, token_logps
+from tunelab.training.loop import forward
+
+__all__ = [
+    "Rollout",
+    "completion_logps",
+    "global_sums",
+    "rollout_batch",
+    "sampling_seeds",
+    "write_completions",
+]
+
+_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads nearby integers over the seed space
+
+
+def sampling_seeds(seed: int, step: int, indices: list[int], num_generations: int) -> list[int]:
+    """One sampling seed per completion, from the run's seed, the step and the prompt's index.
+
+    A seed depends on nothing else (not the rank, batch or world size, nor what was sampled
+    before), so 1 and N processes, and a resumed run, sample the same tokens without any
+    generator state in the checkpoint.
+
+    Args:
+        seed: The run's seed.
+        step: The optimizer step being taken (0-based: the steps done before it).
+        indices: Dataset index of each prompt.
+        num_generations: Completions per prompt.
+
+    Returns:
+        ``len(indices) * num_generations`` seeds, each prompt's ``num_generations`` together.
+    """
+    seeds = []
+    for index in indices:
+        for sample in range(num_generations):
+            value = seed
+            for part in (step, index, sample):
+                value = (value * _MIX + part + 1) % 2**63
+            seeds.append(value)
+    return seeds
+
+
+@dataclass
+class Rollout:
+    """One micro-batch of rollouts, ready for the policy-gradient passes.
+
+    Attributes:
+        batch: ``tokens`` ``[rows, seq]`` (prompt then completion, padded after) and
+            ``labels`` (the completion tokens; -100 on prompt and padding).
+        advantages: ``[rows]``.
+        keep: ``[rows]`` bool: the rows the loss counts (dynamic sampling drops some).
+        old_logps: ``[rows, seq - 1]`` the sampling policy's log-probs (``num_iterations`` >
+            1), or None: the policy's own, detached (ratio 1).
+        ref_logps: ``[rows, seq - 1]`` the reference's, or None (``beta`` 0).
+    """
+
+    batch: dict[str, torch.Tensor]
+    advantages: torch.Tensor
+    keep: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+def rollout_batch(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Prompt + completion rows for a training forward; only completion tokens are labelled.
+
+    Args:
+        prompts: Prompt token ids, one per row.
+        completions: Completion token ids, one per row.
+        pad_id: Token after each row's end.
+        device: Where the batch goes.
+
+    Returns:
+        ``tokens`` and ``labels`` ``[rows, longest]``.
+    """
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(prompts), width), -100, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
+        labels[row, len(prompt) : len(prompt) + len(completion)] = torch.tensor(completion)
+    return {"tokens": tokens.to(device), "labels": labels.to(device)}
+
+
+def completion_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], output: OutputLayer | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the completion tokens of a :func:`rollout_batch`.
+
+    With ``output`` (the model's :func:`~tunelab.training.output_layer`) only completion
+    positions go through the output layer, chunk by chunk: the logits never exist whole.
+
+    Returns:
+        ``(logps, mask)`` ``[rows, seq - 1]`` (see :func:`tunelab.losses.token_logps`).
+    """
+    return token_logps(forward(model, batch, output), batch["labels"], output=output)
+
+
+def global_sums(values: dict[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Sum every value over the ranks in one all-reduce (fp64)."""
+    keys = list(values)
+    stacked = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=device)
+    return dict(zip(keys, all_reduce_sum(stacked).tolist(), strict=True))
+
+
+def write_completions(path: Path, step: int, records: list[dict[str, Any]]) -> None:
+    """Append one step's completions (every rank's, gathered to rank 0) to a JSONL file.
+
+    A collective: every rank calls it; rank 0 writes.
+    """
+    gathered: list[Any] = [records]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, records)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = sorted(
+        (record for part in gathered for record in part),
+        key=lambda r: (r["index"], r["sample"]),
+    )
+    with path.open("a") as file:
+        for record in rows:
+            file.write(json.dumps({"step": step, **record}) + "\n")

@@ -1,0 +1,189 @@
+"""Rollouts for online RL: a small engine interface and the built-in engine on the training model.
+
+A :class:`RolloutEngine` turns prompt token ids into sampled completion token ids. The
+built-in :class:`ModelRolloutEngine` decodes with the training model itself: every sequence of
+the batch at once, with the model's KV cache, one forward per new token. Another engine (vLLM)
+plugs in behind the same two methods: ``generate``, and ``update_weights`` after each
+optimizer step (the built-in engine samples from the live model and needs none). See
+docs/recipes.md for the vLLM plan.
+
+Sampling is reproducible per sequence: each sequence draws from its own generator seeded
+from ``seeds[i]`` (the recipe derives it from the run's seed, the step and the prompt's dataset
+index), so the tokens do not depend on the batch, the number of processes, or a resume.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tunelab.training.reference import reshard_all
+
+__all__ = ["ModelRolloutEngine", "RolloutEngine", "SamplingSettings", "sample_tokens"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How completions are sampled.
+
+    Attributes:
+        max_new_tokens: Tokens a completion has at most.
+        temperature: Softmax temperature (0: greedy).
+        top_p: Nucleus sampling: keep the smallest set of tokens whose probability reaches it.
+        top_k: Keep the k most likely tokens (None: all).
+        stop_ids: Tokens that end a completion (kept in it): the tokenizer's EOS and friends.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop_ids: frozenset[int] = frozenset()
+
+
+def sample_tokens(
+    logits: torch.Tensor, settings: SamplingSettings, generators: list[torch.Generator]
+) -> torch.Tensor:
+    """One token per row: temperature, then top-k, then top-p, each row from its generator.
+
+    Args:
+        logits: ``[rows, vocab]``.
+        settings: Temperature, top-k, top-p.
+        generators: One CPU generator per row.
+
+    Returns:
+        ``[rows]`` token ids.
+    """
+    if settings.temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / settings.temperature
+    if settings.top_k is not None and settings.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, settings.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= settings.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = probs.cpu()
+    picks = [
+        torch.multinomial(probs[row], 1, generator=generator)
+        for row, generator in enumerate(generators)
+    ]
+    return torch.cat(picks).to(logits.device)
+
+
+class RolloutEngine(Protocol):
+    """What the GRPO recipe needs of a generator of completions."""
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        """Sample one completion per prompt (repeat a prompt G times for a group).
+
+        Args:
+            prompts: Prompt token ids, one list per sequence.
+            seeds: One sampling seed per sequence.
+
+        Returns:
+            The completion token ids of each sequence (a stop token, when sampled, included).
+        """
+        ...
+
+    def update_weights(self, model: nn.Module) -> None:
+        """Take the policy's new weights (after an optimizer step)."""
+        ...
+
+
+class ModelRolloutEngine:
+    """Generation on the training model: all sequences batched, with the KV cache.
+
+    Prompts of different lengths share one batch without left padding: the cache takes a
+    position per row, so each row's prompt sits at positions ``0..len - 1`` (the positions
+    the training forward gives it) and its padding after it. The prefill writes the padding's
+    keys into slots that the row's own generated tokens overwrite before any query can see
+    them (a query at position ``p`` sees slots ``<= p``), so no attention mask is needed and
+    the result is the model's distribution exactly as a single unpadded row would see it.
+
+    Under FSDP2 every rank must run the same forwards: the ranks agree (one all-reduce per
+    token) to stop only once every sequence of every rank has stopped. Each forward gathers
+    the sharded parameters block by block, as a training forward does; gathering them once
+    per rollout phase instead is left as an optimisation.
+
+    Args:
+        model: A ``TransformerDecoder`` (plain or FSDP2-sharded), the policy.
+        settings: How to sample.
+        pad_id: Token that fills short prompts (never seen by a query).
+    """
+
+    def __init__(self, model: nn.Module, settings: SamplingSettings, *, pad_id: int) -> None:
+        self.model = model
+        self.settings = settings
+        self.pad_id = pad_id
+        self.last_generation_seconds = 0.0
+        self.last_generated_tokens = 0
+
+    def update_weights(self, model: nn.Module) -> None:
+        """Nothing to do: the engine samples from the live model."""
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        """Sample one completion per prompt (see :class:`RolloutEngine`)."""
+        start = time.perf_counter()
+        model, settings = self.model, self.settings
+        if not prompts or any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("every prompt needs at least one token")
+        device = model.model.embed_tokens.weight.device
+        rows = len(prompts)
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+        width = int(lengths.max())
+        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        was_training = model.training
+        model.eval()  # no adapter dropout while sampling
+        model.setup_caches(rows, width + settings.max_new_tokens, device=device)
+        completions: list[list[int]] = [[] for _ in range(rows)]
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        try:
+            positions = torch.arange(width, device=device).expand(rows, width)
+            hidden = model(tokens, input_pos=positions, return_hidden=True)
+            last = hidden[torch.arange(rows, device=device), lengths - 1]
+            logits = model.output(last)
+            for step in range(settings.max_new_tokens):
+                next_tokens = sample_tokens(logits, settings, generators)
+                for row in (~done).nonzero().squeeze(-1).tolist():
+                    completions[row].append(int(next_tokens[row]))
+                stopped = torch.tensor(
+                    [bool(c) and c[-1] in settings.stop_ids for c in completions], device=device
+                )
+                done |= stopped
+                if step == settings.max_new_tokens - 1 or _all_done(done):
+                    break
+                hidden = model(
+                    next_tokens[:, None], input_pos=(lengths + step)[:, None], return_hidden=True
+                )
+                logits = model.output(hidden[:, -1])
+        finally:
+            model.teardown_caches()
+            model.train(was_training)
+            # No-grad forwards leave the root's parameters gathered; the optimizer edits shards.
+            reshard_all(model)
+        self.last_generation_seconds = time.perf_counter() - start
+        self.last_generated_tokens = sum(len(c) for c in completions)
+        return completions
+
+
+def _all_done(done: torch.Tensor) -> bool:
+    # Every rank runs the same number of forwards (FSDP2's all-gathers): stop together.
+    remaining = (~done).sum().to(torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        remaining = remaining.cpu()
+        dist.all_reduce(remaining)
+    return int(remaining) == 0

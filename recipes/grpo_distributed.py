@@ -1,0 +1,292 @@
+"""Online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO) of a decoder LLM with LoRA, 1..N processes.
+
+Launch: ``tunelab run --nproc_per_node 2 grpo_distributed --config tiny/grpo``.
+Copy it to customise: ``tunelab cp grpo_distributed my_grpo.py``.
+
+Each step: take this rank's prompts; sample ``num_generations`` completions of each with the
+training model (``ModelRolloutEngine``: batched, KV cache, a seed per completion); score them
+with the configured rewards; turn each group's rewards into advantages; then
+``num_iterations`` optimizer steps over the rollouts with the clipped policy-gradient loss
+(``tunelab.losses.GRPOLoss``), the log-probs computed at completion positions only; then
+``after_step`` logs, exports and saves. The reference (``beta`` > 0) is the model with its
+adapters disabled. Sampling seeds derive from the seed, the step and the prompt's index, so a
+resumed run or another number of processes samples the same completions.
+"""
+
+import time
+
+import torch
+
+import tunelab.peft as peft
+from tunelab.config import GRPOArgs, instantiate
+from tunelab.data import padded_collate_prompts
+from tunelab.distributed import (
+    data_parallel_mesh,
+    destroy_distributed,
+    init_distributed,
+    resolve_dtype,
+)
+from tunelab.lifecycle import RunFolder, recipe_main
+from tunelab.losses import GRPOLoss, group_advantages, loss_normalizer
+from tunelab.training import (
+    AfterStep,
+    MetricLoggers,
+    ModelRolloutEngine,
+    NonFiniteGuard,
+    ReferenceModel,
+    Rewards,
+    Rollout,
+    SamplingSettings,
+    Schedule,
+    StepProfiler,
+    build_checkpoint_client,
+    build_data,
+    build_model,
+    build_optimizer,
+    completion_logps,
+    config_fingerprint,
+    global_sums,
+    optimizer_step,
+    output_layer,
+    resume,
+    rollout_batch,
+    sampling_seeds,
+    seed_everything,
+    write_completions,
+)
+
+ARGS = GRPOArgs
+
+
+def main(args: GRPOArgs) -> None:
+    """Train LoRA adapters with GRPO on ``args.dataset``'s prompts and export the result."""
+    # -- set-up: the process group first, everything else after it -------------------------
+    dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
+    run = RunFolder(args.output_dir)
+    run.start(args.checkpoint.resume_from_checkpoint, may_exist=args.output_dir_may_exist)
+    device = dist_info.device
+    seed_everything(args.seed)
+    tokenizer = instantiate(args.tokenizer)
+    model = build_model(
+        args.checkpoint_dir,
+        device=device,
+        mesh=data_parallel_mesh(
+            device,
+            replicate_size=args.data_parallel_replicate_size,
+            shard_size=args.data_parallel_shard_size,
+        ),
+        dtype=resolve_dtype(args.dtype),
+        lora=args.lora,
+        adapter_dir=args.adapter_dir,
+        activation_checkpointing=args.enable_activation_checkpointing,
+        compile_blocks=args.compile,
+        attention_backend=args.attention_backend,
+        reshard_after_forward=args.reshard_after_forward,
+        mixed_precision=args.mixed_precision,
+        seed=args.seed,
+        frozen_base=args.frozen_base,
+    )
+    # Micro-batches of prompts: each carries its prompts' dataset indices (for seeds and rows).
+    data = build_data(
+        args.dataset,
+        tokenizer,
+        padded_collate_prompts,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        seed=args.seed,
+        max_steps_per_epoch=args.max_steps_per_epoch,
+        resume_from=run if args.checkpoint.resume_from_checkpoint else None,
+        allow_global_batch_change=args.allow_global_batch_change,
+    )
+    prompts_data = data.loader.dataset
+    trainable = list(peft.get_adapter_params(model).values())
+    optimizer, lr_scheduler = build_optimizer(
+        args.optimizer,
+        trainable,
+        lr_scheduler=args.lr_scheduler,
+        num_training_steps=data.steps_per_epoch * args.epochs * args.num_iterations,
+    )
+    checkpoints = build_checkpoint_client(
+        run,
+        args.checkpoint,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        base_checkpoint_dir=args.checkpoint_dir,
+        lora=args.lora,
+        tokenizer=tokenizer,
+        config_hash=config_fingerprint(args),
+    )
+    reference = ReferenceModel(
+        model,
+        freeze_current_adapter=args.adapter_dir is not None,
+        wait_for_staging=checkpoints.wait_for_staging,
+    )
+    engine = ModelRolloutEngine(
+        model,
+        SamplingSettings(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop_ids=frozenset(tokenizer.stop_ids),
+        ),
+        pad_id=tokenizer.pad_id,
+    )
+    rewards = Rewards(args.rewards, args.reward_weights)
+    loss_fn = GRPOLoss(
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+        beta=args.beta,
+        aggregation=args.loss_aggregation,
+    )
+    # The loss applies the output layer chunk by chunk: the logits never exist whole.
+    output = output_layer(model) if args.chunked_output else None
+    nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
+    group = args.num_generations
+
+    # -- resume ---------------------------------------------------------------------------
+    global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
+    after_step = AfterStep(
+        checkpoints,
+        data,
+        Schedule(args.checkpoint, args.epochs, args.log_every_n_steps, args.run_val_every_n_steps),
+        loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+        global_step=global_step,
+        validate=None,
+        profiler=StepProfiler(
+            run.profile_dir,
+            enabled=args.profile,
+            skip_first=args.profile_skip_first,
+            record_steps=args.profile_record_steps,
+        ),
+        device=device,
+        is_main=dist_info.is_main,
+    )
+
+    # -- train ----------------------------------------------------------------------------
+    model.train()
+    for epoch in range(start_epoch, args.epochs):
+        batches = data.epoch(epoch)
+        for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
+            after_step.start_step()
+            # 1. Rollouts: sample G completions per prompt and score them.
+            rollouts, records, sums = [], [], {}
+            for _ in range(data.gradient_accumulation_steps):
+                prompts_batch = next(batches)
+                indices = prompts_batch["index"].tolist()
+                prompts = [prompts_data.tokens[index] for index in indices for _ in range(group)]
+                completions = engine.generate(
+                    prompts, sampling_seeds(args.seed, global_step, indices, group)
+                )
+                rows = [prompts_data.rows[index] for index in indices for _ in range(group)]
+                texts = [tokenizer.decode(c) for c in completions]
+                total, each = rewards(
+                    [prompts_data.prompts[i] for i in indices for _ in range(group)], texts, rows
+                )
+                advantages = group_advantages(total, group, scale_rewards=args.scale_rewards)
+                keep = torch.ones(len(completions), dtype=torch.bool)
+                if args.dynamic_sampling:  # groups of equal rewards teach nothing: leave out
+                    keep = (total.view(-1, group).std(dim=1) > 0).repeat_interleave(group)
+                batch = rollout_batch(prompts, completions, tokenizer.pad_id, device)
+                rollouts.append(Rollout(batch, advantages.to(device), keep.to(device)))
+                lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+                for key, value in {
+                    "num_sequences": keep.sum(),
+                    "num_tokens": (lengths * keep).sum(),
+                    "num_completions": len(completions),
+                    "completion_tokens": lengths.sum(),
+                    "reward": total.sum(),
+                    "reward_squares": (total**2).sum(),
+                    "generation_seconds": engine.last_generation_seconds,
+                    **{f"rewards/{name}": values.sum() for name, values in each.items()},
+                }.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                records += [
+                    {"index": indices[i // group], "sample": i % group, "completion": text,
+                     "reward": float(total[i])}
+                    for i, text in enumerate(texts)
+                ]  # fmt: skip
+            write_completions(run.logs_dir / "completions.jsonl", global_step + 1, records)
+            train_start = time.perf_counter()
+            # 2. The sampling policy's log-probs (reused over iterations) and the reference's.
+            with torch.no_grad():
+                for rollout in rollouts:
+                    if args.num_iterations > 1:
+                        rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
+                if args.beta > 0:
+                    with reference.active():
+                        for rollout in rollouts:
+                            rollout.ref_logps = completion_logps(model, rollout.batch, output)[0]
+            counts = global_sums(sums, device)
+            divisor = loss_normalizer(
+                args.loss_aggregation,
+                num_sequences=int(counts["num_sequences"]),
+                num_tokens=int(counts["num_tokens"]),
+                max_new_tokens=args.max_new_tokens,
+            )
+            # 3. num_iterations optimizer steps over the same rollouts.
+            for _ in range(args.num_iterations):
+                step_sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
+                for rollout in rollouts:
+                    logps, mask = completion_logps(model, rollout.batch, output)
+                    mask = mask & rollout.keep[:, None]
+                    old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
+                    losses, metric_sums = loss_fn.token_losses(
+                        logps, old, rollout.advantages, mask, rollout.ref_logps
+                    )
+                    loss_sum = loss_fn.loss_sum(losses, mask)
+                    # FSDP2 averages gradients over ranks: scale by the world size.
+                    (loss_sum * dist_info.world_size / divisor).backward()
+                    step_sums["loss"] += loss_sum.item()
+                    for key, value in metric_sums.items():
+                        step_sums[key] += value.item()
+                step_totals = global_sums(step_sums, device)
+                metrics = optimizer_step(
+                    optimizer,
+                    trainable,
+                    clip_grad_norm=args.clip_grad_norm,
+                    lr_scheduler=lr_scheduler,
+                    guard=nonfinite,
+                    loss=step_totals["loss"] / divisor,
+                    step=global_step + 1,
+                )
+            global_step += 1
+            train_seconds = time.perf_counter() - train_start
+            num_completions = counts["num_completions"]
+            reward_mean = counts["reward"] / num_completions
+            tokens = max(counts["num_tokens"], 1.0)
+            metrics = {
+                **metrics,
+                "loss": step_totals["loss"] / divisor,
+                "reward": reward_mean,
+                "reward_std": max(counts["reward_squares"] / num_completions - reward_mean**2, 0)
+                ** 0.5,
+                **{
+                    key: value / num_completions
+                    for key, value in counts.items()
+                    if key.startswith("rewards/")
+                },
+                "completion_length": counts["completion_tokens"] / num_completions,
+                "kept_fraction": counts["num_sequences"] / num_completions,
+                "clip_fraction": step_totals["clipped"] / tokens,
+                "kl": step_totals["kl"] / tokens,
+                "generation_tokens_per_second": counts["completion_tokens"]
+                / max(counts["generation_seconds"] / dist_info.world_size, 1e-9),
+                "train_tokens_per_second": counts["num_tokens"]
+                * args.num_iterations
+                / max(train_seconds, 1e-9),
+            }
+            after_step(
+                global_step, epoch, step_in_epoch, metrics, num_tokens=counts["completion_tokens"]
+            )
+
+    # -- clean-up -------------------------------------------------------------------------
+    after_step.close()
+    if dist_info.is_main:
+        print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    recipe_main(main, ARGS)
