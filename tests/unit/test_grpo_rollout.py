@@ -170,3 +170,14 @@ def test_prompt_dataset_renders_text_and_messages_and_keeps_columns(tmp_path, ti
     path.write_text('{"question": "x"}\n')
     with pytest.raises(DataError, match="prompt"):
         prompt_dataset(tokenizer, source=str(path), template="auto")
+
+
+def test_math_verify_reward_compares_by_value():
+    pytest.importorskip("math_verify")
+    from tunelab.training import math_verify_reward
+
+    rows = [{"answer": "Half of it.\n#### 1/2"}] * 3
+    scores = math_verify_reward(
+        [], ["The answer is $\\frac{1}{2}$", "0.5", "3"], rows, answer_after="####"
+    )
+    assert scores == [1.0, 1.0, 0.0]

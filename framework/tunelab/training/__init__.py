@@ -69,6 +69,7 @@ from tunelab.training.rewards import (
     Rewards,
     completion_length_reward,
     exact_answer_reward,
+    math_verify_reward,
     regex_reward,
 )
 from tunelab.training.rng import seed_everything
@@ -100,6 +101,7 @@ __all__ = [
     "Rewards",
     "completion_length_reward",
     "exact_answer_reward",
+    "math_verify_reward",
     "regex_reward",
     "ModelRolloutEngine",
     "RolloutEngine",

@@ -33,6 +33,7 @@ __all__ = [
     "Rewards",
     "completion_length_reward",
     "exact_answer_reward",
+    "math_verify_reward",
     "regex_reward",
 ]
 
@@ -118,6 +119,51 @@ def completion_length_reward(
         One reward (0 or negative) per completion.
     """
     return [-penalty_per_char * max(0, len(c.strip()) - max_chars) for c in completions]
+
+
+def math_verify_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    *,
+    column: str = "answer",
+    answer_after: str | None = None,
+) -> list[float]:
+    r"""1.0 where the completion's final answer equals the row's mathematically, else 0.0.
+
+    Both are parsed with Hugging Face's ``math-verify`` (``pip install 'tunelab[math]'``):
+    LaTeX, ``\boxed{}``, fractions, sets and plain numbers compare by value, so ``1/2``,
+    ``0.5`` and ``\frac{1}{2}`` are the same answer.
+
+    Args:
+        prompts: The prompts (unused).
+        completions: The completions.
+        rows: The dataset rows; ``rows[i][column]`` holds the gold answer.
+        column: The gold answer's column.
+        answer_after: Take the gold answer after the last occurrence of this marker (GSM8K's
+            ``####``); None: the whole cell.
+
+    Returns:
+        One reward per completion (0.0 when either side does not parse).
+
+    Raises:
+        ImportError: ``math-verify`` is not installed.
+    """
+    try:
+        from math_verify import parse, verify  # optional: only this reward needs it
+    except ImportError as error:
+        raise ImportError(
+            "math_verify_reward needs the math-verify package: pip install 'tunelab[math]'"
+        ) from error
+    scores = []
+    for completion, row in zip(completions, rows, strict=True):
+        gold = str(row[column])
+        if answer_after is not None:
+            gold = gold.rsplit(answer_after, 1)[-1]
+        gold_parsed, answer_parsed = parse(gold.strip()), parse(completion)
+        ok = bool(gold_parsed) and bool(answer_parsed) and verify(gold_parsed, answer_parsed)
+        scores.append(1.0 if ok else 0.0)
+    return scores
 
 
 def _name_of(node: Any, index: int) -> str:
