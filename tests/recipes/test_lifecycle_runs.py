@@ -236,7 +236,11 @@ def test_sigint_at_a_step_the_schedule_saves_waits_for_that_save(tmp_path):
 
 @pytest.mark.parametrize(
     ("recipe", "config"),
-    [("full_finetune_distributed", "tiny/full"), ("lora_dpo_distributed", "tiny/lora_dpo")],
+    [
+        ("full_finetune_distributed", "tiny/full"),
+        ("lora_dpo_distributed", "tiny/lora_dpo"),
+        ("grpo_distributed", "tiny/grpo"),
+    ],
 )
 def test_the_other_training_recipes_stop_with_a_checkpoint_too(tmp_path, recipe, config):
     out = tmp_path / "run"
