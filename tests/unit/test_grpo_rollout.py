@@ -181,3 +181,15 @@ def test_math_verify_reward_compares_by_value():
         [], ["The answer is $\\frac{1}{2}$", "0.5", "3"], rows, answer_after="####"
     )
     assert scores == [1.0, 1.0, 0.0]
+
+
+def test_data_preview_shows_the_rendered_prompts():
+    import io
+
+    from tunelab.cli._data import preview
+
+    out = io.StringIO()
+    preview("tiny/grpo", [], 1, False, out=out)
+    text = out.getvalue()
+    assert "prompt:" in text and "0 trained" in text
+    assert "### Instruction:\nReverse the words: star rain ship cake milk" in text

@@ -82,9 +82,11 @@ def build_dataset(config: str, overrides: list[str]) -> tuple[Any, Any]:
 
 
 def _sequences(item: dict[str, Any]) -> Iterator[tuple[str, list[int], list[int]]]:
-    """``(name, input_ids, labels)`` of an SFT item (name "") or of each side of a pair."""
+    """``(name, input_ids, labels)`` of an SFT item (name ""), of each side of a pair, or a prompt."""
     if "tokens" in item:
         yield "", list(item["tokens"]), list(item["labels"])
+    elif "prompt_tokens" in item:  # a GRPO prompt: what generation starts from, nothing trained
+        yield "prompt", list(item["prompt_tokens"]), [IGNORE_INDEX] * len(item["prompt_tokens"])
     else:
         for side in ("chosen", "rejected"):
             yield side, list(item[f"{side}_tokens"]), list(item[f"{side}_labels"])
