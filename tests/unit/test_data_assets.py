@@ -24,6 +24,7 @@ TEXT_FILES = [
     "sft_val.jsonl",
     "chat.jsonl",
     "preference.jsonl",
+    "grpo_prompts.jsonl",
 ]
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors"]
 

@@ -133,7 +133,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
 
 
 def write_datasets(out: Path, rng: random.Random) -> None:
-    """Write the SFT, validation, chat and preference JSONL files."""
+    """Write the SFT, validation, chat, preference and GRPO prompt JSONL files."""
     train = _tasks.make_examples(rng, 1600)
     val = _tasks.make_examples(rng, 100, exclude={_tasks.example_key(e) for e in train})
     alpaca = [{"instruction": e.instruction, "input": e.input, "output": e.output} for e in train]
@@ -157,6 +157,12 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     _write_jsonl(
         out / "preference.jsonl",
         [{"prompt": e.prompt, "chosen": e.output, "rejected": e.wrong} for e in pairs],
+    )
+    # GRPO's prompts with their answers (tiny/grpo), from a random source of their own: the
+    # files above and the model stay as they were.
+    prompts = _tasks.make_examples(random.Random(26), 256)
+    _write_jsonl(
+        out / "grpo_prompts.jsonl", [{"prompt": e.prompt, "answer": e.output} for e in prompts]
     )
 
 
