@@ -199,6 +199,7 @@ def main(args: GRPOArgs) -> None:
                     "reward": total.sum(),
                     "reward_squares": (total**2).sum(),
                     "generation_seconds": engine.last_generation_seconds,
+                    "entropy": engine.last_entropy_sum,
                     **{f"rewards/{name}": values.sum() for name, values in each.items()},
                 }.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
@@ -268,6 +269,7 @@ def main(args: GRPOArgs) -> None:
                     if key.startswith("rewards/")
                 },
                 "completion_length": counts["completion_tokens"] / num_completions,
+                "entropy": counts["entropy"] / max(counts["completion_tokens"], 1.0),
                 "kept_fraction": counts["num_sequences"] / num_completions,
                 "clip_fraction": step_totals["clipped"] / tokens,
                 "kl": step_totals["kl"] / tokens,

@@ -193,3 +193,15 @@ def test_data_preview_shows_the_rendered_prompts():
     text = out.getvalue()
     assert "prompt:" in text and "0 trained" in text
     assert "### Instruction:\nReverse the words: star rain ship cake milk" in text
+
+
+def test_the_engine_sums_the_policy_entropy_of_the_sampled_positions(tiny):
+    tokenizer, model, dataset = tiny
+    engine = ModelRolloutEngine(model, SamplingSettings(max_new_tokens=1), pad_id=tokenizer.pad_id)
+    prompt = dataset.tokens[0]
+    engine.generate([prompt], [0])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([prompt]))[0, -1].double(), -1)
+    expected = -(log_probs.exp() * log_probs).sum().item()
+    assert engine.last_entropy_sum == pytest.approx(expected, rel=1e-5)
+    assert engine.last_generated_tokens == 1

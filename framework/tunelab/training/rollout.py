@@ -113,7 +113,12 @@ class ModelRolloutEngine:
     Under FSDP2 every rank must run the same forwards: the ranks agree (one all-reduce per
     token) to stop only once every sequence of every rank has stopped. Each forward gathers
     the sharded parameters block by block, as a training forward does; gathering them once
-    per rollout phase instead is left as an optimisation.
+    per rollout phase instead is left as an optimisation (with ``frozen_base: replicate``, which
+    ``auto`` picks when the base fits, the frozen base is gathered once already and only the
+    adapters are gathered per token).
+
+    After each call, ``last_generation_seconds``, ``last_generated_tokens`` and
+    ``last_entropy_sum`` (the policy's entropy summed over the sampled positions) describe it.
 
     Args:
         model: A ``TransformerDecoder`` (plain or FSDP2-sharded), the policy.
@@ -127,6 +132,7 @@ class ModelRolloutEngine:
         self.pad_id = pad_id
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
+        self.last_entropy_sum = 0.0
 
     def update_weights(self, model: nn.Module) -> None:
         """Nothing to do: the engine samples from the live model."""
@@ -156,7 +162,13 @@ class ModelRolloutEngine:
             hidden = model(tokens, input_pos=positions, return_hidden=True)
             last = hidden[torch.arange(rows, device=device), lengths - 1]
             logits = model.output(last)
+            entropy = torch.zeros((), dtype=torch.float64, device=device)
             for step in range(settings.max_new_tokens):
+                # The policy's entropy at each sampled position (before temperature and
+                # filtering): a collapsing entropy is the first sign of a policy gone greedy.
+                log_probs = torch.log_softmax(logits.float(), dim=-1)
+                row_entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+                entropy += row_entropy.masked_fill(done, 0.0).double().sum()
                 next_tokens = sample_tokens(logits, settings, generators)
                 for row in (~done).nonzero().squeeze(-1).tolist():
                     completions[row].append(int(next_tokens[row]))
@@ -177,6 +189,7 @@ class ModelRolloutEngine:
             reshard_all(model)
         self.last_generation_seconds = time.perf_counter() - start
         self.last_generated_tokens = sum(len(c) for c in completions)
+        self.last_entropy_sum = float(entropy)
         return completions
 
 
