@@ -130,8 +130,10 @@ def main(args: GRPOArgs) -> None:
             top_p=args.top_p,
             top_k=args.top_k,
             stop_ids=frozenset(tokenizer.stop_ids),
+            stop_strings=tuple(args.stop_strings or ()),
         ),
         pad_id=tokenizer.pad_id,
+        decode=tokenizer.decode,
     )
     rewards = Rewards(args.rewards, args.reward_weights)
     loss_fn = GRPOLoss(

@@ -27,6 +27,7 @@ VARIANTS = (
     "loss_aggregation=sequence_mean",
     "max_steps_per_epoch=3",
     "checkpoint.save_every_n_steps=null",
+    "stop_strings=[You are]",
 )
 
 
@@ -62,6 +63,8 @@ def test_two_processes_equal_one(two_processes, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-6)
     assert any(m["kl"] > 0 for m in ours[1:])  # the policy moved away from the reference
+    # The second pass over step 1's rollouts uses the stored old log-probs: ratios leave 1.
+    assert ours[0]["clip_fraction"] > 0
     # Adam divides by the gradient's own scale: sums in another order differ by ~1e-5 after 5 steps.
     assert_same_exports(one, two_processes, atol=1e-4)
 

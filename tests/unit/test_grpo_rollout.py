@@ -205,3 +205,23 @@ def test_the_engine_sums_the_policy_entropy_of_the_sampled_positions(tiny):
     expected = -(log_probs.exp() * log_probs).sum().item()
     assert engine.last_entropy_sum == pytest.approx(expected, rel=1e-5)
     assert engine.last_generated_tokens == 1
+
+
+def test_a_stop_string_ends_a_completion_with_the_token_that_completes_it(tiny):
+    tokenizer, model, dataset = tiny
+    free = ModelRolloutEngine(
+        model, SamplingSettings(max_new_tokens=12, temperature=0.0), pad_id=tokenizer.pad_id
+    )
+    prompt = dataset.tokens[1]
+    full = free.generate([prompt], [0])[0]
+    text = tokenizer.decode(full)
+    # Stop at the text of the first three tokens: the completion ends at the third.
+    stop = tokenizer.decode(full[:3]).strip()[-3:]
+    assert stop and stop in text
+    settings = SamplingSettings(max_new_tokens=12, temperature=0.0, stop_strings=(stop,))
+    stopping = ModelRolloutEngine(model, settings, pad_id=tokenizer.pad_id, decode=tokenizer.decode)
+    short = stopping.generate([prompt, prompt], [0, 1])
+    first = next(n for n in range(1, len(full) + 1) if stop in tokenizer.decode(full[:n]))
+    assert short == [full[:first]] * 2
+    with pytest.raises(ValueError, match="decode"):
+        ModelRolloutEngine(model, settings, pad_id=tokenizer.pad_id)

@@ -240,6 +240,8 @@ class GRPOArgs(LoRAFinetuneArgs):
     """Nucleus sampling: keep the most likely tokens up to this probability (1: all)."""
     top_k: AtLeastOne | None = None
     """Sample only among the k most likely tokens (None: all)."""
+    stop_strings: list[Annotated[str, NonEmpty()]] | None = None
+    """Texts that end a completion (besides the tokenizer's stop tokens), e.g. ["</answer>"]."""
     num_iterations: AtLeastOne = 1
     """Optimizer steps per batch of rollouts (>1 reuses them with the sampling policy's stored log-probs)."""
     clip_eps_low: Annotated[float, Finite(), Range(ge=0, lt=1)] = 0.2

@@ -15,6 +15,7 @@ index), so the tokens do not depend on the batch, the number of processes, or a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +38,8 @@ class SamplingSettings:
         top_p: Nucleus sampling: keep the smallest set of tokens whose probability reaches it.
         top_k: Keep the k most likely tokens (None: all).
         stop_ids: Tokens that end a completion (kept in it): the tokenizer's EOS and friends.
+        stop_strings: Texts that end a completion once its decoded text contains one (the
+            token that completes it is kept); needs the engine's ``decode``.
     """
 
     max_new_tokens: int
@@ -44,6 +47,7 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int | None = None
     stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
 
 
 def sample_tokens(
@@ -124,12 +128,26 @@ class ModelRolloutEngine:
         model: A ``TransformerDecoder`` (plain or FSDP2-sharded), the policy.
         settings: How to sample.
         pad_id: Token that fills short prompts (never seen by a query).
+        decode: Token ids to text, for ``stop_strings`` (the tokenizer's ``decode``).
+
+    Raises:
+        ValueError: ``stop_strings`` without ``decode``.
     """
 
-    def __init__(self, model: nn.Module, settings: SamplingSettings, *, pad_id: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: SamplingSettings,
+        *,
+        pad_id: int,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        if settings.stop_strings and decode is None:
+            raise ValueError("stop_strings need the tokenizer's decode")
         self.model = model
         self.settings = settings
         self.pad_id = pad_id
+        self.decode = decode
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
@@ -172,10 +190,11 @@ class ModelRolloutEngine:
                 next_tokens = sample_tokens(logits, settings, generators)
                 for row in (~done).nonzero().squeeze(-1).tolist():
                     completions[row].append(int(next_tokens[row]))
-                stopped = torch.tensor(
-                    [bool(c) and c[-1] in settings.stop_ids for c in completions], device=device
+                finished = done.tolist()
+                done |= torch.tensor(
+                    [was or self._stops(c) for was, c in zip(finished, completions, strict=True)],
+                    device=device,
                 )
-                done |= stopped
                 if step == settings.max_new_tokens - 1 or _all_done(done):
                     break
                 hidden = model(
@@ -191,6 +210,19 @@ class ModelRolloutEngine:
         self.last_generated_tokens = sum(len(c) for c in completions)
         self.last_entropy_sum = float(entropy)
         return completions
+
+    def _stops(self, completion: list[int]) -> bool:
+        # A stop token ends it; so does a stop string anywhere in the completion's text (the
+        # whole text is decoded: a string may span tokens, and decoding is cheap next to a
+        # forward at the lengths sampled here).
+        if not completion:
+            return False
+        if completion[-1] in self.settings.stop_ids:
+            return True
+        if not self.settings.stop_strings:
+            return False
+        text = self.decode(completion)
+        return any(stop in text for stop in self.settings.stop_strings)
 
 
 def _all_done(done: torch.Tensor) -> bool:
