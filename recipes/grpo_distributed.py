@@ -1,4 +1,4 @@
-"""Online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO) of a decoder LLM with LoRA, 1..N processes.
+"""Online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO) of a decoder LLM, LoRA or full, 1..N processes.
 
 Launch: ``tunelab run --nproc_per_node 2 grpo_distributed --config tiny/grpo``.
 Copy it to customise: ``tunelab cp grpo_distributed my_grpo.py``.
@@ -9,11 +9,12 @@ with the configured rewards; turn each group's rewards into advantages; then
 ``num_iterations`` optimizer steps over the rollouts with the clipped policy-gradient loss
 (``tunelab.losses.GRPOLoss``), the log-probs computed at completion positions only; then
 ``after_step`` logs, exports and saves. The reference (``beta`` > 0) is the model with its
-adapters disabled. Sampling seeds derive from the seed, the step and the prompt's index, so a
+adapters disabled, or for full fine-tuning (``lora: null``) a frozen copy of the base. Sampling seeds derive from the seed, the step and the prompt's index, so a
 resumed run or another number of processes samples the same completions.
 """
 
 import time
+from functools import partial
 
 import torch
 
@@ -30,6 +31,7 @@ from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import GRPOLoss, group_advantages, loss_normalizer
 from tunelab.training import (
     AfterStep,
+    FrozenReference,
     MetricLoggers,
     ModelRolloutEngine,
     NonFiniteGuard,
@@ -59,7 +61,7 @@ ARGS = GRPOArgs
 
 
 def main(args: GRPOArgs) -> None:
-    """Train LoRA adapters with GRPO on ``args.dataset``'s prompts and export the result."""
+    """Train with GRPO on ``args.dataset``'s prompts (LoRA adapters or every weight) and export."""
     # -- set-up: the process group first, everything else after it -------------------------
     dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
     run = RunFolder(args.output_dir)
@@ -67,25 +69,27 @@ def main(args: GRPOArgs) -> None:
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
-    model = build_model(
+    # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    mesh = data_parallel_mesh(
+        device,
+        replicate_size=args.data_parallel_replicate_size,
+        shard_size=args.data_parallel_shard_size,
+    )
+    # lora: null is full fine-tuning (every weight trains).
+    build = partial(
+        build_model,
         args.checkpoint_dir,
         device=device,
-        mesh=data_parallel_mesh(
-            device,
-            replicate_size=args.data_parallel_replicate_size,
-            shard_size=args.data_parallel_shard_size,
-        ),
+        mesh=mesh,
         dtype=resolve_dtype(args.dtype),
-        lora=args.lora,
-        adapter_dir=args.adapter_dir,
         activation_checkpointing=args.enable_activation_checkpointing,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         seed=args.seed,
-        frozen_base=args.frozen_base,
     )
+    model = build(lora=args.lora, adapter_dir=args.adapter_dir, frozen_base=args.frozen_base)
     # Micro-batches of prompts: each carries its prompts' dataset indices (for seeds and rows).
     data = build_data(
         args.dataset,
@@ -99,7 +103,10 @@ def main(args: GRPOArgs) -> None:
         allow_global_batch_change=args.allow_global_batch_change,
     )
     prompts_data = data.loader.dataset
-    trainable = list(peft.get_adapter_params(model).values())
+    if args.lora is not None:
+        trainable = list(peft.get_adapter_params(model).values())
+    else:
+        trainable = list(model.parameters())
     optimizer, lr_scheduler = build_optimizer(
         args.optimizer,
         trainable,
@@ -117,11 +124,17 @@ def main(args: GRPOArgs) -> None:
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
     )
-    reference = ReferenceModel(
-        model,
-        freeze_current_adapter=args.adapter_dir is not None,
-        wait_for_staging=checkpoints.wait_for_staging,
-    )
+    # The reference (beta > 0): with LoRA the policy itself with its adapters disabled (or the
+    # frozen adapter_dir adapter); for full fine-tuning a frozen copy of the base.
+    reference = None
+    if args.beta > 0 and args.lora is not None:
+        reference = ReferenceModel(
+            model,
+            freeze_current_adapter=args.adapter_dir is not None,
+            wait_for_staging=checkpoints.wait_for_staging,
+        )
+    elif args.beta > 0:
+        reference = FrozenReference(build(lora=None))
     engine = ModelRolloutEngine(
         model,
         SamplingSettings(
@@ -217,10 +230,13 @@ def main(args: GRPOArgs) -> None:
                 for rollout in rollouts:
                     if args.num_iterations > 1:
                         rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
-                if args.beta > 0:
+                if reference is not None:
+                    ref_output = output_layer(reference.model) if args.chunked_output else None
                     with reference.active():
                         for rollout in rollouts:
-                            rollout.ref_logps = completion_logps(model, rollout.batch, output)[0]
+                            rollout.ref_logps = completion_logps(
+                                reference.model, rollout.batch, ref_output
+                            )[0]
             counts = global_sums(sums, device)
             divisor = loss_normalizer(
                 args.loss_aggregation,

@@ -110,3 +110,22 @@ def test_reward_rises_and_not_with_a_vanishing_learning_rate(tmp_path):
     assert mean(learned[-10:]) > mean(learned[:10]) + 0.3
     assert mean(learned[-10:]) > mean(frozen[-10:]) + 0.3
     assert abs(mean(frozen[-10:]) - mean(frozen[:10])) < 0.2
+
+
+@pytest.mark.parametrize(
+    ("name", "variant"), [("qlora", "lora.quantize_base=nf4"), ("full", "lora=null")]
+)
+def test_qlora_and_full_with_a_kl_to_the_base(tmp_path, name, variant):
+    out = tmp_path / name
+    tunelab_run(
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", variant,
+        "beta=0.04", "max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
+        *(["optimizer.lr=1e-4"] if name == "full" else []),
+    )  # fmt: skip
+    kl = [m["kl"] for m in read_metrics(out)]
+    # The reference is the base (QLoRA: the NF4 base with the adapters disabled; full: a frozen
+    # copy): the policy itself at step 1, then apart from it.
+    assert kl[0] == 0.0 and kl[1] > 0
+    adapter = out / "epoch_0" / "adapter" / "adapter_model.safetensors"
+    assert adapter.is_file() == (name == "qlora")
+    assert (out / "epoch_0" / "model.safetensors").is_file()

@@ -218,6 +218,8 @@ class LoRADPOArgs(LoRAFinetuneArgs):
 class GRPOArgs(LoRAFinetuneArgs):
     """Settings of grpo_distributed: online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO)."""
 
+    lora: LoRAArgs | None = field(default_factory=LoRAArgs)
+    """The LoRA adapters (the lora.* keys of lora_finetune_distributed); null: full fine-tuning (every weight trains; with beta > 0 the reference is a frozen copy of the base)."""
     dataset: Component = component(call_args=("tokenizer",))
     """The prompt dataset (tunelab.data.prompt_dataset): a prompt per row, other columns for the rewards."""
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
@@ -259,7 +261,12 @@ class GRPOArgs(LoRAFinetuneArgs):
 
     def check_settings(self) -> list[str]:
         """The settings grpo_distributed does not use must be left out."""
-        problems = super().check_settings()
+        if self.lora is None:  # full fine-tuning: no adapter to reconcile
+            problems = FinetuneArgs.check_settings(self)
+            if self.adapter_dir is not None:
+                problems.append("key 'adapter_dir': an adapter needs lora settings (lora is null)")
+        else:
+            problems = super().check_settings()
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"

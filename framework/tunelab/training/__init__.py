@@ -23,6 +23,7 @@ Components for configs: ``adamw``, the LR schedules and the metric loggers.
 """
 
 from tunelab.training.grpo import (
+    FrozenReference,
     Rollout,
     completion_logps,
     global_sums,
@@ -92,6 +93,7 @@ from tunelab.training.session import (
 from tunelab.training.setup import build_model, config_fingerprint
 
 __all__ = [
+    "FrozenReference",
     "Rollout",
     "completion_logps",
     "global_sums",

@@ -6,7 +6,9 @@ advantages, then one or more optimizer passes over the rollouts. These are the p
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from tunelab.losses import OutputLayer, token_logps
 from tunelab.training.loop import forward
 
 __all__ = [
+    "FrozenReference",
     "Rollout",
     "completion_logps",
     "global_sums",
@@ -113,6 +116,26 @@ def completion_logps(
         ``(logps, mask)`` ``[rows, seq - 1]`` (see :func:`tunelab.losses.token_logps`).
     """
     return token_logps(forward(model, batch, output), batch["labels"], output=output)
+
+
+class FrozenReference:
+    """The reference of full fine-tuning: a separate, frozen copy of the base model.
+
+    The same interface as :class:`~tunelab.training.ReferenceModel` (``model`` and
+    ``active()``), so a recipe runs ``with reference.active(): f(reference.model)`` either way.
+    It costs a second copy of the weights (sharded like the policy's).
+
+    Args:
+        model: The base model, as built for the policy (it is frozen and put in eval mode).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model.requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Nothing to switch: the copy is always the reference."""
+        yield
 
 
 def global_sums(values: dict[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
