@@ -23,8 +23,8 @@ import pytest
 from tunelab import _paths
 from tunelab.checkpoint import integrity, layout
 from tunelab.cli.main import main
-from tunelab.config import recipe_main
 from tunelab.config.recipe_args import LoRAFinetuneArgs
+from tunelab.lifecycle import recipe_main
 
 TINY = _paths.assets_dir() / "tiny"
 TUNELAB = Path(sys.executable).with_name("tunelab")
