@@ -278,7 +278,11 @@ class CheckpointClient:
                     return self._load(checkpoint)
             # Every rank names it (the problem is the same everywhere), so the one error line
             # is the same whichever rank's error the launcher reports.
-            moved.append(f"{path.name} ({problem})")
+            # The checkpoint's own path once, not in each of its files' problems, and each
+            # problem's start (the file and what is wrong): the line names every checkpoint.
+            brief = problem.replace(f"{path}/", "")
+            brief = brief if len(brief) <= 50 else brief[:47] + "..."
+            moved.append(f"{path.name} ({brief})")
             if self.rank == 0:
                 aside = layout.move_aside(path)
                 logger.warning(

@@ -7,7 +7,7 @@ Every path inside ``output_dir`` is named here, and nowhere else::
     logs/                  metrics and each rank's traceback log (rank_{R}.log)
     profile/               torch.profiler traces (rank_{R}.json)
     .tunelab.lock          held by the run's rank 0 for its whole life
-    .tunelab-run           marks a folder tunelab made (what clean-up may touch)
+    .tunelab_run           marks a folder tunelab made (what clean-up may touch)
     .{name}.tunelab-*      temporaries while something is written (``layout.temporary_name``)
 
 It also owns what a run does with the folder as a whole, in the order a run needs it
@@ -44,7 +44,7 @@ from tunelab.lifecycle.output_lock import LOCK_FILE_NAME, check_output_dir_free,
 
 logger = logging.getLogger(__name__)
 
-MARKER_NAME = ".tunelab-run"
+MARKER_NAME = ".tunelab_run"
 """Written when tunelab creates or first takes a folder: its leftovers there are its own."""
 LOGS_DIR_NAME = "logs"
 PROFILE_DIR_NAME = "profile"
