@@ -366,8 +366,11 @@ def test_precomputed_reference_gives_the_live_losses(full_run, tmp_path):
     # The reference log-probs of every pair computed once before training (each rank a share
     # of the dataset, gathered), then looked up by pair_index: no reference forward in the
     # steps. Steps 1-2 sit at B = 0 (policy == reference); step 3 is the first whose loss
-    # depends on both. fp32 on CPU: the log-probs are bit-equal to the live forward's
-    # despite other padding lengths and batch compositions; 1e-6 allows float rounding.
+    # depends on both. The precompute batches pad to other lengths, which changes the order
+    # of some float sums: the log-probs equal the live forward's within rounding (1e-6), not
+    # bit for bit on every CPU. So at B = 0 the live rewards are exactly 0 (every pair a tie,
+    # accuracy 0) while the precomputed ones are rounding noise whose sign, and so whose
+    # accuracy, is arbitrary: accuracies are compared where the live rewards are not ties.
     rows, stdout = _run(
         tmp_path,
         "reference_logps=precompute",
@@ -381,7 +384,11 @@ def test_precomputed_reference_gives_the_live_losses(full_run, tmp_path):
         live = full_run[1][row["step"]]
         for name in names:
             assert row[name] == pytest.approx(live[name], abs=1e-6), (row["step"], name)
-        assert row["rewards/accuracies"] == live["rewards/accuracies"]
+        if row["step"] <= 2:
+            assert live["rewards/chosen"] == live["rewards/rejected"] == 0.0, live
+        else:
+            assert abs(live["rewards/margins"]) > 1e-3, live
+            assert row["rewards/accuracies"] == live["rewards/accuracies"], row["step"]
     diff = max(abs(row[n] - full_run[1][row["step"]][n]) for row in rows for n in names)
     print(f"max |precompute - live| over steps 1-3 = {diff:.3g}")
 
