@@ -106,12 +106,46 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
+def open_no_follow(path: str | os.PathLike, *, if_link: str) -> BinaryIO:
+    """Open a file for reading: never through a link at its last step, never a FIFO or device.
+
+    The file is opened without following a link and without blocking (a FIFO would hang),
+    then checked through its descriptor, so a file swapped for a FIFO or a link after a
+    caller's checks is refused too. Every reader of model and checkpoint files opens this way.
+
+    Args:
+        path: The file.
+        if_link: The error message when ``path`` is a link.
+
+    Returns:
+        A binary file object, positioned at the start.
+
+    Raises:
+        CheckpointError: If it is a link (``if_link``) or not a regular file.
+        FileNotFoundError: If there is no such file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(if_link) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path} is not a regular file (a {_kind(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def open_model_file(path: str | os.PathLike, folder: str | os.PathLike | None = None) -> BinaryIO:
     """Open a file of a model folder for reading, after ``model_file``'s checks.
 
-    The file is opened without following a link at its last step and without blocking, then
-    checked again through its descriptor, so a file swapped for a FIFO or a link between the
-    check and the open is refused too.
+    Opened with ``open_no_follow``: a file swapped for a FIFO or a link between the check and
+    the open is refused too.
 
     Args:
         path: The file.
@@ -125,21 +159,7 @@ def open_model_file(path: str | os.PathLike, folder: str | os.PathLike | None = 
         FileNotFoundError: If there is no such file.
     """
     resolved = model_file(path, folder)
-    try:
-        fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise CheckpointError(f"{path} changed into a link while it was being read") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointError(f"{path} is not a regular file (a {_kind(mode)})")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    return open_no_follow(resolved, if_link=f"{path} changed into a link while it was being read")
 
 
 def read_model_bytes(path: str | os.PathLike, folder: str | os.PathLike | None = None) -> bytes:

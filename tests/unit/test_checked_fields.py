@@ -95,7 +95,7 @@ def test_verify_reads_only_regular_files_and_never_hangs(tmp_path, kind):
     assert verify.stdout.splitlines() == [f"FAILED {manifest} is a link: tunelab writes no "
                                           "links in checkpoints and follows none"
                                           if "link" in kind else
-                                          f"FAILED {manifest} is not a regular file"]  # fmt: skip
+                                          f"FAILED {manifest} is not a regular file (a FIFO)"]  # fmt: skip
     with pytest.raises(CheckpointError):
         integrity.read_manifest_file(folder)
 

@@ -18,21 +18,19 @@ This module imports neither torch nor anything that does, so ``tunelab verify`` 
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
 import shutil
-import stat
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
-from tunelab._model_files import open_model_file
+from tunelab._model_files import open_model_file, open_no_follow
 from tunelab.errors import CheckpointError
 
 DIGEST_NAME = "xxh3_128"
@@ -227,30 +225,16 @@ def record_problem(record: Any) -> str | None:
     return None
 
 
-def open_regular(path: Path) -> io.BufferedReader:
+def open_regular(path: Path) -> BinaryIO:
     """Open a file tunelab wrote for reading: never through a link, never a FIFO or device.
 
     Raises:
         FileNotFoundError: If it does not exist.
         CheckpointError: If it is a link or not a regular file (it would hang or never end).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise CheckpointError(
-                f"{path} is a link: tunelab writes no links in checkpoints and follows none"
-            ) from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointError(f"{path} is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    return open_no_follow(
+        path, if_link=f"{path} is a link: tunelab writes no links in checkpoints and follows none"
+    )
 
 
 def check_file(path: Path, record: Mapping[str, Any]) -> str | None:
