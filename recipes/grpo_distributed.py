@@ -147,6 +147,7 @@ def main(args: GRPOArgs) -> None:
         ),
         pad_id=tokenizer.pad_id,
         decode=tokenizer.decode,
+        gather_once=args.rollout_gather_once,
     )
     rewards = Rewards(args.rewards, args.reward_weights)
     loss_fn = GRPOLoss(

@@ -13,6 +13,7 @@ from tests.recipes.conftest import (
     assert_same_exports,
     interrupted_copy,
     read_metrics,
+    torchrun,
     tunelab_run,
 )
 
@@ -129,3 +130,25 @@ def test_qlora_and_full_with_a_kl_to_the_base(tmp_path, name, variant):
     adapter = out / "epoch_0" / "adapter" / "adapter_model.safetensors"
     assert adapter.is_file() == (name == "qlora")
     assert (out / "epoch_0" / "model.safetensors").is_file()
+
+
+def test_rollouts_gather_the_shards_once_per_phase():
+    result = torchrun(Path(__file__).parent / "rollout_gather_script.py")
+    reports = [
+        json.loads(line.removeprefix("GATHERS "))
+        for line in result.stdout.splitlines()
+        if line.startswith("GATHERS ")
+    ]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        for name in ("lora", "full"):
+            r = report[name]
+            assert r["equal"], name  # the same tokens either way
+            # Held: each group at most once for the whole phase (the root's stays gathered
+            # between phases when it holds nothing trainable, as after any no_grad forward).
+            assert r["held_blocks"] == r["layers"], (name, r)
+            assert r["held"] <= r["groups"], (name, r)
+            # Per forward: every decode step re-gathers each block except the last (kept
+            # gathered for the backward by shard_model).
+            decode_steps = r["forwards"] - 1
+            assert r["per_forward_blocks"] == r["layers"] + decode_steps * (r["layers"] - 1)

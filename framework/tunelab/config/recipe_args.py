@@ -258,6 +258,8 @@ class GRPOArgs(LoRAFinetuneArgs):
     """Weight of the k3 KL to the reference (the base with adapters disabled); 0 skips the reference forward."""
     dynamic_sampling: bool = False
     """Leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling, without resampling)."""
+    rollout_gather_once: bool = True
+    """FSDP2: all-gather the sharded weights once per rollout phase and hold them until its last token (each process then holds the whole model while generating); false: gather block by block for every generated token (less memory, one all-gather per block per token)."""
 
     def check_settings(self) -> list[str]:
         """The settings grpo_distributed does not use must be left out."""

@@ -3,6 +3,7 @@
 from tunelab.distributed.collectives import gather_full_tensors
 from tunelab.distributed.fsdp import (
     apply_activation_checkpointing,
+    hold_gathered,
     reshard,
     resolve_dtype,
     shard_model,
@@ -24,6 +25,7 @@ __all__ = [
     "data_parallel_mesh",
     "destroy_distributed",
     "gather_full_tensors",
+    "hold_gathered",
     "init_distributed",
     "reshard",
     "resolve_dtype",

@@ -5,7 +5,8 @@ Each transformer block is sharded with ``fully_shard``, then the root, so parame
 for its bf16 casting.
 """
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Literal
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tunelab._torch_compat import checkpoint_activations
 from tunelab.errors import ConfigError
@@ -132,3 +133,37 @@ def reshard(model: nn.Module) -> None:
     reshard_fn = getattr(model, "reshard", None)
     if reshard_fn is not None:
         reshard_fn()
+
+
+@contextlib.contextmanager
+def hold_gathered(model: nn.Module) -> Iterator[None]:
+    """Keep each FSDP2 group of ``model`` gathered from its first forward until the block ends.
+
+    For many forwards in a row with no update between them (generation: one forward per
+    token): each group is all-gathered once, at the first forward that needs it, instead of
+    once per forward. Every rank then holds the whole model (in the compute dtype) until the
+    block ends, on top of its shards. On exit each group's own ``reshard_after_forward`` comes
+    back, and the groups that have it are resharded, so the state after the block is the one a
+    single forward leaves. A plain module: nothing to do.
+
+    Args:
+        model: The model, FSDP2-sharded or plain.
+    """
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    settings = [_reshards_after_forward(module) for module in modules]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module, setting in zip(modules, settings, strict=True):
+            module.set_reshard_after_forward(setting, recurse=False)
+            if setting:
+                module.reshard()
+
+
+def _reshards_after_forward(module: FSDPModule) -> bool:
+    # FSDP2 has a setter for reshard_after_forward but no getter: a group reshards after its
+    # forward exactly when it has a post-forward mesh (torch 2.13 FSDPParamGroup).
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(group.post_forward_mesh_info is not None for group in groups)

@@ -14,6 +14,7 @@ index), so the tokens do not depend on the batch, the number of processes, or a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tunelab.distributed import hold_gathered
 from tunelab.training.reference import reshard_all
 
 __all__ = ["ModelRolloutEngine", "RolloutEngine", "SamplingSettings", "sample_tokens"]
@@ -115,11 +117,12 @@ class ModelRolloutEngine:
     the result is the model's distribution exactly as a single unpadded row would see it.
 
     Under FSDP2 every rank must run the same forwards: the ranks agree (one all-reduce per
-    token) to stop only once every sequence of every rank has stopped. Each forward gathers
-    the sharded parameters block by block, as a training forward does; gathering them once
-    per rollout phase instead is left as an optimisation (with ``frozen_base: replicate``, which
-    ``auto`` picks when the base fits, the frozen base is gathered once already and only the
-    adapters are gathered per token).
+    token) to stop only once every sequence of every rank has stopped. With ``gather_once``
+    (the default) each FSDP2 group is all-gathered once per ``generate`` call, at the prefill,
+    and held until the last token (:func:`~tunelab.distributed.hold_gathered`): every rank
+    then holds the whole model while it generates. Without it every forward gathers the
+    shards block by block, as a training forward does: one all-gather per block per token,
+    and only about one block gathered at a time.
 
     After each call, ``last_generation_seconds``, ``last_generated_tokens`` and
     ``last_entropy_sum`` (the policy's entropy summed over the sampled positions) describe it.
@@ -129,6 +132,7 @@ class ModelRolloutEngine:
         settings: How to sample.
         pad_id: Token that fills short prompts (never seen by a query).
         decode: Token ids to text, for ``stop_strings`` (the tokenizer's ``decode``).
+        gather_once: Hold the FSDP2-gathered parameters for the whole call (see above).
 
     Raises:
         ValueError: ``stop_strings`` without ``decode``.
@@ -141,6 +145,7 @@ class ModelRolloutEngine:
         *,
         pad_id: int,
         decode: Callable[[list[int]], str] | None = None,
+        gather_once: bool = True,
     ) -> None:
         if settings.stop_strings and decode is None:
             raise ValueError("stop_strings need the tokenizer's decode")
@@ -148,6 +153,7 @@ class ModelRolloutEngine:
         self.settings = settings
         self.pad_id = pad_id
         self.decode = decode
+        self.gather_once = gather_once
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
@@ -175,32 +181,39 @@ class ModelRolloutEngine:
         model.setup_caches(rows, width + settings.max_new_tokens, device=device)
         completions: list[list[int]] = [[] for _ in range(rows)]
         done = torch.zeros(rows, dtype=torch.bool, device=device)
+        held = hold_gathered(model) if self.gather_once else contextlib.nullcontext()
         try:
-            positions = torch.arange(width, device=device).expand(rows, width)
-            hidden = model(tokens, input_pos=positions, return_hidden=True)
-            last = hidden[torch.arange(rows, device=device), lengths - 1]
-            logits = model.output(last)
-            entropy = torch.zeros((), dtype=torch.float64, device=device)
-            for step in range(settings.max_new_tokens):
-                # The policy's entropy at each sampled position (before temperature and
-                # filtering): a collapsing entropy is the first sign of a policy gone greedy.
-                log_probs = torch.log_softmax(logits.float(), dim=-1)
-                row_entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-                entropy += row_entropy.masked_fill(done, 0.0).double().sum()
-                next_tokens = sample_tokens(logits, settings, generators)
-                for row in (~done).nonzero().squeeze(-1).tolist():
-                    completions[row].append(int(next_tokens[row]))
-                finished = done.tolist()
-                done |= torch.tensor(
-                    [was or self._stops(c) for was, c in zip(finished, completions, strict=True)],
-                    device=device,
-                )
-                if step == settings.max_new_tokens - 1 or _all_done(done):
-                    break
-                hidden = model(
-                    next_tokens[:, None], input_pos=(lengths + step)[:, None], return_hidden=True
-                )
-                logits = model.output(hidden[:, -1])
+            with held:
+                positions = torch.arange(width, device=device).expand(rows, width)
+                hidden = model(tokens, input_pos=positions, return_hidden=True)
+                last = hidden[torch.arange(rows, device=device), lengths - 1]
+                logits = model.output(last)
+                entropy = torch.zeros((), dtype=torch.float64, device=device)
+                for step in range(settings.max_new_tokens):
+                    # The policy's entropy at each sampled position (before temperature and
+                    # filtering): a collapsing entropy is the first sign of a policy gone greedy.
+                    log_probs = torch.log_softmax(logits.float(), dim=-1)
+                    row_entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+                    entropy += row_entropy.masked_fill(done, 0.0).double().sum()
+                    next_tokens = sample_tokens(logits, settings, generators)
+                    for row in (~done).nonzero().squeeze(-1).tolist():
+                        completions[row].append(int(next_tokens[row]))
+                    finished = done.tolist()
+                    done |= torch.tensor(
+                        [
+                            was or self._stops(c)
+                            for was, c in zip(finished, completions, strict=True)
+                        ],
+                        device=device,
+                    )
+                    if step == settings.max_new_tokens - 1 or _all_done(done):
+                        break
+                    hidden = model(
+                        next_tokens[:, None],
+                        input_pos=(lengths + step)[:, None],
+                        return_hidden=True,
+                    )
+                    logits = model.output(hidden[:, -1])
         finally:
             model.teardown_caches()
             model.train(was_training)
