@@ -77,12 +77,12 @@ def prepare_before(tokenizer, path: Path) -> list[dict]:
     """The per-rank path before this change: the whole file read and tokenized in this rank.
 
     ``sources._read_json`` read the text, tried it as one JSON document, then parsed it line by
-    line into a list of rows; ``_rows.build_samples`` turned each row into samples held as
+    line into a list of rows; ``rows.build_samples`` turned each row into samples held as
     Python lists (``TokenizedDataset(items)``). The row function is the one ``chat_dataset``
     uses today, so both modes do the same tokenizing work per row.
     """
-    from tunelab.data._sft_rows import ChatRows, Render
     from tunelab.data.chat import chat_template_of
+    from tunelab.data.rows import ChatRows, Render
 
     text = path.read_text(encoding="utf-8")
     try:

@@ -1,6 +1,6 @@
 """The rows of a JSON or JSON Lines file as written, read with the ``json`` module alone.
 
-Shared by the data pipeline (``tunelab.data._json_rows`` stores them in an Arrow file) and the
+Shared by the data pipeline (``tunelab.data.sources`` stores them in an Arrow file) and the
 check before any worker starts (``tunelab.cli._data_check``), so a broken row is named the same
 way by both; nothing here imports torch or ``datasets``.
 """

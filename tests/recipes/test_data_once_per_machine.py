@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.recipes.conftest import torchrun
-from tunelab.data._cache import MIN_ROWS_PER_WORKER
+from tunelab.data.cache import MIN_ROWS_PER_WORKER
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("data_once_script.py")

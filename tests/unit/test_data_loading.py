@@ -7,7 +7,7 @@ import pytest
 
 from tunelab._paths import assets_dir
 from tunelab.data import (
-    _cache,
+    cache,
     chat_dataset,
     instruct_dataset,
     load_tokenizer,
@@ -228,7 +228,7 @@ def test_worker_processes_give_the_same_samples(tok, tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "a.jsonl", rows)
     one = instruct_dataset(tok, source=path, num_proc=1, cache_dir=str(tmp_path / "one"),
                            skip_malformed=True)  # fmt: skip
-    monkeypatch.setattr(_cache, "MIN_ROWS_PER_WORKER", 10)
+    monkeypatch.setattr(cache, "MIN_ROWS_PER_WORKER", 10)
     two = instruct_dataset(tok, source=path, num_proc=3, cache_dir=str(tmp_path / "two"),
                            skip_malformed=True)  # fmt: skip
     assert items(one) == items(two) and one.num_skipped == two.num_skipped == 1
@@ -250,16 +250,16 @@ def test_items_are_read_from_the_table_not_held(tok):
 def test_publish_keeps_the_first_finished_table(tmp_path):
     target = tmp_path / "key"
     target.mkdir()
-    (target / _cache._MANIFEST).write_text("{}")
+    (target / cache._MANIFEST).write_text("{}")
     work = tmp_path / ".key.tmp"
     work.mkdir()
-    _cache._publish(work, target)
-    assert (target / _cache._MANIFEST).read_text() == "{}"
+    cache._publish(work, target)
+    assert (target / cache._MANIFEST).read_text() == "{}"
     # An unfinished leftover (no manifest) is replaced.
-    (target / _cache._MANIFEST).unlink()
-    (work / _cache._MANIFEST).write_text('{"files": []}')
-    _cache._publish(work, target)
-    assert json.loads((target / _cache._MANIFEST).read_text()) == {"files": []}
+    (target / cache._MANIFEST).unlink()
+    (work / cache._MANIFEST).write_text('{"files": []}')
+    cache._publish(work, target)
+    assert json.loads((target / cache._MANIFEST).read_text()) == {"files": []}
 
 
 @pytest.mark.parametrize(

@@ -269,7 +269,7 @@ def test_deferred_exceptions_are_still_needed():
         ),
         ("from tunelab.checkpoint import CheckpointClient", [("tunelab.checkpoint", False)]),
         ("from tunelab.data.chat import x", [("tunelab.data.chat", False)]),
-        ("from . import _rows", [("tunelab.data._rows", False)]),
+        ("from . import rows", [("tunelab.data.rows", False)]),
         ("import torch", []),
     ],
 )

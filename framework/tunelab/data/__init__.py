@@ -1,4 +1,15 @@
-"""Data: tokenizer, chat templates, SFT and preference datasets, mixing, packing, collate, sampler."""
+"""Data: from dataset files to batches, one module per stage.
+
+1. Read rows: ``sources`` (local files or the hub; JSON read as written, ``file:line`` errors).
+2. Render and tokenize a row: ``rows`` (column layouts, typed reads, each builder's row
+   function), with ``templates`` (named formats), ``chat_template`` (a tokenizer's Jinja
+   template, sandboxed: ``_jinja_env``, ``_render_budget``), ``chat`` (conversation to ids and
+   masks) and ``tokenizer``.
+3. Tokenize a whole source, once per machine and cached: ``cache``.
+4. Open the result as a dataset: ``tokenized`` (``TokenizedDataset``), built by ``sft``,
+   ``preference`` and ``prompts``; ``mix`` weights several.
+5. Pack: ``packing``. 6. Collate: ``collate``. 7. Sample over ranks, resumably: ``sampler``.
+"""
 
 from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
@@ -7,10 +18,11 @@ from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
 from tunelab.data.prompts import PromptDataset, padded_collate_prompts, prompt_dataset
+from tunelab.data.rows import IGNORE_INDEX
 from tunelab.data.sampler import StatefulDistributedSampler
 from tunelab.data.sft import chat_dataset, instruct_dataset, text_dataset
 from tunelab.data.templates import TEMPLATES, Message, Template, get_template, tokenize_messages
-from tunelab.data.tokenized import IGNORE_INDEX, TokenizedDataset
+from tunelab.data.tokenized import TokenizedDataset
 from tunelab.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [

@@ -26,15 +26,25 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from tunelab.data import _rows
-from tunelab.data._sft_rows import to_sample
 from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.mix import DatasetSpec
+from tunelab.data.rows import (
+    IGNORE_INDEX,
+    BadRow,
+    check_answer,
+    read_messages,
+    read_text,
+    require_columns,
+    resolve_columns,
+    text_bound,
+    to_messages,
+    to_sample,
+)
 from tunelab.data.sft import resolve_template
 from tunelab.data.sources import resolve_sources
 from tunelab.data.templates import Message, Template, tokenize_messages
-from tunelab.data.tokenized import IGNORE_INDEX, TokenizedDataset, build_tokenized
+from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
 
@@ -43,8 +53,8 @@ def _read_turns(row: dict[str, Any], column: str, default_role: str) -> list[tup
     """A string cell as one ``default_role`` message, a list cell as messages."""
     value = row.get(column)
     if isinstance(value, str) or value is None:
-        return [(default_role, _rows.read_text(row, column))]
-    return _rows.read_messages(value, column)
+        return [(default_role, read_text(row, column))]
+    return read_messages(value, column)
 
 
 def _tokenize_side(
@@ -66,9 +76,9 @@ def _tokenize_side(
             template=template,
         )
     except ChatTemplateError as error:
-        raise _rows.BadRow(column, str(error)) from None
+        raise BadRow(column, str(error)) from None
     if len(samples) != 1:
-        raise _rows.BadRow(
+        raise BadRow(
             column,
             f"chat template {template.source} re-renders earlier turns once later ones exist, "
             "so an answer of several assistant turns is not one sequence; give one turn",
@@ -89,7 +99,7 @@ def _shared_prefix(chosen: Pairs, rejected: Pairs, column: str) -> tuple[Pairs, 
     while common < min(len(chosen), len(rejected)) and chosen[common] == rejected[common]:
         common += 1
     if common == 0:
-        raise _rows.BadRow(
+        raise BadRow(
             column,
             "chosen and rejected start with different messages; without a prompt column the "
             "prompt is the messages both conversations start with",
@@ -115,16 +125,16 @@ class PreferenceRows:
 
     @property
     def max_chars(self) -> int | None:
-        """Characters of a text that can reach a sample (``_rows.text_bound``)."""
-        return _rows.text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
+        """Characters of a text that can reach a sample (``text_bound``)."""
+        return text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
 
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The pair's item, with ``truncated`` and ``completion``; raises ``BadRow``."""
         chosen_column, rejected_column = self.columns["chosen"], self.columns["rejected"]
         if self.prompt_column is None:
             prompt, chosen, rejected = _shared_prefix(
-                _rows.read_messages(row.get(chosen_column), chosen_column),
-                _rows.read_messages(row.get(rejected_column), rejected_column),
+                read_messages(row.get(chosen_column), chosen_column),
+                read_messages(row.get(rejected_column), rejected_column),
                 chosen_column,
             )
         else:
@@ -135,11 +145,11 @@ class PreferenceRows:
             if chosen[:size] == prompt and rejected[:size] == prompt:
                 # Both answers repeat the prompt (UltraFeedback's layout): once is enough.
                 chosen, rejected = chosen[size:], rejected[size:]
-        prompt_messages = _rows.to_messages(prompt, False)
+        prompt_messages = to_messages(prompt, False)
         item: dict[str, Any] = {"truncated": False, "completion": True}
         for side, answer in (("chosen", chosen), ("rejected", rejected)):
-            _rows.check_answer(answer, self.columns[side])
-            messages = prompt_messages + _rows.to_messages(answer, False)
+            check_answer(answer, self.columns[side])
+            messages = prompt_messages + to_messages(answer, False)
             if isinstance(self.template, ChatTemplate):
                 tokens, mask = _tokenize_side(
                     self.tokenizer,
@@ -214,7 +224,7 @@ def preference_dataset(
     if max_seq_len is not None and max_seq_len < 1:
         raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
     chosen_template = resolve_template(tokenizer, template, template_kwargs)
-    columns = _rows.resolve_columns(
+    columns = resolve_columns(
         {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
         column_map,
         "preference_dataset",
@@ -223,9 +233,7 @@ def preference_dataset(
 
     def rows_for(name: str, present: list[str]) -> PreferenceRows:
         needed = [columns["chosen"], columns["rejected"]]
-        _rows.require_columns(
-            name, present, [columns["prompt"], *needed] if prompt_required else needed
-        )
+        require_columns(name, present, [columns["prompt"], *needed] if prompt_required else needed)
         prompt_column = columns["prompt"] if columns["prompt"] in present else None
         return PreferenceRows(
             tokenizer, chosen_template, template_kwargs, max_seq_len, columns, prompt_column

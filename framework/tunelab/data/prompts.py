@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from tunelab.data import _rows
 from tunelab.data.chat import apply_chat_template
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
 from tunelab.data.sources import resolve_sources
 from tunelab.data.templates import tokenize_messages
@@ -121,7 +121,7 @@ def prompt_dataset(
     for number, row in enumerate(rows):
         try:
             ids = _render(tokenizer, chosen, row, prompt_column, template_kwargs)
-        except (_rows.BadRow, ChatTemplateError) as error:
+        except (BadRow, ChatTemplateError) as error:
             raise DataError(f"{source}: row {number}: {error}") from None
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             ids, truncated = ids[-max_prompt_tokens:], truncated + 1
@@ -138,13 +138,13 @@ def _render(
     template_kwargs: Mapping[str, Any] | None,
 ) -> list[int]:
     if column not in row:
-        raise _rows.BadRow(column, f"missing column (the row has {sorted(row)})")
+        raise BadRow(column, f"missing column (the row has {sorted(row)})")
     value = row[column]
     if template is None:
-        return tokenizer.encode(_rows.read_text(row, column), add_bos=True)
-    pairs = [("user", _rows.read_text(row, column))] if isinstance(value, str) else None
-    pairs = pairs or _rows.read_messages(value, column)
-    messages = _rows.to_messages(pairs, train_on_input=False)
+        return tokenizer.encode(read_text(row, column), add_bos=True)
+    pairs = [("user", read_text(row, column))] if isinstance(value, str) else None
+    pairs = pairs or read_messages(value, column)
+    messages = to_messages(pairs, train_on_input=False)
     if isinstance(template, ChatTemplate):
         plain = [{"role": m.role, "content": m.content} for m in messages]
         return apply_chat_template(

@@ -2,7 +2,7 @@
 
 Every row is validated and tokenized before training starts, so a malformed row stops the run
 naming the file, the line, the row and the column. Tokenizing happens once per machine, into
-the ``datasets`` cache (``tunelab.data._cache``), and items are read lazily from the cached
+the ``datasets`` cache (``tunelab.data.cache``), and items are read lazily from the cached
 Arrow table (``TokenizedDataset``). Items are ``{"tokens": [...], "labels": [...]}`` with
 ``labels`` aligned to ``tokens`` (``labels[i]`` is ``tokens[i]``, or ``-100`` where masked);
 the recipe's loss shifts.
@@ -14,10 +14,18 @@ with its own (a config nests dataset nodes that way).
 from collections.abc import Mapping
 from typing import Any
 
-from tunelab.data import _rows
-from tunelab.data._sft_rows import ChatRows, InstructRows, Render, TextRows
 from tunelab.data.chat_template import ChatTemplate
 from tunelab.data.mix import DatasetSpec
+from tunelab.data.rows import (
+    STYLES,
+    ChatRows,
+    InstructRows,
+    Render,
+    TextRows,
+    conversation_column_of,
+    require_columns,
+    resolve_columns,
+)
 from tunelab.data.sources import resolve_sources
 from tunelab.data.templates import Template, get_template
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
@@ -118,7 +126,7 @@ def instruct_dataset(
         return DatasetSpec.capture(instruct_dataset, locals())
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
     chosen = resolve_template(tokenizer, template, template_kwargs)
-    columns = _rows.resolve_columns(
+    columns = resolve_columns(
         {"instruction": "instruction", "input": "input", "output": "output"},
         column_map,
         "instruct_dataset",
@@ -126,7 +134,7 @@ def instruct_dataset(
     render = Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
 
     def rows_for(name: str, present: list[str]) -> InstructRows:
-        _rows.require_columns(name, present, [columns["instruction"], columns["output"]])
+        require_columns(name, present, [columns["instruction"], columns["output"]])
         return InstructRows(render, columns)
 
     settings = dict(
@@ -215,7 +223,7 @@ def chat_dataset(
     """
     if tokenizer is None:
         return DatasetSpec.capture(chat_dataset, locals())
-    if conversation_style not in _rows.STYLES:
+    if conversation_style not in STYLES:
         raise ConfigError(
             f"conversation_style must be 'auto', 'openai' or 'sharegpt', got {conversation_style!r}"
         )
@@ -224,7 +232,7 @@ def chat_dataset(
     render = Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
 
     def rows_for(name: str, present: list[str]) -> ChatRows:
-        column = _rows.conversation_column_of(name, present, conversation_column)
+        column = conversation_column_of(name, present, conversation_column)
         return ChatRows(render, column, conversation_style)
 
     settings = dict(
@@ -291,7 +299,7 @@ def text_dataset(
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
 
     def rows_for(name: str, present: list[str]) -> TextRows:
-        _rows.require_columns(name, present, [column])
+        require_columns(name, present, [column])
         return TextRows(tokenizer, column, max_seq_len)
 
     return build_tokenized(

@@ -2,7 +2,7 @@
 
 A ``Source`` is one file (or one hub split). Resolving sources is cheap and happens on every
 rank (a missing file is an error everywhere at once); reading them is for the process that
-tokenizes (see ``tunelab.data._cache``), which turns each into an Arrow-backed
+tokenizes (see ``tunelab.data.cache``), which turns each into an Arrow-backed
 ``datasets.Dataset``:
 
 - Parquet, text, csv, folders and hub datasets go through ``datasets.load_dataset`` and its
@@ -14,7 +14,7 @@ tokenizes (see ``tunelab.data._cache``), which turns each into an Arrow-backed
   one. So each row is stored as its own JSON text in a string column (one explicit schema,
   whatever the rows hold) and decoded again by the tokenizing function: values stay exactly
   as written. A line that is not UTF-8 or not JSON is kept as a malformed row with its line
-  number, so errors name ``file:line`` (``tunelab.data._json_rows``).
+  number, so errors name ``file:line`` (``read_json`` below).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunelab.data._json_rows import read_json
+from tunelab._json_lines import json_rows
 from tunelab.errors import DataError
 
 # Loader names of the ``datasets`` library that tunelab accepts as ``source`` (the config
@@ -229,3 +229,56 @@ def _loader_of(file: str, loader: str | None) -> str:
     if suffix == ARROW_SUFFIX:
         return "arrow"
     return loader or _SUFFIX_TO_LOADER[suffix]
+
+
+# Columns of the table a JSON file is read into.
+JSON_TEXT, JSON_LINE, JSON_PROBLEM = "_json", "_line", "_problem"
+# Rows per Arrow record batch while reading: bounds the reader's memory, not the file's.
+_BATCH_ROWS = 8192
+
+
+def read_json(file: Path, field: str | None, target: Path) -> tuple[list[str], bool]:
+    """Write the rows of a JSON / JSON Lines file to an Arrow file; return its columns.
+
+    Args:
+        file: The file.
+        field: For a JSON document that is an object, the key holding the rows.
+        target: The Arrow (IPC stream) file to write, with the ``RawRows`` JSON schema.
+
+    Returns:
+        Every key of any row, in order of first appearance; whether any row is an object.
+
+    Raises:
+        DataError: If ``field`` names no top-level key, or the file cannot be read.
+    """
+    import pyarrow as pa
+
+    schema = pa.schema(
+        [(JSON_TEXT, pa.large_string()), (JSON_LINE, pa.int64()), (JSON_PROBLEM, pa.string())]
+    )
+    columns: dict[str, None] = {}
+    has_objects = False
+    texts: list[str | None] = []
+    lines: list[int | None] = []
+    problems: list[str | None] = []
+
+    def flush() -> None:
+        writer.write_batch(pa.record_batch([texts, lines, problems], schema=schema))
+        texts.clear(), lines.clear(), problems.clear()
+
+    try:
+        with pa.OSFile(str(target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for text, line, row in json_rows(file, field):
+                texts.append(text)
+                lines.append(line)
+                problems.append(row if text is None else None)
+                if isinstance(row, dict) and text is not None:
+                    columns.update(dict.fromkeys(row))
+                    has_objects = True
+                if len(texts) >= _BATCH_ROWS:
+                    flush()
+            if texts:
+                flush()
+    except OSError as error:
+        raise DataError(f"{file}: cannot read ({error})") from error
+    return list(columns), has_objects

@@ -1,6 +1,6 @@
 """``TokenizedDataset``: samples read lazily from a memory-mapped, tokenized Arrow table.
 
-The table (``tunelab.data._cache``) holds one row per sample and one per malformed source row.
+The table (``tunelab.data.cache``) holds one row per sample and one per malformed source row.
 Opening it decides what a run uses: the first malformed row is raised (or, with
 ``skip_malformed``, every one is counted and skipped), preference pairs left without a trained
 token are dropped, and packs are laid out. What the dataset keeps in memory is a few integers
@@ -16,14 +16,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from tunelab.data._cache import tokenized_table
-from tunelab.data._tokenize import SAMPLE_COLUMNS, RowFunction
+from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, tokenized_table
 from tunelab.data.packing import pack_samples
+from tunelab.data.rows import IGNORE_INDEX
 from tunelab.data.sources import Source
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import DataError
-
-IGNORE_INDEX = -100
 
 
 def _flags(table: Any, column: str) -> np.ndarray:
@@ -86,7 +84,7 @@ class TokenizedDataset(Dataset):
         """Open a tokenized table.
 
         Args:
-            table: The ``datasets.Dataset`` of ``_cache.tokenized_table``.
+            table: The ``datasets.Dataset`` of ``cache.tokenized_table``.
             kind: ``sft`` or ``preference``.
             source_names: The sources' names, by the table's ``source`` index (for errors).
             skip_malformed: Skip malformed rows instead of raising on the first.
@@ -181,7 +179,7 @@ def build_tokenized(
     cache_dir: str | None = None,
     describe: str = "",
 ) -> TokenizedDataset:
-    """Tokenize ``sources`` once per machine (``_cache.tokenized_table``) and open the table.
+    """Tokenize ``sources`` once per machine (``cache.tokenized_table``) and open the table.
 
     Args:
         tokenizer: The tokenizer.
