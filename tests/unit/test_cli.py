@@ -444,6 +444,46 @@ def test_run_validates_before_launching(project):
     assert not (project / "out").exists()
 
 
+def test_torchrun_flag_list_is_torchs():
+    from torch.distributed.run import get_args_parser
+
+    from tunelab.cli._run import TORCHRUN_FLAGS
+
+    flags = {
+        name
+        for action in get_args_parser()._actions
+        if action.nargs == 0
+        for name in action.option_strings
+    }
+    assert flags == TORCHRUN_FLAGS
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--nproc_per_node", "2"],
+        ["--standalone", "--nproc-per-node=2"],
+        ["-t", "3", "--nnodes", "1"],
+    ],
+)
+def test_run_with_torchrun_options_says_a_config_error_before_importing_torch(project, options):
+    # The recipe is found without torch's parser, so a typo costs no torch import (seconds).
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from tunelab.cli._run import _run_command
+        from tunelab.errors import TunelabError
+        argv = {[*options, str(project / "toy.py"), "--config", str(project / "toy.yaml")]!r}
+        try:
+            _run_command([*argv, "stpes=1"], False)
+        except TunelabError as error:
+            print("torch" in sys.modules, error)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert result.stdout.startswith("False ") and "did you mean 'steps'" in result.stdout, result
+
+
 def test_run_unknown_recipe_and_config(project):
     line = one_error_line(tunelab("run", "no_such_recipe", "--config", project / "toy.yaml"))
     assert "unknown recipe 'no_such_recipe'" in line

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from tunelab.cli._check import check_config, load_recipe_config
+from tunelab.cli._discovery import builtin_recipes
 from tunelab.lifecycle import (
     LAUNCHER_PID_ENV,
     STOP_SIGNALS,
@@ -371,19 +372,62 @@ def _run_command(argv: list[str], debug: bool) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
+    checked = None
     if argv[0].startswith("-"):
+        # A config error is said before torch is imported (seconds) when the recipe is plain to
+        # see; torch's own parser then splits the torchrun options for real.
+        guess = _guess_split(argv)
+        if guess is not None:
+            checked = (guess, _check_recipe_args(*guess))
         torchrun_args, recipe, recipe_args = _split_torchrun(argv)
     else:  # No torchrun options: no need to import torch here.
         torchrun_args, recipe, recipe_args = [], argv[0], argv[1:]
-    recipe_parser = _recipe_parser()
-    recipe_parser.prog = f"tunelab run {recipe}"
-    recipe_cli = recipe_parser.parse_intermixed_args(recipe_args)
-    config_path, recipe_path = check_config(recipe_cli.config, recipe_cli.overrides, recipe)
+    if checked is not None and checked[0] == (recipe, recipe_args):
+        recipe_cli, (config_path, recipe_path) = checked[1]
+    else:
+        recipe_cli, (config_path, recipe_path) = _check_recipe_args(recipe, recipe_args)
     child_args = ["--config", str(config_path.resolve()), *recipe_cli.overrides]
     if torchrun_args:
         return _run_torchrun(torchrun_args, recipe_path.resolve(), child_args, debug)
     _check_output_dir(child_args)
     return _run_one_process(recipe_path.resolve(), child_args, debug)
+
+
+def _check_recipe_args(
+    recipe: str, recipe_args: list[str]
+) -> tuple[argparse.Namespace, tuple[Path, Path]]:
+    """Parse ``--config CONFIG [overrides]`` and check the config against the recipe."""
+    recipe_parser = _recipe_parser()
+    recipe_parser.prog = f"tunelab run {recipe}"
+    recipe_cli = recipe_parser.parse_intermixed_args(recipe_args)
+    return recipe_cli, check_config(recipe_cli.config, recipe_cli.overrides, recipe)
+
+
+# torchrun's options that take no value (torch.distributed.run's parser; a test compares).
+TORCHRUN_FLAGS = frozenset(
+    {"-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python",
+     "--run-path", "--run_path", "--virtual-local-rank", "--virtual_local_rank"}
+)  # fmt: skip
+
+
+def _guess_split(argv: list[str]) -> tuple[str, list[str]] | None:
+    """The recipe and its arguments after torchrun options, found without importing torch.
+
+    Every option takes one value unless it is one of ``TORCHRUN_FLAGS`` or written
+    ``--name=value``. The guess counts only when the word it finds names a recipe (built-in
+    or an existing file), so an abbreviated flag can make it miss, never mislead: the caller
+    still splits with torch's parser and checks again if the two differ.
+    """
+    position = 0
+    while position < len(argv) and argv[position].startswith("-"):
+        option = argv[position]
+        position += 1 if option in TORCHRUN_FLAGS or "=" in option else 2
+    if position >= len(argv):
+        return None
+    recipe = argv[position]
+    if recipe not in builtin_recipes() and not Path(recipe).expanduser().is_file():
+        return None
+    return recipe, argv[position + 1 :]
 
 
 def _split_torchrun(argv: list[str]) -> tuple[list[str], str, list[str]]:
