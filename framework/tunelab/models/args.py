@@ -70,6 +70,24 @@ class ModelArgs:
     """RoPE base of the sliding-window layers when it differs from the global one (Gemma 3)."""
     partial_rotary_factor: float = 1.0
     """Fraction of each head's features that rotary rotates (Phi-4-mini: 0.75)."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts layer (HF ``num_experts``/``num_local_experts``);
+    0 means a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_dim: int = 0
+    """Hidden size of each expert's SwiGLU (Qwen3-MoE ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """Renormalise each token's top-k router weights to sum to 1 (Mixtral: always)."""
+    router_weights_in_fp32: bool = False
+    """Apply the router weights to the expert outputs in fp32 (Mixtral) rather than in the
+    activations' dtype (Qwen3-MoE)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layers of an MoE model that keep the dense MLP (Qwen3-MoE ``mlp_only_layers`` and
+    ``decoder_sparse_step``)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the router's load-balancing loss in the training loss (HF
+    ``router_aux_loss_coef``)."""
     extra_hf_config: dict[str, Any] = field(default_factory=dict)
     """Token ids and other HF config keys carried through to exported ``config.json``."""
 
@@ -116,6 +134,17 @@ class ModelArgs:
                     f"layer_types must list {self.num_layers} entries from {LAYER_TYPES}, "
                     f"got {self.layer_types}"
                 )
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
+                    f"{self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_dim <= 0:
+                raise ConfigError(
+                    f"moe_intermediate_dim must be positive, got {self.moe_intermediate_dim}"
+                )
+        self.dense_layers = sorted({int(index) for index in self.dense_layers})
         if SLIDING in (self.layer_types or ()) and not (self.sliding_window or 0) > 0:
             raise ConfigError(
                 f"sliding-window layers need a positive sliding_window, got {self.sliding_window}"
@@ -125,6 +154,10 @@ class ModelArgs:
     def rotary_dim(self) -> int:
         """Features per head that rotary rotates (the first ones; the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has a mixture-of-experts feed-forward."""
+        return self.num_experts > 0 and index not in self.dense_layers
 
     def layer_type(self, index: int) -> str:
         """``full_attention`` or ``sliding_attention`` for layer ``index``."""

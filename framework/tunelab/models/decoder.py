@@ -11,6 +11,7 @@ from tunelab.models.state_dict_adapter import StateDictAdapter
 from tunelab.modules import Attention, FeedForward, KVCache, RMSNorm, RotaryEmbedding
 from tunelab.modules.attention import resolve_attention_backend
 from tunelab.modules.masks import AttentionMask, causal_mask, positions_from_document_ids
+from tunelab.modules.moe import MoEBlock, RouterStats
 
 
 class TransformerBlock(nn.Module):
@@ -19,6 +20,8 @@ class TransformerBlock(nn.Module):
     With ``args.sandwich_norms`` (Gemma 2/3) the sub-layer outputs are normed too, under HF's
     names: ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``, then
     ``out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``.
+
+    In a mixture-of-experts layer (``args.is_moe_layer``) ``mlp`` is a ``MoEBlock``.
 
     Args:
         args: the model's arguments.
@@ -43,13 +46,25 @@ class TransformerBlock(nn.Module):
             scale=None if scale is None else scale**-0.5,
             softcap=softcap,
         )
-        self.mlp = FeedForward(
-            args.dim,
-            args.intermediate_dim,
-            bias=args.mlp_bias,
-            activation=args.hidden_act,
-            fused=args.fused_projections,
-        )
+        self.mlp: FeedForward | MoEBlock
+        if args.is_moe_layer(layer_index):
+            self.mlp = MoEBlock(
+                args.dim,
+                args.moe_intermediate_dim,
+                args.num_experts,
+                args.num_experts_per_tok,
+                normalize_top_k=args.norm_topk_prob,
+                activation=args.hidden_act,
+                weights_in_fp32=args.router_weights_in_fp32,
+            )
+        else:
+            self.mlp = FeedForward(
+                args.dim,
+                args.intermediate_dim,
+                bias=args.mlp_bias,
+                activation=args.hidden_act,
+                fused=args.fused_projections,
+            )
         self.input_layernorm = self._norm(args)
         self.post_attention_layernorm = self._norm(args)
         self.sandwich_norms = args.sandwich_norms
@@ -69,14 +84,21 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | AttentionMask | None = None,
         input_pos: torch.Tensor | None = None,
+        router_stats: RouterStats | None = None,
     ) -> torch.Tensor:
-        """Apply the block (see ``Attention.forward`` for the arguments)."""
+        """Apply the block (see ``Attention.forward`` for the arguments).
+
+        ``router_stats``, if given, records an MoE layer's routing (see ``RouterStats``).
+        """
         if self.sandwich_norms:
             attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
             h = x + self.post_attention_layernorm(attended)
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoEBlock):
+            return h + self.mlp(normed, router_stats)
+        return h + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
@@ -298,6 +320,7 @@ class TransformerDecoder(nn.Module):
         document_ids: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
+        router_stats: RouterStats | None = None,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -316,6 +339,9 @@ class TransformerDecoder(nn.Module):
             return_hidden: Return the final normed hidden states ``[batch, seq, dim]``
                 instead of the logits, for a loss that applies the output layer itself, one
                 chunk at a time (``tunelab.losses.OutputLayer``).
+            router_stats: a mixture-of-experts model records each MoE layer's routing in it,
+                for the load-balancing loss (``RouterStats.loss()``); a dense one records
+                nothing.
 
         Returns:
             Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
@@ -357,7 +383,10 @@ class TransformerDecoder(nn.Module):
         for index, layer in enumerate(self.model.layers):
             kind = self.args.layer_type(index)
             cos, sin = rotary[kind]
-            h = layer(h, cos, sin, masks[kind], input_pos)
+            if router_stats is None:
+                h = layer(h, cos, sin, masks[kind], input_pos)
+            else:
+                h = layer(h, cos, sin, masks[kind], input_pos, router_stats=router_stats)
         h = self.model.norm(h)
         if return_hidden:
             return h

@@ -18,9 +18,11 @@ from tunelab.models.gemma import (
 )
 from tunelab.models.llama import LlamaStateDictAdapter, llama_args_from_hf
 from tunelab.models.mistral import MistralStateDictAdapter, mistral_args_from_hf
+from tunelab.models.mixtral import MixtralStateDictAdapter, mixtral_args_from_hf
 from tunelab.models.phi3 import Phi3StateDictAdapter, phi3_args_from_hf
 from tunelab.models.qwen2 import Qwen2StateDictAdapter, qwen2_args_from_hf
 from tunelab.models.qwen3 import Qwen3StateDictAdapter, qwen3_args_from_hf
+from tunelab.models.qwen3_moe import Qwen3MoeStateDictAdapter, qwen3_moe_args_from_hf
 from tunelab.models.state_dict_adapter import StateDictAdapter
 
 
@@ -40,6 +42,8 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(gemma2_args_from_hf, Gemma2StateDictAdapter),
     "gemma3_text": Family(gemma3_text_args_from_hf, Gemma3TextStateDictAdapter),
     "phi3": Family(phi3_args_from_hf, Phi3StateDictAdapter),
+    "qwen3_moe": Family(qwen3_moe_args_from_hf, Qwen3MoeStateDictAdapter),
+    "mixtral": Family(mixtral_args_from_hf, MixtralStateDictAdapter),
 }
 _ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
 

@@ -208,22 +208,35 @@ def load_hf_into_model(
     adapter = model.state_dict_adapter
     tied = adapter.tied_hf_keys()
     result = LoadResult()
-    expected: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         native = clean_fqn(name)
         if "lora_" in native:
             result.missing.append(name)
+        else:
+            params[native] = tensor
+    if any(adapter.expert_hf_keys(native) and native in reader for native in params):
+        # Stacked experts under their native names: transformers 5's in-memory layout.
+        adapter = adapter.stacked_layout_adapter()
+    expected: dict[str, torch.Tensor] = {}
+    stacked: dict[str, tuple[torch.Tensor, list[tuple[str, ...]]]] = {}
+    for native, tensor in params.items():
+        experts = adapter.expert_hf_keys(native)
+        if experts is not None:
+            stacked[native] = (tensor, experts)
             continue
         hf_key = adapter.to_hf_key(native)
         if hf_key not in tied:
             expected[hf_key] = tensor
-    missing = [key for key in expected if key not in reader]
+    expert_keys = [key for _, experts in stacked.values() for parts in experts for key in parts]
+    missing = [key for key in [*expected, *expert_keys] if key not in reader]
     if missing:
         raise CheckpointError(
             f"{checkpoint_dir}: missing key {missing[0]!r} (the config expects it)"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
-    unexpected = [key for key in reader.keys() if key not in expected and key not in tied]
+    known = {*expected, *expert_keys, *tied}
+    unexpected = [key for key in reader.keys() if key not in known]
     if strict and unexpected:
         raise CheckpointError(
             f"{reader.file_of(unexpected[0])}: unexpected key {unexpected[0]!r} (not in the model)"
@@ -241,6 +254,8 @@ def load_hf_into_model(
                 local.copy_(rows)
             else:
                 copy_rows(param, rows)
+    for native, (param, experts) in stacked.items():
+        _load_stacked_experts(reader, native, param, experts, copy_rows)
     for key, partner in tied.items():
         if key in reader:
             local, spans = _local_slices(expected[partner])
@@ -251,6 +266,43 @@ def load_hf_into_model(
                 )
     reader.close()
     return result
+
+
+def _load_stacked_experts(
+    reader: HFCheckpointReader,
+    native: str,
+    param: torch.Tensor,
+    experts: list[tuple[str, ...]],
+    copy_rows: Callable[[torch.Tensor, torch.Tensor], None] | None,
+) -> None:
+    """Fill a stacked expert weight ``[E, ...]`` from one tensor per expert and projection.
+
+    Each rank reads only the experts of its rows (FSDP2 shards the experts dimension).
+    """
+    for parts in experts:
+        for key in parts:
+            wanted = (param.shape[1] // len(parts), *param.shape[2:])
+            if tuple(reader.shape(key)) != wanted:
+                raise CheckpointError(
+                    f"{reader.file_of(key)}: {key!r} has shape {reader.shape(key)} but the "
+                    f"config gives {wanted} (one expert's part of {native})"
+                )
+    local, spans = _local_slices(param)
+    if not local.numel():
+        return
+    start, length = spans[0]
+    rows = torch.stack(
+        [
+            torch.cat([_checked(reader, key, reader.get(key)) for key in experts[index]])
+            for index in range(start, start + length)
+        ]
+    )
+    for dim, (offset, size) in enumerate(spans[1:], start=1):
+        rows = rows.narrow(dim, offset, size)
+    if copy_rows is None:
+        local.copy_(rows)
+    else:
+        copy_rows(param, rows)
 
 
 def load_pretrained(

@@ -4,13 +4,24 @@ Native names already mirror ``LlamaForCausalLM``, so the base mapping is the ide
 it does own is the tied ``lm_head`` and the one place a family adds renames (override
 ``to_hf_key`` / ``from_hf_key``). Checkpoint code calls these methods and never switches on
 the family.
+
+Mixture-of-experts families hold each layer's experts stacked (``mlp.experts.gate_up_proj``
+``[E, 2I, D]``, transformers 5's in-memory names) where hub checkpoints keep one tensor per
+expert and projection (``mlp.experts.3.gate_proj.weight``). ``expert_hf_keys`` names those;
+``to_hf`` splits a stacked tensor into them (for a sharded one, only this rank's experts), and
+``from_hf`` and the loader stack them back. A file written in the stacked layout itself
+(transformers 5's ``save_pretrained(save_original_format=False)``) holds the native names:
+``stacked_layout_adapter`` reads it.
 """
 
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from tunelab._torch_compat import local_shape_and_global_offset
 from tunelab.checkpoint.hf import hf_dtype_name
 from tunelab.errors import CheckpointError
 from tunelab.models.args import ModelArgs
@@ -40,6 +51,23 @@ class StateDictAdapter:
         """Native parameter name of an HF key (identity here; override to rename)."""
         return hf_key
 
+    def expert_hf_keys(self, native_key: str) -> list[tuple[str, ...]] | None:
+        """The per-expert HF keys of a native tensor stacked over experts, else None.
+
+        Args:
+            native_key: a native parameter name.
+
+        Returns:
+            For each expert ``e``, the HF keys whose tensors, concatenated along dimension 0,
+            are ``native[e]`` (e.g. its ``gate_proj`` then ``up_proj`` weight); None for a
+            tensor stored under one key (dense families: always).
+        """
+        return None
+
+    def stacked_layout_adapter(self) -> "StateDictAdapter":
+        """The adapter of a file that holds the stacked experts under their native names."""
+        return StateDictAdapter(self.args)
+
     def tied_hf_keys(self) -> dict[str, str]:
         """HF keys that may appear in a file but alias another key, mapped to that key.
 
@@ -58,7 +86,13 @@ class StateDictAdapter:
             HF keys to the same values.
         """
         tied = self.tied_hf_keys()
-        hf = {self.to_hf_key(key): value for key, value in state_dict.items()}
+        hf = {}
+        for key, value in state_dict.items():
+            experts = self.expert_hf_keys(key)
+            if experts is None:
+                hf[self.to_hf_key(key)] = value
+            else:
+                hf.update(split_experts(key, value, experts))
         for key in tied:
             hf.pop(key, None)
         return hf
@@ -104,3 +138,110 @@ class StateDictAdapter:
         if torch_dtype is not None:
             config["torch_dtype"] = config["dtype"] = hf_dtype_name(torch_dtype)
         return config
+
+
+def split_experts(
+    native_key: str, value: Any, experts: list[tuple[str, ...]]
+) -> dict[str, torch.Tensor]:
+    """Split a tensor stacked over experts into its per-expert HF tensors (views).
+
+    A ``DTensor`` sharded on the experts dimension (FSDP2's ``Shard(0)``, possibly replicated
+    on other mesh dimensions) gives only the experts this rank holds, whole, as plain tensors:
+    the export writer writes each from its rank (replicas are written once).
+
+    Args:
+        native_key: the stacked tensor's name (for errors).
+        value: ``[E, rows, ...]`` tensor or ``DTensor``.
+        experts: ``expert_hf_keys(native_key)``.
+
+    Returns:
+        HF key to tensor, for the experts held here.
+
+    Raises:
+        CheckpointError: a ``DTensor`` sharded on another dimension than the experts.
+    """
+    first = 0
+    if isinstance(value, DTensor):
+        local_shape, offset = local_shape_and_global_offset(value)
+        if tuple(local_shape[1:]) != tuple(value.shape[1:]):
+            raise CheckpointError(
+                f"{native_key}: expert weights sharded on another dimension than the experts "
+                f"(placements {value.placements}) cannot be split into per-expert tensors"
+            )
+        first, value = offset[0], value.to_local()
+    out = {}
+    for index in range(value.shape[0]):
+        parts = experts[first + index]
+        for key, part in zip(parts, value[index].chunk(len(parts), dim=0), strict=True):
+            out[key] = part
+    return out
+
+
+_STACKED_EXPERT_KEY = re.compile(
+    r"^(?P<layer>.*)\.mlp\.experts\.(?P<weight>gate_up_proj|down_proj)$"
+)
+
+
+class MoEStateDictAdapter(StateDictAdapter):
+    """Mixture-of-experts keys: stacked natively, one tensor per expert in the hub's files.
+
+    A native ``model.layers.L.mlp.experts.gate_up_proj`` ``[E, 2I, D]`` is, for each expert
+    ``e``, the rows of ``{layer}.{hf_moe_module}.experts.{e}.<gate>.weight`` then of
+    ``...<up>.weight``; ``down_proj`` ``[E, D, I]`` is ``...<down>.weight``. Subclasses name the
+    module (``hf_moe_module``) and the projections (``hf_expert_projections``).
+    """
+
+    hf_moe_module: ClassVar[str] = "mlp"
+    """The HF name of the MoE feed-forward module (Mixtral: ``block_sparse_moe``)."""
+    hf_expert_projections: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up_proj": ("gate_proj", "up_proj"),
+        "down_proj": ("down_proj",),
+    }
+    """Native stacked weight to the HF per-expert modules it concatenates."""
+
+    def _hf_module_path(self, native_prefix: str) -> str:
+        return native_prefix.replace(".mlp.", f".{self.hf_moe_module}.")
+
+    def to_hf_key(self, native_key: str) -> str:
+        """Rename the MoE module (``mlp`` to ``hf_moe_module``) in an MoE layer's keys."""
+        if self.hf_moe_module == "mlp" or ".mlp.gate." not in native_key:
+            return native_key
+        return self._hf_module_path(native_key)
+
+    def from_hf_key(self, hf_key: str) -> str:
+        """Inverse of ``to_hf_key``."""
+        return hf_key.replace(f".{self.hf_moe_module}.gate.", ".mlp.gate.")
+
+    def expert_hf_keys(self, native_key: str) -> list[tuple[str, ...]] | None:
+        """Per-expert HF keys of a stacked expert weight (see ``StateDictAdapter``)."""
+        match = _STACKED_EXPERT_KEY.match(native_key)
+        if match is None:
+            return None
+        prefix = f"{match['layer']}.{self.hf_moe_module}.experts"
+        projections = self.hf_expert_projections[match["weight"]]
+        return [
+            tuple(f"{prefix}.{expert}.{name}.weight" for name in projections)
+            for expert in range(self.args.num_experts)
+        ]
+
+    def from_hf(self, hf_state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Rename and stack an HF state dict (see ``StateDictAdapter.from_hf``)."""
+        expert_keys = re.compile(rf"\.{self.hf_moe_module}\.experts\.(\d+)\.")
+        dense = {k: v for k, v in hf_state_dict.items() if not expert_keys.search(k)}
+        out = super().from_hf(dense)
+        natives = {
+            f"{expert_keys.split(key)[0]}.mlp.experts.{weight}"
+            for key in hf_state_dict
+            if expert_keys.search(key)
+            for weight in self.hf_expert_projections
+        }
+        for native in sorted(natives):
+            experts = self.expert_hf_keys(native)
+            assert experts is not None
+            try:
+                out[native] = torch.stack(
+                    [torch.cat([hf_state_dict[key] for key in parts]) for parts in experts]
+                )
+            except KeyError as missing:
+                raise CheckpointError(f"missing expert key {missing.args[0]!r}") from None
+        return out

@@ -10,6 +10,7 @@ from tunelab.modules.masks import (
     padding_mask,
     positions_from_document_ids,
 )
+from tunelab.modules.moe import MoEBlock, MoEExperts, MoERouter, RouterStats, grouped_linear
 from tunelab.modules.norm import RMSNorm
 from tunelab.modules.rotary import RotaryEmbedding
 
@@ -18,10 +19,15 @@ __all__ = [
     "AttentionMask",
     "FeedForward",
     "KVCache",
+    "MoEBlock",
+    "MoEExperts",
+    "MoERouter",
     "RMSNorm",
     "RotaryEmbedding",
+    "RouterStats",
     "causal_mask",
     "document_causal_mask",
+    "grouped_linear",
     "padding_mask",
     "positions_from_document_ids",
 ]
