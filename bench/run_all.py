@@ -41,6 +41,7 @@ BENCHMARKS = {
               ["--size-mb", "8", "--dim", "256", "--vocab-size", "1024", "--repeats", "1"]),
     "attention": ("bench_attention.py", False, [], [],
                   ["--seq-len", "256", "--dim", "256", "--repeats", "1"]),
+    "moe": ("bench_moe.py", False, [], ["--tokens", "4096"], ["--tokens", "64", "--repeats", "1"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"],
                  ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32",
