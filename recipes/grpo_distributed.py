@@ -16,8 +16,6 @@ resumed run or another number of processes samples the same completions.
 import time
 from functools import partial
 
-import torch
-
 import tunelab.peft as peft
 from tunelab.config import GRPOArgs, instantiate
 from tunelab.data import padded_collate_prompts
@@ -28,16 +26,17 @@ from tunelab.distributed import (
     resolve_dtype,
 )
 from tunelab.lifecycle import RunFolder, recipe_main
-from tunelab.losses import GRPOLoss, group_advantages, loss_normalizer
+from tunelab.losses import GRPOLoss, loss_normalizer
 from tunelab.training import (
     AfterStep,
     FrozenReference,
+    GroupSampler,
     MetricLoggers,
     ModelRolloutEngine,
     NonFiniteGuard,
     ReferenceModel,
     Rewards,
-    Rollout,
+    RolloutValidation,
     SamplingSettings,
     Schedule,
     StepProfiler,
@@ -45,15 +44,16 @@ from tunelab.training import (
     build_data,
     build_model,
     build_optimizer,
-    completion_logps,
     config_fingerprint,
     global_sums,
+    grpo_metrics,
     optimizer_step,
     output_layer,
+    policy_gradient_pass,
     resume,
-    rollout_batch,
-    sampling_seeds,
     seed_everything,
+    step_counts,
+    store_logps,
     write_completions,
 )
 
@@ -101,6 +101,7 @@ def main(args: GRPOArgs) -> None:
         max_steps_per_epoch=args.max_steps_per_epoch,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         allow_global_batch_change=args.allow_global_batch_change,
+        val_dataset=args.val_dataset,
     )
     prompts_data = data.loader.dataset
     if args.lora is not None:
@@ -150,6 +151,28 @@ def main(args: GRPOArgs) -> None:
         gather_once=args.rollout_gather_once,
     )
     rewards = Rewards(args.rewards, args.reward_weights)
+    groups = GroupSampler(
+        engine,
+        rewards,
+        prompts_data,
+        decode=tokenizer.decode,
+        pad_id=tokenizer.pad_id,
+        num_generations=args.num_generations,
+        seed=args.seed,
+        scale_rewards=args.scale_rewards,
+        dynamic_sampling=args.dynamic_sampling,
+        device=device,
+    )
+    validate = None
+    if data.val_loader is not None:  # greedy: draws no random numbers, so resume stays exact
+        validate = RolloutValidation(
+            engine,
+            rewards,
+            data.val_loader.dataset,
+            data.val_loader,
+            decode=tokenizer.decode,
+            device=device,
+        )
     loss_fn = GRPOLoss(
         clip_eps_low=args.clip_eps_low,
         clip_eps_high=args.clip_eps_high,
@@ -159,7 +182,6 @@ def main(args: GRPOArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
-    group = args.num_generations
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -169,7 +191,7 @@ def main(args: GRPOArgs) -> None:
         Schedule(args.checkpoint, args.epochs, args.log_every_n_steps, args.run_val_every_n_steps),
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
-        validate=None,
+        validate=validate,
         profiler=StepProfiler(
             run.profile_dir,
             enabled=args.profile,
@@ -186,59 +208,36 @@ def main(args: GRPOArgs) -> None:
         batches = data.epoch(epoch)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
-            # 1. Rollouts: sample G completions per prompt and score them.
-            rollouts, records, sums = [], [], {}
-            for _ in range(data.gradient_accumulation_steps):
-                prompts_batch = next(batches)
-                indices = prompts_batch["index"].tolist()
-                prompts = [prompts_data.tokens[index] for index in indices for _ in range(group)]
-                completions = engine.generate(
-                    prompts, sampling_seeds(args.seed, global_step, indices, group)
+            # 1. Rollouts: G completions per prompt, scored, advantages per group; with
+            # dynamic sampling, groups of equal rewards left out and (optionally) refilled.
+            scored = [
+                groups.sample(next(batches)["index"].tolist(), global_step)
+                for _ in range(data.gradient_accumulation_steps)
+            ]
+            if args.dynamic_sampling_refill_rounds:
+                scored += groups.refill(
+                    scored,
+                    global_step,
+                    prompts_per_round=data.loader.batch_size,
+                    max_rounds=args.dynamic_sampling_refill_rounds,
                 )
-                rows = [prompts_data.rows[index] for index in indices for _ in range(group)]
-                texts = [tokenizer.decode(c) for c in completions]
-                total, each = rewards(
-                    [prompts_data.prompts[i] for i in indices for _ in range(group)], texts, rows
-                )
-                advantages = group_advantages(total, group, scale_rewards=args.scale_rewards)
-                keep = torch.ones(len(completions), dtype=torch.bool)
-                if args.dynamic_sampling:  # groups of equal rewards teach nothing: leave out
-                    keep = (total.view(-1, group).std(dim=1) > 0).repeat_interleave(group)
-                batch = rollout_batch(prompts, completions, tokenizer.pad_id, device)
-                rollouts.append(Rollout(batch, advantages.to(device), keep.to(device)))
-                lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-                for key, value in {
-                    "num_sequences": keep.sum(),
-                    "num_tokens": (lengths * keep).sum(),
-                    "num_completions": len(completions),
-                    "completion_tokens": lengths.sum(),
-                    "reward": total.sum(),
-                    "reward_squares": (total**2).sum(),
-                    "generation_seconds": engine.last_generation_seconds,
-                    "entropy": engine.last_entropy_sum,
-                    **{f"rewards/{name}": values.sum() for name, values in each.items()},
-                }.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-                records += [
-                    {"index": indices[i // group], "sample": i % group, "completion": text,
-                     "reward": float(total[i])}
-                    for i, text in enumerate(texts)
-                ]  # fmt: skip
-            write_completions(run.logs_dir / "completions.jsonl", global_step + 1, records)
+            write_completions(
+                run.logs_dir / "completions.jsonl",
+                global_step + 1,
+                [record for s in scored for record in s.records],
+            )
+            rollouts = [s.rollout for s in scored]
+            counts = step_counts(scored, device)
             train_start = time.perf_counter()
             # 2. The sampling policy's log-probs (reused over iterations) and the reference's.
-            with torch.no_grad():
-                for rollout in rollouts:
-                    if args.num_iterations > 1:
-                        rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
-                if reference is not None:
-                    ref_output = output_layer(reference.model) if args.chunked_output else None
-                    with reference.active():
-                        for rollout in rollouts:
-                            rollout.ref_logps = completion_logps(
-                                reference.model, rollout.batch, ref_output
-                            )[0]
-            counts = global_sums(sums, device)
+            store_logps(
+                rollouts,
+                model,
+                output,
+                old=args.num_iterations > 1,
+                reference=reference,
+                chunked_output=args.chunked_output,
+            )
             divisor = loss_normalizer(
                 args.loss_aggregation,
                 num_sequences=int(counts["num_sequences"]),
@@ -247,20 +246,10 @@ def main(args: GRPOArgs) -> None:
             )
             # 3. num_iterations optimizer steps over the same rollouts.
             for _ in range(args.num_iterations):
-                step_sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
-                for rollout in rollouts:
-                    logps, mask = completion_logps(model, rollout.batch, output)
-                    mask = mask & rollout.keep[:, None]
-                    old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
-                    losses, metric_sums = loss_fn.token_losses(
-                        logps, old, rollout.advantages, mask, rollout.ref_logps
-                    )
-                    loss_sum = loss_fn.loss_sum(losses, mask)
-                    # FSDP2 averages gradients over ranks: scale by the world size.
-                    (loss_sum * dist_info.world_size / divisor).backward()
-                    step_sums["loss"] += loss_sum.item()
-                    for key, value in metric_sums.items():
-                        step_sums[key] += value.item()
+                # FSDP2 averages gradients over ranks: scale by the world size.
+                step_sums = policy_gradient_pass(
+                    model, rollouts, loss_fn, output, scale=dist_info.world_size / divisor
+                )
                 step_totals = global_sums(step_sums, device)
                 metrics = optimizer_step(
                     optimizer,
@@ -272,32 +261,16 @@ def main(args: GRPOArgs) -> None:
                     step=global_step + 1,
                 )
             global_step += 1
-            train_seconds = time.perf_counter() - train_start
-            num_completions = counts["num_completions"]
-            reward_mean = counts["reward"] / num_completions
-            tokens = max(counts["num_tokens"], 1.0)
-            metrics = {
-                **metrics,
-                "loss": step_totals["loss"] / divisor,
-                "reward": reward_mean,
-                "reward_std": max(counts["reward_squares"] / num_completions - reward_mean**2, 0)
-                ** 0.5,
-                **{
-                    key: value / num_completions
-                    for key, value in counts.items()
-                    if key.startswith("rewards/")
-                },
-                "completion_length": counts["completion_tokens"] / num_completions,
-                "entropy": counts["entropy"] / max(counts["completion_tokens"], 1.0),
-                "kept_fraction": counts["num_sequences"] / num_completions,
-                "clip_fraction": step_totals["clipped"] / tokens,
-                "kl": step_totals["kl"] / tokens,
-                "generation_tokens_per_second": counts["completion_tokens"]
-                / max(counts["generation_seconds"] / dist_info.world_size, 1e-9),
-                "train_tokens_per_second": counts["num_tokens"]
-                * args.num_iterations
-                / max(train_seconds, 1e-9),
-            }
+            # 4. Log, validate, export, save.
+            metrics |= grpo_metrics(
+                counts,
+                step_totals,
+                divisor=divisor,
+                world_size=dist_info.world_size,
+                num_iterations=args.num_iterations,
+                train_seconds=time.perf_counter() - train_start,
+                refill=args.dynamic_sampling_refill_rounds > 0,
+            )
             after_step(
                 global_step, epoch, step_in_epoch, metrics, num_tokens=counts["completion_tokens"]
             )

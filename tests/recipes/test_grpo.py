@@ -19,6 +19,8 @@ from tests.recipes.conftest import (
 
 pytestmark = pytest.mark.slow
 
+TINY_ASSETS = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
+
 # A short run that exercises every path: KL to the reference (a reference forward), stored old
 # log-probs over two iterations, dynamic sampling, GRPO's sequence_mean.
 VARIANTS = (
@@ -32,12 +34,16 @@ VARIANTS = (
 )
 
 
-def completions(output_dir: Path) -> dict[tuple[int, int, int], tuple[str, float]]:
-    """``(step, prompt index, sample) -> (completion, reward)``; a re-run step's last entry wins."""
+def completions(output_dir: Path) -> dict[tuple[int, int, int, int], tuple[str, float]]:
+    """``(step, refill round, prompt index, sample) -> (completion, reward)``; a re-run step's
+    last entry wins."""
     records = {}
     for line in (output_dir / "logs" / "completions.jsonl").read_text().splitlines():
         r = json.loads(line)
-        records[r["step"], r["index"], r["sample"]] = (r["completion"], r["reward"])
+        records[r["step"], r.get("round", 0), r["index"], r["sample"]] = (
+            r["completion"],
+            r["reward"],
+        )
     return records
 
 
@@ -71,26 +77,63 @@ def test_two_processes_equal_one(two_processes, tmp_path):
 
 
 def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
-    full = tmp_path / "full"
     common = ("max_steps_per_epoch=6", "checkpoint.save_every_n_steps=3")
-    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={full}", "batch_size=2", *common)
+    assert_exact_resume(tmp_path, common)
+
+
+# Full fine-tuning, with a greedy validation set every 2 steps and dynamic sampling refilled
+# from extra prompts: neither may draw from what training samples, and a resume refills the same.
+FULL = (
+    "lora=null",
+    "optimizer.lr=1e-4",
+    "max_steps_per_epoch=6",
+    "checkpoint.save_every_n_steps=3",
+    "dynamic_sampling=true",
+    "dynamic_sampling_refill_rounds=2",
+    "run_val_every_n_steps=2",
+)
+
+
+def test_full_kill_and_resume_with_validation_and_refills(tmp_path):
+    val = tmp_path / "val.jsonl"
+    prompts = (Path(TINY_ASSETS) / "grpo_prompts.jsonl").read_text().splitlines()
+    val.write_text("\n".join(prompts[-8:]) + "\n")
+    val_dataset = (
+        "val_dataset={_component_: tunelab.data.prompt_dataset, source: json, "
+        f"data_files: {val}, template: instruct}}"
+    )
+    full = assert_exact_resume(tmp_path, (*FULL, val_dataset))
+    assert any(key[1] > 0 for key in completions(full))  # refill rounds ran
+    metrics = read_metrics(full)
+    assert {m["step"] for m in metrics if "val_reward" in m} == {2, 4, 6}
+    assert all(0 < m["kept_fraction"] <= 1 for m in metrics if "kept_fraction" in m)
+    assert any(m["refill_prompts"] > 0 for m in metrics if "refill_prompts" in m)
+    assert not (full / "epoch_0" / "adapter").exists()
+
+
+def assert_exact_resume(tmp_path: Path, overrides: tuple[str, ...]) -> Path:
+    """Run 6 steps; kill after step 3's checkpoint; resume: the same completions, metrics, exports."""
+    full = tmp_path / "full"
+    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={full}", "batch_size=2", *overrides)
     resumed = interrupted_copy(full, tmp_path / "resumed", after_step=3)
     tunelab_run(
         "grpo_distributed",
         "tiny/grpo",
         f"output_dir={resumed}",
         "batch_size=2",
-        *common,
+        *overrides,
         "checkpoint.resume_from_checkpoint=true",
     )
     expected = {k: v for k, v in completions(full).items() if k[0] > 3}
     assert completions(resumed) == expected  # steps 4-6 only, token for token
-    after = {m["step"]: m for m in read_metrics(resumed)}
-    for m in read_metrics(full):
-        if m["step"] > 3:
-            assert after[m["step"]]["loss"] == m["loss"]
-            assert after[m["step"]]["reward"] == m["reward"]
+    after = read_metrics(resumed)
+    before = [m for m in read_metrics(full) if m["step"] > 3]
+    assert [sorted(m) for m in after] == [sorted(m) for m in before]
+    for ours, theirs in zip(after, before, strict=True):
+        for key in ("loss", "reward", "kept_fraction", "val_reward"):
+            assert ours.get(key) == theirs.get(key), (ours["step"], key)
     assert_same_exports(resumed, full)
+    return full
 
 
 def test_reward_rises_and_not_with_a_vanishing_learning_rate(tmp_path):

@@ -223,7 +223,7 @@ class GRPOArgs(LoRAFinetuneArgs):
     dataset: Component = component(call_args=("tokenizer",))
     """The prompt dataset (tunelab.data.prompt_dataset): a prompt per row, other columns for the rewards."""
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
-    """Not used by grpo_distributed yet (leave it out)."""
+    """An optional prompt dataset (like dataset) scored with greedy completions every run_val_every_n_steps and at epoch ends: val_reward, val_rewards/<name>."""
     loss: Component | None = component(required=False)
     """Not used by grpo_distributed: its loss is set by clip_eps_low/high, beta and loss_aggregation (leave it out)."""
     rewards: list[Component] = component(call_args=("prompts", "completions", "rows"))
@@ -257,7 +257,9 @@ class GRPOArgs(LoRAFinetuneArgs):
     beta: Annotated[float, Finite(), Range(ge=0)] = 0.0
     """Weight of the k3 KL to the reference (the base with adapters disabled); 0 skips the reference forward."""
     dynamic_sampling: bool = False
-    """Leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling, without resampling)."""
+    """Leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling; see dynamic_sampling_refill_rounds)."""
+    dynamic_sampling_refill_rounds: Annotated[int, Range(ge=0)] = 0
+    """With dynamic_sampling: up to N rounds of batch_size more prompts per process, sampled until the step has as many kept groups as its own prompts (0: no refill, the step trains on the groups left)."""
     rollout_gather_once: bool = True
     """FSDP2: all-gather the sharded weights once per rollout phase and hold them until its last token (each process then holds the whole model while generating); false: gather block by block for every generated token (less memory, one all-gather per block per token)."""
 
@@ -273,9 +275,9 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"
             )
-        if self.val_dataset is not None:
+        if self.dynamic_sampling_refill_rounds and not self.dynamic_sampling:
             problems.append(
-                "key 'val_dataset': grpo_distributed does not validate yet; leave it out"
+                "key 'dynamic_sampling_refill_rounds': refills replace the groups dynamic sampling leaves out; set dynamic_sampling: true or leave it 0"
             )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards or []):
             problems.append(

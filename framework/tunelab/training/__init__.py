@@ -14,7 +14,9 @@ calls, each with one job:
 - online RL (GRPO): :class:`ModelRolloutEngine` (behind :class:`RolloutEngine`),
   :class:`SamplingSettings`, :func:`sampling_seeds`, :class:`Rewards` and the built-in rewards,
   :func:`rollout_batch`, :func:`completion_logps`, :class:`Rollout`, :func:`global_sums`,
-  :func:`write_completions`;
+  :func:`write_completions`, :class:`GroupSampler` (sample, score, refill),
+  :func:`store_logps`, :func:`policy_gradient_pass`, :func:`step_counts`,
+  :func:`grpo_metrics`, :class:`RolloutValidation`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, export, save, stop),
   with :class:`Schedule`, :class:`MetricLoggers`, :class:`ProgressBar`, :class:`StepProfiler`;
   :func:`evaluate`, :func:`evaluate_preference`, :func:`peak_memory_gib`.
@@ -27,9 +29,19 @@ from tunelab.training.grpo import (
     Rollout,
     completion_logps,
     global_sums,
+    policy_gradient_pass,
     rollout_batch,
     sampling_seeds,
+    store_logps,
     write_completions,
+)
+from tunelab.training.grpo_rollouts import (
+    GroupSampler,
+    RolloutValidation,
+    ScoredGroups,
+    grpo_metrics,
+    refill_indices,
+    step_counts,
 )
 from tunelab.training.loop import (
     NonFiniteGuard,
@@ -100,6 +112,14 @@ __all__ = [
     "rollout_batch",
     "sampling_seeds",
     "write_completions",
+    "GroupSampler",
+    "RolloutValidation",
+    "ScoredGroups",
+    "grpo_metrics",
+    "policy_gradient_pass",
+    "refill_indices",
+    "step_counts",
+    "store_logps",
     "Rewards",
     "completion_length_reward",
     "exact_answer_reward",

@@ -18,14 +18,16 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import all_reduce_sum
-from tunelab.losses import OutputLayer, token_logps
-from tunelab.training.loop import forward
+from tunelab.losses import GRPOLoss, OutputLayer, token_logps
+from tunelab.training.loop import forward, output_layer
 
 __all__ = [
     "FrozenReference",
     "Rollout",
     "completion_logps",
     "global_sums",
+    "policy_gradient_pass",
+    "store_logps",
     "rollout_batch",
     "sampling_seeds",
     "write_completions",
@@ -34,7 +36,9 @@ __all__ = [
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads nearby integers over the seed space
 
 
-def sampling_seeds(seed: int, step: int, indices: list[int], num_generations: int) -> list[int]:
+def sampling_seeds(
+    seed: int, step: int, indices: list[int], num_generations: int, *, refill_round: int = 0
+) -> list[int]:
     """One sampling seed per completion, from the run's seed, the step and the prompt's index.
 
     A seed depends on nothing else (not the rank, batch or world size, nor what was sampled
@@ -46,6 +50,8 @@ def sampling_seeds(seed: int, step: int, indices: list[int], num_generations: in
         step: The optimizer step being taken (0-based: the steps done before it).
         indices: Dataset index of each prompt.
         num_generations: Completions per prompt.
+        refill_round: A dynamic-sampling refill round (0: the step's own prompts), so that a
+            prompt drawn again in a refill samples other completions.
 
     Returns:
         ``len(indices) * num_generations`` seeds, each prompt's ``num_generations`` together.
@@ -54,7 +60,8 @@ def sampling_seeds(seed: int, step: int, indices: list[int], num_generations: in
     for index in indices:
         for sample in range(num_generations):
             value = seed
-            for part in (step, index, sample):
+            parts = (step, index, sample) + ((refill_round,) if refill_round else ())
+            for part in parts:
                 value = (value * _MIX + part + 1) % 2**63
             seeds.append(value)
     return seeds
@@ -116,6 +123,78 @@ def completion_logps(
         ``(logps, mask)`` ``[rows, seq - 1]`` (see :func:`tunelab.losses.token_logps`).
     """
     return token_logps(forward(model, batch, output), batch["labels"], output=output)
+
+
+@torch.no_grad()
+def store_logps(
+    rollouts: list[Rollout],
+    model: nn.Module,
+    output: OutputLayer | None,
+    *,
+    old: bool,
+    reference: Any = None,
+    chunked_output: bool = True,
+) -> None:
+    """Compute, before the first update, the log-probs the passes over ``rollouts`` reuse.
+
+    Args:
+        rollouts: The step's rollouts; their ``old_logps`` and ``ref_logps`` are set.
+        model: The policy.
+        output: The policy's chunked output layer (None: whole logits).
+        old: Store the sampling policy's log-probs (``num_iterations`` > 1; otherwise the
+            ratio is taken against the policy's own detached log-probs, which equal them).
+        reference: A ``ReferenceModel`` or :class:`FrozenReference` (``beta`` > 0), or None.
+        chunked_output: Whether the reference's output layer runs chunk by chunk too.
+    """
+    for rollout in rollouts if old else ():
+        rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
+    if reference is None:
+        return
+    ref_output = output_layer(reference.model) if chunked_output else None
+    with reference.active():
+        for rollout in rollouts:
+            rollout.ref_logps = completion_logps(reference.model, rollout.batch, ref_output)[0]
+
+
+def policy_gradient_pass(
+    model: nn.Module,
+    rollouts: list[Rollout],
+    loss_fn: GRPOLoss,
+    output: OutputLayer | None,
+    *,
+    scale: float,
+) -> dict[str, float]:
+    """One pass over the rollouts: the clipped policy-gradient loss, backward per micro-batch.
+
+    Every rank runs a forward and backward per micro-batch, even one whose rows are all left
+    out (FSDP2's collectives need them all).
+
+    Args:
+        model: The policy.
+        rollouts: The step's rollouts (``keep`` masks the rows the loss counts).
+        loss_fn: The GRPO loss.
+        output: The chunked output layer (None: whole logits).
+        scale: Multiplies each micro-batch's loss sum before backward: ``world_size /
+            divisor`` (FSDP2 averages gradients over ranks; the divisor is the step's global
+            normalizer).
+
+    Returns:
+        This rank's sums: ``loss`` (unscaled), ``clipped`` tokens and ``kl``.
+    """
+    sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
+    for rollout in rollouts:
+        logps, mask = completion_logps(model, rollout.batch, output)
+        mask = mask & rollout.keep[:, None]
+        old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
+        losses, metric_sums = loss_fn.token_losses(
+            logps, old, rollout.advantages, mask, rollout.ref_logps
+        )
+        loss_sum = loss_fn.loss_sum(losses, mask)
+        (loss_sum * scale).backward()
+        sums["loss"] += loss_sum.item()
+        for key, value in metric_sums.items():
+            sums[key] += value.item()
+    return sums
 
 
 class FrozenReference:

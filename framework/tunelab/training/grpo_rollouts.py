@@ -1,0 +1,338 @@
+"""The GRPO recipe's rollout phase: sample groups, score them, refill dropped ones, validate.
+
+:class:`GroupSampler` turns prompt indices into a scored micro-batch of rollouts (G completions
+per prompt, rewards, group advantages, the rows the loss keeps); its ``refill`` is DAPO's
+dynamic sampling with re-sampling. :class:`RolloutValidation` scores greedy completions of a
+validation prompt set. :func:`grpo_metrics` turns a step's global sums into its metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from tunelab.distributed import all_reduce_sum
+from tunelab.errors import DataError
+from tunelab.losses import group_advantages
+from tunelab.training.grpo import Rollout, global_sums, rollout_batch, sampling_seeds
+from tunelab.training.rewards import Rewards
+from tunelab.training.rollout import ModelRolloutEngine
+
+__all__ = [
+    "GroupSampler",
+    "RolloutValidation",
+    "ScoredGroups",
+    "grpo_metrics",
+    "refill_indices",
+    "step_counts",
+]
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class ScoredGroups:
+    """One micro-batch of sampled and scored groups.
+
+    Attributes:
+        rollout: The rows for the policy-gradient passes (``keep`` marks the rows the loss
+            counts).
+        records: One ``completions.jsonl`` record per completion.
+        sums: This rank's sums for the step's metrics (:func:`grpo_metrics`).
+    """
+
+    rollout: Rollout
+    records: list[dict[str, Any]]
+    sums: dict[str, float]
+
+
+class GroupSampler:
+    """Samples ``num_generations`` completions per prompt, scores them, computes advantages.
+
+    Args:
+        engine: The rollout engine.
+        rewards: The reward functions.
+        prompts: The prompt dataset (``tokens``, ``prompts`` and ``rows`` by index).
+        decode: Token ids to text (the tokenizer's ``decode``).
+        pad_id: Token after each rollout row's end.
+        num_generations: G, completions per prompt.
+        seed: The run's seed (sampling seeds and refill prompts derive from it).
+        scale_rewards: Divide each group's centred rewards by its std.
+        dynamic_sampling: Leave the groups whose rewards are all equal out of the loss.
+        device: Where rollout batches go.
+    """
+
+    def __init__(
+        self,
+        engine: ModelRolloutEngine,
+        rewards: Rewards,
+        prompts: Any,
+        *,
+        decode: Any,
+        pad_id: int,
+        num_generations: int,
+        seed: int,
+        scale_rewards: bool,
+        dynamic_sampling: bool,
+        device: torch.device,
+    ) -> None:
+        self.engine, self.rewards, self.prompts = engine, rewards, prompts
+        self.decode, self.pad_id, self.group = decode, pad_id, num_generations
+        self.seed, self.scale_rewards, self.dynamic_sampling = seed, scale_rewards, dynamic_sampling
+        self.device = device
+
+    def sample(self, indices: list[int], step: int, refill_round: int = 0) -> ScoredGroups:
+        """Sample, score and keep the groups of the prompts ``indices`` at optimizer step ``step``.
+
+        Args:
+            indices: Dataset indices of this rank's prompts.
+            step: Optimizer steps taken before this one (the sampling seeds depend on it).
+            refill_round: 0 for the step's own prompts; the refill round otherwise (its
+                records carry it and its completions do not count in the reward metrics).
+
+        Returns:
+            The scored micro-batch.
+        """
+        group, data = self.group, self.prompts
+        repeated = [index for index in indices for _ in range(group)]
+        prompts = [data.tokens[index] for index in repeated]
+        seeds = sampling_seeds(self.seed, step, indices, group, refill_round=refill_round)
+        completions = self.engine.generate(prompts, seeds)
+        texts = [self.decode(completion) for completion in completions]
+        total, each = self.rewards(
+            [data.prompts[index] for index in repeated], texts, [data.rows[i] for i in repeated]
+        )
+        advantages = group_advantages(total, group, scale_rewards=self.scale_rewards)
+        keep = torch.ones(len(completions), dtype=torch.bool)
+        if self.dynamic_sampling:  # groups of equal rewards teach nothing: leave them out
+            keep = (total.view(-1, group).std(dim=1) > 0).repeat_interleave(group)
+        batch = rollout_batch(prompts, completions, self.pad_id, self.device)
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+        extra = {"round": refill_round} if refill_round else {}
+        records = [
+            {"index": indices[i // group], "sample": i % group, **extra, "completion": text,
+             "reward": float(total[i])}
+            for i, text in enumerate(texts)
+        ]  # fmt: skip
+        sums: dict[str, float] = {"num_tokens": float((lengths * keep).sum())}
+        sums["num_sequences"] = float(keep.sum())
+        if refill_round:
+            sums["refill_prompts"] = float(len(indices))
+        else:  # the reward metrics describe the step's own prompts only
+            sums |= {
+                "num_completions": float(len(completions)),
+                "completion_tokens": float(lengths.sum()),
+                "reward": float(total.sum()),
+                "reward_squares": float((total**2).sum()),
+                "generation_seconds": self.engine.last_generation_seconds,
+                "entropy": self.engine.last_entropy_sum,
+                **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
+            }
+        rollout = Rollout(batch, advantages.to(self.device), keep.to(self.device))
+        return ScoredGroups(rollout, records, sums)
+
+    def refill(
+        self, scored: list[ScoredGroups], step: int, *, prompts_per_round: int, max_rounds: int
+    ) -> list[ScoredGroups]:
+        """DAPO's re-sampling: sample more prompts until the step has as many kept groups as it has.
+
+        Dynamic sampling leaves out the groups whose rewards are all equal. Each round, every
+        rank samples ``prompts_per_round`` more prompts (:func:`refill_indices`: drawn from
+        the seed, the step and the round, so a resumed run draws the same ones and nothing
+        goes into the checkpoint), until the kept groups over all ranks reach the step's
+        number of groups or ``max_rounds`` rounds ran. The round's groups count in a fixed
+        global order (rank by rank) and those beyond the target are dropped, so every rank
+        agrees on the result without another exchange, and 1 or N processes with the same
+        global round size keep the same groups. A collective: every rank calls it.
+
+        Args:
+            scored: The step's own micro-batches.
+            step: Optimizer steps taken before this one.
+            prompts_per_round: Prompts per rank per round.
+            max_rounds: Rounds at most (0: none).
+
+        Returns:
+            The refill micro-batches (keep them with the step's own).
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        group = self.group
+        counts = global_sums(
+            {
+                "target": sum(s.rollout.keep.numel() for s in scored) / group,
+                "kept": sum(float(s.rollout.keep.sum()) for s in scored) / group,
+            },
+            self.device,
+        )
+        target, kept = round(counts["target"]), round(counts["kept"])
+        refills = []
+        for refill_round in range(1, max_rounds + 1):
+            if kept >= target:
+                break
+            everyone = refill_indices(
+                self.seed, step, refill_round, len(self.prompts), prompts_per_round * world
+            )
+            mine = slice(rank * prompts_per_round, (rank + 1) * prompts_per_round)
+            extra = self.sample(everyone[mine], step, refill_round)
+            flags = torch.zeros(prompts_per_round * world, dtype=torch.float64, device=self.device)
+            flags[mine] = extra.rollout.keep.view(-1, group)[:, 0].to(flags.dtype)
+            flags = all_reduce_sum(flags)
+            allowed = (flags > 0) & (kept + flags.cumsum(0) <= target)
+            kept += int(allowed.sum())
+            keep = allowed[mine].repeat_interleave(group)
+            lengths = (extra.rollout.batch["labels"] != -100).sum(dim=1)
+            extra.rollout.keep = keep
+            extra.sums["num_sequences"] = float(keep.sum())
+            extra.sums["num_tokens"] = float((lengths * keep).sum())
+            refills.append(extra)
+        return refills
+
+
+def refill_indices(
+    seed: int, step: int, refill_round: int, num_prompts: int, count: int
+) -> list[int]:
+    """The prompts of a refill round: ``count`` dataset indices from the seed, step and round.
+
+    Drawn with replacement from the whole dataset, independently of the data loader (whose
+    position the checkpoint saves), so refills change neither the epoch's data order nor the
+    resume state.
+    """
+    value = seed
+    for part in (step, refill_round):
+        value = (value * _MIX + part + 1) % 2**63
+    generator = torch.Generator().manual_seed(value)
+    return torch.randint(num_prompts, (count,), generator=generator).tolist()
+
+
+class RolloutValidation:
+    """Greedy completions of a validation prompt set, scored with the training rewards.
+
+    Greedy decoding (temperature 0) draws no random numbers, so validating changes neither
+    the training completions nor a resume. Every rank runs the same number of batches (the
+    loader drops the tail).
+
+    Args:
+        engine: The training engine; validation uses a greedy copy of its settings.
+        rewards: The reward functions.
+        prompts: The validation prompt dataset.
+        loader: Its loader (``TrainingData.val_loader``): batches with ``index``.
+        decode: Token ids to text.
+        device: For the global sums.
+    """
+
+    def __init__(
+        self,
+        engine: ModelRolloutEngine,
+        rewards: Rewards,
+        prompts: Any,
+        loader: DataLoader,
+        *,
+        decode: Any,
+        device: torch.device,
+    ) -> None:
+        self.engine = ModelRolloutEngine(
+            engine.model,
+            replace(engine.settings, temperature=0.0),
+            pad_id=engine.pad_id,
+            decode=engine.decode,
+            gather_once=engine.gather_once,
+        )
+        self.rewards, self.prompts, self.loader = rewards, prompts, loader
+        self.decode, self.device = decode, device
+
+    def __call__(self) -> dict[str, float]:
+        """``val_reward``, ``val_rewards/<name>`` and ``val_completion_length``: means.
+
+        Raises:
+            DataError: The validation set has fewer prompts than a batch per process.
+        """
+        sums: dict[str, float] = {}
+        for batch in self.loader:
+            indices = batch["index"].tolist()
+            completions = self.engine.generate(
+                [self.prompts.tokens[i] for i in indices], [0] * len(indices)
+            )
+            total, each = self.rewards(
+                [self.prompts.prompts[i] for i in indices],
+                [self.decode(c) for c in completions],
+                [self.prompts.rows[i] for i in indices],
+            )
+            for key, value in {
+                "count": len(indices),
+                "reward": float(total.sum()),
+                "completion_length": sum(len(c) for c in completions),
+                **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
+            }.items():
+                sums[key] = sums.get(key, 0.0) + value
+        if not sums:  # the sampler gives every rank the same number of batches
+            raise DataError(
+                f"val_dataset has fewer than batch_size={self.loader.batch_size} prompts per "
+                "process; lower batch_size or add validation prompts"
+            )
+        totals = global_sums(sums, self.device)
+        count = totals.pop("count")
+        return {f"val_{key}": value / count for key, value in totals.items()}
+
+
+def step_counts(scored: list[ScoredGroups], device: torch.device) -> dict[str, float]:
+    """The step's rollout sums (:attr:`ScoredGroups.sums`) over its micro-batches and all ranks."""
+    sums: dict[str, float] = {}
+    for part in scored:
+        for key, value in part.sums.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return global_sums(sums, device)
+
+
+def grpo_metrics(
+    counts: dict[str, float],
+    step_totals: dict[str, float],
+    *,
+    divisor: float,
+    world_size: int,
+    num_iterations: int,
+    train_seconds: float,
+    refill: bool = False,
+) -> dict[str, float]:
+    """A GRPO step's metrics from its global sums.
+
+    Args:
+        counts: The rollout sums over all ranks (``ScoredGroups.sums``, summed).
+        step_totals: The last pass's loss, clipped-token and KL sums over all ranks.
+        divisor: The loss normalizer of the step.
+        world_size: Processes (generation seconds are summed over them).
+        num_iterations: Optimizer passes over the rollouts.
+        train_seconds: Wall time of the log-prob and optimizer passes.
+        refill: Dynamic-sampling refills are on: log ``refill_prompts`` (prompts sampled in
+            refill rounds over all ranks; 0 when the step's own groups sufficed).
+
+    Returns:
+        ``loss``, ``reward``, ``reward_std``, ``rewards/<name>``, ``completion_length``,
+        ``entropy``, ``kept_fraction``, ``clip_fraction``, ``kl``, the refill count and the
+        two throughputs.
+    """
+    num_completions = counts["num_completions"]
+    reward_mean = counts["reward"] / num_completions
+    tokens = max(counts["num_tokens"], 1.0)
+    metrics = {
+        "loss": step_totals["loss"] / divisor,
+        "reward": reward_mean,
+        "reward_std": max(counts["reward_squares"] / num_completions - reward_mean**2, 0) ** 0.5,
+        **{k: v / num_completions for k, v in counts.items() if k.startswith("rewards/")},
+        "completion_length": counts["completion_tokens"] / num_completions,
+        "entropy": counts["entropy"] / max(counts["completion_tokens"], 1.0),
+        # The share of the step's batch (its own completions) that the loss uses; with refill
+        # rounds the kept rows may come from extra prompts.
+        "kept_fraction": counts["num_sequences"] / num_completions,
+        "clip_fraction": step_totals["clipped"] / tokens,
+        "kl": step_totals["kl"] / tokens,
+        "generation_tokens_per_second": counts["completion_tokens"]
+        / max(counts["generation_seconds"] / world_size, 1e-9),
+        "train_tokens_per_second": counts["num_tokens"] * num_iterations / max(train_seconds, 1e-9),
+    }
+    if refill:
+        metrics["refill_prompts"] = counts.get("refill_prompts", 0.0)
+    return metrics
