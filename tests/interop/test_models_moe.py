@@ -12,13 +12,23 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.config.lora import LoRAArgs
 from tunelab.generation import generate
 from tunelab.models import load_pretrained
 from tunelab.modules import RouterStats
+from tunelab.peft import (
+    adapter_state_dict,
+    apply_lora,
+    get_adapter_params,
+    merged_state_dict,
+    save_peft_adapter,
+)
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 TOLERANCE = 1e-4
 SEQ_LEN = 17
@@ -229,3 +239,49 @@ def test_kv_cache_generation_matches_transformers_greedy(moe_dir, family):
             next_token = hf_model(tokens).logits[:, -1].argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, next_token], dim=1)
     assert generate(model, prompt[0].tolist(), max_new_tokens=12) == tokens[0, 6:].tolist()
+
+
+def test_all_linear_leaves_routers_and_experts_out(moe_dir):
+    """``all-linear``: attention and Qwen3-MoE's dense MLP, not the routers (frozen unless
+    named, ``gate``) nor the experts (stacked weights, not linears)."""
+    swapped = apply_lora(load_pretrained(moe_dir("qwen3_moe")), LoRAArgs(targets="all-linear"))
+    assert not any(name.endswith(".gate") or ".experts" in name for name in swapped)
+    assert "model.layers.2.mlp.up_proj" in swapped
+    named = apply_lora(load_pretrained(moe_dir("mixtral")), LoRAArgs(targets=["gate"]))
+    assert named == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(moe_dir, tmp_path, family):
+    """LoRA on attention: PEFT loads the adapter with our logits, and the merged export loads
+    in transformers with them.
+
+    Not on Qwen3-MoE's dense MLP: peft 0.21 on transformers 5 turns the targets ``gate_proj``,
+    ``up_proj`` and ``down_proj`` (whatever their prefix) into fresh LoRA on every layer's
+    experts and adapts no dense MLP, so such an adapter loses its MLP part in PEFT.
+    """
+    path = moe_dir(family)
+    model = load_pretrained(path)
+    swapped = apply_lora(model, LoRAArgs(targets=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in get_adapter_params(model).items():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = model(tokens)
+    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, use_rslora=False)
+    save_peft_adapter(
+        adapter_state_dict(model), lora.peft_config(swapped, str(path)), tmp_path / "adapter"
+    )
+    adapted = peft.PeftModel.from_pretrained(_hf(path), tmp_path / "adapter").eval()
+    ours = set(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(ours) == 2 * len(swapped)
+    assert set(peft.get_peft_model_state_dict(adapted)) == ours
+    merged = model.state_dict_adapter.to_hf(merged_state_dict(model))
+    save_hf_sharded(merged, tmp_path / "merged", source_dir=path)
+    with torch.no_grad():
+        assert _max_error(adapted(tokens).logits, expected) <= TOLERANCE
+        assert _max_error(_hf(tmp_path / "merged")(tokens).logits, expected) <= TOLERANCE
+        assert _max_error(_hf(path)(tokens).logits, expected) > 1e-2

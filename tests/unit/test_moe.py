@@ -64,7 +64,7 @@ def test_router_renormalises_top_k_only_when_asked():
     x = torch.randn(1, 3, 4)
     for normalize in (True, False):
         block = MoEBlock(4, 3, num_experts=4, top_k=2, normalize_top_k=normalize)
-        probabilities, weights, indices = block.gate.route(x.reshape(-1, 4))
+        probabilities, weights, indices = block.route(x.reshape(-1, 4))
         torch.testing.assert_close(probabilities.sum(-1), torch.ones(3))
         top = probabilities.gather(-1, indices)
         expected = top / top.sum(-1, keepdim=True) if normalize else top

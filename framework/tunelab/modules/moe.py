@@ -150,36 +150,19 @@ class RouterStats:
 
 
 class MoERouter(nn.Linear):
-    """Top-k softmax router: ``weight`` ``[E, D]`` is HF's ``mlp.gate.weight``.
+    """The router's linear layer, ``weight`` ``[E, D]`` (HF's ``mlp.gate.weight``).
 
-    ``p = softmax(x @ W.T)`` in fp32; the ``top_k`` largest are the token's experts, with
-    weights ``p_j`` renormalised to sum to 1 when ``normalize`` (Mixtral always,
-    Qwen3-MoE's ``norm_topk_prob``).
+    A plain ``nn.Linear`` that LoRA can target by name (``gate``), but which ``all-linear``
+    leaves out and QLoRA keeps in the training dtype: its few weights decide the routing.
+    ``MoEBlock.route`` turns its logits into each token's experts.
 
     Args:
         dim: model dimension.
         num_experts: experts to choose from.
-        top_k: experts per token.
-        normalize: renormalise the top-k probabilities.
     """
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, *, normalize: bool) -> None:
+    def __init__(self, dim: int, num_experts: int) -> None:
         super().__init__(dim, num_experts, bias=False)
-        self.top_k = top_k
-        self.normalize = normalize
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route tokens ``[tokens, D]``.
-
-        Returns:
-            ``(probabilities [tokens, E] fp32, top_weights [tokens, k] fp32,
-            top_indices [tokens, k])``.
-        """
-        probabilities = F.softmax(self(x).float(), dim=-1)
-        top_weights, top_indices = torch.topk(probabilities, self.top_k, dim=-1)
-        if self.normalize:
-            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        return probabilities, top_weights, top_indices
 
 
 class MoEExperts(nn.Module):
@@ -271,14 +254,32 @@ class MoEBlock(nn.Module):
         weights_in_fp32: bool = False,
     ) -> None:
         super().__init__()
-        self.gate = MoERouter(dim, num_experts, top_k, normalize=normalize_top_k)
+        self.gate = MoERouter(dim, num_experts)
         self.experts = MoEExperts(dim, intermediate_dim, num_experts, activation=activation)
+        self.top_k = top_k
+        self.normalize_top_k = normalize_top_k
         self.weights_in_fp32 = weights_in_fp32
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route tokens ``[tokens, D]``: ``p = softmax(gate(x))`` in fp32, then the top k.
+
+        The top-k weights ``p_j`` are renormalised to sum to 1 when ``normalize_top_k``
+        (Mixtral always, Qwen3-MoE's ``norm_topk_prob``).
+
+        Returns:
+            ``(probabilities [tokens, E] fp32, top_weights [tokens, k] fp32,
+            top_indices [tokens, k])``.
+        """
+        probabilities = F.softmax(self.gate(x).float(), dim=-1)
+        top_weights, top_indices = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return probabilities, top_weights, top_indices
 
     def forward(self, x: torch.Tensor, router_stats: RouterStats | None = None) -> torch.Tensor:
         """Apply the block to ``x`` ``[..., D]``, recording router statistics if asked."""
         flat = x.reshape(-1, x.shape[-1])
-        probabilities, top_weights, top_indices = self.gate.route(flat)
+        probabilities, top_weights, top_indices = self.route(flat)
         if router_stats is not None:
             router_stats.add(probabilities, top_indices)
         if not self.weights_in_fp32:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from tunelab.config.lora import ALL_LINEAR, LoRAArgs
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
+from tunelab.modules.moe import MoERouter
 from tunelab.peft._names import MAGNITUDE
 from tunelab.peft.lora import LoRALinear, validate_lora_options
 
@@ -50,7 +51,12 @@ def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str)
     if not isinstance(targets, str) and list(targets) == [ALL_LINEAR]:
         targets = ALL_LINEAR  # the config form, `targets: [all-linear]`
     if isinstance(targets, str) and targets == ALL_LINEAR:
-        selected = [name for name in linears if name.rpartition(".")[2] != _OUTPUT_LAYER]
+        # Not the output layer, nor an MoE router (it stays frozen unless named: `gate`).
+        selected = [
+            name
+            for name, linear in linears.items()
+            if name.rpartition(".")[2] != _OUTPUT_LAYER and not isinstance(linear, MoERouter)
+        ]
         if not selected:
             raise TunelabError(f"lora targets {ALL_LINEAR!r}: the model has no nn.Linear to adapt")
         return selected

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tunelab.errors import ConfigError
+from tunelab.modules.moe import MoERouter
 from tunelab.peft._nf4_fsdp import gather_one_tensor_on_one_rank
 
 NF4_BLOCK_SIZE = 64
@@ -152,6 +153,8 @@ def quantize_base_nf4(
                 f"quantize_base_nf4: {name}.weight is materialised; quantize on the meta device"
             )
         reason = _why_not_quantizable(weight.shape[0], weight.shape[1], world_size)
+        if isinstance(module, MoERouter):
+            reason = "an MoE router: its few weights decide the routing"
         if reason is not None:
             plan.kept[name] = reason
             continue
