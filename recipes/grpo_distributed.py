@@ -3,14 +3,18 @@
 Launch: ``tunelab run --nproc_per_node 2 grpo_distributed --config tiny/grpo``.
 Copy it to customise: ``tunelab cp grpo_distributed my_grpo.py``.
 
-Each step: take this rank's prompts; sample ``num_generations`` completions of each with the
-training model (``ModelRolloutEngine``: batched, KV cache, a seed per completion); score them
-with the configured rewards; turn each group's rewards into advantages; then
-``num_iterations`` optimizer steps over the rollouts with the clipped policy-gradient loss
-(``tunelab.losses.GRPOLoss``), the log-probs computed at completion positions only; then
-``after_step`` logs, exports and saves. The reference (``beta`` > 0) is the model with its
-adapters disabled, or for full fine-tuning (``lora: null``) a frozen copy of the base. Sampling seeds derive from the seed, the step and the prompt's index, so a
-resumed run or another number of processes samples the same completions.
+Each step: 1. take this rank's prompts and sample ``num_generations`` completions of each
+with the training model (``ModelRolloutEngine``: batched, KV cache, a seed per completion),
+score them with the configured rewards and turn each group's rewards into advantages
+(``GroupSampler``; with dynamic sampling, groups of equal rewards are left out and may be
+refilled from more prompts); 2. store the sampling policy's and the reference's log-probs
+when needed; 3. ``num_iterations`` optimizer steps over the rollouts with the clipped
+policy-gradient loss (``tunelab.losses.GRPOLoss``), the log-probs computed at completion
+positions only; 4. ``after_step`` logs, validates (greedy completions of ``val_dataset``),
+exports and saves. The reference (``beta`` > 0) is the model with its adapters disabled, or
+for full fine-tuning (``lora: null``) a frozen copy of the base. Sampling seeds derive from
+the seed, the step and the prompt's index, so a resumed run or another number of processes
+samples the same completions.
 """
 
 import time
@@ -103,7 +107,6 @@ def main(args: GRPOArgs) -> None:
         allow_global_batch_change=args.allow_global_batch_change,
         val_dataset=args.val_dataset,
     )
-    prompts_data = data.loader.dataset
     if args.lora is not None:
         trainable = list(peft.get_adapter_params(model).values())
     else:
@@ -154,7 +157,7 @@ def main(args: GRPOArgs) -> None:
     groups = GroupSampler(
         engine,
         rewards,
-        prompts_data,
+        data.loader.dataset,
         decode=tokenizer.decode,
         pad_id=tokenizer.pad_id,
         num_generations=args.num_generations,
@@ -163,15 +166,11 @@ def main(args: GRPOArgs) -> None:
         dynamic_sampling=args.dynamic_sampling,
         device=device,
     )
+    # Greedy completions of val_dataset: no random numbers drawn, so a resume stays exact.
     validate = None
-    if data.val_loader is not None:  # greedy: draws no random numbers, so resume stays exact
+    if data.val_loader is not None:
         validate = RolloutValidation(
-            engine,
-            rewards,
-            data.val_loader.dataset,
-            data.val_loader,
-            decode=tokenizer.decode,
-            device=device,
+            engine, rewards, data.val_loader, decode=tokenizer.decode, device=device
         )
     loss_fn = GRPOLoss(
         clip_eps_low=args.clip_eps_low,
@@ -221,23 +220,13 @@ def main(args: GRPOArgs) -> None:
                     prompts_per_round=data.loader.batch_size,
                     max_rounds=args.dynamic_sampling_refill_rounds,
                 )
-            write_completions(
-                run.logs_dir / "completions.jsonl",
-                global_step + 1,
-                [record for s in scored for record in s.records],
-            )
-            rollouts = [s.rollout for s in scored]
+            records = [record for part in scored for record in part.records]
+            write_completions(run.logs_dir / "completions.jsonl", global_step + 1, records)
+            rollouts = [part.rollout for part in scored]
             counts = step_counts(scored, device)
             train_start = time.perf_counter()
             # 2. The sampling policy's log-probs (reused over iterations) and the reference's.
-            store_logps(
-                rollouts,
-                model,
-                output,
-                old=args.num_iterations > 1,
-                reference=reference,
-                chunked_output=args.chunked_output,
-            )
+            store_logps(rollouts, model, output, old=args.num_iterations > 1, reference=reference)
             divisor = loss_normalizer(
                 args.loss_aggregation,
                 num_sequences=int(counts["num_sequences"]),

@@ -139,7 +139,6 @@ def test_validation_is_greedy_and_draws_no_random_numbers():
         Rewards(
             [pattern, {"_component_": "tunelab.training.completion_length_reward", "max_chars": 4}]
         ),
-        data,
         loader,
         decode=tokenizer.decode,
         device=torch.device("cpu"),

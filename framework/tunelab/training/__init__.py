@@ -37,12 +37,12 @@ from tunelab.training.grpo import (
 )
 from tunelab.training.grpo_rollouts import (
     GroupSampler,
-    RolloutValidation,
     ScoredGroups,
     grpo_metrics,
     refill_indices,
     step_counts,
 )
+from tunelab.training.grpo_validation import RolloutValidation
 from tunelab.training.loop import (
     NonFiniteGuard,
     batch_loss,

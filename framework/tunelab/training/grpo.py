@@ -133,7 +133,6 @@ def store_logps(
     *,
     old: bool,
     reference: Any = None,
-    chunked_output: bool = True,
 ) -> None:
     """Compute, before the first update, the log-probs the passes over ``rollouts`` reuse.
 
@@ -143,14 +142,14 @@ def store_logps(
         output: The policy's chunked output layer (None: whole logits).
         old: Store the sampling policy's log-probs (``num_iterations`` > 1; otherwise the
             ratio is taken against the policy's own detached log-probs, which equal them).
-        reference: A ``ReferenceModel`` or :class:`FrozenReference` (``beta`` > 0), or None.
-        chunked_output: Whether the reference's output layer runs chunk by chunk too.
+        reference: A ``ReferenceModel`` or :class:`FrozenReference` (``beta`` > 0), or None;
+            its output layer runs chunk by chunk when the policy's does (``output``).
     """
     for rollout in rollouts if old else ():
         rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
     if reference is None:
         return
-    ref_output = output_layer(reference.model) if chunked_output else None
+    ref_output = output_layer(reference.model) if output is not None else None
     with reference.active():
         for rollout in rollouts:
             rollout.ref_logps = completion_logps(reference.model, rollout.batch, ref_output)[0]

@@ -1,22 +1,20 @@
-"""The GRPO recipe's rollout phase: sample groups, score them, refill dropped ones, validate.
+"""The GRPO recipe's rollout phase: sample groups, score them, refill the dropped ones.
 
 :class:`GroupSampler` turns prompt indices into a scored micro-batch of rollouts (G completions
 per prompt, rewards, group advantages, the rows the loss keeps); its ``refill`` is DAPO's
-dynamic sampling with re-sampling. :class:`RolloutValidation` scores greedy completions of a
-validation prompt set. :func:`grpo_metrics` turns a step's global sums into its metrics.
+dynamic sampling with re-sampling. :func:`step_counts` and :func:`grpo_metrics` turn a step's
+sums into its metrics.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from tunelab.distributed import all_reduce_sum
-from tunelab.errors import DataError
 from tunelab.losses import group_advantages
 from tunelab.training.grpo import Rollout, global_sums, rollout_batch, sampling_seeds
 from tunelab.training.rewards import Rewards
@@ -24,7 +22,6 @@ from tunelab.training.rollout import ModelRolloutEngine
 
 __all__ = [
     "GroupSampler",
-    "RolloutValidation",
     "ScoredGroups",
     "grpo_metrics",
     "refill_indices",
@@ -58,7 +55,7 @@ class GroupSampler:
         rewards: The reward functions.
         prompts: The prompt dataset (``tokens``, ``prompts`` and ``rows`` by index).
         decode: Token ids to text (the tokenizer's ``decode``).
-        pad_id: Token after each rollout row's end.
+        pad_id: Token after each rollout row's end (the tokenizer's).
         num_generations: G, completions per prompt.
         seed: The run's seed (sampling seeds and refill prompts derive from it).
         scale_rewards: Divide each group's centred rewards by its std.
@@ -206,76 +203,6 @@ def refill_indices(
         value = (value * _MIX + part + 1) % 2**63
     generator = torch.Generator().manual_seed(value)
     return torch.randint(num_prompts, (count,), generator=generator).tolist()
-
-
-class RolloutValidation:
-    """Greedy completions of a validation prompt set, scored with the training rewards.
-
-    Greedy decoding (temperature 0) draws no random numbers, so validating changes neither
-    the training completions nor a resume. Every rank runs the same number of batches (the
-    loader drops the tail).
-
-    Args:
-        engine: The training engine; validation uses a greedy copy of its settings.
-        rewards: The reward functions.
-        prompts: The validation prompt dataset.
-        loader: Its loader (``TrainingData.val_loader``): batches with ``index``.
-        decode: Token ids to text.
-        device: For the global sums.
-    """
-
-    def __init__(
-        self,
-        engine: ModelRolloutEngine,
-        rewards: Rewards,
-        prompts: Any,
-        loader: DataLoader,
-        *,
-        decode: Any,
-        device: torch.device,
-    ) -> None:
-        self.engine = ModelRolloutEngine(
-            engine.model,
-            replace(engine.settings, temperature=0.0),
-            pad_id=engine.pad_id,
-            decode=engine.decode,
-            gather_once=engine.gather_once,
-        )
-        self.rewards, self.prompts, self.loader = rewards, prompts, loader
-        self.decode, self.device = decode, device
-
-    def __call__(self) -> dict[str, float]:
-        """``val_reward``, ``val_rewards/<name>`` and ``val_completion_length``: means.
-
-        Raises:
-            DataError: The validation set has fewer prompts than a batch per process.
-        """
-        sums: dict[str, float] = {}
-        for batch in self.loader:
-            indices = batch["index"].tolist()
-            completions = self.engine.generate(
-                [self.prompts.tokens[i] for i in indices], [0] * len(indices)
-            )
-            total, each = self.rewards(
-                [self.prompts.prompts[i] for i in indices],
-                [self.decode(c) for c in completions],
-                [self.prompts.rows[i] for i in indices],
-            )
-            for key, value in {
-                "count": len(indices),
-                "reward": float(total.sum()),
-                "completion_length": sum(len(c) for c in completions),
-                **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
-            }.items():
-                sums[key] = sums.get(key, 0.0) + value
-        if not sums:  # the sampler gives every rank the same number of batches
-            raise DataError(
-                f"val_dataset has fewer than batch_size={self.loader.batch_size} prompts per "
-                "process; lower batch_size or add validation prompts"
-            )
-        totals = global_sums(sums, self.device)
-        count = totals.pop("count")
-        return {f"val_{key}": value / count for key, value in totals.items()}
 
 
 def step_counts(scored: list[ScoredGroups], device: torch.device) -> dict[str, float]:
