@@ -47,6 +47,7 @@ BENCHMARKS = {
                  ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32",
                   "--vocab-dim", "64", "--vocab-size", "4096", "--vocab-seq-len", "64",
                   "--steps", "1", "--nprocs", "2"]),
+    "grpo": ("bench_grpo.py", False, [], [], ["--smoke"]),
 }  # fmt: skip
 
 
