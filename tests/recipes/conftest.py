@@ -223,3 +223,25 @@ def lora_2p(tmp_path_factory) -> Path:
 def full_2p(tmp_path_factory) -> Path:
     """``tiny/full`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
     return _reference_run(tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full")
+
+
+# The tiny/lora_dpo run test_lora_dpo checks and the copied-recipe test compares with: DPO_STEPS
+# uninterrupted steps on 2 processes with an async intermediate save at DPO_SAVE_AT, then export.
+DPO_STEPS = 40
+DPO_SAVE_AT = 20
+
+
+@pytest.fixture(scope="session")
+def dpo_2p(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    """The tiny/lora_dpo run (read-only) and its training rows of metrics.jsonl by step."""
+    out = tmp_path_factory.mktemp("dpo_full")
+    tunelab_run(
+        "lora_dpo_distributed",
+        "tiny/lora_dpo",
+        f"output_dir={out}",
+        f"max_steps_per_epoch={DPO_STEPS}",
+        f"checkpoint.save_every_n_steps={DPO_SAVE_AT}",
+        "checkpoint.enable_async_checkpointing=true",
+        "checkpoint.keep_last_n_checkpoints=null",
+    )
+    return out, {row["step"]: row for row in read_metrics(out) if "loss" in row}

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tunelab.peft as peft
-from tests.recipes.conftest import assert_same_exports
+from tests.recipes.conftest import DPO_SAVE_AT, DPO_STEPS, assert_same_exports
 from tests.recipes.independent_loss import dpo_step_one_logps
 from tunelab.config.lora import LoRAArgs
 from tunelab.data import padded_collate_dpo
@@ -226,8 +226,7 @@ def test_precomputed_reference_matches_live_forward(tiny_dir):
 
 # -- the recipe, launched with the real CLI on 2 processes ---------------------------------
 
-STEPS = 40
-SAVE_AT = 20
+STEPS, SAVE_AT = DPO_STEPS, DPO_SAVE_AT
 # Steps 2-5, recorded from a verified run of tiny/lora_dpo (fp32, 2 processes, seed 0). Step 1
 # is checked against transformers instead (test_step_one_is_ln2_with_zero_rewards).
 GOLDEN_LOSSES = [
@@ -267,17 +266,9 @@ def _run(output_dir: Path, *overrides: str) -> tuple[list[dict], str]:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+def full_run(dpo_2p) -> tuple[Path, dict[int, dict]]:
     """STEPS uninterrupted steps with an async intermediate save at SAVE_AT, then export."""
-    output_dir = tmp_path_factory.mktemp("dpo_full")
-    rows = _launch(
-        output_dir,
-        f"max_steps_per_epoch={STEPS}",
-        f"checkpoint.save_every_n_steps={SAVE_AT}",
-        "checkpoint.enable_async_checkpointing=true",
-        "checkpoint.keep_last_n_checkpoints=null",
-    )
-    return output_dir, {row["step"]: row for row in rows}
+    return dpo_2p
 
 
 @pytest.mark.slow
