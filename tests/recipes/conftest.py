@@ -207,10 +207,19 @@ COMMON = [
 
 
 def _reference_run(tmp_path_factory, name: str, recipe: str, config: str) -> Path:
-    """``config`` on one node, 2 processes of batch 8, COMMON settings, in a fresh folder."""
+    """``config`` on one node, 2 processes of batch 8, COMMON settings, in a fresh folder.
+
+    What the run printed is kept beside the folder, in ``launch_output(out)``.
+    """
     out = tmp_path_factory.mktemp(name)
-    tunelab_run(recipe, config, f"output_dir={out}", "batch_size=8", *COMMON)
+    result = tunelab_run(recipe, config, f"output_dir={out}", "batch_size=8", *COMMON)
+    launch_output(out).write_text(result.stdout + result.stderr)
     return out
+
+
+def launch_output(out: Path) -> Path:
+    """Where a shared run's printed output is kept (outside its output_dir)."""
+    return out.with_name(out.name + ".out")
 
 
 @pytest.fixture(scope="session")
