@@ -158,3 +158,16 @@ def test_validation_is_greedy_and_draws_no_random_numbers():
         "val_rewards/completion_length_reward",
     }
     assert validate() == metrics  # greedy: the same every time
+
+
+def test_refill_rounds_need_dynamic_sampling_and_val_dataset_validates(tmp_path, monkeypatch):
+    from tunelab import ConfigError
+    from tunelab.cli._check import check_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="dynamic_sampling_refill_rounds"):
+        check_config("tiny/grpo", ["dynamic_sampling_refill_rounds=2"])
+    check_config("tiny/grpo", ["dynamic_sampling=true", "dynamic_sampling_refill_rounds=2"])
+    val = f"data_files: {TINY / 'grpo_prompts.jsonl'}, template: instruct"
+    node = f"val_dataset={{_component_: tunelab.data.prompt_dataset, source: json, {val}}}"
+    check_config("tiny/grpo", [node, "run_val_every_n_steps=5"])
