@@ -133,3 +133,18 @@ def test_unsupported_moe_settings_are_refused():
             vocab_size=4, dim=4, num_layers=1, num_heads=1, num_kv_heads=1,
             intermediate_dim=4, num_experts=2, num_experts_per_tok=3, moe_intermediate_dim=2,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_hf_config_round_trips(family):
+    args = ModelArgs(
+        vocab_size=11, dim=8, num_layers=3, num_heads=2, num_kv_heads=1, intermediate_dim=12,
+        family=family, qk_norm=family == "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_dim=6 if family == "qwen3_moe" else 12,
+        norm_topk_prob=True, router_weights_in_fp32=family == "mixtral",
+        dense_layers=[1] if family == "qwen3_moe" else [], router_aux_loss_coef=0.01,
+        sliding_window=4, layer_types=["sliding_attention"] * 3,
+    )  # fmt: skip
+    model = TransformerDecoder(args)
+    parsed = args_from_hf(model.state_dict_adapter.hf_config(torch.float32))
+    assert parsed == args
