@@ -54,6 +54,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     },
     {"checkpoint": ("tunelab.checkpoint",)},
     {"training": ("tunelab.training",), "generation": ("tunelab.generation",)},
+    # Benchmarks (lm-eval) on the model: scoring and generation with the training parts.
+    {"eval": ("tunelab.eval",)},
     {"cli": ("tunelab.cli",), "assets": ("tunelab.assets",), "recipes": ("recipes",)},
 ]
 

@@ -65,6 +65,7 @@ def test_the_public_modules_are_the_documented_ones():
         "tunelab.config",
         "tunelab.data",
         "tunelab.distributed",
+        "tunelab.eval",
         "tunelab.generation",
         "tunelab.lifecycle",
         "tunelab.losses",

@@ -28,6 +28,7 @@ from tunelab.config.constraints import (
 )
 from tunelab.config.recipe_args import (
     CheckpointArgs,
+    EvalArgs,
     FinetuneArgs,
     FullFinetuneArgs,
     GenerateArgs,
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointArgs",
     "Component",
     "Constraint",
+    "EvalArgs",
     "ExistingPath",
     "FinetuneArgs",
     "Finite",

@@ -197,6 +197,40 @@ class GenerateArgs(RecipeArgs):
 
 
 @dataclass(kw_only=True)
+class EvalArgs(RecipeArgs):
+    """Settings of the eval recipe: lm-evaluation-harness tasks on a model folder."""
+
+    checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
+    """A Hugging Face model folder (a base model or an epoch_E export)."""
+    adapter_dir: AdapterDir | None = None
+    """A PEFT adapter folder to apply on top of the model."""
+    output_dir: Annotated[str, NonEmpty(), OutputDir()]
+    """Folder for results.json (lm-eval's results) and, with log_samples, samples_<task>.jsonl."""
+    tasks: Annotated[list[Annotated[str, NonEmpty()]], NonEmpty()]
+    """lm-eval task registry names (arc_easy, hellaswag, mmlu), task YAML files, or folders of them."""
+    num_fewshot: Annotated[int, Range(ge=0)] | None = None
+    """Examples in each prompt (None: each task's own setting)."""
+    limit: AtLeastOne | None = None
+    """Documents per task at most (None: all); at least the number of processes."""
+    batch_size: AtLeastOne = 8
+    """Sequences per forward, per process (scoring and generation)."""
+    max_length: AtLeastOne | None = None
+    """Longest model input in tokens; longer ones lose tokens from the left (None: the model's max_position_embeddings)."""
+    max_gen_toks: AtLeastOne = 256
+    """Tokens a generation task generates at most when the task does not say."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (for instruct/chat models)."""
+    log_samples: bool = False
+    """Also write every document's prompts, responses and scores (samples_<task>.jsonl)."""
+    seed: int = 0
+    """Seed of lm-eval's few-shot sampling and of sampled generations."""
+    device: Literal["cpu", "cuda"] | None = None
+    """Device (None: CUDA when available)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Model dtype."""
+
+
+@dataclass(kw_only=True)
 class LoRADPOArgs(LoRAFinetuneArgs):
     """Settings of lora_dpo_distributed: LoRA preference tuning with the DPO family of losses."""
 

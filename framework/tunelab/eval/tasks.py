@@ -1,0 +1,170 @@
+"""Running lm-eval tasks on a model: which tasks, the run, the results table.
+
+A task is named as lm-eval's registry names it (``hellaswag``, ``mmlu``, ``arc_easy``) or
+given as a task YAML file, or a folder of them (every task the folder defines). Indexing
+lm-eval's registry of over ten thousand task files takes half a minute, so it is read only
+when a registry name is asked for.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tunelab.errors import ConfigError, first_line
+from tunelab.eval import _lm_eval  # noqa: F401  (the install hint when lm-eval is missing)
+
+__all__ = ["evaluate", "resolve_tasks", "results_table"]
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _looks_like_path(task: str) -> bool:
+    return "/" in task or task.endswith(_YAML_SUFFIXES) or task.startswith(".")
+
+
+def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str], Any]:
+    """The task names and YAML paths to run, and the ``TaskManager`` that finds them.
+
+    Args:
+        tasks: Registry names, task YAML files, or folders of task YAML files.
+
+    Returns:
+        ``(specs, task_manager)``: ``specs`` as ``lm_eval.simple_evaluate`` takes them
+        (a folder becomes the names of the tasks it defines).
+
+    Raises:
+        ConfigError: A path that does not exist, a folder without tasks, or a name neither
+            the registry nor the given folders know (with the closest names).
+    """
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ConfigError("no tasks to evaluate: give tasks, e.g. tasks=[arc_easy]")
+    folders: list[Path] = []
+    for task in tasks:
+        path = Path(task).expanduser()
+        if path.is_dir():
+            folders.append(path.resolve())
+        elif _looks_like_path(task) and not path.is_file():
+            raise ConfigError(f"task {task!r}: no such task file or folder")
+        elif path.is_file() and not task.endswith(_YAML_SUFFIXES):
+            raise ConfigError(f"task {task!r}: a task file is a .yaml or .yml file")
+    registry_names = [t for t in tasks if not Path(t).expanduser().exists()]
+    manager = TaskManager(include_path=folders or None, include_defaults=bool(registry_names))
+    specs: list[str] = []
+    for task in tasks:
+        path = Path(task).expanduser()
+        if path.is_dir():
+            folder = path.resolve()
+            defined = sorted(
+                name
+                for name, entry in manager.task_index.items()
+                if entry.yaml_path is not None
+                and Path(entry.yaml_path).resolve().parent == folder
+                and entry.kind.name in ("TASK", "PY_TASK", "GROUP")
+            )
+            if not defined:
+                raise ConfigError(
+                    f"task folder {task}: defines no task (no YAML with a 'task' key)"
+                )
+            specs += defined
+        elif path.is_file():
+            specs.append(str(path.resolve()))
+        elif task not in manager.all_tasks:
+            close = difflib.get_close_matches(task, manager.all_tasks, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"task {task!r} is not in lm-eval's registry{hint}")
+        else:
+            specs.append(task)
+    return list(dict.fromkeys(specs)), manager
+
+
+def evaluate(
+    lm: Any,
+    tasks: Sequence[str],
+    *,
+    num_fewshot: int | None = None,
+    limit: int | None = None,
+    apply_chat_template: bool = False,
+    log_samples: bool = False,
+    seed: int = 0,
+) -> dict[str, Any] | None:
+    """Evaluate ``lm`` on lm-eval tasks (every rank calls it; rank 0 gets the results).
+
+    Args:
+        lm: An lm-eval ``LM``, e.g. :class:`~tunelab.eval.TunelabLM`.
+        tasks: Registry names, task YAML files or folders.
+        num_fewshot: Examples in each prompt (None: each task's own setting).
+        limit: Documents per task at most (None: all).
+        apply_chat_template: Render prompts with the tokenizer's chat template.
+        log_samples: Keep every document's requests and responses under ``samples``.
+        seed: Seed of lm-eval's few-shot sampling and shuffles.
+
+    Returns:
+        lm-eval's results dict on rank 0 (``results``, ``configs``, ``versions``,
+        ``n-shot``, ... and ``samples`` with ``log_samples``); None on the other ranks.
+
+    Raises:
+        ConfigError: An unknown task, or a task whose dataset must come from the Hugging Face
+            Hub while the hub cannot be reached (offline): the message names the task.
+    """
+    import lm_eval
+
+    specs, manager = resolve_tasks(tasks)
+    # lm-eval logs a warning per metric of a local task without aggregation settings.
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    try:
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=specs,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            apply_chat_template=apply_chat_template,
+            log_samples=log_samples,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    except (ConnectionError, OSError) as error:
+        raise _unreachable_dataset(specs, manager, error) from None
+
+
+def _unreachable_dataset(specs: list[str], manager: Any, error: Exception) -> Exception:
+    """Name the task whose dataset could not be fetched (each task loaded alone to find it)."""
+    from lm_eval.tasks import get_task_dict
+
+    if not isinstance(error, ConnectionError) and "hub" not in str(error).lower():
+        return error
+    for spec in specs:
+        try:
+            get_task_dict([spec], manager)
+        except (ConnectionError, OSError) as task_error:
+            return ConfigError(
+                f"task {Path(spec).name if Path(spec).is_file() else spec!r}: its dataset could "
+                f"not be loaded without the Hugging Face Hub ({first_line(task_error)}); run "
+                "once with network access to cache it, or give a task over local files"
+            )
+    return ConfigError(f"a task's dataset could not be loaded: {first_line(error)}")
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """lm-eval's results as one table: task, filter, shots, metric, value and stderr.
+
+    Args:
+        results: What :func:`evaluate` returns on rank 0.
+
+    Returns:
+        The table (Markdown, as ``lm_eval`` prints it).
+    """
+    from lm_eval.utils import make_table
+
+    table = make_table(results)
+    if results.get("groups"):
+        table += "\n" + make_table(results, "groups")
+    return table
