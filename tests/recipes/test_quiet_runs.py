@@ -35,6 +35,8 @@ def test_a_shipped_tiny_config_runs_without_library_warnings(config, tmp_path):
     recipe = yaml.safe_load(text)["recipe"]
     if recipe == "generate":
         overrides = ["max_new_tokens=4"]
+    elif recipe == "eval":
+        overrides = [f"output_dir={tmp_path / 'out'}", "limit=2"]
     else:  # One short epoch still validates, saves, exports and finishes like a full run.
         overrides = [f"output_dir={tmp_path / 'out'}", "epochs=1", "max_steps_per_epoch=2"]
     nproc = _processes(text)

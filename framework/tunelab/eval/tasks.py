@@ -26,15 +26,16 @@ def _looks_like_path(task: str) -> bool:
     return "/" in task or task.endswith(_YAML_SUFFIXES) or task.startswith(".")
 
 
-def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str], Any]:
+def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str | dict[str, Any]], Any]:
     """The task names and YAML paths to run, and the ``TaskManager`` that finds them.
 
     Args:
         tasks: Registry names, task YAML files, or folders of task YAML files.
 
     Returns:
-        ``(specs, task_manager)``: ``specs`` as ``lm_eval.simple_evaluate`` takes them
-        (a folder becomes the names of the tasks it defines).
+        ``(specs, task_manager)``: ``specs`` as ``lm_eval.simple_evaluate`` takes them (a
+        folder becomes the names of the tasks it defines; a task file whose ``data_files``
+        are relative becomes its config, those paths taken from the file's folder).
 
     Raises:
         ConfigError: A path that does not exist, a folder without tasks, or a name neither
@@ -73,14 +74,45 @@ def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str], Any]:
                 )
             specs += defined
         elif path.is_file():
-            specs.append(str(path.resolve()))
+            specs.append(_task_file_spec(path.resolve()))
         elif task not in manager.all_tasks:
             close = difflib.get_close_matches(task, manager.all_tasks, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"task {task!r} is not in lm-eval's registry{hint}")
         else:
             specs.append(task)
-    return list(dict.fromkeys(specs)), manager
+    unique: dict[str, str | dict[str, Any]] = {}
+    for spec in specs:  # a task named twice runs once
+        unique.setdefault(spec if isinstance(spec, str) else spec["task"], spec)
+    return list(unique.values()), manager
+
+
+def _task_file_spec(path: Path) -> str | dict[str, Any]:
+    """A task YAML file as lm-eval takes it, its relative ``data_files`` made relative to it.
+
+    lm-eval hands ``dataset_kwargs.data_files`` to ``datasets``, which reads relative paths
+    from the working directory; a task shipped with its data next to it should work from
+    anywhere, so such paths are resolved against the YAML's folder (the task then goes to
+    lm-eval as its config dict).
+    """
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    config = load_yaml(path)
+    data_files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if data_files is None or not isinstance(config.get("task"), str):
+        return str(path)
+
+    def anchored(value: Any) -> Any:
+        if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
+            return str(path.parent / value)
+        if isinstance(value, list):
+            return [anchored(item) for item in value]
+        if isinstance(value, dict):
+            return {key: anchored(item) for key, item in value.items()}
+        return value
+
+    config["dataset_kwargs"] = {**config["dataset_kwargs"], "data_files": anchored(data_files)}
+    return config
 
 
 def evaluate(
@@ -135,7 +167,7 @@ def evaluate(
         raise _unreachable_dataset(specs, manager, error) from None
 
 
-def _unreachable_dataset(specs: list[str], manager: Any, error: Exception) -> Exception:
+def _unreachable_dataset(specs: list[Any], manager: Any, error: Exception) -> Exception:
     """Name the task whose dataset could not be fetched (each task loaded alone to find it)."""
     from lm_eval.tasks import get_task_dict
 
@@ -145,8 +177,9 @@ def _unreachable_dataset(specs: list[str], manager: Any, error: Exception) -> Ex
         try:
             get_task_dict([spec], manager)
         except (ConnectionError, OSError) as task_error:
+            name = spec.get("task") if isinstance(spec, dict) else spec
             return ConfigError(
-                f"task {Path(spec).name if Path(spec).is_file() else spec!r}: its dataset could "
+                f"task {name!r}: its dataset could "
                 f"not be loaded without the Hugging Face Hub ({first_line(task_error)}); run "
                 "once with network access to cache it, or give a task over local files"
             )
