@@ -169,21 +169,29 @@ def evaluate(
 
 def _unreachable_dataset(specs: list[Any], manager: Any, error: Exception) -> Exception:
     """Name the task whose dataset could not be fetched (each task loaded alone to find it)."""
-    from lm_eval.tasks import get_task_dict
-
     if not isinstance(error, ConnectionError) and "hub" not in str(error).lower():
         return error
     for spec in specs:
         try:
-            get_task_dict([spec], manager)
+            manager.load([spec])
         except (ConnectionError, OSError) as task_error:
-            name = spec.get("task") if isinstance(spec, dict) else spec
+            name = spec.get("task") if isinstance(spec, dict) else _task_name(spec)
             return ConfigError(
                 f"task {name!r}: its dataset could "
                 f"not be loaded without the Hugging Face Hub ({first_line(task_error)}); run "
                 "once with network access to cache it, or give a task over local files"
             )
     return ConfigError(f"a task's dataset could not be loaded: {first_line(error)}")
+
+
+def _task_name(spec: str) -> str:
+    # A task file is named by its `task:` key (the path when it has none).
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if not Path(spec).is_file():
+        return spec
+    name = load_yaml(spec, resolve_func=False).get("task")
+    return name if isinstance(name, str) else spec
 
 
 def results_table(results: dict[str, Any]) -> str:
