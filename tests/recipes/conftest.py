@@ -229,6 +229,17 @@ def lora_2p(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_1p(tmp_path_factory) -> Path:
+    """``tiny/lora`` on 1 process of batch 16 (the global batch of ``lora_2p``), COMMON settings."""
+    out = tmp_path_factory.mktemp("lora_1p")
+    tunelab_run(
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=16", *COMMON,
+        nproc=1,
+    )  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="session")
 def full_2p(tmp_path_factory) -> Path:
     """``tiny/full`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
     return _reference_run(tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full")
@@ -254,3 +265,24 @@ def dpo_2p(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
         "checkpoint.keep_last_n_checkpoints=null",
     )
     return out, {row["step"]: row for row in read_metrics(out) if "loss" in row}
+
+
+# The tiny/lora run the checkpoint-trust and forged-field tests damage copies of: 2 processes of
+# batch 8, a committed checkpoint every 2 steps (step_2, step_4, step_6), no validation.
+EVERY_2 = [
+    "epochs=1",
+    f"max_steps_per_epoch={STEPS}",
+    "batch_size=8",
+    "run_val_every_n_steps=null",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=2",
+    "checkpoint.keep_last_n_checkpoints=null",
+]
+
+
+@pytest.fixture(scope="session")
+def lora_2p_every_2(tmp_path_factory) -> Path:
+    """``tiny/lora`` with the EVERY_2 settings (read-only: copy it)."""
+    out = tmp_path_factory.mktemp("lora_every_2")
+    tunelab_run("lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *EVERY_2)
+    return out

@@ -14,20 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.conftest import TUNELAB, interrupted_copy, losses_by_step, run_env, tunelab_run
+from tests.recipes.conftest import (
+    EVERY_2,
+    STEPS,
+    TUNELAB,
+    interrupted_copy,
+    losses_by_step,
+    run_env,
+    tunelab_run,
+)
 from tunelab.checkpoint.layout import temporary_name
 
 pytestmark = pytest.mark.slow
-STEPS = 6
-COMMON = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
-    "batch_size=8",
-    "run_val_every_n_steps=null",
-    "lr_scheduler.num_warmup_steps=0",
-    "checkpoint.save_every_n_steps=2",
-    "checkpoint.keep_last_n_checkpoints=null",
-]
+COMMON = EVERY_2
 
 
 class _Payload:
@@ -60,10 +59,8 @@ def _assert_same_losses(actual, expected, steps, tol=1e-6):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    _run(out)
-    return out
+def reference(lora_2p_every_2):
+    return lora_2p_every_2
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,18 @@ import json
 
 import pytest
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, read_metrics, tunelab_run
+from tests.recipes.conftest import (
+    EVERY_2,
+    STEPS,
+    interrupted_copy,
+    losses_by_step,
+    read_metrics,
+    tunelab_run,
+)
 from tunelab.checkpoint import integrity
 
 pytestmark = pytest.mark.slow
-STEPS = 6
-COMMON = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
-    "batch_size=8",
-    "run_val_every_n_steps=null",
-    "lr_scheduler.num_warmup_steps=0",
-    "checkpoint.save_every_n_steps=2",
-    "checkpoint.keep_last_n_checkpoints=null",
-]
+COMMON = EVERY_2
 
 
 def _run(out, *extra):
@@ -33,10 +31,8 @@ def _run(out, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    _run(out)
-    return out
+def reference(lora_2p_every_2):
+    return lora_2p_every_2
 
 
 def _rewrite_manifest(step_dir, change):

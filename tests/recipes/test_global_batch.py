@@ -49,13 +49,9 @@ def test_a_2_process_checkpoint_resumed_on_1_keeps_the_global_batch(lora_2p, tmp
     _assert_same_run(out, lora_2p, 1e-5)
 
 
-def test_a_1_process_checkpoint_resumed_on_2_keeps_the_global_batch(lora_2p, tmp_path):
-    one = tmp_path / "one"
-    tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={one}", "batch_size=16", *COMMON,
-        nproc=1,
-    )  # fmt: skip
-    out = interrupted_copy(one, tmp_path / "run", after_step=3)
+def test_a_1_process_checkpoint_resumed_on_2_keeps_the_global_batch(lora_1p, lora_2p, tmp_path):
+    # lora_1p: 1 process of batch_size=16.
+    out = interrupted_copy(lora_1p, tmp_path / "run", after_step=3)
     # batch_size=16 per process on 2 processes would be 32 samples per step.
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=16", *COMMON,
@@ -78,12 +74,15 @@ def test_a_global_batch_that_cannot_be_kept_is_one_clear_error(lora_2p, tmp_path
     line = [line for line in result.stderr.splitlines() if line.startswith("tunelab: error")]
     assert line and "global batch of 16 samples per step, which 3 processes cannot split" in line[0]
     assert "allow_global_batch_change=true" in line[0]
-    # Allowed explicitly, the run goes on with the configured batch (24 samples per step).
+    # Allowed explicitly, the run goes on with the configured batch, 24 samples per step (on
+    # 1 process of 24, cheaper than 3 of 8 here): the 48 samples of steps 1-3 are 2 such
+    # steps, so the epoch goes on at its step 3 of 6 and the run ends at global step 3 + 4.
     allowed = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
-        RESUME, "allow_global_batch_change=true", nproc=3,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=24", *COMMON,
+        RESUME, "allow_global_batch_change=true", nproc=1,
     )  # fmt: skip
-    assert "keeping" not in allowed.stdout
+    assert "keeping" not in allowed.stdout and "finished at step 7" in allowed.stdout
+    assert losses_by_step(out)[4] != losses_by_step(lora_2p)[4]  # another batch: another run
 
 
 def test_a_2_process_checkpoint_resumed_on_4_with_hsdp_keeps_the_global_batch(lora_2p, tmp_path):

@@ -70,13 +70,6 @@ def full_expected():
     return {1: sft_step_one_loss("tiny/full", global_batch=16), **FULL_GOLDEN}
 
 
-@pytest.fixture(scope="module")
-def lora_1p(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_1p")
-    _run("lora_finetune_distributed", "tiny/lora", out, nproc=1)
-    return out
-
-
 def test_lora_losses_match_golden_and_fall(lora_2p, lora_expected):
     losses = losses_by_step(lora_2p)
     assert sorted(losses) == list(range(1, STEPS + 1))
