@@ -29,8 +29,10 @@ demo: install
 	$(VENV)/bin/tunelab run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora output_dir=outputs/demo
 	$(VENV)/bin/tunelab run generate --config tiny/generate checkpoint_dir=outputs/demo/epoch_2
 
+# Two workers, each test file whole on one (its module-scoped runs made once); the shared
+# session runs of tests/recipes/conftest.py are made once for both (a file lock).
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The fast tests against the declared floors: the same torch, and transformers, peft, tensorboard
 # and wandb pinned at their `>=` floors in the dev extras (.ci/floor_requirements.py reads them).

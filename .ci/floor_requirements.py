@@ -1,7 +1,8 @@
 """Print the dev extras' libraries pinned at their floors, for `make test-min`.
 
 Each ``"name>=X"`` in the ``dev = [...]`` list of pyproject.toml's optional dependencies becomes
-``name==X``, except the tools (pytest, ruff, hatchling), whose floors say nothing about the code.
+``name==X``, except the tools (pytest, pytest-xdist, ruff, hatchling), whose floors say
+nothing about the code.
 Read with a regular expression, not tomllib, so it runs on every Python tunelab supports.
 """
 
@@ -9,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-TOOLS = {"pytest", "ruff", "hatchling"}
+TOOLS = {"pytest", "pytest-xdist", "ruff", "hatchling"}
 
 
 def floor_pins(pyproject_text: str) -> list[str]:

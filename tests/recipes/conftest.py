@@ -206,14 +206,27 @@ COMMON = [
 ]
 
 
-def _reference_run(tmp_path_factory, name: str, recipe: str, config: str) -> Path:
-    """``config`` on one node, 2 processes of batch 8, COMMON settings, in a fresh folder.
+def shared_run(tmp_path_factory, name: str, recipe: str, config: str, *overrides: str,
+               nproc: int = 2) -> Path:  # fmt: skip
+    """A run made once per test session and shared read-only (copy it to change it).
 
+    Under pytest-xdist each worker is its own session: the first worker to ask makes the run
+    in the folder all workers share, under a file lock; the others wait for it and reuse it.
     What the run printed is kept beside the folder, in ``launch_output(out)``.
     """
-    out = tmp_path_factory.mktemp(name)
-    result = tunelab_run(recipe, config, f"output_dir={out}", "batch_size=8", *COMMON)
-    launch_output(out).write_text(result.stdout + result.stderr)
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / f"shared_{name}"
+    done = out.with_name(out.name + ".done")
+    with FileLock(f"{out}.lock"):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a run that failed in another worker
+            result = tunelab_run(recipe, config, f"output_dir={out}", *overrides, nproc=nproc)
+            launch_output(out).write_text(result.stdout + result.stderr)
+            done.touch()
     return out
 
 
@@ -225,24 +238,28 @@ def launch_output(out: Path) -> Path:
 @pytest.fixture(scope="session")
 def lora_2p(tmp_path_factory) -> Path:
     """``tiny/lora`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
-    return _reference_run(tmp_path_factory, "lora_2p", "lora_finetune_distributed", "tiny/lora")
+    return shared_run(
+        tmp_path_factory, "lora_2p", "lora_finetune_distributed", "tiny/lora", "batch_size=8",
+        *COMMON,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def lora_1p(tmp_path_factory) -> Path:
     """``tiny/lora`` on 1 process of batch 16 (the global batch of ``lora_2p``), COMMON settings."""
-    out = tmp_path_factory.mktemp("lora_1p")
-    tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=16", *COMMON,
-        nproc=1,
+    return shared_run(
+        tmp_path_factory, "lora_1p", "lora_finetune_distributed", "tiny/lora", "batch_size=16",
+        *COMMON, nproc=1,
     )  # fmt: skip
-    return out
 
 
 @pytest.fixture(scope="session")
 def full_2p(tmp_path_factory) -> Path:
     """``tiny/full`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
-    return _reference_run(tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full")
+    return shared_run(
+        tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full", "batch_size=8",
+        *COMMON,
+    )  # fmt: skip
 
 
 # The tiny/lora_dpo run test_lora_dpo checks and the copied-recipe test compares with: DPO_STEPS
@@ -254,16 +271,11 @@ DPO_SAVE_AT = 20
 @pytest.fixture(scope="session")
 def dpo_2p(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
     """The tiny/lora_dpo run (read-only) and its training rows of metrics.jsonl by step."""
-    out = tmp_path_factory.mktemp("dpo_full")
-    tunelab_run(
-        "lora_dpo_distributed",
-        "tiny/lora_dpo",
-        f"output_dir={out}",
-        f"max_steps_per_epoch={DPO_STEPS}",
-        f"checkpoint.save_every_n_steps={DPO_SAVE_AT}",
-        "checkpoint.enable_async_checkpointing=true",
-        "checkpoint.keep_last_n_checkpoints=null",
-    )
+    out = shared_run(
+        tmp_path_factory, "dpo_2p", "lora_dpo_distributed", "tiny/lora_dpo",
+        f"max_steps_per_epoch={DPO_STEPS}", f"checkpoint.save_every_n_steps={DPO_SAVE_AT}",
+        "checkpoint.enable_async_checkpointing=true", "checkpoint.keep_last_n_checkpoints=null",
+    )  # fmt: skip
     return out, {row["step"]: row for row in read_metrics(out) if "loss" in row}
 
 
@@ -283,6 +295,6 @@ EVERY_2 = [
 @pytest.fixture(scope="session")
 def lora_2p_every_2(tmp_path_factory) -> Path:
     """``tiny/lora`` with the EVERY_2 settings (read-only: copy it)."""
-    out = tmp_path_factory.mktemp("lora_every_2")
-    tunelab_run("lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *EVERY_2)
-    return out
+    return shared_run(
+        tmp_path_factory, "lora_every_2", "lora_finetune_distributed", "tiny/lora", *EVERY_2
+    )
