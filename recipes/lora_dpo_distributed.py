@@ -14,10 +14,7 @@ policy forwards, loss and backward over its micro-batches, then clip and step; t
 ``after_step`` logs, validates, exports and saves), clean-up.
 """
 
-import torch
-
 import tunelab.peft as peft
-from tunelab import ConfigError
 from tunelab.config import LoRADPOArgs, instantiate
 from tunelab.data import padded_collate_dpo
 from tunelab.distributed import (
@@ -27,7 +24,7 @@ from tunelab.distributed import (
     resolve_dtype,
 )
 from tunelab.lifecycle import RunFolder, recipe_main
-from tunelab.losses import PreferenceLoss, accumulate_metrics
+from tunelab.losses import accumulate_metrics
 from tunelab.training import (
     AfterStep,
     MetricLoggers,
@@ -40,6 +37,7 @@ from tunelab.training import (
     build_data,
     build_model,
     build_optimizer,
+    check_preference_loss,
     config_fingerprint,
     evaluate_preference,
     global_pair_count,
@@ -50,6 +48,7 @@ from tunelab.training import (
     preference_loss,
     resume,
     seed_everything,
+    step_references,
     to_device,
 )
 
@@ -67,12 +66,7 @@ def main(args: LoRADPOArgs) -> None:
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
-    loss_fn = instantiate(args.loss)
-    if not isinstance(loss_fn, PreferenceLoss):
-        raise ConfigError(
-            f"loss: lora_dpo_distributed needs a preference loss (tunelab.losses.DPOLoss, "
-            f"IPOLoss, HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
-        )
+    loss_fn = check_preference_loss(instantiate(args.loss), "lora_dpo_distributed")
     model = build_model(
         args.checkpoint_dir,
         device=device,
@@ -177,14 +171,11 @@ def main(args: LoRADPOArgs) -> None:
             micro_batches = [
                 to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
             ]
-            # Reference log-probs first, for all micro-batches under one swap (SimPO needs none),
-            # or looked up in the precomputed table.
-            references = [None] * len(micro_batches)
-            if precomputed is not None:
-                references = [precomputed.logps(b) for b in micro_batches]
-            elif loss_fn.needs_reference:
-                with torch.no_grad(), reference.active():
-                    references = [policy_forward(model, b, output=output) for b in micro_batches]
+            # Reference log-probs first: all micro-batches under one swap, or looked up in the
+            # precomputed table (SimPO needs none).
+            references = step_references(
+                model, micro_batches, loss_fn, reference, precomputed, output=output
+            )
             # The step's loss: the mean over all its pairs, across micro-batches and ranks.
             num_pairs = global_pair_count(micro_batches)
             sums = None

@@ -64,10 +64,12 @@ from tunelab.training.metric_logging import (
 )
 from tunelab.training.optim import adamw
 from tunelab.training.preference import (
+    check_preference_loss,
     evaluate_preference,
     global_pair_count,
     global_preference_metrics,
     preference_loss,
+    step_references,
 )
 from tunelab.training.profiler import StepProfiler
 from tunelab.training.progress import ProgressBar
@@ -155,6 +157,7 @@ __all__ = [
     "constant_schedule_with_warmup",
     "cosine_schedule_with_warmup",
     "evaluate",
+    "check_preference_loss",
     "evaluate_preference",
     "forward",
     "global_pair_count",
@@ -165,6 +168,7 @@ __all__ = [
     "peak_memory_gib",
     "policy_forward",
     "preference_loss",
+    "step_references",
     "resume",
     "seed_everything",
     "to_device",

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tunelab.distributed import all_reduce_sum
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 from tunelab.losses import (
     OutputLayer,
     PreferenceLoss,
@@ -29,6 +29,7 @@ from tunelab.losses.metrics import COUNT_KEY
 from tunelab.training.loop import to_device
 from tunelab.training.reference import (
     PolicyOutput,
+    PrecomputedReference,
     ReferenceLogps,
     ReferenceModel,
     num_pairs,
@@ -39,6 +40,43 @@ from tunelab.training.reference import (
 logger = logging.getLogger(__name__)
 
 _TOKENS_KEY = "num_tokens"
+
+
+def check_preference_loss(loss_fn: object, recipe: str) -> PreferenceLoss:
+    """``loss_fn`` if it is a DPO-family loss, else one clear error naming what it is.
+
+    Raises:
+        ConfigError: If the configured ``loss`` is not a ``PreferenceLoss``.
+    """
+    if not isinstance(loss_fn, PreferenceLoss):
+        raise ConfigError(
+            f"loss: {recipe} needs a preference loss (tunelab.losses.DPOLoss, IPOLoss, "
+            f"HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
+        )
+    return loss_fn
+
+
+def step_references(
+    model: nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    loss_fn: PreferenceLoss,
+    reference: ReferenceModel,
+    precomputed: PrecomputedReference | None,
+    *,
+    output: OutputLayer | None = None,
+) -> list[PolicyOutput | ReferenceLogps | None]:
+    """The reference log-probs of one optimizer step's micro-batches, before any policy forward.
+
+    Looked up in the precomputed table when there is one; else one reference forward per
+    micro-batch, all under one swap (``reference.active()``, no gradient); None each for a
+    reference-free loss (SimPO).
+    """
+    if precomputed is not None:
+        return [precomputed.logps(batch) for batch in micro_batches]
+    if not loss_fn.needs_reference:
+        return [None] * len(micro_batches)
+    with torch.no_grad(), reference.active():
+        return [policy_forward(model, batch, output=output) for batch in micro_batches]
 
 
 def preference_loss(
