@@ -25,7 +25,7 @@ token, and a trailing space of the context moves to the continuation.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -255,11 +255,13 @@ class TunelabLM(TemplateLM):
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
 
-    def _same_count_on_every_rank(self, batches: list[Any], filler: Any) -> Iterator[Any]:
-        """The batches, then placeholder ones until every rank has run as many."""
-        yield from batches
-        for _ in range(_collectives.max_over_ranks(len(batches)) - len(batches)):
-            yield filler
+    def _same_count_on_every_rank(self, batches: list[Any], filler: Any) -> list[Any]:
+        """The batches, then placeholder ones until every rank has as many.
+
+        The count is agreed on before any forward: a collective between two FSDP2 forwards
+        of another rank would pair with its all-gathers and hang.
+        """
+        return batches + [filler] * (_collectives.max_over_ranks(len(batches)) - len(batches))
 
     @torch.no_grad()
     def _hidden_states(self, batch: list[tuple[int, ...]]) -> torch.Tensor:
