@@ -30,6 +30,7 @@ def test_wheel_contains_builtins_and_assets(wheel):
     assert "tunelab/_builtin/configs/tiny/lora.yaml" in names
     assert "tunelab/assets/tiny/model.safetensors" in names
     assert "tunelab/assets/tiny/tokenizer.json" in names
+    assert "tunelab/assets/tiny_eval/next_number.jsonl" in names  # tiny/eval's local tasks
 
 
 def test_cli_finds_builtins_in_an_unpacked_wheel(wheel, tmp_path):
