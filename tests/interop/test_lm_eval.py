@@ -3,7 +3,8 @@
 The model is a random-init tiny Llama saved by transformers with the embedded tiny tokenizer;
 the tasks are written here as task YAML over local JSONL (one multiple-choice, one
 generate_until), so nothing needs a network. Per document: log-likelihoods within 1e-4, the
-same greedy flags and the same generations; per task: the same accuracy.
+same greedy flags and the same generations; per task: the same accuracy. Also: base + PEFT
+adapter scores as the merged export, and 2 processes (`tunelab run eval`) as 1.
 """
 
 import json
@@ -235,6 +236,51 @@ def test_a_task_that_needs_the_hub_offline_is_one_error_naming_it(
         evaluate(tunelab_lm, [str(task)], limit=2)
     with pytest.raises(ConfigError, match="no such task file"):
         evaluate(tunelab_lm, [str(tmp_path / "missing.yaml")])
+
+
+def test_base_plus_adapter_scores_as_the_merged_export(export, tasks, tmp_path):
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    import tunelab.peft as tunelab_peft
+    from tunelab.training import build_model
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(base, config)
+    adapted.save_pretrained(tmp_path / "adapter")
+    adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
+    for name in TOKENIZER_FILES:
+        shutil.copy(TINY / name, tmp_path / "merged" / name)
+    adapter_dir = str(tmp_path / "adapter")
+    lora = tunelab_peft.LoRAArgs.from_peft_config(tunelab_peft.read_adapter_config(adapter_dir))
+    with_adapter = build_model(
+        str(export),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        lora=lora,
+        adapter_dir=adapter_dir,
+    ).eval()
+    tokenizer = load_tokenizer(export)
+    merged_model = load_pretrained(tmp_path / "merged")
+    on_base = evaluate(TunelabLM(with_adapter, tokenizer), tasks[:1], log_samples=True)
+    merged = evaluate(TunelabLM(merged_model, tokenizer), tasks[:1], log_samples=True)
+    plain = evaluate(TunelabLM(load_pretrained(export), tokenizer), tasks[:1], log_samples=True)
+    scores = {
+        name: [
+            resp[0][0]
+            for sample in _by_doc(run, "t_next_number").values()
+            for resp in sample["resps"]
+        ]
+        for name, run in (("adapter", on_base), ("merged", merged), ("base", plain))
+    }
+    assert scores["adapter"] == pytest.approx(scores["merged"], abs=1e-4)
+    assert scores["adapter"] != pytest.approx(scores["base"], abs=1e-2)  # the adapter acts
+    key = "acc,none"
+    assert on_base["results"]["t_next_number"][key] == merged["results"]["t_next_number"][key]
 
 
 @pytest.mark.slow
