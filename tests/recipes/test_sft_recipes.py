@@ -242,13 +242,16 @@ def test_async_saves_let_training_go_on_and_sigkill_leaves_a_held_write_uncommit
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
+        # A held write cannot finish: a save that blocked until it did would never log step 3.
+        # The background writer reaches the gate in its own time (on a loaded machine maybe
+        # after step 3): wait for it, then step_2 must still be uncommitted.
         _wait_for(lambda: 3 in _logged_steps(out), process, "step 3 (step_2's write held)")
-        assert (gates / "step_2.writing").exists()
+        _wait_for((gates / "step_2.writing").exists, process, "step_2's write at its gate")
         assert not _is_committed(out, 2), "step_2 committed while its write was held"
         (gates / "step_2.hold").unlink()
         _wait_for(lambda: _is_committed(out, 2), process, "step_2's commit once released")
         _wait_for(lambda: 5 in _logged_steps(out), process, "step 5 (step_4's write held)")
-        assert (gates / "step_4.writing").exists()
+        _wait_for((gates / "step_4.writing").exists, process, "step_4's write at its gate")
         assert not _is_committed(out, 4), "step_4 committed while its write was held"
     finally:
         os.killpg(process.pid, signal.SIGKILL)

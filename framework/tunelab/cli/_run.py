@@ -24,7 +24,12 @@ from tunelab.lifecycle import (
     check_output_dir_free,
     stop_signals_blocked,
 )
-from tunelab.lifecycle.entry import ERROR_FILE_ENV, REPORTED_BY_LAUNCHER_ENV, _recipe_parser
+from tunelab.lifecycle.entry import (
+    ERROR_FILE_ENV,
+    REPORTED_BY_LAUNCHER_ENV,
+    STOP_LINE_FILE_ENV,
+    _recipe_parser,
+)
 from tunelab.lifecycle.preemption import signal_name
 
 USAGE = """\
@@ -268,9 +273,7 @@ def _recorded_line(data: object) -> str:
 def _run_torchrun(
     torchrun_args: list[str], recipe: Path, child_args: list[str], debug: bool
 ) -> int:
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "tunelab run"
@@ -304,6 +307,26 @@ def _run_torchrun(
         # On several nodes every node's launcher would check, and a node joining late would
         # find the lock taken by this very run: there, rank 0's own lock is the check.
         _check_output_dir(child_args)
+    # Rank 0's "stopped ... before a checkpoint was committed" line comes here, to be printed
+    # only when the run was really stopped, not when torchrun stopped it after a rank died.
+    stop_line = Path(tempfile.mkdtemp(prefix="tunelab-stop-")) / "line"
+    os.environ[STOP_LINE_FILE_ENV] = str(stop_line)
+    try:
+        return _launch(launch, recipe, stop_line)
+    finally:
+        shutil.rmtree(stop_line.parent, ignore_errors=True)
+
+
+def _print_stop_line(stop_line: Path) -> None:
+    with contextlib.suppress(OSError):
+        print(stop_line.read_text(), flush=True)
+
+
+def _launch(launch: argparse.Namespace, recipe: Path, stop_line: Path) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
     handlers = {signum: signal.getsignal(signum) for signum in _TORCHRUN_SIGNALS}
     try:
         try:
@@ -317,13 +340,15 @@ def _run_torchrun(
             for signum, handler in handlers.items():  # torchrun leaves its handlers in place.
                 signal.signal(signum, handler)
     except SignalException as err:
-        # The workers stopped (rank 0 printed the stop line), or a second signal cut the wait
-        # short and they die with this process. Nothing to add.
+        # The workers stopped (rank 0 printed the stop line, or left it here), or a second
+        # signal cut the wait short and they die with this process.
         _stop_workers_torchrun_missed(int(err.sigval))
+        _print_stop_line(stop_line)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
         if codes and all(f.exitcode in STOPPED_EXIT_CODES for f in err.failures.values()):
+            _print_stop_line(stop_line)
             return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
         rank, failure = _first_failure(err.failures)
         print(f"tunelab: error: {_describe_failure(recipe.stem, rank, failure)}", file=sys.stderr)

@@ -82,6 +82,16 @@ REPORTED_BY_LAUNCHER_ENV = "TUNELAB_LAUNCHER_REPORTS"
 """Set by ``tunelab run`` for its workers: it prints their recorded error lines itself."""
 
 
+STOP_LINE_FILE_ENV = "TUNELAB_STOP_LINE_FILE"
+"""Set by ``tunelab run``: where rank 0 writes "stopped by SIGTERM before a checkpoint was
+committed (...)" instead of printing it, when a collective broke after a stop signal.
+
+That happens in a real stop (a peer exited on the signal first), and also when a peer died on
+its own (the OOM killer) and torchrun then stopped the others: the launcher knows which, and
+prints the line only for a real stop (the failed rank's own error otherwise).
+"""
+
+
 def _rank() -> str:
     return os.environ.get("RANK", "0")
 
@@ -247,11 +257,17 @@ def recipe_main(
         if debug:
             raise
         first_line = next(iter(str(err).splitlines()), "")
-        _exit_stopped(
-            signum,
+        message = (
             f"stopped by {signal_name(signum)} before a checkpoint was committed "
-            f"({type(err).__name__}: {first_line})",
+            f"({type(err).__name__}: {first_line})"
         )
+        stop_line_file = os.environ.get(STOP_LINE_FILE_ENV)
+        if stop_line_file and os.environ.get("RANK", "0") == "0":
+            with open(stop_line_file, "w") as file:
+                file.write(message)
+            _close_progress_bars()
+            sys.exit(128 + signum)
+        _exit_stopped(signum, message)
     signum = signal_received()
     if signum is not None:  # It came after the training loop: the run itself completed.
         _exit_stopped(signum, f"stopped by {signal_name(signum)} after training ended")
