@@ -25,6 +25,7 @@ from tunelab.training import (
     AfterStep,
     MetricLoggers,
     NonFiniteGuard,
+    RouterLoss,
     Schedule,
     StepProfiler,
     batch_loss,
@@ -97,6 +98,8 @@ def main(args: FullFinetuneArgs) -> None:
     loss_fn = instantiate(args.loss)
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
+    # A mixture-of-experts model's router load-balancing loss joins the objective (dense: none).
+    router_loss = RouterLoss(model, args.router_aux_loss_coef)
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
@@ -143,9 +146,11 @@ def main(args: FullFinetuneArgs) -> None:
             num_tokens = global_token_count(micro_batches)
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             for batch in micro_batches:
-                loss_sum, _ = batch_loss(loss_fn, model, batch, output)
+                routing = router_loss.stats(batch)
+                loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
-                (loss_sum * dist_info.world_size / num_tokens).backward()
+                objective = loss_sum * dist_info.world_size / num_tokens
+                (objective + router_loss.term(routing, len(micro_batches))).backward()
                 total_loss += loss_sum.detach()
             loss = (all_reduce_sum(total_loss) / num_tokens).item()
             metrics = optimizer_step(
@@ -163,7 +168,7 @@ def main(args: FullFinetuneArgs) -> None:
                 global_step,
                 epoch,
                 step_in_epoch,
-                {**metrics, "loss": loss},
+                {**metrics, "loss": loss, **router_loss.step_metrics()},
                 num_tokens=num_tokens.item(),
             )
 

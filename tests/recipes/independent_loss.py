@@ -99,3 +99,29 @@ def dpo_step_one_logps(config: str, *overrides: str, global_batch: int) -> tuple
             loss, _ = _sum_logprobs(model, tokens, labels)
             sums[side] -= loss
     return sums["chosen"] / len(indices), sums["rejected"] / len(indices)
+
+
+def moe_step_one_router_loss(config: str, *overrides: str, global_batch: int) -> float:
+    """transformers' load-balancing loss (``aux_loss``) of the run's first batch, on 1 process.
+
+    The batch is the first ``global_batch`` samples (unpacked), right-padded as
+    ``padded_collate_sft`` pads them, with the attention mask of their own tokens: one
+    micro-batch, as a 1-process run of ``batch_size=global_batch`` forwards it.
+    """
+    from tunelab.config import instantiate, load_config
+
+    cfg = load_config(config, overrides)
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset = instantiate(cfg.dataset, tokenizer)
+    rows = [dataset[i]["tokens"] for i in _first_indices(len(dataset), global_batch, cfg.seed)]
+    length = max(map(len, rows))
+    tokens = torch.full((len(rows), length), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for row, ids in enumerate(rows):
+        tokens[row, : len(ids)] = torch.as_tensor(ids)
+        mask[row, : len(ids)] = 1
+    with torch.no_grad():
+        outputs = _hf_model(cfg.checkpoint_dir)(
+            tokens, attention_mask=mask, output_router_logits=True
+        )
+    return float(outputs.aux_loss)

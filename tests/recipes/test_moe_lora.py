@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, tunelab_run
+from tests.recipes.conftest import interrupted_copy, losses_by_step, read_metrics, tunelab_run
 from tunelab._paths import assets_dir
 
 transformers = pytest.importorskip("transformers")
@@ -26,6 +26,7 @@ _RUN = (
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=2",
     "checkpoint.enable_async_checkpointing=false",
+    "router_aux_loss_coef=0.01",  # the router term in the objective, resumed exactly too
 )
 
 
@@ -39,6 +40,7 @@ def test_two_process_moe_lora_resumes_exactly_and_exports_the_hub_layout(tmp_pat
     out = tmp_path / "run"
     tunelab_run("lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", *_RUN)
     losses = losses_by_step(out)
+    assert all(r["router_aux_loss"] > 0 for r in read_metrics(out) if "loss" in r)
     assert sorted(losses) == [1, 2, 3] and all(
         map(torch.isfinite, torch.tensor([*losses.values()]))
     )

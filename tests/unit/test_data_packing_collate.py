@@ -74,7 +74,12 @@ def test_collate_sft_right_pads():
         [-100, -100, 22, 23],
         [-100, 31, -100, -100],
     ]
-    assert set(batch) == {"tokens", "labels"}
+    assert set(batch) == {"tokens", "labels", "token_mask"}
+    assert batch["token_mask"].tolist() == [
+        [True, True, True, False],
+        [True, True, True, True],
+        [True, True, False, False],
+    ]
     labels = padded_collate_sft(SAMPLES[:2], pad_id=0, ignore_index=-1)["labels"]
     assert labels[0].tolist() == [-100, 11, 12, -1]
 
@@ -85,6 +90,7 @@ def test_collate_sft_stacks_packs():
     assert {k: tuple(v.shape) for k, v in batch.items()} == {
         "tokens": (2, 8),
         "labels": (2, 8),
+        "token_mask": (2, 8),
         "input_pos": (2, 8),
         "document_ids": (2, 8),
     }
@@ -95,6 +101,7 @@ def test_collate_sft_stacks_packs():
     mixed = padded_collate_sft([packs[0], short[0]], pad_id=0)
     assert mixed["document_ids"][1].tolist() == [0, 0, 1, 2, 2, 2, 2, 2]
     assert mixed["input_pos"][1].tolist() == [0, 1, 0, 3, 4, 5, 6, 7]
+    assert mixed["token_mask"][1].tolist() == [True] * 3 + [False] * 5
 
 
 DPO_PAIRS = [

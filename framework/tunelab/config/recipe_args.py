@@ -125,6 +125,8 @@ class FinetuneArgs(RecipeArgs):
     """Attention kernel: sdpa (scaled_dot_product_attention, is_causal for unpacked rows, a mask for packed ones, GQA without repeating K/V), flex (flex_attention with a block mask built from the packed documents, no [seq, seq] tensor; CUDA only for training), dense (a [batch, seq, seq] mask and repeated K/V: the former path) or auto (flex on CUDA, sdpa on CPU)."""
     chunked_output: bool = True
     """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), and only at scored positions (no logits for prompts or padding), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
+    router_aux_loss_coef: Annotated[float, Finite(), Range(ge=0)] | None = None
+    """Mixture-of-experts models: weight of the router's load-balancing loss in the training loss (logged as router_aux_loss); null: the model's router_aux_loss_coef when its config.json sets output_router_logits: true (as transformers does), else 0. Dense models ignore it."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
 
@@ -230,6 +232,12 @@ class EvalArgs(RecipeArgs):
     """Model dtype."""
 
 
+_NO_ROUTER_LOSS = (
+    "key 'router_aux_loss_coef': {recipe} does not add a router load-balancing loss yet "
+    "(the SFT recipes do): leave it null or 0"
+)
+
+
 @dataclass(kw_only=True)
 class LoRADPOArgs(LoRAFinetuneArgs):
     """Settings of lora_dpo_distributed: LoRA preference tuning with the DPO family of losses."""
@@ -246,6 +254,13 @@ class LoRADPOArgs(LoRAFinetuneArgs):
     """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
     reference_logps: Literal["live", "precompute"] = "live"
     """live: a reference forward per step; precompute: one pass over the dataset up front, none in steps."""
+
+    def check_settings(self) -> list[str]:
+        """The adapter checks, and no router loss weight (this recipe does not add it yet)."""
+        problems = super().check_settings()
+        if self.router_aux_loss_coef:
+            problems.append(_NO_ROUTER_LOSS.format(recipe="lora_dpo_distributed"))
+        return problems
 
 
 @dataclass(kw_only=True)
@@ -305,6 +320,8 @@ class GRPOArgs(LoRAFinetuneArgs):
                 problems.append("key 'adapter_dir': an adapter needs lora settings (lora is null)")
         else:
             problems = super().check_settings()
+        if self.router_aux_loss_coef:
+            problems.append(_NO_ROUTER_LOSS.format(recipe="grpo_distributed"))
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"

@@ -27,15 +27,18 @@ def padded_collate_sft(
         ignore_index: Label of padding.
 
     Returns:
-        ``tokens`` and ``labels`` LongTensors ``[batch, seq]``; for packed items also
-        ``input_pos`` and ``document_ids`` ``[batch, seq]``. Padded positions of packed items
-        (only when packs differ in length) take their column index as position and a
-        document id of their own.
+        ``tokens`` and ``labels`` LongTensors ``[batch, seq]``, ``token_mask`` (bool
+        ``[batch, seq]``: True at an item's tokens, False at padding; what a mixture-of-experts
+        router's load-balancing loss counts); for packed items also ``input_pos`` and
+        ``document_ids`` ``[batch, seq]``. Padded positions of packed items (only when packs
+        differ in length) take their column index as position and a document id of their own.
     """
     length = max(len(item["tokens"]) for item in batch)
+    lengths = torch.tensor([len(item["tokens"]) for item in batch])
     out = {
         "tokens": _pad([item["tokens"] for item in batch], length, pad_id),
         "labels": _pad([item["labels"] for item in batch], length, ignore_index),
+        "token_mask": torch.arange(length)[None, :] < lengths[:, None],
     }
     if "input_pos" in batch[0]:
         input_pos = torch.arange(length).repeat(len(batch), 1)

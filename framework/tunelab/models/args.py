@@ -88,6 +88,9 @@ class ModelArgs:
     router_aux_loss_coef: float = 0.0
     """Weight of the router's load-balancing loss in the training loss (HF
     ``router_aux_loss_coef``)."""
+    output_router_logits: bool = False
+    """HF ``output_router_logits``: whether transformers adds the load-balancing loss to the
+    training loss. The recipes' ``router_aux_loss_coef: null`` follows it."""
     extra_hf_config: dict[str, Any] = field(default_factory=dict)
     """Token ids and other HF config keys carried through to exported ``config.json``."""
 

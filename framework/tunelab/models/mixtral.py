@@ -40,7 +40,7 @@ class MixtralStateDictAdapter(MoEStateDictAdapter):
             num_experts_per_tok=args.num_experts_per_tok,
             router_aux_loss_coef=args.router_aux_loss_coef,
             router_jitter_noise=0.0,
-            output_router_logits=False,
+            output_router_logits=args.output_router_logits,
         )
         return self._with_identity(config, torch_dtype)
 
@@ -74,4 +74,5 @@ def mixtral_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         norm_topk_prob=True,
         router_weights_in_fp32=True,
         router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(config.get("output_router_logits", False)),
     )

@@ -40,7 +40,7 @@ class Qwen3MoeStateDictAdapter(MoEStateDictAdapter):
             decoder_sparse_step=1,
             mlp_only_layers=list(args.dense_layers),
             router_aux_loss_coef=args.router_aux_loss_coef,
-            output_router_logits=False,
+            output_router_logits=args.output_router_logits,
         )
         return self._with_identity(config, torch_dtype)
 
@@ -82,4 +82,5 @@ def qwen3_moe_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         dense_layers=dense_layers_from_hf(config, num_experts),
         router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(config.get("output_router_logits", False)),
     )

@@ -7,7 +7,7 @@ calls, each with one job:
   :func:`build_optimizer`, :func:`build_checkpoint_client`, :func:`resume`,
   :func:`config_fingerprint`;
 - the step: :func:`to_device`, :func:`output_layer`, :func:`forward`, :func:`batch_loss`,
-  :func:`global_token_count`,
+  :class:`RouterLoss`, :func:`global_token_count`,
   :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
@@ -45,6 +45,7 @@ from tunelab.training.grpo_rollouts import (
 from tunelab.training.grpo_validation import RolloutValidation
 from tunelab.training.loop import (
     NonFiniteGuard,
+    RouterLoss,
     batch_loss,
     evaluate,
     forward,
@@ -149,6 +150,7 @@ __all__ = [
     "TrainingData",
     "WandBLogger",
     "adamw",
+    "RouterLoss",
     "batch_loss",
     "build_checkpoint_client",
     "build_data",

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from tunelab.distributed import all_reduce_sum, reshard
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
+from tunelab.modules.moe import RouterStats
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,10 @@ def output_layer(model: nn.Module) -> OutputLayer:
 
 
 def forward(
-    model: nn.Module, batch: dict[str, torch.Tensor], output: OutputLayer | None = None
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    output: OutputLayer | None = None,
+    router_stats: RouterStats | None = None,
 ) -> torch.Tensor:
     """Run the model on a collated batch; packed batches attend within their documents.
 
@@ -51,20 +55,23 @@ def forward(
         model: The decoder.
         batch: ``tokens`` (and for packed batches ``document_ids`` and ``input_pos``).
         output: The model's :func:`output_layer` when the loss applies it chunk by chunk.
+        router_stats: Records a mixture-of-experts model's routing (:class:`RouterLoss`).
 
     Returns:
         Logits ``[batch, seq, vocab]``, or with ``output`` the final hidden states
         ``[batch, seq, dim]``.
     """
     hidden = output is not None
+    routing = {} if router_stats is None else {"router_stats": router_stats}
     if "document_ids" in batch:
         return model(
             batch["tokens"],
             document_ids=batch["document_ids"],
             input_pos=batch["input_pos"],
             return_hidden=hidden,
+            **routing,
         )
-    return model(batch["tokens"], return_hidden=hidden)
+    return model(batch["tokens"], return_hidden=hidden, **routing)
 
 
 def batch_loss(
@@ -72,16 +79,80 @@ def batch_loss(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None = None,
+    router_stats: RouterStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's forward on ``batch`` and ``loss_fn`` of it: ``(loss_sum, num_tokens)``.
 
     With ``output`` (the model's :func:`output_layer`) the model returns its hidden states and
     the loss applies the output layer chunk by chunk: the logits never exist whole. Without,
-    the loss gets the logits (any loss taking ``(logits, labels)`` works).
+    the loss gets the logits (any loss taking ``(logits, labels)`` works). ``router_stats``
+    records a mixture-of-experts model's routing during the forward (:class:`RouterLoss`).
     """
     if output is None:
-        return loss_fn(forward(model, batch), batch["labels"])
-    return loss_fn(forward(model, batch, output), batch["labels"], output=output)
+        return loss_fn(forward(model, batch, None, router_stats), batch["labels"])
+    return loss_fn(forward(model, batch, output, router_stats), batch["labels"], output=output)
+
+
+class RouterLoss:
+    """A mixture-of-experts model's load-balancing loss, added to the training objective.
+
+    Each micro-batch's forward records its routing (:meth:`stats`: the tokens of
+    ``token_mask`` count, padding does not; packed documents all do, as transformers'
+    ``load_balancing_loss_func`` with an ``attention_mask``); its loss, times the
+    coefficient and divided by the step's micro-batches (:meth:`term`), joins that
+    micro-batch's backward, so the step's router term is the mean over micro-batches and
+    (FSDP2 averaging gradients) ranks, as in transformers' training loss. The logged
+    ``router_aux_loss`` (:meth:`step_metrics`) is that mean, before the coefficient; the
+    logged ``loss`` stays the token loss. A dense model, or a coefficient of 0: every method
+    is a no-op.
+
+    Args:
+        model: The decoder (sharded or not).
+        coefficient: The weight; None takes the model's ``router_aux_loss_coef`` when its
+            ``config.json`` sets ``output_router_logits: true`` (when transformers adds it to
+            the loss), else 0.
+    """
+
+    def __init__(self, model: nn.Module, coefficient: float | None) -> None:
+        args = getattr(model, "args", None)
+        is_moe = args is not None and getattr(args, "num_experts", 0) > 0
+        if coefficient is None:
+            coefficient = args.router_aux_loss_coef if is_moe and args.output_router_logits else 0.0
+        self.coefficient = float(coefficient) if is_moe else 0.0
+        self._device = next(model.parameters()).device
+        self._sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        self._count = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model routes and the loss has a weight."""
+        return self.coefficient > 0
+
+    def stats(self, batch: dict[str, torch.Tensor]) -> RouterStats | None:
+        """A record for one micro-batch's forward, or None when disabled."""
+        return RouterStats(batch.get("token_mask")) if self.enabled else None
+
+    def term(self, stats: RouterStats | None, num_micro_batches: int) -> torch.Tensor | float:
+        """The micro-batch's share of the objective: ``coefficient * loss / micro-batches``."""
+        if stats is None:
+            return 0.0
+        loss = stats.loss()
+        self._sum = self._sum + loss.detach().to(self._sum)
+        self._count += 1
+        return loss * (self.coefficient / num_micro_batches)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's ``router_aux_loss``: its mean over micro-batches and ranks.
+
+        A collective when enabled (every rank calls it); then the next step starts from zero.
+        ``{}`` when disabled.
+        """
+        if not self.enabled:
+            return {}
+        count = torch.tensor(float(self._count), dtype=torch.float64, device=self._device)
+        total = all_reduce_sum(torch.stack([self._sum, count]))
+        self._sum, self._count = torch.zeros_like(self._sum), 0
+        return {"router_aux_loss": (total[0] / total[1].clamp(min=1)).item()}
 
 
 def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
