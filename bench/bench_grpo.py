@@ -177,13 +177,14 @@ def trl_steps(args: argparse.Namespace, scratch: Path) -> dict[str, float]:
     generation = {"seconds": 0.0, "tokens": 0, "on": False}
 
     class StepTimes(TrainerCallback):
-        def on_step_begin(self, *_, **__):
+        def on_step_begin(self, _args, state, *__, **___):
+            # global_step counts finished steps: 0 during the warm-up step.
+            generation["on"] = state.global_step >= 1
             self.start = time.perf_counter()
 
         def on_step_end(self, _args, state, *__, **___):
             if state.global_step > 1:  # the first step warms up
                 step_times.append(time.perf_counter() - self.start)
-                generation["on"] = True
 
     def regex_reward(completions, **_):
         import re

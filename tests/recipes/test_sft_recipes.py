@@ -342,11 +342,13 @@ def test_bf16_mixed_precision_runs_close_to_fp32(bf16_2p, lora_expected):
 
 def test_bf16_mixed_precision_on_one_process_follows_two(bf16_2p, tmp_path):
     # One process is wrapped with FSDP2 too (a 1-rank mesh), since FSDP2 does the bf16 casting.
-    # Measured: 5e-7 from the 2-process bf16 losses at step 1, 3e-5 at step 2; fp32 is 1.4e-2
-    # away at step 2, so a run that ignored mixed_precision fails here.
+    # Its micro-batches have a rank's shape (8 rows, 2 accumulated = the global 16): bf16 matmul
+    # kernels round by shape (AMX on a Sapphire Rapids put one 16-row batch 2.5e-3 away at step
+    # 2, an AMD EPYC 3e-5). Measured so: equal at step 1, 5.5e-5 at step 2; fp32 is 1.6e-2 away
+    # at step 2, so a run that ignored mixed_precision fails here.
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "batch_size=16", *BF16,
-        nproc=1,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "batch_size=8",
+        "gradient_accumulation_steps=2", *BF16, nproc=1,
     )  # fmt: skip
     losses = losses_by_step(tmp_path)
     _assert_same_losses(losses, losses_by_step(bf16_2p), [1, 2], 1e-3)
