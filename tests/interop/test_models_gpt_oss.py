@@ -2,10 +2,12 @@
 checkpoints, exports and LoRA.
 
 The tiny random model has every feature switched on: attention biases and sinks (random, so
-they matter), a sliding layer (window 5) and a full one under 17-token sequences, YaRN
-(factor 4 over 16 original positions, ``truncate: false`` as gpt-oss ships it), routers with
+they matter), a sliding layer (window 5) and a full one under 17-token sequences, YaRN, routers with
 biases and large weights (decisive routing), expert biases, and expert weights large enough,
 under a ``swiglu_limit`` of 1, that the clamps bite.
+
+YaRN is gpt-oss's own (factor 32 over 4096 original positions, ``truncate: false``); with
+``head_dim`` 12 its ramp bounds fall between pairs, so ``truncate`` changes the tables.
 """
 
 import json
@@ -42,11 +44,11 @@ VOCAB = 97
 WINDOW = 5
 YARN = {
     "rope_type": "yarn",
-    "factor": 4.0,
+    "factor": 32.0,
     "beta_fast": 32.0,
     "beta_slow": 1.0,
     "truncate": False,
-    "original_max_position_embeddings": 16,
+    "original_max_position_embeddings": 4096,
 }
 CONFIG = dict(
     vocab_size=VOCAB,
@@ -59,7 +61,7 @@ CONFIG = dict(
     num_local_experts=8,
     num_experts_per_tok=3,
     sliding_window=WINDOW,
-    max_position_embeddings=64,
+    max_position_embeddings=131072,
     swiglu_limit=1.0,
     router_aux_loss_coef=0.02,
     tie_word_embeddings=False,
@@ -237,6 +239,15 @@ def test_kv_cache_generation_equals_transformers_generate(checkpoints):
             tokens = torch.cat([tokens, next_token], dim=1)
     assert tokens[0, 6:].tolist() == theirs
     assert generate(model, prompt[0].tolist(), max_new_tokens=12) == theirs
+    # The cached forwards' logits (the dense path, sinks included) equal full forwards'.
+    with torch.no_grad():
+        full = hf_model(tokens).logits
+        model.setup_caches(1, tokens.shape[1])
+        steps = [(0, 6), *((position, position + 1) for position in range(6, tokens.shape[1]))]
+        for start, stop in steps:
+            positions = torch.arange(start, stop)[None]
+            logits = model(tokens[:, start:stop], input_pos=positions)
+            assert _max_error(logits, full[:, start:stop]) <= TOLERANCE, start
 
 
 def test_router_aux_loss_matches_transformers(checkpoints):
