@@ -18,8 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.mxfp4_codes import mxfp4_codes
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
-from tunelab.checkpoint.mxfp4 import FP4_E2M1_VALUES, dequantize_mxfp4
+from tunelab.checkpoint.mxfp4 import dequantize_mxfp4
 from tunelab.config.lora import LoRAArgs
 from tunelab.errors import CheckpointError
 from tunelab.generation import generate
@@ -77,20 +78,6 @@ def _hf_config():
     return transformers.GptOssConfig(**CONFIG, **rope)
 
 
-def _mxfp4_codes(shape, generator):
-    """Random MXFP4 ``(blocks, scales)`` of a weight ``[E, rows, cols]`` and the weight itself,
-    computed from the codes directly (sign, E2M1 magnitude, ``2 ** (scale - 127)``)."""
-    experts, rows, cols = shape
-    codes = torch.randint(0, 16, (experts, rows, cols), generator=generator)
-    exponents = torch.randint(119, 124, (experts, rows, cols // 32), generator=generator)
-    magnitude = torch.tensor(FP4_E2M1_VALUES)[codes % 8]
-    sign = torch.where(codes >= 8, -1.0, 1.0)
-    weight = sign * magnitude * 2.0 ** (exponents.repeat_interleave(32, dim=-1) - 127.0)
-    pairs = codes.view(experts, rows, cols // 32, 16, 2)
-    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    return blocks, exponents.to(torch.uint8), weight
-
-
 def build_tiny_gpt_oss():
     """The seeded random fp32 model; its expert weights are exactly representable in MXFP4.
 
@@ -113,7 +100,7 @@ def build_tiny_gpt_oss():
             elif name.endswith(EXPERT_WEIGHTS):
                 # [E, in, out] in memory; MXFP4 quantizes [E, out, in] along `in`.
                 experts, inputs, outputs = param.shape
-                blocks, scales, weight = _mxfp4_codes((experts, outputs, inputs), generator)
+                blocks, scales, weight = mxfp4_codes((experts, outputs, inputs), generator)
                 param.copy_(weight.transpose(1, 2))
                 packed[name] = (blocks, scales)
     return model.eval(), packed
@@ -275,7 +262,7 @@ def test_mxfp4_dequantization_equals_transformers_and_the_codes():
     assert ours.shape == (3, 8, 64)
     assert torch.equal(ours.transpose(1, 2), theirs)
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours)
-    blocks, scales, weight = _mxfp4_codes((2, 4, 64), generator)
+    blocks, scales, weight = mxfp4_codes((2, 4, 64), generator)
     assert torch.equal(dequantize_mxfp4(blocks, scales), weight)
     assert weight.abs().max() > 0 and (weight == 0).float().mean() < 0.2
     with pytest.raises(CheckpointError, match="do not fit"):
