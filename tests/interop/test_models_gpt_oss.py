@@ -156,6 +156,25 @@ def test_args_and_rotary_tables_match_transformers(checkpoints):
     assert _max_error(sin[..., :half], hf_sin) <= 1e-6
 
 
+def test_bf16_norms_equal_transformers_bit_for_bit(checkpoints):
+    """gpt-oss's RMSNorm applies its weight in fp32 before the cast back, as transformers'
+    (which keeps these norms in fp32); the Llama order (cast, then weight) differs in bf16."""
+    from tunelab.modules import RMSNorm
+
+    model = load_pretrained(checkpoints[0], dtype=torch.bfloat16)
+    ours = model.layers[0].input_layernorm
+    assert ours.scale_in_fp32 and ours.weight.dtype == torch.bfloat16
+    theirs = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm(32, eps=ours.eps)
+    llama_order = RMSNorm(32, eps=ours.eps).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight.float())
+        llama_order.weight.copy_(ours.weight)
+    x = torch.randn(4, 17, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
+        assert not torch.equal(llama_order(x), theirs(x))
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "dense", "flex"])
 def test_logits_match_transformers(checkpoints, backend):
     """Every attention kernel (flex: forward only, CPU has no flex backward), both expert

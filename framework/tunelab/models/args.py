@@ -53,6 +53,9 @@ class ModelArgs:
     """RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)."""
     norm_unit_offset: bool = False
     """Gemma RMSNorm: scale by ``1 + weight``, computed in fp32 before the cast back."""
+    norm_scale_in_fp32: bool = False
+    """RMSNorm applies its weight in fp32 before the cast back (gpt-oss; transformers keeps those
+    norms in fp32)."""
     sandwich_norms: bool = False
     """Gemma 2/3: norms after attention and around the MLP (``pre_/post_feedforward_layernorm``)."""
     embed_scale: bool = False

@@ -81,7 +81,12 @@ class TransformerBlock(nn.Module):
 
     @staticmethod
     def _norm(args: ModelArgs) -> RMSNorm:
-        return RMSNorm(args.dim, eps=args.norm_eps, unit_offset=args.norm_unit_offset)
+        return RMSNorm(
+            args.dim,
+            eps=args.norm_eps,
+            unit_offset=args.norm_unit_offset,
+            scale_in_fp32=args.norm_scale_in_fp32,
+        )
 
     def forward(
         self,
@@ -114,7 +119,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps, unit_offset=args.norm_unit_offset)
+        self.norm = TransformerBlock._norm(args)
         self.rotary_emb = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.rope_scaling)
         # Gemma 3's sliding-window layers rotate with their own base and no scaling.
         self.rotary_emb_local = (

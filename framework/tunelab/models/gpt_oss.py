@@ -115,6 +115,7 @@ def gpt_oss_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         qkv_bias=attention_bias,
         output_bias=attention_bias,
         attention_sinks=True,
+        norm_scale_in_fp32=True,
         sliding_window=window,
         layer_types=layer_types_from_hf(config, window, default),
         num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 128),
