@@ -1,5 +1,5 @@
 """The attention backends (sdpa, flex, dense) against the dense-mask path, fp32: packed and
-unpacked rows, GQA, sliding window and soft-cap.
+unpacked rows, GQA, sliding window, soft-cap and gpt-oss's attention sinks.
 
 What is tested where: on CPU, the forward of all three backends and the gradient of ``dense``
 and ``sdpa``. torch 2.13 has no FlexAttention backward on CPU, so the ``flex`` gradient is
@@ -29,6 +29,13 @@ _FAMILIES = {
         layer_types=["sliding_attention", "full_attention"],
         attn_logit_softcap=20.0,
     ),
+    "window_sinks": dict(  # gpt-oss's attention: alternating window, a sink logit per head
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        attention_sinks=True,
+        qkv_bias=True,
+        output_bias=True,
+    ),
 }
 
 
@@ -38,7 +45,12 @@ def _model(family: str) -> TransformerDecoder:
         vocab_size=97, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_dim=64,
         **_FAMILIES[family],
     )  # fmt: skip
-    return TransformerDecoder(args)
+    model = TransformerDecoder(args)
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.self_attn.sinks is not None:
+                layer.self_attn.sinks.normal_(0.0, 2.0)  # zeros would hide a sign error
+    return model
 
 
 def _document_ids() -> torch.Tensor:
@@ -90,7 +102,9 @@ def test_backends_equal_the_dense_mask_path(family, packed):
         # issue 17), another kernel than a mask; with a mask its forward is bit-identical on
         # CPU, its gradient sums the GQA group's K/V gradients in another order than the
         # repeat's backward. flex is another kernel.
-        exact = backend == "dense" or (backend == "sdpa" and (packed or family != "gqa"))
+        # With sinks, sdpa adds a key column (another kernel than the explicit scores).
+        sdpa_exact = {"gqa": packed, "window_softcap": True, "window_sinks": False}[family]
+        exact = backend == "dense" or (backend == "sdpa" and sdpa_exact)
         assert (torch.equal if exact else _close)(logits, ref_logits), backend
         if backend == "flex":
             # No gradient on CPU (see the module docstring): flex's is checked on CUDA.
@@ -107,10 +121,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
-def test_flex_gradient_equals_the_dense_mask_path():
+@pytest.mark.parametrize("family", ["window_softcap", "window_sinks"])
+def test_flex_gradient_equals_the_dense_mask_path(family):
+    """With sinks this checks the gradient through flex's returned log-sum-exp."""
     if not torch.cuda.is_available():
         pytest.skip("torch 2.13 has no FlexAttention backward on CPU; runs on CUDA")
-    model = _model("window_softcap").cuda()
+    model = _model(family).cuda()
     tokens = torch.randint(0, 97, (2, _SEQ), generator=torch.Generator().manual_seed(1)).cuda()
     for packed in (False, True):
         ref_logits, ref_grads = _run(model, tokens, packed, None)

@@ -42,6 +42,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "tunelab.checkpoint.hf",
             "tunelab.checkpoint.integrity",
             "tunelab.checkpoint.layout",
+            "tunelab.checkpoint.mxfp4",
         ),
     },
     # The run folder and process start-up (recipe_main), stop signals, the launcher watch.

@@ -78,7 +78,7 @@ def export_hf(
     save_hf_sharded(
         hf_state_dict,
         output_dir,
-        fqn_to_file=HFCheckpointReader(base_checkpoint_dir).fqn_to_file,
+        fqn_to_file=_base_file_layout(model, base_checkpoint_dir, hf_state_dict),
         process_group=process_group,
         source_dir=base_checkpoint_dir,
         torch_dtype=dtype,
@@ -87,3 +87,21 @@ def export_hf(
         first=write_adapter,
     )
     return output_dir
+
+
+def _base_file_layout(
+    model: nn.Module, base_checkpoint_dir: Path, hf_state_dict: Mapping[str, object]
+) -> dict[str, str] | None:
+    """The base's key-to-file map, or None (a fresh layout) for a quantized base.
+
+    A base whose expert weights are MXFP4 (gpt-oss) names files for their blocks and scales,
+    not for the dequantized tensors the export writes, which are about four times larger.
+    """
+    files = HFCheckpointReader(base_checkpoint_dir).fqn_to_file
+    adapter = model.state_dict_adapter
+    absent = [key for key in hf_state_dict if key not in files]
+    if absent and all(
+        (forms := adapter.mxfp4_hf_keys(key)) is not None and forms[0] in files for key in absent
+    ):
+        return None
+    return files

@@ -37,6 +37,9 @@ def parse_size(size: int | str) -> int:
 
 def _write_config(config: Mapping, path: Path, torch_dtype: torch.dtype | None) -> FileRecord:
     config = dict(config)
+    # Exported weights are never quantized (a gpt-oss base's MXFP4 experts are written
+    # dequantized): a copied quantization_config would have transformers expect packed ones.
+    config.pop("quantization_config", None)
     if torch_dtype is not None:
         # transformers 4 reads `torch_dtype`, transformers 5 `dtype`: write both.
         config["torch_dtype"] = config["dtype"] = hf_dtype_name(torch_dtype)

@@ -32,6 +32,7 @@ _ORGANISATIONS = (
     ("mixtral", "mistralai"),
     ("gemma", "google"),
     ("phi", "microsoft"),
+    ("gpt-oss", "openai"),
     ("smollm", "HuggingFaceTB"),
 )
 _DOWNLOAD_LINE = re.compile(r"tunelab download (\S+) --output-dir (\S+)")

@@ -4,6 +4,7 @@ from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerBlock, TransformerDecoder
 from tunelab.models.families import FAMILIES, adapter_for, args_from_hf
 from tunelab.models.gemma import Gemma2StateDictAdapter, Gemma3TextStateDictAdapter
+from tunelab.models.gpt_oss import GptOssStateDictAdapter
 from tunelab.models.llama import LlamaStateDictAdapter
 from tunelab.models.loading import LoadResult, from_hf_config, load_hf_into_model, load_pretrained
 from tunelab.models.mistral import MistralStateDictAdapter
@@ -18,6 +19,7 @@ __all__ = [
     "FAMILIES",
     "Gemma2StateDictAdapter",
     "Gemma3TextStateDictAdapter",
+    "GptOssStateDictAdapter",
     "LlamaStateDictAdapter",
     "LoadResult",
     "MistralStateDictAdapter",

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunelab.errors import ConfigError
+from tunelab.modules.moe import EXPERT_LAYOUTS
 from tunelab.modules.rotary import rope_type_of
 
 
@@ -52,6 +53,9 @@ class ModelArgs:
     """RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)."""
     norm_unit_offset: bool = False
     """Gemma RMSNorm: scale by ``1 + weight``, computed in fp32 before the cast back."""
+    norm_scale_in_fp32: bool = False
+    """RMSNorm applies its weight in fp32 before the cast back (gpt-oss; transformers keeps those
+    norms in fp32)."""
     sandwich_norms: bool = False
     """Gemma 2/3: norms after attention and around the MLP (``pre_/post_feedforward_layernorm``)."""
     embed_scale: bool = False
@@ -82,6 +86,21 @@ class ModelArgs:
     router_weights_in_fp32: bool = False
     """Apply the router weights to the expert outputs in fp32 (Mixtral) rather than in the
     activations' dtype (Qwen3-MoE)."""
+    router_bias: bool = False
+    """A bias on the router (gpt-oss)."""
+    expert_bias: bool = False
+    """A bias on each expert's projections (gpt-oss)."""
+    expert_layout: str = "stacked"
+    """How the stacked expert weights are laid out, one of ``EXPERT_LAYOUTS``:
+    ``stacked`` (``gate_up_proj`` ``[E, 2I, D]``, gate rows first) or ``gpt_oss``
+    (``[E, D, 2I]``, gate and up columns interleaved)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the experts (``tunelab.modules.moe.clamped_swiglu``):
+    the clamp, HF ``swiglu_limit``; None for the plain gate."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid gain of that SwiGLU, HF ``swiglu_alpha``."""
+    attention_sinks: bool = False
+    """A learned sink logit per head in the attention softmax's denominator (gpt-oss)."""
     dense_layers: list[int] = field(default_factory=list)
     """Layers of an MoE model that keep the dense MLP (Qwen3-MoE ``mlp_only_layers`` and
     ``decoder_sparse_step``)."""
@@ -142,6 +161,10 @@ class ModelArgs:
                 raise ConfigError(
                     f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
                     f"{self.num_experts_per_tok}"
+                )
+            if self.expert_layout not in EXPERT_LAYOUTS:
+                raise ConfigError(
+                    f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}"
                 )
             if self.moe_intermediate_dim <= 0:
                 raise ConfigError(

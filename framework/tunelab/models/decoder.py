@@ -45,6 +45,7 @@ class TransformerBlock(nn.Module):
             norm_unit_offset=args.norm_unit_offset,
             scale=None if scale is None else scale**-0.5,
             softcap=softcap,
+            sinks=args.attention_sinks,
         )
         self.mlp: FeedForward | MoEBlock
         if args.is_moe_layer(layer_index):
@@ -56,6 +57,11 @@ class TransformerBlock(nn.Module):
                 normalize_top_k=args.norm_topk_prob,
                 activation=args.hidden_act,
                 weights_in_fp32=args.router_weights_in_fp32,
+                router_bias=args.router_bias,
+                layout=args.expert_layout,
+                bias=args.expert_bias,
+                swiglu_limit=args.swiglu_limit,
+                swiglu_alpha=args.swiglu_alpha,
             )
         else:
             self.mlp = FeedForward(
@@ -75,7 +81,12 @@ class TransformerBlock(nn.Module):
 
     @staticmethod
     def _norm(args: ModelArgs) -> RMSNorm:
-        return RMSNorm(args.dim, eps=args.norm_eps, unit_offset=args.norm_unit_offset)
+        return RMSNorm(
+            args.dim,
+            eps=args.norm_eps,
+            unit_offset=args.norm_unit_offset,
+            scale_in_fp32=args.norm_scale_in_fp32,
+        )
 
     def forward(
         self,
@@ -108,7 +119,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps, unit_offset=args.norm_unit_offset)
+        self.norm = TransformerBlock._norm(args)
         self.rotary_emb = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.rope_scaling)
         # Gemma 3's sliding-window layers rotate with their own base and no scaling.
         self.rotary_emb_local = (
@@ -257,8 +268,8 @@ class TransformerDecoder(nn.Module):
         masks = {FULL: full}
         if SLIDING in (self.args.layer_types or ()):
             masks[SLIDING] = full.with_window(self.args.sliding_window)
-        softcap = self.args.attn_logit_softcap is not None
-        return {kind: mask.prepare(softcap) for kind, mask in masks.items()}
+        explicit = self.args.attn_logit_softcap is not None or self.args.attention_sinks
+        return {kind: mask.prepare(explicit) for kind, mask in masks.items()}
 
     def _layer_masks(
         self, mask: torch.Tensor | None, input_pos: torch.Tensor, seq_len: int

@@ -16,6 +16,7 @@ from tunelab.models.gemma import (
     gemma2_args_from_hf,
     gemma3_text_args_from_hf,
 )
+from tunelab.models.gpt_oss import GptOssStateDictAdapter, gpt_oss_args_from_hf
 from tunelab.models.llama import LlamaStateDictAdapter, llama_args_from_hf
 from tunelab.models.mistral import MistralStateDictAdapter, mistral_args_from_hf
 from tunelab.models.mixtral import MixtralStateDictAdapter, mixtral_args_from_hf
@@ -44,6 +45,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(phi3_args_from_hf, Phi3StateDictAdapter),
     "qwen3_moe": Family(qwen3_moe_args_from_hf, Qwen3MoeStateDictAdapter),
     "mixtral": Family(mixtral_args_from_hf, MixtralStateDictAdapter),
+    "gpt_oss": Family(gpt_oss_args_from_hf, GptOssStateDictAdapter),
 }
 _ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
 

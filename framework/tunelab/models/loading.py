@@ -14,6 +14,7 @@ import torch
 
 from tunelab._torch_compat import local_shape_and_global_offset
 from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, HFCheckpointReader
+from tunelab.checkpoint.mxfp4 import dequantize_mxfp4
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import CheckpointError
 from tunelab.models.args import ModelArgs
@@ -229,19 +230,31 @@ def load_hf_into_model(
         if hf_key not in tied:
             expected[hf_key] = tensor
     expert_keys = [key for _, experts in stacked.values() for parts in experts for key in parts]
-    missing = [key for key in [*expected, *expert_keys] if key not in reader]
+    # gpt-oss hub files hold expert weights as MXFP4 blocks and scales instead.
+    packed = {
+        key: forms
+        for key in expected
+        if key not in reader
+        and (forms := adapter.mxfp4_hf_keys(key)) is not None
+        and all(form in reader for form in forms)
+    }
+    packed_keys = [form for forms in packed.values() for form in forms]
+    missing = [key for key in [*expected, *expert_keys] if key not in reader and key not in packed]
     if missing:
         raise CheckpointError(
             f"{checkpoint_dir}: missing key {missing[0]!r} (the config expects it)"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
-    known = {*expected, *expert_keys, *tied}
+    known = {*expected, *expert_keys, *packed_keys, *tied}
     unexpected = [key for key in reader.keys() if key not in known]
     if strict and unexpected:
         raise CheckpointError(
             f"{reader.file_of(unexpected[0])}: unexpected key {unexpected[0]!r} (not in the model)"
         )
     for key, param in expected.items():
+        if key in packed:
+            _load_mxfp4(reader, key, param, *packed[key], copy_rows)
+            continue
         if tuple(param.shape) != reader.shape(key):
             raise CheckpointError(
                 f"{reader.file_of(key)}: {key!r} has shape {reader.shape(key)} but the config "
@@ -303,6 +316,47 @@ def _load_stacked_experts(
         local.copy_(rows)
     else:
         copy_rows(param, rows)
+
+
+def _load_mxfp4(
+    reader: HFCheckpointReader,
+    key: str,
+    param: torch.Tensor,
+    blocks_key: str,
+    scales_key: str,
+    copy_rows: Callable[[torch.Tensor, torch.Tensor], None] | None,
+) -> None:
+    """Fill ``param`` ``[E, in, out]`` from its MXFP4 blocks and scales (``[E, out, ...]``).
+
+    Each rank reads and dequantizes only the experts of its rows (dimension 0).
+    """
+    experts, inputs, outputs = param.shape
+    wanted = {
+        blocks_key: (experts, outputs, inputs // 32, 16),
+        scales_key: (experts, outputs, inputs // 32),
+    }
+    for name, shape in wanted.items():
+        if inputs % 32 or tuple(reader.shape(name)) != shape:
+            raise CheckpointError(
+                f"{reader.file_of(name)}: {name!r} has shape {tuple(reader.shape(name))} but the "
+                f"config gives {key} {tuple(param.shape)}, whose MXFP4 form is {shape}"
+            )
+    local, spans = _local_slices(param)
+    if not local.numel():
+        return
+    start, length = spans[0]
+    rows = dequantize_mxfp4(
+        reader.get_rows(blocks_key, start, start + length),
+        reader.get_rows(scales_key, start, start + length),
+        dtype=local.dtype,
+    ).transpose(1, 2)
+    rows = _checked(reader, blocks_key, rows)
+    for dim, (offset, size) in enumerate(spans[1:], start=1):
+        rows = rows.narrow(dim, offset, size)
+    if copy_rows is None:
+        local.copy_(rows)
+    else:
+        copy_rows(param, rows.contiguous())
 
 
 def load_pretrained(

@@ -64,6 +64,22 @@ class StateDictAdapter:
         """
         return None
 
+    def mxfp4_hf_keys(self, hf_key: str) -> tuple[str, str] | None:
+        """The keys of an MXFP4 form of an HF tensor a file may hold instead of it, else None.
+
+        gpt-oss's hub checkpoints keep each expert weight ``[E, in, out]`` as
+        ``(key_blocks, key_scales)`` (``tunelab.checkpoint.mxfp4``), quantized along ``in``:
+        dequantized they give ``[E, out, in]``, the tensor transposed over its last two
+        dimensions. The loader dequantizes them (each rank only its experts).
+
+        Args:
+            hf_key: an HF key of this model.
+
+        Returns:
+            ``(blocks_key, scales_key)``, or None where no quantized form exists (here: always).
+        """
+        return None
+
     def stacked_layout_adapter(self) -> "StateDictAdapter":
         """The adapter of a file that holds the stacked experts under their native names."""
         return StateDictAdapter(self.args)

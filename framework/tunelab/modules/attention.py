@@ -13,6 +13,13 @@ Backends (``attention_backend``), for attention described by an ``AttentionMask`
 - ``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere.
 
 Plain causal rows without soft-capping take SDPA's ``is_causal`` under ``sdpa`` and ``flex``.
+
+Attention sinks (gpt-oss, ``sinks=True``): a learned logit ``s_h`` per head joins every
+softmax's denominator, ``p_j = exp(x_j) / (exp(s_h) + sum_i exp(x_i))`` (Xiao et al., 2023,
+https://arxiv.org/abs/2309.17453, with the sink a parameter rather than a token). Each kernel
+adds it its own way: ``dense`` in its explicit scores, ``sdpa`` as one more key column (a
+zero key and value whose float-mask entry is ``s_h``), ``flex`` by rescaling its output with
+the log-sum-exp it returns, ``out * sigmoid(lse - s_h)``, which is the same quotient.
 """
 
 from collections.abc import Callable
@@ -97,6 +104,7 @@ class Attention(nn.Module):
         norm_unit_offset: those norms scale by ``1 + weight`` (Gemma).
         scale: score scale; None means ``head_dim ** -0.5``.
         softcap: attention logit soft-cap; None for none.
+        sinks: a learned sink logit per head, ``sinks`` ``[num_heads]`` (gpt-oss).
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class Attention(nn.Module):
         norm_unit_offset: bool = False,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, "validated in ModelArgs"
@@ -135,7 +144,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps=norm_eps, unit_offset=norm_unit_offset)
             self.k_norm = RMSNorm(head_dim, eps=norm_eps, unit_offset=norm_unit_offset)
         self.qk_norm = qk_norm
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.kv_cache: KVCache | None = None
+
+    @property
+    def explicit_scores(self) -> bool:
+        """Whether plain causal rows need a mask too (soft-capped scores or sinks)."""
+        return self.softcap is not None or self.sinks is not None
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[batch, seq, heads, head_dim]`` (q/k normed when ``qk_norm``)."""
@@ -192,7 +207,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention under a dense bool mask, or causal when None (the ``dense`` path)."""
         groups = self.num_heads // self.num_kv_heads
-        if mask is None and self.softcap is None:
+        if mask is None and not self.explicit_scores:
             # Causal with no mask tensor: the flash kernel handles GQA itself.
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=groups > 1, scale=self.scale
@@ -203,21 +218,23 @@ class Attention(nn.Module):
             v = v.repeat_interleave(groups, dim=1)
         if mask is None:
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        if self.softcap is None:
+        if not self.explicit_scores:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask.to(q.device), scale=self.scale
             )
-        return self._softcapped(q, k, v, mask.to(q.device))
+        return self._explicit(q, k, v, mask.to(q.device))
 
     def _attend_described(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
         """Attention under an ``AttentionMask``, with the kernel of its backend."""
         if mask.backend != "dense":
-            if mask.causal_only and self.softcap is None:
+            if mask.causal_only and not self.explicit_scores:
                 return self._attend(q, k, v, None)
             if mask.backend == "flex":
                 return self._flex(q, k, v, mask)
+            if self.sinks is not None and self.softcap is None:
+                return self._sdpa_with_sinks(q, k, v, mask.dense())
             if self.softcap is None:
                 return F.scaled_dot_product_attention(
                     q,
@@ -246,27 +263,63 @@ class Attention(nn.Module):
                 return torch.tanh(score / cap) * cap
 
         kernel = _flex_kernel(q.device)
-        return kernel(
-            q,
-            k,
-            v,
+        options = dict(
             score_mod=score_mod,
             block_mask=mask.block_mask(),
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
+        if self.sinks is None:
+            return kernel(q, k, v, **options)
+        from torch.nn.attention.flex_attention import AuxRequest
 
-    def _softcapped(
+        out, aux = kernel(q, k, v, **options, return_aux=AuxRequest(lse=True))
+        # exp(lse) / (exp(lse) + exp(sink)): the share of the mass the sink leaves the keys.
+        kept = torch.sigmoid(aux.lse.float() - self.sinks.float()[None, :, None])
+        return (out.float() * kept[..., None]).to(q.dtype)
+
+    def _sdpa_with_sinks(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """SDPA with each head's sink as one more key.
+
+        The extra key and value are zeros; a float mask sets its score to ``s_h`` (``0``
+        where ``allowed``, ``-inf`` elsewhere): ``[batch, heads, seq, keys + 1]``.
+        """
+        batch, heads, seq_len, _ = q.shape
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~allowed, float("-inf")).expand(batch, heads, seq_len, -1)
+        sink = self.sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, seq_len, 1)
+        zeros = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+        return F.scaled_dot_product_attention(
+            q,
+            torch.cat([k, zeros], dim=2),
+            torch.cat([v, zeros], dim=2),
+            attn_mask=torch.cat([bias, sink], dim=-1),
+            enable_gqa=self.num_heads != self.num_kv_heads,
+            scale=self.scale,
+        )
+
+    def _explicit(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """``softmax(mask(cap * tanh(q k^T * scale / cap))) v``, the softmax in fp32 (Gemma 2).
+        """``softmax(mask(scores)) v`` from explicit scores, the softmax in fp32.
 
-        Gemma 2 (https://arxiv.org/abs/2408.00118) soft-caps attention logits; the score
+        ``scores = q k^T * scale``, soft-capped ``cap * tanh(scores / cap)`` when ``softcap``
+        (Gemma 2, https://arxiv.org/abs/2408.00118), and with each head's sink logit as one
+        more column of the softmax, dropped after it, when ``sinks`` (gpt-oss). The score
         matrix is materialised, so this path costs ``O(seq^2)`` memory per head.
         """
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is not None:
+            batch, heads, seq_len, _ = scores.shape
+            sink = self.sinks.to(scores.dtype).view(1, heads, 1, 1)
+            scores = torch.cat([scores, sink.expand(batch, heads, seq_len, 1)], dim=-1)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if self.sinks is not None:
+            weights = weights[..., :-1]
         return torch.matmul(weights, v)

@@ -144,19 +144,20 @@ class AttentionMask:
             self.batch, self.seq_len, self.device, self.backend, self.document_ids, sliding_window
         )
 
-    def prepare(self, softcap: bool = False) -> "AttentionMask":
+    def prepare(self, explicit_scores: bool = False) -> "AttentionMask":
         """Build now the form the backend's kernel will take, so layers only read it.
 
         Call it once per forward before the layers run (outside any compiled region). Plain
-        causal rows need no form unless ``softcap`` (scores are then capped: a mask or flex).
+        causal rows need no form unless ``explicit_scores`` (soft-capped scores or attention
+        sinks: a mask or flex).
 
         Args:
-            softcap: whether the layers soft-cap their scores.
+            explicit_scores: whether the layers soft-cap their scores or add sinks.
 
         Returns:
             This object.
         """
-        if self.causal_only and not softcap and self.backend != "dense":
+        if self.causal_only and not explicit_scores and self.backend != "dense":
             return self
         if self.backend == "flex":
             self.block_mask()

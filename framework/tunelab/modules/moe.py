@@ -9,10 +9,17 @@ matmul over the sorted rows (``torch.nn.functional.grouped_mm`` where the device
 have a kernel, else one padded ``bmm``): no Python loop over experts, and no capacity limit
 (no token is ever dropped).
 
+gpt-oss (``expert_layout="gpt_oss"``) holds its experts as transformers'
+``GptOssExperts`` does: ``gate_up_proj`` ``[E, D, 2I]`` (input dimension first) with the gate
+and up columns interleaved, ``down_proj`` ``[E, I, D]``, and a bias per expert and
+projection; its router has a bias, and its experts gate with a clamped SwiGLU.
+
 The router's load-balancing loss (Switch Transformer, Fedus et al., 2021,
 https://arxiv.org/abs/2101.03961, eq. 4-6) is gathered across layers by ``RouterStats``, the
 way transformers' ``load_balancing_loss_func`` computes it.
 """
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,39 +56,50 @@ def _grouped_mm_available(rows: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def grouped_linear(
-    rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    grouped: bool | None = None,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """``rows[i] @ weight[g(i)].T`` for rows sorted by group: one grouped matmul.
 
     Args:
         rows: ``[S, in]``, sorted so group ``g``'s rows are contiguous and in group order.
-        weight: ``[G, out, in]``, one matrix per group (a ``nn.Linear`` weight each).
+        weight: ``[G, out, in]``, one matrix per group (a ``nn.Linear`` weight each), or
+            ``[G, in, out]`` when ``transposed`` (then ``rows[i] @ weight[g(i)]``).
         counts: int ``[G]``, rows per group (summing to ``S``; zeros allowed).
         grouped: use ``grouped_mm`` (True) or the padded ``bmm`` (False); None picks
             ``grouped_mm`` where it has a kernel.
+        transposed: ``weight`` is ``[G, in, out]`` (gpt-oss's experts).
 
     Returns:
         ``[S, out]``.
     """
+    right = weight if transposed else weight.transpose(-2, -1)
     if grouped is None:
         grouped = _grouped_mm_available(rows, weight)
     if grouped:
         function = getattr(F, "grouped_mm", None) or torch._grouped_mm
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return function(rows, weight.transpose(-2, -1), offs=offsets)
-    return _padded_bmm(rows, weight, counts)
+        return function(rows, right, offs=offsets)
+    return _padded_bmm(rows, right, counts)
 
 
-def _padded_bmm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``grouped_linear`` as one ``bmm`` over groups padded to the largest group."""
-    num_groups = weight.shape[0]
+def _padded_bmm(rows: torch.Tensor, right: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``grouped_linear`` as one ``bmm`` over groups padded to the largest group.
+
+    ``right`` is ``[G, in, out]`` (the weights already transposed where needed).
+    """
+    num_groups = right.shape[0]
     starts = torch.cumsum(counts, dim=0) - counts
     group_of_row = torch.repeat_interleave(torch.arange(num_groups, device=rows.device), counts)
     slot = torch.arange(rows.shape[0], device=rows.device) - starts[group_of_row]
     width = int(counts.max()) if rows.shape[0] else 0
     padded = rows.new_zeros(num_groups, width, rows.shape[1])
     padded = padded.index_put((group_of_row, slot), rows)
-    out = torch.bmm(padded, weight.transpose(-2, -1))
+    out = torch.bmm(padded, right)
     return out[group_of_row, slot]
 
 
@@ -159,43 +177,118 @@ class MoERouter(nn.Linear):
     Args:
         dim: model dimension.
         num_experts: experts to choose from.
+        bias: a bias per expert (gpt-oss).
     """
 
-    def __init__(self, dim: int, num_experts: int) -> None:
-        super().__init__(dim, num_experts, bias=False)
+    def __init__(self, dim: int, num_experts: int, bias: bool = False) -> None:
+        super().__init__(dim, num_experts, bias=bias)
+
+
+EXPERT_LAYOUTS = ("stacked", "gpt_oss")
+"""How ``MoEExperts`` holds its weights (see the module docstring)."""
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
+) -> torch.Tensor:
+    """gpt-oss's gate: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``.
+
+    The SwiGLU of the gpt-oss experts (OpenAI, 2025, gpt-oss model card,
+    https://arxiv.org/abs/2508.10925): the gate is clamped from above and the up projection on
+    both sides at ``limit`` (``swiglu_limit``, 7.0), the sigmoid has gain ``alpha``
+    (``swiglu_alpha``, 1.702) and the up projection is offset by one.
+    """
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class MoEExperts(nn.Module):
     """``E`` gated MLPs with stacked weights, run as grouped matmuls.
 
-    Expert ``e`` computes ``down_proj[e] @ (act(gate) * up)`` with
-    ``gate, up = split(gate_up_proj[e] @ x)``, HF's ``Qwen3MoeExperts``/``MixtralExperts``.
+    Expert ``e`` computes ``down(act(gate) * up)`` with ``gate, up = split(gate_up(x))``,
+    HF's ``Qwen3MoeExperts``/``MixtralExperts`` (``layout="stacked"``: ``gate_up_proj``
+    ``[E, 2I, D]`` gate rows first, ``down_proj`` ``[E, D, I]``) or ``GptOssExperts``
+    (``layout="gpt_oss"``: ``gate_up_proj`` ``[E, D, 2I]`` with gate and up columns
+    interleaved, ``down_proj`` ``[E, I, D]``). With ``bias`` each projection adds its expert's
+    ``gate_up_proj_bias`` ``[E, 2I]`` / ``down_proj_bias`` ``[E, D]``; with ``swiglu_limit``
+    the gate is ``clamped_swiglu`` instead of ``act(gate) * up``.
 
     Args:
         dim: model dimension.
         intermediate_dim: each expert's hidden dimension.
         num_experts: number of experts.
         activation: the gate's activation, a key of ``ACTIVATIONS``.
+        layout: one of ``EXPERT_LAYOUTS``.
+        bias: biases on both projections (gpt-oss).
+        swiglu_limit: gpt-oss's clamp; None for the plain gate.
+        swiglu_alpha: gpt-oss's sigmoid gain (with ``swiglu_limit``).
     """
 
     def __init__(
-        self, dim: int, intermediate_dim: int, num_experts: int, *, activation: str = "silu"
+        self,
+        dim: int,
+        intermediate_dim: int,
+        num_experts: int,
+        *,
+        activation: str = "silu",
+        layout: str = "stacked",
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
     ) -> None:
         super().__init__()
+        if layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert layout must be one of {EXPERT_LAYOUTS}, got {layout!r}")
         self.num_experts = num_experts
         self.intermediate_dim = intermediate_dim
         self.activation = ACTIVATIONS[activation]
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate_dim))
+        self.transposed = layout == "gpt_oss"
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
+        gate_up, down = (2 * intermediate_dim, dim), (dim, intermediate_dim)
+        if self.transposed:
+            gate_up, down = gate_up[::-1], down[::-1]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, *gate_up))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, *down))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
         self.grouped: bool | None = None
         """``grouped_linear``'s choice: None picks ``grouped_mm`` where it has a kernel."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Initialise each expert's matrices as ``nn.Linear`` would."""
+        """Initialise each expert's matrices as ``nn.Linear`` would; biases to zero."""
         for weight in (self.gate_up_proj, self.down_proj):
-            bound = weight.shape[-1] ** -0.5
+            fan_in = weight.shape[1] if self.transposed else weight.shape[-1]
+            bound = fan_in**-0.5
             nn.init.uniform_(weight, -bound, bound)
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def _project(
+        self,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        counts: torch.Tensor,
+        experts: torch.Tensor,
+    ) -> torch.Tensor:
+        out = grouped_linear(rows, weight, counts, grouped=self.grouped, transposed=self.transposed)
+        return out if bias is None else out + bias[experts]
+
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.transposed:
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit is not None:
+            return clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+        return self.activation(gate) * up
 
     def forward(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor
@@ -215,13 +308,12 @@ class MoEExperts(nn.Module):
         flat_experts = top_indices.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        experts = flat_experts[order]
         rows = x[order // top_k]
-        gate, up = grouped_linear(rows, self.gate_up_proj, counts, grouped=self.grouped).chunk(
-            2, dim=-1
+        hidden = self._gate(
+            self._project(rows, self.gate_up_proj, self.gate_up_proj_bias, counts, experts)
         )
-        out = grouped_linear(
-            self.activation(gate) * up, self.down_proj, counts, grouped=self.grouped
-        )
+        out = self._project(hidden, self.down_proj, self.down_proj_bias, counts, experts)
         out = out * top_weights.reshape(-1)[order, None]
         # Back to (token, slot) order, then the sum over each token's k experts.
         unsorted = torch.empty_like(out).index_copy(0, order, out)
@@ -240,6 +332,9 @@ class MoEBlock(nn.Module):
         activation: the experts' gate activation.
         weights_in_fp32: apply the router weights in fp32 and cast the sum (Mixtral); else
             cast them to the activations' dtype first (Qwen3-MoE). Equal in fp32.
+        router_bias: a bias on the router (gpt-oss).
+        **expert_options: ``MoEExperts``'s keyword options (``layout``, ``bias``,
+            ``swiglu_limit``, ``swiglu_alpha``).
     """
 
     def __init__(
@@ -252,10 +347,14 @@ class MoEBlock(nn.Module):
         normalize_top_k: bool,
         activation: str = "silu",
         weights_in_fp32: bool = False,
+        router_bias: bool = False,
+        **expert_options: Any,
     ) -> None:
         super().__init__()
-        self.gate = MoERouter(dim, num_experts)
-        self.experts = MoEExperts(dim, intermediate_dim, num_experts, activation=activation)
+        self.gate = MoERouter(dim, num_experts, bias=router_bias)
+        self.experts = MoEExperts(
+            dim, intermediate_dim, num_experts, activation=activation, **expert_options
+        )
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k
         self.weights_in_fp32 = weights_in_fp32
@@ -264,7 +363,8 @@ class MoEBlock(nn.Module):
         """Route tokens ``[tokens, D]``: ``p = softmax(gate(x))`` in fp32, then the top k.
 
         The top-k weights ``p_j`` are renormalised to sum to 1 when ``normalize_top_k``
-        (Mixtral always, Qwen3-MoE's ``norm_topk_prob``).
+        (Mixtral and gpt-oss always, Qwen3-MoE's ``norm_topk_prob``): gpt-oss's softmax over
+        the top-k logits is that, ``exp(l_j) / sum_top-k exp(l_i)``.
 
         Returns:
             ``(probabilities [tokens, E] fp32, top_weights [tokens, k] fp32,

@@ -12,18 +12,24 @@ class RMSNorm(nn.Module):
     Hugging Face Llama/Qwen2 use; keeping it makes bf16 logits match theirs bit for bit.
 
     With ``unit_offset`` (Gemma) the scale is ``1 + weight`` (the weight starts at zero) and is
-    applied in fp32 before the cast back, again HF's order for that family.
+    applied in fp32 before the cast back, again HF's order for that family. With
+    ``scale_in_fp32`` (gpt-oss, whose norms transformers keeps in fp32) ``weight`` is applied in
+    fp32 before the cast back.
 
     Args:
         dim: size of the last dimension.
         eps: added to the mean square for numerical stability.
         unit_offset: scale by ``1 + weight`` in fp32 (Gemma) instead of ``weight``.
+        scale_in_fp32: apply ``weight`` in fp32, then cast (gpt-oss).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False, scale_in_fp32: bool = False
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.unit_offset = unit_offset
+        self.scale_in_fp32 = scale_in_fp32
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def reset_parameters(self) -> None:
@@ -47,6 +53,8 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(input_dtype)
+        if self.scale_in_fp32:
+            return (self.weight.float() * x32).to(input_dtype)
         return self.weight * x32.to(input_dtype)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,115 @@
+"""A real 2-process LoRA run of a tiny gpt-oss whose experts are MXFP4, as on the hub.
+
+``tiny/moe_lora`` pointed at a random gpt-oss built here (sinks, biases, alternating windows
+shorter than the packed rows, YaRN, the tiny tokenizer): FSDP2 shards the experts, each rank
+dequantizing only its own; the run trains LoRA on attention with packed rows and the router
+term, resumes exactly after a kill, and exports the merged weights dequantized in the hub's
+layout (transformers loads them with no missing key) and an adapter that PEFT applies to the
+base with the logits of our merged export.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tests.mxfp4_codes import mxfp4_codes
+from tests.recipes.conftest import interrupted_copy, losses_by_step, read_metrics, tunelab_run
+from tunelab._paths import assets_dir
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+if not hasattr(transformers, "GptOssConfig"):
+    pytest.skip("this transformers has no gpt-oss", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+_RUN = (
+    "dataset.packed=true",
+    "~val_dataset",
+    "batch_size=2",
+    "epochs=1",
+    "max_steps_per_epoch=3",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=2",
+    "checkpoint.enable_async_checkpointing=false",
+    "router_aux_loss_coef=0.01",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _build(plain, quantized):
+    tiny = json.loads((assets_dir() / "tiny" / "config.json").read_text())
+    config = transformers.GptOssConfig(
+        vocab_size=tiny["vocab_size"], hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        bos_token_id=tiny["bos_token_id"], eos_token_id=tiny["eos_token_id"],
+        pad_token_id=tiny["pad_token_id"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    packed = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+            elif name.endswith(("gate_up_proj", "down_proj")):
+                experts, inputs, outputs = param.shape
+                blocks, scales, weight = mxfp4_codes((experts, outputs, inputs), generator)
+                param.copy_(weight.transpose(1, 2))
+                packed[name] = (blocks, scales)
+    model.save_pretrained(plain)
+    tensors = load_file(plain / "model.safetensors")
+    for key, (blocks, scales) in packed.items():
+        del tensors[key]
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+    quantized.mkdir()
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    hf_config = json.loads((plain / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (quantized / "config.json").write_text(json.dumps(hf_config))
+    for name in _TOKENIZER_FILES:
+        shutil.copy(assets_dir() / "tiny" / name, quantized / name)
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def test_two_process_gpt_oss_lora_from_mxfp4_resumes_exactly_and_exports(tmp_path):
+    plain, base = tmp_path / "plain", tmp_path / "base"
+    _build(plain, base)
+    out = tmp_path / "run"
+    run = ("lora_finetune_distributed", "tiny/moe_lora", f"checkpoint_dir={base}", *_RUN)
+    tunelab_run(*run, f"output_dir={out}")
+    losses = losses_by_step(out)
+    assert all(r["router_aux_loss"] > 0 for r in read_metrics(out) if "loss" in r)
+    assert sorted(losses) == [1, 2, 3] and all(
+        map(torch.isfinite, torch.tensor([*losses.values()]))
+    )
+    resumed_dir = interrupted_copy(out, tmp_path / "resumed", after_step=2)
+    tunelab_run(*run, f"output_dir={resumed_dir}", "checkpoint.resume_from_checkpoint=true")
+    resumed = losses_by_step(resumed_dir)
+    assert sorted(resumed) == [3] and resumed[3] == losses[3]
+
+    export = out / "epoch_0"
+    with safe_open(export / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.experts.down_proj" in keys and not any("_blocks" in k for k in keys)
+    assert "quantization_config" not in json.loads((export / "config.json").read_text())
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(
+        export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    adapted = peft.PeftModel.from_pretrained(_hf(plain), export / "adapter").eval()
+    tokens = torch.randint(0, 810, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = merged.eval()(tokens).logits
+        assert float((adapted(tokens).logits - expected).abs().max()) <= 1e-4
+        assert float((_hf(plain)(tokens).logits - expected).abs().max()) > 1e-4
