@@ -38,6 +38,12 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 if not hasattr(transformers, "GptOssConfig"):
     pytest.skip("this transformers has no gpt-oss", allow_module_level=True)
+if int(transformers.__version__.split(".")[0]) < 5:
+    # transformers 4.x's GptOssExperts hard-code alpha 1.702 and limit 7.0 (config.swiglu_limit
+    # is ignored, so the tiny model's limit of 1 cannot be the reference's) and its router hands
+    # the aux loss top-k scores instead of logits: it is not the reference these tests compare
+    # with. The hub's gpt-oss checkpoints use limit 7.0, the value both read.
+    pytest.skip("transformers 4.x's gpt-oss ignores swiglu_limit", allow_module_level=True)
 
 TOLERANCE = 1e-4
 SEQ_LEN = 17
