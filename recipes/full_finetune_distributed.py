@@ -20,6 +20,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
+from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
     AfterStep,
@@ -75,6 +76,9 @@ def main(args: FullFinetuneArgs) -> None:
         mixed_precision=args.mixed_precision,
         seed=args.seed,
     )
+    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
+    # checked here, so a bad task stops the run before its first step.
+    benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
         args.dataset,
         tokenizer,
@@ -130,6 +134,7 @@ def main(args: FullFinetuneArgs) -> None:
         ),
         device=device,
         is_main=dist_info.is_main,
+        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
+from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
     AfterStep,
@@ -79,6 +80,9 @@ def main(args: LoRAFinetuneArgs) -> None:
         seed=args.seed,
         frozen_base=args.frozen_base,
     )
+    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
+    # checked here, so a bad task stops the run before its first step.
+    benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
         args.dataset,
         tokenizer,
@@ -135,6 +139,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         ),
         device=device,
         is_main=dist_info.is_main,
+        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------
