@@ -285,6 +285,15 @@ class EvalArgs(RecipeArgs):
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Model dtype."""
 
+    def check_settings(self) -> list[str]:
+        """A task given as a path must be a task YAML file or a folder."""
+        problems = super().check_settings()
+        return problems + [
+            f"key 'tasks': {problem}"
+            for problem in map(task_path_problem, self.tasks or [])
+            if problem is not None
+        ]
+
 
 _NO_ROUTER_LOSS = (
     "key 'router_aux_loss_coef': {recipe} does not add a router load-balancing loss yet "
