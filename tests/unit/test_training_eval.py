@@ -7,13 +7,15 @@ tasks, tasks without a schedule, a missing task file and (when lm-eval is absent
 
 import importlib.util
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tunelab import ConfigError, _paths
-from tunelab.config import LoRAFinetuneArgs, TrainingEvalArgs, parse_args
+from tunelab.cli._check import check_config
+from tunelab.config import LoRAFinetuneArgs, TrainingEvalArgs, builtin_configs, parse_args
 from tunelab.config._load import load_config
 from tunelab.eval import TrainingEval, task_metrics
 
@@ -61,6 +63,21 @@ def test_an_evaluation_leaves_the_random_streams_and_train_mode_as_they_were(
     again = evaluation()
     assert {k: v for k, v in again.items() if k != "eval/time_s"} == {
         k: v for k, v in metrics.items() if k != "eval/time_s"
+    }
+
+
+def test_a_task_folder_runs_from_any_working_directory(model_and_tokenizer, tmp_path, monkeypatch):
+    """Every task of assets/tiny_eval, whose data files are named relative to the folder."""
+    model, tokenizer = model_and_tokenizer
+    monkeypatch.chdir(tmp_path)
+    settings = TrainingEvalArgs(tasks=[str(TASKS)], limit=2, max_gen_toks=4)
+    metrics = TrainingEval(settings, model, tokenizer)()
+    assert {name.split("/")[1] for name in metrics if name != "eval/time_s"} == {
+        "tiny_next_number",
+        "tiny_repeat_words",
+        "tiny_reverse_words",
+        "tiny_reverse_words_length",
+        "tiny_reverse_words_perplexity",
     }
 
 
@@ -144,3 +161,32 @@ def test_settings_say_how_to_install_lm_eval_when_tasks_need_it(monkeypatch, tmp
         "key 'eval.tasks': evaluation needs EleutherAI's lm-evaluation-harness (lm_eval): "
         "pip install 'tunelab[eval]'"
     ]
+
+
+def _configs_with_an_eval_block() -> list[Path]:
+    return sorted(path for path in builtin_configs().values() if "\n# eval:\n" in path.read_text())
+
+
+def test_the_llama_and_qwen_training_configs_carry_an_eval_block():
+    names = {path.relative_to(_paths.configs_dir()).parent.name for path in
+             _configs_with_an_eval_block()}  # fmt: skip
+    assert names == {"llama3_1", "llama3_2", "qwen2_5", "qwen3"}
+    shipped = [
+        path for path in builtin_configs().values()
+        if path.parent.name in names and "recipe: eval" not in path.read_text()
+    ]  # fmt: skip
+    assert sorted(shipped) == _configs_with_an_eval_block()
+
+
+@pytest.mark.parametrize("path", _configs_with_an_eval_block(), ids=lambda path: path.stem)
+def test_an_uncommented_eval_block_validates(path, tmp_path, monkeypatch):
+    """The block as a user uncomments it (the model folder replaced by the tiny one)."""
+    monkeypatch.chdir(tmp_path)  # relative output_dirs are made under the test's folder
+    lines = path.read_text().splitlines()
+    start = lines.index("# eval:")
+    block = [line.removeprefix("# ") for line in lines[start:] if line.startswith("# ")]
+    copy = tmp_path / path.name
+    copy.write_text("\n".join([*lines[:start], *block]) + "\n")
+    config = load_config(str(copy), [f"checkpoint_dir={TINY}"])
+    assert list(config["eval"]["tasks"])  # the block was read
+    check_config(str(copy), [f"checkpoint_dir={TINY}"])
