@@ -51,13 +51,13 @@ def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str | dict[str, Any]], Any
             folders.append(path.resolve())
     registry_names = [t for t in tasks if not Path(t).expanduser().exists()]
     manager = TaskManager(include_path=folders or None, include_defaults=bool(registry_names))
-    specs: list[str] = []
+    specs: list[str | dict[str, Any]] = []
     for task in tasks:
         path = Path(task).expanduser()
         if path.is_dir():
             folder = path.resolve()
             defined = sorted(
-                name
+                (name, entry)
                 for name, entry in manager.task_index.items()
                 if entry.yaml_path is not None
                 and Path(entry.yaml_path).resolve().parent == folder
@@ -67,7 +67,15 @@ def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str | dict[str, Any]], Any
                 raise ConfigError(
                     f"task folder {task}: defines no task (no YAML with a 'task' key)"
                 )
-            specs += defined
+            # A task's file, so that its relative data_files are read from the folder (by name,
+            # lm-eval would read them from the working directory); groups and Python tasks
+            # by name.
+            specs += [
+                _task_file_spec(Path(entry.yaml_path).resolve())
+                if entry.kind.name == "TASK"
+                else name
+                for name, entry in defined
+            ]
         elif path.is_file():
             specs.append(_task_file_spec(path.resolve()))
         elif task not in manager.all_tasks:
