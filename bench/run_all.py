@@ -48,6 +48,7 @@ BENCHMARKS = {
                   "--vocab-dim", "64", "--vocab-size", "4096", "--vocab-seq-len", "64",
                   "--steps", "1", "--nprocs", "2"]),
     "grpo": ("bench_grpo.py", False, [], [], ["--smoke"]),
+    "eval": ("bench_eval.py", False, [], [], ["--repeats", "1", "--sample-seconds", "0.05"]),
 }  # fmt: skip
 
 

@@ -5,7 +5,7 @@ Copy it to customise: ``tunelab cp full_finetune_distributed my_full.py``.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: forward, loss and
 backward over its micro-batches, then clip and step; then ``after_step`` logs, validates,
-exports and saves), clean-up. Every building block takes the settings it uses, so a copy may
+scores the ``eval.tasks`` when due, exports and saves), clean-up. Every building block takes the settings it uses, so a copy may
 declare its own settings dataclass in place of ``FullFinetuneArgs``.
 """
 
@@ -20,6 +20,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
+from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
     AfterStep,
@@ -75,6 +76,9 @@ def main(args: FullFinetuneArgs) -> None:
         mixed_precision=args.mixed_precision,
         seed=args.seed,
     )
+    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
+    # checked here, so a bad task stops the run before its first step.
+    benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
         args.dataset,
         tokenizer,
@@ -130,6 +134,7 @@ def main(args: FullFinetuneArgs) -> None:
         ),
         device=device,
         is_main=dist_info.is_main,
+        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
+from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import GRPOLoss, loss_normalizer
 from tunelab.training import (
@@ -94,6 +95,9 @@ def main(args: GRPOArgs) -> None:
         seed=args.seed,
     )
     model = build(lora=args.lora, adapter_dir=args.adapter_dir, frozen_base=args.frozen_base)
+    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
+    # checked here, so a bad task stops the run before its first step.
+    benchmarks = TrainingEval(args.eval, model, tokenizer)
     # Micro-batches of prompts: each carries its prompts' dataset indices (for seeds and rows).
     data = build_data(
         args.dataset,
@@ -199,6 +203,7 @@ def main(args: GRPOArgs) -> None:
         ),
         device=device,
         is_main=dist_info.is_main,
+        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
+from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
 from tunelab.training import (
@@ -87,6 +88,9 @@ def main(args: LoRADPOArgs) -> None:
         seed=args.seed,
         frozen_base=args.frozen_base,
     )
+    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
+    # checked here, so a bad task stops the run before its first step.
+    benchmarks = TrainingEval(args.eval, model, tokenizer)
     # Batches carry their pairs' dataset indices (pair_index), for reference_logps: precompute.
     data = build_data(
         args.dataset,
@@ -160,6 +164,7 @@ def main(args: LoRADPOArgs) -> None:
         ),  # fmt: skip
         device=device,
         is_main=dist_info.is_main,
+        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Copy it to customise: ``tunelab cp lora_finetune_distributed my_lora.py``.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: forward, loss and
 backward over its micro-batches, then clip and step; then ``after_step`` logs, validates,
-exports and saves), clean-up. Every building block takes the settings it uses, so a copy may
+scores the ``eval.tasks`` when due, exports and saves), clean-up. Every building block takes the settings it uses, so a copy may
 declare its own settings dataclass in place of ``LoRAFinetuneArgs``.
 """
 
@@ -21,6 +21,7 @@ from tunelab.distributed import (
     init_distributed,
     resolve_dtype,
 )
+from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
     AfterStep,
@@ -79,6 +80,9 @@ def main(args: LoRAFinetuneArgs) -> None:
         seed=args.seed,
         frozen_base=args.frozen_base,
     )
+    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
+    # checked here, so a bad task stops the run before its first step.
+    benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
         args.dataset,
         tokenizer,
@@ -135,6 +139,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         ),
         device=device,
         is_main=dist_info.is_main,
+        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------

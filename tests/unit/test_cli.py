@@ -500,6 +500,40 @@ def test_run_usage_errors_exit_2(project):
     assert tunelab().returncode == 2
 
 
+# --- eval (the short form of `run ... eval`) ---------------------------------------------------
+
+
+def test_eval_is_run_eval_with_torchrun_options_before_config():
+    from tunelab.cli._eval import as_run_arguments
+
+    assert as_run_arguments(["--config", "tiny/eval", "limit=4"]) == [
+        "eval", "--config", "tiny/eval", "limit=4",
+    ]  # fmt: skip
+    assert as_run_arguments(["--nproc_per_node", "2", "--config=tiny/eval", "limit=4"]) == [
+        "--nproc_per_node", "2", "eval", "--config=tiny/eval", "limit=4",
+    ]  # fmt: skip
+    assert as_run_arguments(["--help"]) is None and as_run_arguments([]) is None
+
+
+def test_eval_help_and_usage_error():
+    result = tunelab("eval", "--help")
+    assert result.returncode == 0 and result.stdout.startswith("usage: tunelab eval ")
+    assert tunelab("eval").returncode == 2
+    assert "eval  " in tunelab("--help").stdout  # listed with the other commands
+
+
+def test_eval_checks_the_config_against_the_eval_recipe(tmp_path):
+    # A setting only the eval recipe has, out of its range: checked before anything starts.
+    result = tunelab("eval", "--config", "tiny/eval", f"output_dir={tmp_path}", "limit=0")
+    assert one_error_line(result) == "tunelab: error: key 'limit': expected int >= 1 | None, got 0"
+    result = tunelab(
+        "eval", "--nproc_per_node", "2", "--config", "tiny/eval", "tasks=[no/such/task.yaml]"
+    )
+    assert one_error_line(result) == (
+        "tunelab: error: key 'tasks': task 'no/such/task.yaml': no such task file or folder"
+    )
+
+
 # --- download --------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``verify``, ``download``, ``data``."""
+"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``eval``, ``verify``, ``download``, ``data``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 import traceback
 
-from tunelab.cli import _cp, _data, _download, _ls, _run, _validate, _verify
+from tunelab.cli import _cp, _data, _download, _eval, _ls, _run, _validate, _verify
 from tunelab.errors import TunelabError, shorten
 from tunelab.lifecycle.entry import debug_enabled
 
@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in ("ls", "cp", "run", "validate", "verify", "download", "data"):
-        module = _run if name == "run" else _COMMANDS[name]
+    for name in ("ls", "cp", "run", "eval", "validate", "verify", "download", "data"):
+        module = {"run": _run, "eval": _eval}.get(name) or _COMMANDS[name]
         module.add_parser(subparsers, common)
     return parser
 
@@ -60,8 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     debug = debug_enabled(argv)
     parser = build_parser()
     try:
-        if argv and argv[0] == "run" or argv[:2] == ["--debug", "run"]:
+        command = next((arg for arg in argv if arg != "--debug"), None)
+        if command == "run":
             code = _run.run_command(argv[argv.index("run") + 1 :], debug)
+        elif command == "eval":
+            # The short form of `tunelab run [TORCHRUN OPTIONS] eval --config ...`.
+            rest = argv[argv.index("eval") + 1 :]
+            run_argv = _eval.as_run_arguments(rest)
+            if run_argv is None:  # -h, --help, or nothing (a usage error, as for `run`)
+                print(_eval.USAGE, end="")
+                code = 0 if rest else 2
+            else:
+                code = _run.run_command(run_argv, debug)
         else:
             namespace = parser.parse_args(argv)
             if namespace.command is None:

@@ -36,6 +36,7 @@ from tunelab.config.recipe_args import (
     LoRAArgs,
     LoRADPOArgs,
     LoRAFinetuneArgs,
+    TrainingEvalArgs,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "Range",
     "RecipeArgs",
     "TokenizerPath",
+    "TrainingEvalArgs",
     "apply_overrides",
     "builtin_configs",
     "component",

@@ -8,6 +8,7 @@ A copied recipe can subclass these or declare its own ``RecipeArgs`` dataclass.
 This module must not import torch: ``tunelab validate`` imports it to check a config.
 """
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -17,6 +18,7 @@ from omegaconf import DictConfig
 from tunelab.config._args import Component, RecipeArgs, component
 from tunelab.config._component_rules import Template
 from tunelab.config._model_dir import tokenizer_fits_model
+from tunelab.config._tasks import task_path_problem
 from tunelab.config.constraints import (
     ExistingPath,
     Finite,
@@ -49,6 +51,56 @@ class CheckpointArgs:
     """true: continue from the newest committed step checkpoint (an error if none); auto: resume if there is one, else start fresh."""
     export_every_n_epochs: AtLeastOne = 1
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
+
+
+@dataclass(kw_only=True)
+class TrainingEvalArgs:
+    """lm-evaluation-harness tasks scored on the live model during training."""
+
+    tasks: list[Annotated[str, NonEmpty()]] | None = None
+    """lm-eval tasks to score the model on while it trains: registry names (arc_easy, hellaswag, gsm8k), task YAML files, or folders of them (None: no evaluation)."""
+    every_n_steps: AtLeastOne | None = None
+    """Evaluate every N optimizer steps (None: only at the end, with at_end)."""
+    at_end: bool = True
+    """Also evaluate after the run's last step."""
+    limit: AtLeastOne | None = None
+    """Documents per task at most (None: all); at least the number of processes."""
+    num_fewshot: Annotated[int, Range(ge=0)] | None = None
+    """Examples in each prompt (None: each task's own setting)."""
+    batch_size: AtLeastOne = 8
+    """Sequences per forward, per process (scoring and generation)."""
+    max_length: AtLeastOne | None = None
+    """Longest model input in tokens; longer ones lose tokens from the left (None: the model's max_position_embeddings)."""
+    max_gen_toks: AtLeastOne = 256
+    """Tokens a generation task generates at most when the task does not say."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (for instruct/chat models)."""
+    seed: int = 0
+    """Seed of lm-eval's few-shot sampling and of sampled generations (the training random streams are left as they were)."""
+
+    def check_settings(self) -> list[str]:
+        """A schedule needs tasks and tasks need a schedule, lm-eval and existing task files."""
+        if not self.tasks:
+            if self.every_n_steps is not None:
+                return ["key 'eval.every_n_steps': there are no eval.tasks to evaluate"]
+            return []
+        problems = []
+        if self.every_n_steps is None and not self.at_end:
+            problems.append(
+                "key 'eval.tasks': no evaluation is scheduled: set eval.every_n_steps or "
+                "eval.at_end: true"
+            )
+        if importlib.util.find_spec("lm_eval") is None:
+            problems.append(
+                "key 'eval.tasks': evaluation needs EleutherAI's lm-evaluation-harness "
+                "(lm_eval): pip install 'tunelab[eval]'"
+            )
+        problems += [
+            f"key 'eval.tasks': {problem}"
+            for problem in map(task_path_problem, self.tasks)
+            if problem is not None
+        ]
+        return problems
 
 
 @dataclass(kw_only=True)
@@ -129,10 +181,12 @@ class FinetuneArgs(RecipeArgs):
     """Mixture-of-experts models: weight of the router's load-balancing loss in the training loss (logged as router_aux_loss); null: the model's router_aux_loss_coef when its config.json sets output_router_logits: true (as transformers does), else 0. Dense models ignore it."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
+    eval: TrainingEvalArgs = field(default_factory=TrainingEvalArgs)
+    """lm-evaluation-harness tasks scored during training (scores logged as eval/<task>/<metric>)."""
 
     def check_settings(self) -> list[str]:
-        """Check that a tokenizer read from another folder fits the model's vocabulary."""
-        problems = super().check_settings()
+        """Check the eval schedule, and that a tokenizer read from another folder fits the model."""
+        problems = super().check_settings() + self.eval.check_settings()
         path = self.tokenizer.get("path") if isinstance(self.tokenizer, DictConfig) else None
         if isinstance(path, str) and path:
             problems += [
@@ -230,6 +284,15 @@ class EvalArgs(RecipeArgs):
     """Device (None: CUDA when available)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Model dtype."""
+
+    def check_settings(self) -> list[str]:
+        """A task given as a path must be a task YAML file or a folder."""
+        problems = super().check_settings()
+        return problems + [
+            f"key 'tasks': {problem}"
+            for problem in map(task_path_problem, self.tasks or [])
+            if problem is not None
+        ]
 
 
 _NO_ROUTER_LOSS = (

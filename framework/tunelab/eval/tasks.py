@@ -8,22 +8,18 @@ when a registry name is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tunelab.config._tasks import task_path_problem
 from tunelab.errors import ConfigError, first_line
-from tunelab.eval import _lm_eval  # noqa: F401  (the install hint when lm-eval is missing)
+from tunelab.eval import _lm_eval  # the install hint when lm-eval is missing
 
 __all__ = ["evaluate", "resolve_tasks", "results_table"]
-
-_YAML_SUFFIXES = (".yaml", ".yml")
-
-
-def _looks_like_path(task: str) -> bool:
-    return "/" in task or task.endswith(_YAML_SUFFIXES) or task.startswith(".")
 
 
 def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str | dict[str, Any]], Any]:
@@ -47,22 +43,21 @@ def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str | dict[str, Any]], Any
         raise ConfigError("no tasks to evaluate: give tasks, e.g. tasks=[arc_easy]")
     folders: list[Path] = []
     for task in tasks:
+        problem = task_path_problem(task)
+        if problem is not None:
+            raise ConfigError(problem)
         path = Path(task).expanduser()
         if path.is_dir():
             folders.append(path.resolve())
-        elif _looks_like_path(task) and not path.is_file():
-            raise ConfigError(f"task {task!r}: no such task file or folder")
-        elif path.is_file() and not task.endswith(_YAML_SUFFIXES):
-            raise ConfigError(f"task {task!r}: a task file is a .yaml or .yml file")
     registry_names = [t for t in tasks if not Path(t).expanduser().exists()]
     manager = TaskManager(include_path=folders or None, include_defaults=bool(registry_names))
-    specs: list[str] = []
+    specs: list[str | dict[str, Any]] = []
     for task in tasks:
         path = Path(task).expanduser()
         if path.is_dir():
             folder = path.resolve()
             defined = sorted(
-                name
+                (name, entry)
                 for name, entry in manager.task_index.items()
                 if entry.yaml_path is not None
                 and Path(entry.yaml_path).resolve().parent == folder
@@ -72,7 +67,15 @@ def resolve_tasks(tasks: Sequence[str]) -> tuple[list[str | dict[str, Any]], Any
                 raise ConfigError(
                     f"task folder {task}: defines no task (no YAML with a 'task' key)"
                 )
-            specs += defined
+            # A task's file, so that its relative data_files are read from the folder (by name,
+            # lm-eval would read them from the working directory); groups and Python tasks
+            # by name.
+            specs += [
+                _task_file_spec(Path(entry.yaml_path).resolve())
+                if entry.kind.name == "TASK"
+                else name
+                for name, entry in defined
+            ]
         elif path.is_file():
             specs.append(_task_file_spec(path.resolve()))
         elif task not in manager.all_tasks:
@@ -144,25 +147,95 @@ def evaluate(
         ConfigError: An unknown task, or a task whose dataset must come from the Hugging Face
             Hub while the hub cannot be reached (offline): the message names the task.
     """
+    specs, manager = resolve_tasks(tasks)
+    return run_resolved(
+        lm,
+        specs,
+        manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
+        seed=seed,
+    )
+
+
+def run_resolved(
+    lm: Any,
+    specs: list[str | dict[str, Any]],
+    manager: Any,
+    *,
+    num_fewshot: int | None,
+    limit: int | None,
+    apply_chat_template: bool,
+    log_samples: bool,
+    seed: int,
+    bootstrap_iters: int = 100000,
+    quiet: bool = False,
+) -> dict[str, Any] | None:
+    """:func:`evaluate` on tasks :func:`resolve_tasks` already found (no second registry scan).
+
+    Args:
+        lm: An lm-eval ``LM``.
+        specs: The task specs from :func:`resolve_tasks`.
+        manager: Its ``TaskManager``.
+        num_fewshot: See :func:`evaluate`.
+        limit: See :func:`evaluate`.
+        apply_chat_template: See :func:`evaluate`.
+        log_samples: See :func:`evaluate`.
+        seed: See :func:`evaluate`.
+        bootstrap_iters: Resamples for the standard errors of metrics that lm-eval bootstraps
+            (perplexity, ...) in a pool of forked processes; 0: no standard errors and no
+            fork (a fork of a training process, with its checkpoint and collective threads,
+            can deadlock).
+        quiet: Without lm-eval's progress bars and git's complaint outside a repository
+            (between training steps).
+
+    Returns:
+        lm-eval's results dict on rank 0; None on the other ranks.
+
+    Raises:
+        ConfigError: A task's dataset must come from the Hugging Face Hub while it cannot be
+            reached.
+    """
     import lm_eval
 
-    specs, manager = resolve_tasks(tasks)
     # lm-eval logs a warning per metric of a local task without aggregation settings.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
-        return lm_eval.simple_evaluate(
-            model=lm,
-            tasks=specs,
-            num_fewshot=num_fewshot,
-            limit=limit,
-            task_manager=manager,
-            apply_chat_template=apply_chat_template,
-            log_samples=log_samples,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        with _lm_eval.quiet() if quiet else contextlib.nullcontext():
+            return lm_eval.simple_evaluate(
+                model=lm,
+                tasks=specs,
+                num_fewshot=num_fewshot,
+                limit=limit,
+                task_manager=manager,
+                apply_chat_template=apply_chat_template,
+                log_samples=log_samples,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+                bootstrap_iters=bootstrap_iters,
+            )
+    except (ConnectionError, OSError) as error:
+        raise _unreachable_dataset(specs, manager, error) from None
+
+
+def check_datasets(specs: list[str | dict[str, Any]], manager: Any) -> None:
+    """Load every task once, so a dataset that cannot be had fails now, naming its task.
+
+    Args:
+        specs: The task specs from :func:`resolve_tasks`.
+        manager: Its ``TaskManager``.
+
+    Raises:
+        ConfigError: A task's dataset must come from the Hugging Face Hub while it cannot be
+            reached (offline), or cannot be read.
+    """
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    try:
+        manager.load(specs)
     except (ConnectionError, OSError) as error:
         raise _unreachable_dataset(specs, manager, error) from None
 

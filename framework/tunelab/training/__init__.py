@@ -17,8 +17,10 @@ calls, each with one job:
   :func:`write_completions`, :class:`GroupSampler` (sample, score, refill),
   :func:`store_logps`, :func:`policy_gradient_pass`, :func:`step_counts`,
   :func:`grpo_metrics`, :class:`RolloutValidation`;
-- after the step: :class:`AfterStep` (progress, metrics, validation, export, save, stop),
-  with :class:`Schedule`, :class:`MetricLoggers`, :class:`ProgressBar`, :class:`StepProfiler`;
+- after the step: :class:`AfterStep` (progress, metrics, validation, benchmarks, export,
+  save, stop), with :class:`Schedule`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
+  ``tunelab.eval.TrainingEval``), :class:`MetricLoggers`, :class:`ProgressBar`,
+  :class:`StepProfiler`;
   :func:`evaluate`, :func:`evaluate_preference`, :func:`peak_memory_gib`.
 
 Components for configs: ``adamw``, the LR schedules and the metric loggers.
@@ -99,6 +101,7 @@ from tunelab.training.session import (
     AfterStep,
     MetricLoggers,
     Schedule,
+    StepBenchmarks,
     TrainingData,
     build_checkpoint_client,
     build_data,
@@ -145,6 +148,7 @@ __all__ = [
     "ReferenceModel",
     "Schedule",
     "StdoutLogger",
+    "StepBenchmarks",
     "StepProfiler",
     "TensorBoardLogger",
     "TrainingData",

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -355,13 +355,29 @@ class Schedule:
         return epoch_done and epoch == self.epochs - 1
 
 
+class StepBenchmarks(Protocol):
+    """Benchmarks run between steps (``tunelab.eval.TrainingEval``): when, and the scores."""
+
+    def due(self, global_step: int, last_step: bool) -> bool:
+        """Whether to run after ``global_step`` (``last_step``: it ends the run)."""
+
+    def __call__(self) -> dict[str, float]:
+        """Run on every rank; return the metrics to log (rank 0 has the scores)."""
+
+
 class AfterStep:
     """What every training recipe does after its optimizer step, in this order.
 
-    Advance the progress bar and the profiler; log the step's metrics; validate; export at an
-    epoch end; save a step checkpoint; and, when a SIGTERM or SIGINT arrived, stop with a
-    committed checkpoint at a step every rank agrees on. Built after resume (it starts the
-    progress bar at the resumed step and arms the stop handling).
+    Advance the progress bar and the profiler; log the step's metrics; validate; run the
+    benchmarks when due; export at an epoch end; save a step checkpoint; and, when a SIGTERM
+    or SIGINT arrived, stop with a committed checkpoint at a step every rank agrees on. Built
+    after resume (it starts the progress bar at the resumed step and arms the stop handling).
+
+    The step's tokens/s is measured from :meth:`start_step` to the start of this call:
+    validation, benchmarks and saves are not in it. Validation and benchmarks are logged
+    before the step's checkpoint is saved, so a run resumed from that checkpoint does not
+    repeat them, and one resumed from an earlier checkpoint logs them once more after its
+    loggers dropped the records past that checkpoint (``MetricLoggers.start_at``).
 
     Args:
         checkpoints: The run's checkpoint client.
@@ -372,6 +388,8 @@ class AfterStep:
         validate: Returns the validation metrics (``{"val_loss": ...}``), or None without
             validation data.
         profiler: Records a few steps when enabled.
+        benchmarks: lm-eval tasks on the live model (``tunelab.eval.TrainingEval``), logged
+            at the steps they are due; None: none.
         device: For the peak-memory figure.
         is_main: Whether this rank draws the progress bar (rank 0).
     """
@@ -388,8 +406,10 @@ class AfterStep:
         profiler: StepProfiler,
         device: torch.device,
         is_main: bool,
+        benchmarks: StepBenchmarks | None = None,
     ) -> None:
         self.checkpoints, self.data, self.schedule = checkpoints, data, schedule
+        self.benchmarks = benchmarks
         self.loggers, self.validate, self.profiler, self.device = (
             loggers,
             validate,
@@ -445,6 +465,10 @@ class AfterStep:
         epoch_done = step_in_epoch == self.data.steps_per_epoch
         if self.validate is not None and schedule.validate(global_step, epoch_done):
             self.loggers.log(self.validate(), global_step)
+        if self.benchmarks is not None and self.benchmarks.due(
+            global_step, schedule.is_last(epoch, epoch_done)
+        ):
+            self.loggers.log(self.benchmarks(), global_step)
         if schedule.export(epoch, epoch_done):
             self.checkpoints.export(epoch)
         saved = schedule.save(global_step, epoch_done)
