@@ -5,8 +5,9 @@ Copy it to customise: ``tunelab cp full_finetune_distributed my_full.py``.
 
 Reads top to bottom: set-up, resume, the training loop (each optimizer step: forward, loss and
 backward over its micro-batches, then clip and step; then ``after_step`` logs, validates,
-scores the ``eval.tasks`` when due, exports and saves), clean-up. Every building block takes the settings it uses, so a copy may
-declare its own settings dataclass in place of ``FullFinetuneArgs``.
+scores the ``eval.tasks`` when due, exports and saves), clean-up. Every building block takes
+the settings it uses, so a copy may declare its own settings dataclass in place of
+``FullFinetuneArgs``.
 """
 
 import torch
