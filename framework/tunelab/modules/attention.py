@@ -197,10 +197,26 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(input_pos, k, v)
         if isinstance(mask, AttentionMask):
             out = self._attend_described(q, k, v, mask)
+        elif self.kv_cache is not None and self._gqa_takes_a_mask(q):
+            # Decoding: the cache's keys under its bool mask, the K/V heads shared in the
+            # kernel instead of repeated over the whole cache at every token.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale
+            )
         else:
             out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
         return self.o_proj(out)
+
+    def _gqa_takes_a_mask(self, q: torch.Tensor) -> bool:
+        # CPU's SDPA kernel takes a mask and GQA together (its forward bit-equal to repeating
+        # K/V: test_attention_kernels); on CUDA a mask with GQA falls back to the math kernel,
+        # so K/V are repeated there. Soft-capped scores and sinks take the explicit path.
+        return (
+            q.device.type == "cpu"
+            and self.num_heads != self.num_kv_heads
+            and not self.explicit_scores
+        )
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
