@@ -3,36 +3,39 @@
 The ids are those of ``transformers``' ``apply_chat_template(messages, tokenize=True)``: the
 template's text encoded whole, without adding special tokens (the template writes BOS itself).
 
-What is trained is each assistant turn as the template renders it: its content and its
-end-of-turn token(s), never the role header that opens it (at generation time the header is
-part of the prompt). The prompt that asks for assistant message ``i`` is
-``prompt_i = render(messages[:i], add_generation_prompt=True)``; the turn is what
-``render(messages[:i + 1])`` adds after it. Within the turn, the trained characters are:
+What is trained is each assistant turn as the model generates it: its content (and tool calls,
+and reasoning unless ``train_on_reasoning`` is off) up to its end of turn, never the role header
+that opens it (at generation time the header is part of the prompt) and never a tool result,
+system or user message. The prompt that asks for assistant message ``k`` is
+``prompt_k = render(messages[:k], add_generation_prompt=True)``; the turn's generated text is
+what ``render(messages[:k + 1])`` adds after it, up to where generation stops:
 
-- the template's ``{% generation %}`` blocks, when it has them (what ``transformers``'
-  ``return_assistant_tokens_mask`` uses);
-- otherwise everything up to and including the turn's last end-of-turn token (the tokenizer's
-  ``stop_ids``); what follows it, like the newline after ChatML's ``<|im_end|>``, is never
-  generated and not trained.
+- the end of the turn's last ``{% generation %}`` block, when the template has them (and then
+  only the blocks are trained: what ``transformers``' ``return_assistant_tokens_mask`` uses);
+- otherwise just after the first end-of-turn token (the tokenizer's ``stop_ids``) it writes;
+  what follows, like the newline after ChatML's ``<|im_end|>`` or the EOS Phi-3.5 writes after
+  the last ``<|end|>``, is never generated and not trained.
 
 A token is trained when it overlaps a trained character span, as in ``transformers``.
 
-Some templates render earlier turns differently once later turns exist: reasoning templates
-drop the ``<think>`` blocks of old turns (Qwen3); Mistral's writes the system prompt into the
-last user turn only. A whole-conversation sample would then teach turns in a form the model is
-never asked to produce. So the conversation is one sample only when, for every trained turn,
-``prompt_i`` is a prefix of ``render(messages[:i + 1])`` and that is a prefix of the whole
-render. Otherwise each trained turn becomes its own sample: ``prompt_i`` (exactly what the
-model is served when asked for that turn) followed by the turn as the template renders it when
-it is the last message, with only that turn trained. When ``prompt_i`` is a prefix of
-``render(messages[:i + 1])`` that sample is the latter render itself; when it is not (Mistral),
-the turn is located in that render by rendering the conversation with a marker as the turn's
-content.
+One conversation is one sample whenever the whole render shows every assistant turn as the
+model generates it: ``prompt_k`` followed by turn ``k``'s generated text is a prefix of the
+whole render, for every ``k``. Some templates render earlier turns differently once later turns
+exist: reasoning templates drop the ``<think>`` blocks of old turns (Qwen3); Mistral's writes
+the system prompt into the last user turn only. Training those turns on the whole render would
+teach a form the model is never asked to produce, so they are trained elsewhere: greedily from
+the end, the whole render trains the turns it shows as generated, and each remaining turn is
+trained in the render that ends with it (``prompt_k`` then the turn, as the template renders it
+when it is the last message), together with the earlier turns that render shows as generated.
+Every turn is trained exactly once. When ``prompt_k`` is not a prefix of
+``render(messages[:k + 1])`` (Mistral), the turn is located in that render by rendering the
+conversation with a marker as the turn's content.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tunelab.config._component_rules import NAMED_TEMPLATES
@@ -122,17 +125,28 @@ def _mask_from_spans(
     return ids, mask
 
 
-def _end_of_turn(tokenizer: Tokenizer, text: str, start: int, end: int) -> int:
-    """Where turn text ``text[start:end]`` stops being generated: after its last stop token."""
-    turn = text[start:end]
-    cut = -1
+def _generated_end(
+    tokenizer: Tokenizer, template: ChatTemplate, text: str, blocks: list, start: int
+) -> int:
+    """Where the model stops generating a turn that starts at ``text[start]``.
+
+    With ``{% generation %}`` blocks, at the end of the turn's last block; otherwise just after
+    the first stop token (``stop_ids``) the turn writes, where generation would stop (Phi-3.5's
+    ``<|end|>``, not the EOS its template writes after the last turn); the turn's whole text
+    when it writes none.
+    """
+    if template.has_generation_blocks:
+        ends = [high for _, high in blocks if high > start]
+        if ends:
+            return max(ends)
+    cut = len(text)
     for token_id in tokenizer.stop_ids:
         token = tokenizer.id_to_token(token_id)
         if token:
-            found = turn.rfind(token)
+            found = text.find(token, start, cut)
             if found >= 0:
-                cut = max(cut, found + len(token))
-    return start + cut if cut >= 0 else end
+                cut = found + len(token)
+    return cut
 
 
 # Stands for an assistant turn's content, to find where the template starts the turn. Private
@@ -140,11 +154,47 @@ def _end_of_turn(tokenizer: Tokenizer, text: str, start: int, end: int) -> int:
 _MARKER = "\ue000tunelab-turn\ue001"
 
 
+@dataclass
+class _Turn:
+    """An assistant turn as the model is asked for it and generates it.
+
+    ``text`` is the render in which the turn is the last message, starting with ``prompt``
+    (what the model is served to produce the turn); ``generated`` follows ``prompt`` in it and
+    is what the model writes, up to its end of turn; ``blocks`` are ``text``'s generation
+    blocks.
+    """
+
+    index: int
+    prompt: str
+    generated: str
+    text: str
+    blocks: list[tuple[int, int]]
+    reasoning: str | None
+
+    def found_in(self, render: str) -> bool:
+        """Whether ``render`` shows this turn at its position exactly as it is generated."""
+        return render.startswith(self.prompt + self.generated)
+
+
+@dataclass
+class ConversationLayout:
+    """How a conversation becomes samples, and why.
+
+    Attributes:
+        samples: ``[(ids, mask)]``, in conversation order.
+        reason: One sentence: why one sample, or which turn forced a split.
+    """
+
+    samples: list[TokenizedChat]
+    reason: str
+
+
 def tokenize_conversation(
     tokenizer: Tokenizer,
     messages: Sequence[Any],
     *,
     train_on_input: bool = False,
+    train_on_reasoning: bool = True,
     trained_turns: Sequence[int] | None = None,
     add_generation_prompt: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -156,9 +206,12 @@ def tokenize_conversation(
 
     Args:
         tokenizer: The tokenizer.
-        messages: The conversation: dicts with ``role`` and ``content``, or ``Message``s.
+        messages: The conversation: dicts with ``role`` and ``content`` (and ``tool_calls``,
+            ``reasoning_content``, ...), or ``Message``s.
         train_on_input: Train on every token but the first (the first predicts nothing in its
             document, so packed documents never predict each other).
+        train_on_reasoning: Train on the reasoning text of assistant turns (``reasoning_content``
+            / ``thinking``) where the template renders it; False leaves it as context only.
         trained_turns: Indices of the assistant messages to train; None: every assistant
             message. (Preference pairs train only the answer, not assistant turns of the prompt.)
         add_generation_prompt: Let the template open one more assistant reply at the end.
@@ -168,8 +221,8 @@ def tokenize_conversation(
         template: The template; None for the tokenizer's own.
 
     Returns:
-        ``[(ids, mask)]``: one sample, or one per trained turn when the template renders
-        earlier turns differently once later ones exist (see the module docstring).
+        ``[(ids, mask)]``: one sample, or more when the whole render shows an earlier assistant
+        turn differently from how the model generates it (see the module docstring).
         ``mask[i]`` is True for tokens left out of the loss.
 
     Raises:
@@ -177,6 +230,40 @@ def tokenize_conversation(
         DataError: If the template does not compile.
         ChatTemplateError: If rendering fails, or the turn cannot be told apart in the render.
         ValueError: If ``trained_turns`` names a message that is not an assistant message.
+    """
+    return conversation_layout(
+        tokenizer,
+        messages,
+        train_on_input=train_on_input,
+        train_on_reasoning=train_on_reasoning,
+        trained_turns=trained_turns,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        documents=documents,
+        template_kwargs=template_kwargs,
+        template=template,
+    ).samples
+
+
+def conversation_layout(
+    tokenizer: Tokenizer,
+    messages: Sequence[Any],
+    *,
+    train_on_input: bool = False,
+    train_on_reasoning: bool = True,
+    trained_turns: Sequence[int] | None = None,
+    add_generation_prompt: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    template: ChatTemplate | None = None,
+) -> ConversationLayout:
+    """``tokenize_conversation``'s samples, with the reason for one sample or a split.
+
+    Args and Raises are as for ``tokenize_conversation``.
+
+    Returns:
+        The samples and the reason.
     """
     template = template or chat_template_of(tokenizer)
     messages = normalize_messages(messages)
@@ -192,7 +279,9 @@ def tokenize_conversation(
     full, full_blocks = render(messages, add_generation_prompt)
     if train_on_input:
         ids = tokenizer.encode(full, add_bos=False)
-        return [(ids, [i == 0 for i in range(len(ids))])]
+        return ConversationLayout(
+            [(ids, [i == 0 for i in range(len(ids))])], "train_on_input: the whole render"
+        )
     assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if trained_turns is None:
         trained_turns = assistant
@@ -201,34 +290,91 @@ def tokenize_conversation(
         raise ValueError(f"trained_turns {wrong} are not assistant messages")
     turns = []
     for index in sorted(set(trained_turns)):
-        prompt = _prompt(render, messages, index)
-        if index + 1 == len(messages) and not add_generation_prompt:
-            through, blocks = full, full_blocks
-        else:
-            through, blocks = render(messages[: index + 1], False)
-        turns.append((index, prompt, through, blocks))
-    if all(
-        through.startswith(prompt) and full.startswith(through) for _, prompt, through, _ in turns
-    ):
-        regions = [(len(prompt), len(through)) for _, prompt, through, _ in turns]
-        return [_label(tokenizer, template, full, full_blocks, regions)]
-    samples = []
-    for index, prompt, through, blocks in turns:
-        if through.startswith(prompt):
-            text, start = through, len(prompt)
-        else:
-            head = _turn_head(render, messages, index)
-            if not through.startswith(head):
-                raise ChatTemplateError(
-                    f"message {index}: cannot find the assistant turn in the template's render: "
-                    "it starts neither with the prompt for the turn nor as a render with only "
-                    "the turn's content changed"
-                )
-            text, start = prompt + through[len(head) :], len(prompt)
-            shift = len(prompt) - len(head)
-            blocks = [(low + shift, high + shift) for low, high in blocks if low >= len(head)]
-        samples.append(_label(tokenizer, template, text, blocks, [(start, len(text))]))
-    return samples
+        last = index + 1 == len(messages) and not add_generation_prompt
+        through = (full, full_blocks) if last else render(messages[: index + 1], False)
+        turns.append(_turn(tokenizer, template, render, messages, index, *through))
+    # Greedily from the end: the whole render trains every turn it shows as generated; each
+    # turn it shows otherwise is trained in the render that ends with it (which also trains
+    # the earlier turns shown there as generated), so every turn is trained exactly once.
+    samples: list[TokenizedChat] = []
+    pending = turns
+    text, blocks = full, full_blocks
+    first_split = next((turn for turn in turns if not turn.found_in(full)), None)
+    while pending:
+        shown = [turn for turn in pending if turn.found_in(text)]
+        if shown:
+            samples.append(_label(tokenizer, template, text, blocks, shown, train_on_reasoning))
+        done = {turn.index for turn in shown}
+        pending = [turn for turn in pending if turn.index not in done]
+        if pending:
+            text, blocks = pending[-1].text, pending[-1].blocks
+    samples.reverse()
+    if not turns:  # nothing to train (a prompt): the whole render, all masked
+        samples = [_label(tokenizer, template, full, full_blocks, [], train_on_reasoning)]
+    if first_split is None:
+        reason = "one sample: the whole render shows every assistant turn as the model generates it"
+    else:
+        reason = (
+            f"{len(samples)} samples: the whole render shows assistant message "
+            f"{first_split.index} differently from how the model generates it "
+            f"({_first_difference(first_split, full)})"
+        )
+    return ConversationLayout(samples, reason)
+
+
+def _first_difference(turn: _Turn, render: str) -> str:
+    """Where ``render`` first departs from the turn's prompt and generated text, in words."""
+    expected = turn.prompt + turn.generated
+    at = next(
+        (i for i, (a, b) in enumerate(zip(expected, render)) if a != b),
+        min(len(expected), len(render)),
+    )
+    return (
+        f"at character {at}: generated {expected[at : at + 30]!r}, "
+        f"the whole render has {render[at : at + 30]!r}"
+    )
+
+
+def _turn(
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    render: Any,
+    messages: list[dict[str, Any]],
+    index: int,
+    through: str,
+    blocks: list[tuple[int, int]],
+) -> _Turn:
+    """Assistant turn ``index`` as asked for and generated; ``through`` renders it last.
+
+    When ``prompt`` is a prefix of ``through`` the turn's text is ``through`` itself; when it
+    is not (Mistral writes the system prompt into the last user turn only), the turn is found
+    in ``through`` by rendering it with a marker as its content, and put after the prompt.
+
+    Raises:
+        ChatTemplateError: If the turn cannot be found in ``through``.
+    """
+    prompt = _prompt(render, messages, index)
+    if not through.startswith(prompt):
+        head = _turn_head(render, messages, index)
+        if not through.startswith(head):
+            raise ChatTemplateError(
+                f"message {index}: cannot find the assistant turn in the template's render: "
+                "it starts neither with the prompt for the turn nor as a render with only "
+                "the turn's content changed"
+            )
+        shift = len(prompt) - len(head)
+        blocks = [(low + shift, high + shift) for low, high in blocks if low >= len(head)]
+        through = prompt + through[len(head) :]
+    end = _generated_end(tokenizer, template, through, blocks, len(prompt))
+    reasoning = next((messages[index][k] for k in REASONING_KEYS if k in messages[index]), None)
+    return _Turn(
+        index,
+        prompt,
+        through[len(prompt) : end],
+        through,
+        blocks,
+        reasoning if isinstance(reasoning, str) and reasoning.strip() else None,
+    )
 
 
 def _prompt(render: Any, messages: list[dict[str, Any]], index: int) -> str:
@@ -269,12 +415,17 @@ def _label(
     template: ChatTemplate,
     text: str,
     blocks: list[tuple[int, int]],
-    regions: list[tuple[int, int]],
+    turns: list[_Turn],
+    train_on_reasoning: bool,
 ) -> TokenizedChat:
-    """Encode ``text``, training the assistant turns at character ``regions`` only."""
+    """Encode ``text``, training the given turns (each at its position) only.
+
+    A turn's trained characters are its generated text; with generation blocks, the blocks
+    inside it (a block that also wrapped the role header would train the prompt). Without
+    ``train_on_reasoning``, the turn's reasoning text, where the render shows it, is not.
+    """
+    regions = [(len(turn.prompt), len(turn.prompt) + len(turn.generated)) for turn in turns]
     if template.has_generation_blocks:
-        # The template says what is generated; keep the blocks inside trained turns, clipped
-        # to the turn (a block that also wrapped the role header would train the prompt).
         spans = [
             (max(start, low), min(end, high))
             for start, end in blocks
@@ -282,5 +433,25 @@ def _label(
             if max(start, low) < min(end, high)
         ]
     else:
-        spans = [(low, _end_of_turn(tokenizer, text, low, high)) for low, high in regions]
+        spans = regions
+    if not train_on_reasoning:
+        holes = []
+        for turn, (low, high) in zip(turns, regions):
+            found = text.find(turn.reasoning, low, high) if turn.reasoning else -1
+            if found >= 0:
+                holes.append((found, found + len(turn.reasoning)))
+        spans = _without(spans, holes)
     return _mask_from_spans(tokenizer, text, spans)
+
+
+def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` minus the characters of ``holes``."""
+    for hole_start, hole_end in holes:
+        kept = []
+        for start, end in spans:
+            if start < hole_start:
+                kept.append((start, min(end, hole_start)))
+            if end > hole_end:
+                kept.append((max(start, hole_end), end))
+        spans = kept
+    return spans
