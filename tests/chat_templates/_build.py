@@ -202,6 +202,22 @@ SPECS = {
             ],
         ),
         TemplateSpec(
+            "qwen3_training",
+            _read("qwen3_training.jinja"),
+            QWEN_TOKENS,
+            bos=None,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            plain_tokens=[
+                "<tool_call>",
+                "</tool_call>",
+                "<tool_response>",
+                "</tool_response>",
+                "<think>",
+                "</think>",
+            ],
+        ),
+        TemplateSpec(
             "phi3_5",
             _read("phi3_5_mini_instruct.jinja"),
             PHI3_TOKENS,

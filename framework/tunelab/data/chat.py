@@ -394,7 +394,8 @@ def _turn_head(render: Any, messages: list[dict[str, Any]], index: int) -> str:
     """The render of ``messages[:index + 1]`` up to where turn ``index``'s content starts.
 
     The turn's content is replaced by a marker (and its reasoning dropped, which some templates
-    write before the content), so the text before the marker is the conversation as the
+    write before the content; a tool-call turn whose template ignores its content becomes a
+    plain reply), so the text before the marker is the conversation as the
     template renders it when this turn is the last one, up to and including the turn's header.
 
     Raises:
@@ -402,6 +403,10 @@ def _turn_head(render: Any, messages: list[dict[str, Any]], index: int) -> str:
     """
     turn = {k: v for k, v in messages[index].items() if k not in REASONING_KEYS}
     text, _ = render([*messages[:index], {**turn, "content": _MARKER}], False)
+    if text.count(_MARKER) != 1 and "tool_calls" in turn:
+        # A template may render only the calls of a tool-call turn (Mistral): its header is
+        # that of a plain reply.
+        text, _ = render([*messages[:index], {"role": "assistant", "content": _MARKER}], False)
     if text.count(_MARKER) != 1:
         raise ChatTemplateError(
             f"message {index}: the template does not render the assistant's content as given, "
@@ -455,3 +460,42 @@ def _without(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list
                 kept.append((max(start, hole_end), end))
         spans = kept
     return spans
+
+
+# A conversation that shows how a template lays out conversations: two user turns, each
+# answered with reasoning, and a system prompt (some templates refuse one: then none).
+_PROBE = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Next number after 40:"},
+    {"role": "assistant", "content": "41", "reasoning_content": "40 + 1"},
+    {"role": "user", "content": "Next number after 41:"},
+    {"role": "assistant", "content": "42", "reasoning_content": "41 + 1"},
+]
+
+
+def describe_layout(tokenizer: Tokenizer, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """One line: whether the tokenizer's chat template makes a conversation one sample, and why.
+
+    A two-turn conversation with a system prompt and reasoning is laid out as
+    ``tokenize_conversation`` lays out data (``conversation_layout``'s reason).
+
+    Args:
+        tokenizer: The tokenizer (with a chat template).
+        template_kwargs: The dataset's extra template variables.
+
+    Returns:
+        ``"chat template <source>: <reason>"``.
+    """
+    template = chat_template_of(tokenizer)
+    reason = ""
+    for probe in (_PROBE, _PROBE[1:]):
+        try:
+            layout = conversation_layout(
+                tokenizer, probe, template_kwargs=template_kwargs, template=template
+            )
+        except ChatTemplateError as error:
+            reason = f"a two-turn conversation could not be laid out ({error})"
+            continue
+        reason = layout.reason
+        break
+    return f"chat template {template.source}: a two-turn conversation is {reason}"
