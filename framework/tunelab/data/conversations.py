@@ -60,7 +60,7 @@ def _json_value(value: Any, column: str, what: str) -> Any:
     try:
         return json.loads(value)
     except json.JSONDecodeError as error:
-        raise BadRow(column, f"{what} is not valid JSON ({error})") from None
+        raise BadRow(column, f"{what}: not valid JSON ({error})") from None
 
 
 def _tool_call(call: Any, column: str, where: str) -> dict[str, Any]:
