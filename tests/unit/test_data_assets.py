@@ -25,6 +25,8 @@ TEXT_FILES = [
     "chat.jsonl",
     "preference.jsonl",
     "grpo_prompts.jsonl",
+    "tool_calls.jsonl",
+    "tools_chat_template.jinja",
 ]
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors"]
 
