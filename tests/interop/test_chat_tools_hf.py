@@ -120,6 +120,18 @@ CASES = {
     "llama3_2": single_calls(PARALLEL),
     "llama3_1": single_calls(PARALLEL),
 }
+# Samples per conversation: one wherever the whole render shows every turn as generated.
+# Qwen3 drops the <think> blocks of the two turns before the second user message: they are
+# one more sample (the render ending with the first answer, which shows both as generated).
+# Mistral Nemo writes the system prompt into the last user turn only: a sample per turn.
+NUM_SAMPLES = {
+    "qwen2_5": 1,
+    "qwen3": 2,
+    "qwen3_training": 1,
+    "mistral_nemo": 4,
+    "llama3_2": 1,
+    "llama3_1": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +183,7 @@ def test_tool_conversations_train_what_transformers_renders(pairs, name):
     messages = read_conversation(CASES[name], "messages")
     options = dict(tools=TOOLS, **KWARGS)
     samples = tokenize_conversation(tok, messages, tools=TOOLS, template_kwargs=KWARGS)
+    assert len(samples) == NUM_SAMPLES[name]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     expected = [generated_by_transformers(tok, hf_tok, messages, k, **options) for k in turns]
     if name != "qwen3_training":  # its generation blocks also hold the newline after <|im_end|>
