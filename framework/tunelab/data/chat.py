@@ -300,8 +300,13 @@ def conversation_layout(
     pending = turns
     text, blocks = full, full_blocks
     first_split = next((turn for turn in turns if not turn.found_in(full)), None)
+    whole = True
     while pending:
         shown = [turn for turn in pending if turn.found_in(text)]
+        # A turn's own render shows it as generated (it is built so): every pass after the
+        # whole render trains at least that turn, so the loop ends.
+        assert shown or whole, "a turn's own render must show it"
+        whole = False
         if shown:
             samples.append(_label(tokenizer, template, text, blocks, shown, train_on_reasoning))
         done = {turn.index for turn in shown}
