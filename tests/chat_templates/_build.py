@@ -202,6 +202,15 @@ SPECS = {
             ],
         ),
         TemplateSpec(
+            "qwen2_5_training",
+            _read("qwen2_5_training.jinja"),
+            QWEN_TOKENS,
+            bos=None,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            plain_tokens=["<tool_call>", "</tool_call>"],
+        ),
+        TemplateSpec(
             "qwen3_training",
             _read("qwen3_training.jinja"),
             QWEN_TOKENS,

@@ -137,7 +137,7 @@ NUM_SAMPLES = {
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat_tools_hf")
-    names = [*CASES, "phi3_5"]
+    names = [*CASES, "phi3_5", "qwen2_5_training"]
     folders = {name: make_tokenizer_dir(root / name, SPECS[name]) for name in names}
     return {
         name: (load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder))
@@ -203,17 +203,35 @@ def test_tool_conversations_train_what_transformers_renders(pairs, name):
     assert "Paris" in all_trained and "Rome" in all_trained
 
 
-def test_qwen3_training_template_mask_is_return_assistant_tokens_mask(pairs):
-    tok, hf_tok = pairs["qwen3_training"]
+@pytest.mark.parametrize("name", ["qwen3_training", "qwen2_5_training"])
+def test_generation_block_mask_is_return_assistant_tokens_mask(pairs, name):
+    tok, hf_tok = pairs[name]
     messages = read_conversation(PARALLEL, "messages")
     out = hf_tok.apply_chat_template(
         messages, tools=TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
-    # The training template keeps every <think> block: one sample, every turn trained.
+    # The training templates render every turn as generated (Qwen3's keeps every <think>
+    # block): one sample, every turn trained.
     ((ids, mask),) = tokenize_conversation(tok, messages, tools=TOOLS)
     assert ids == list(out["input_ids"])
-    assert [int(not masked) for masked in mask] == list(out["assistant_masks"])
-    assert "Two lookups at once." in tok.decode([i for i, m in zip(ids, mask) if not m])
+    expected = list(out["assistant_masks"])
+    # Qwen 2.5's training template opens its blocks before the newline that ends the role
+    # header; that newline is part of the served prompt (add_generation_prompt writes it), so
+    # it is never trained: the blocks are clipped to the turn.
+    pieces = [tok.decode([token], skip_special_tokens=False) for token in ids]
+    header = [
+        i
+        for i in range(len(ids))
+        if pieces[i].endswith("\n") and "".join(pieces[: i + 1]).endswith("<|im_start|>assistant\n")
+    ]
+    if name == "qwen2_5_training":
+        assert [expected[i] for i in header] == [1, 1, 1, 1]
+        for i in header:
+            expected[i] = 0
+    assert [int(not masked) for masked in mask] == expected
+    trained = tok.decode([i for i, m in zip(ids, mask) if not m], skip_special_tokens=False)
+    assert trained.count("<tool_call>") == 3 and "Rome" in trained
+    assert ("Two lookups at once." in trained) == (name == "qwen3_training")
 
 
 def test_arguments_text_renders_as_the_parsed_object(pairs):
