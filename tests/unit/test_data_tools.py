@@ -71,9 +71,12 @@ def test_tool_rows_train_calls_and_replies_never_results(tmp_path, tokenizers):
     tok = tokenizers["qwen2_5"]
     # tools as JSON text (LLaMA-Factory's layout) is read like the list.
     as_text = {**tool_row(), "tools": json.dumps([WEATHER])}
-    path = write_jsonl(tmp_path / "tools.jsonl", [tool_row(), as_text])
+    # An empty tool_calls list on a plain reply (as exports write it) means no calls.
+    empty_calls = tool_row()
+    empty_calls["messages"][-1]["tool_calls"] = []
+    path = write_jsonl(tmp_path / "tools.jsonl", [tool_row(), as_text, empty_calls])
     ds = chat_dataset(tok, source=path, cache_dir=str(tmp_path / "cache"))
-    assert len(ds) == 2 and ds[0] == ds[1]
+    assert len(ds) == 3 and ds[0] == ds[1] == ds[2]
     text = tok.decode(ds[0]["tokens"], skip_special_tokens=False)
     assert '"name": "get_weather"' in text.split("<|im_end|>")[0]  # the tools in the system turn
     assert trained_text(tok, ds[0]) == (

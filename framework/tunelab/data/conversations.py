@@ -107,6 +107,8 @@ def _openai_message(message: dict[str, Any], column: str, index: int) -> dict[st
         raise BadRow(column, f"message {index}: unknown role {role!r} ({', '.join(CHAT_ROLES)})")
     out: dict[str, Any] = {"role": role}
     content = message.get("content")
+    if message.get("tool_calls") == []:  # exports often write an empty list for "no calls"
+        message = {key: value for key, value in message.items() if key != "tool_calls"}
     has_calls = role == "assistant" and message.get("tool_calls") is not None
     if content is None and not has_calls:
         raise BadRow(column, f"message {index}: missing 'content'")
