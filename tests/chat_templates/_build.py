@@ -41,6 +41,16 @@ LLAMA3_TOKENS = [
     "<|python_tag|>",
 ]
 QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PHI3_TOKENS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<|endoftext|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|end|>",
+    "<|user|>",
+]
 MISTRAL_TOKENS = [
     "<unk>",
     "<s>",
@@ -167,6 +177,63 @@ SPECS = {
             MISTRAL_TOKENS,
             bos="<s>",
             eos="</s>",
+        ),
+        TemplateSpec(
+            "llama3_1",
+            _read("llama3_1_instruct.jinja"),
+            LLAMA3_TOKENS,
+            bos="<|begin_of_text|>",
+            eos="<|eot_id|>",
+        ),
+        TemplateSpec(
+            "qwen3",
+            _read("qwen3.jinja"),
+            QWEN_TOKENS,
+            bos=None,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            plain_tokens=[
+                "<tool_call>",
+                "</tool_call>",
+                "<tool_response>",
+                "</tool_response>",
+                "<think>",
+                "</think>",
+            ],
+        ),
+        TemplateSpec(
+            "qwen2_5_training",
+            _read("qwen2_5_training.jinja"),
+            QWEN_TOKENS,
+            bos=None,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            plain_tokens=["<tool_call>", "</tool_call>"],
+        ),
+        TemplateSpec(
+            "qwen3_training",
+            _read("qwen3_training.jinja"),
+            QWEN_TOKENS,
+            bos=None,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            plain_tokens=[
+                "<tool_call>",
+                "</tool_call>",
+                "<tool_response>",
+                "</tool_response>",
+                "<think>",
+                "</think>",
+            ],
+        ),
+        TemplateSpec(
+            "phi3_5",
+            _read("phi3_5_mini_instruct.jinja"),
+            PHI3_TOKENS,
+            bos="<s>",
+            eos="<|endoftext|>",
+            # Phi-3.5-mini's generation_config.json: eos_token_id [32007, 32001, 32000].
+            stop_tokens=["<|end|>", "<|assistant|>"],
         ),
         TemplateSpec(
             "no_system",

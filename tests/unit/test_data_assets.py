@@ -25,6 +25,8 @@ TEXT_FILES = [
     "chat.jsonl",
     "preference.jsonl",
     "grpo_prompts.jsonl",
+    "tool_calls.jsonl",
+    "tools_chat_template.jinja",
 ]
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors"]
 
@@ -55,6 +57,21 @@ def test_datasets_load_without_malformed_rows():
     assert sft.num_skipped == val.num_skipped == chat.num_skipped == pref.num_skipped == 0
     # Short enough for the tiny configs: every sample fits in 128 tokens.
     assert max(len(item["tokens"]) for item in [*sft, *chat]) <= 128
+
+
+def test_tool_calls_are_one_sample_per_row_training_calls_not_results():
+    tok = load_tokenizer(TINY, chat_template=str(TINY / "tools_chat_template.jinja"))
+    tools = chat_dataset(tok, source=str(TINY / "tool_calls.jsonl"), max_seq_len=512)
+    assert len(tools) == 300 and tools.num_skipped == 0 and tools.num_truncated == 0
+    for item, row in zip(tools, read_jsonl("tool_calls.jsonl")):
+        trained = tok.decode([t for t in item["labels"] if t != -100], skip_special_tokens=False)
+        messages = row["messages"]
+        call_turn = next(m for m in messages if m.get("tool_calls"))
+        for call in call_turn["tool_calls"]:
+            assert call["function"]["arguments"] in trained  # every call is trained
+        assert trained.endswith(messages[-1]["content"] + "<|im_end|>")  # and the answer
+        assert trained.count("<|im_end|>") == 2  # the two assistant turns, no tool turn
+        assert ("<think>" in trained) == ("reasoning_content" in call_turn)
 
 
 def test_data_carries_the_rules():

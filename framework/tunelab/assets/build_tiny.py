@@ -11,7 +11,9 @@ writes, deterministically (fixed seeds, one CPU thread):
   ``transformers.LlamaConfig`` / ``LlamaForCausalLM`` and briefly pretrained on generic text
   from the task generator, so it is a meaningful base;
 - ``sft.jsonl``, ``sft_val.jsonl`` (alpaca instruction/input/output), ``chat.jsonl``
-  (``messages``), ``preference.jsonl`` (prompt/chosen/rejected).
+  (``messages``), ``preference.jsonl`` (prompt/chosen/rejected);
+- ``tool_calls.jsonl`` (``tools`` and ``messages`` with tool calls, results and reasoning) and
+  ``tools_chat_template.jinja``, a ChatML tool template that renders them (``_tools``).
 """
 
 import argparse
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tunelab.assets import _tasks
+from tunelab.assets import _tasks, _tools
 
 OUTPUT_DIR = Path(__file__).resolve().parent / "tiny"
 SEED = 1234
@@ -164,6 +166,9 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     _write_jsonl(
         out / "grpo_prompts.jsonl", [{"prompt": e.prompt, "answer": e.output} for e in prompts]
     )
+    # Tool-calling conversations (tiny/chat_tools_lora), from a random source of their own too.
+    _write_jsonl(out / "tool_calls.jsonl", _tools.tool_rows(random.Random(29), 300))
+    (out / "tools_chat_template.jinja").write_text(_tools.TOOLS_CHAT_TEMPLATE)
 
 
 def _pretraining_batches(tokenizer: Tokenizer, rng: random.Random) -> torch.Tensor:

@@ -9,6 +9,7 @@ re-implementation of it.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Any, TextIO
 from tunelab.cli._check import load_recipe_config, recipe_of_config
 from tunelab.cli._discovery import load_recipe_args
 from tunelab.config import instantiate, parse_args
+from tunelab.config._instantiate import import_component
 from tunelab.errors import ConfigError
 
 IGNORE_INDEX = -100  # tunelab.data.IGNORE_INDEX, without importing torch to parse arguments
@@ -60,6 +62,21 @@ def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.Argument
     preview.add_argument("--json", action="store_true", help="one JSON object per item")
 
 
+def _layout_line(tokenizer: Any, node: Any) -> str | None:
+    """How the dataset's chat template lays out conversations, when it renders with one."""
+    from tunelab.data.chat import describe_layout  # here: tunelab.data imports torch
+
+    if tokenizer.chat_template is None or node is None or "_component_" not in node:
+        return None
+    builder = import_component(node["_component_"])
+    default = inspect.signature(builder).parameters.get("template")
+    template = node.get("template", default.default if default is not None else None)
+    if template != "auto":
+        return None
+    kwargs = node.get("template_kwargs")
+    return describe_layout(tokenizer, dict(kwargs) if kwargs else None)
+
+
 def build_dataset(config: str, overrides: list[str]) -> tuple[Any, Any]:
     """Build a config's tokenizer and training dataset the way its recipe does.
 
@@ -73,12 +90,17 @@ def build_dataset(config: str, overrides: list[str]) -> tuple[Any, Any]:
     Raises:
         TunelabError: If the config does not validate against its recipe or has no dataset.
     """
+    return _build(config, overrides)[:2]
+
+
+def _build(config: str, overrides: list[str]) -> tuple[Any, Any, Any]:
+    """``build_dataset``'s tokenizer and dataset, and the dataset's config node."""
     cfg, config_path, recipe_path = load_recipe_config(config, overrides)
     args = parse_args(cfg, load_recipe_args(recipe_path or recipe_of_config(cfg, config_path)))
     if getattr(args, "dataset", None) is None or getattr(args, "tokenizer", None) is None:
         raise ConfigError(f"config {config_path} has no dataset to preview")
     tokenizer = instantiate(args.tokenizer)
-    return tokenizer, instantiate(args.dataset, tokenizer=tokenizer)
+    return tokenizer, instantiate(args.dataset, tokenizer=tokenizer), args.dataset
 
 
 def _sequences(item: dict[str, Any]) -> Iterator[tuple[str, list[int], list[int]]]:
@@ -134,7 +156,7 @@ def preview(
         out: Where to print (standard output by default).
     """
     out = out or sys.stdout
-    tokenizer, dataset = build_dataset(config, overrides)
+    tokenizer, dataset, node = _build(config, overrides)
     count = min(rows, len(dataset))
     if as_json:
         for index in range(count):
@@ -146,6 +168,9 @@ def preview(
         return
     color = out.isatty() and "NO_COLOR" not in os.environ
     out.write(_summary(config, dataset) + "\n")
+    layout = _layout_line(tokenizer, node)
+    if layout:
+        out.write(layout + "\n")
     for index in range(count):
         for side, ids, labels in _sequences(dataset[index]):
             num_trained = sum(label != IGNORE_INDEX for label in labels)

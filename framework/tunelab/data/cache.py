@@ -165,7 +165,7 @@ class TokenizeRows:
 logger = logging.getLogger(__name__)
 
 # Bump when the table's layout or the tokenizing code changes what a fingerprint stands for.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: one sample per conversation unless a turn is shown otherwise; tool rows
 _MANIFEST = "tunelab_tokenized.json"
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker,
 # tokenizing in the leader itself is faster.

@@ -3,50 +3,46 @@
 The ids are those of ``transformers``' ``apply_chat_template(messages, tokenize=True)``: the
 template's text encoded whole, without adding special tokens (the template writes BOS itself).
 
-What is trained is each assistant turn as the template renders it: its content and its
-end-of-turn token(s), never the role header that opens it (at generation time the header is
-part of the prompt). The prompt that asks for assistant message ``i`` is
-``prompt_i = render(messages[:i], add_generation_prompt=True)``; the turn is what
-``render(messages[:i + 1])`` adds after it. Within the turn, the trained characters are:
+What is trained is each assistant turn as the model generates it: its content (and tool calls,
+and reasoning unless ``train_on_reasoning`` is off) up to its end of turn, never the role header
+that opens it (at generation time the header is part of the prompt) and never a tool result,
+system or user message. The prompt that asks for assistant message ``k`` is
+``prompt_k = render(messages[:k], add_generation_prompt=True)``; the turn's generated text is
+what ``render(messages[:k + 1])`` adds after it, up to where generation stops:
 
-- the template's ``{% generation %}`` blocks, when it has them (what ``transformers``'
-  ``return_assistant_tokens_mask`` uses);
-- otherwise everything up to and including the turn's last end-of-turn token (the tokenizer's
-  ``stop_ids``); what follows it, like the newline after ChatML's ``<|im_end|>``, is never
-  generated and not trained.
+- the end of the turn's last ``{% generation %}`` block, when the template has them (and then
+  only the blocks are trained: what ``transformers``' ``return_assistant_tokens_mask`` uses);
+- otherwise just after the first end-of-turn token (the tokenizer's ``stop_ids``) it writes;
+  what follows, like the newline after ChatML's ``<|im_end|>`` or the EOS Phi-3.5 writes after
+  the last ``<|end|>``, is never generated and not trained.
 
 A token is trained when it overlaps a trained character span, as in ``transformers``.
 
-Some templates render earlier turns differently once later turns exist: reasoning templates
-drop the ``<think>`` blocks of old turns (Qwen3); Mistral's writes the system prompt into the
-last user turn only. A whole-conversation sample would then teach turns in a form the model is
-never asked to produce. So the conversation is one sample only when, for every trained turn,
-``prompt_i`` is a prefix of ``render(messages[:i + 1])`` and that is a prefix of the whole
-render. Otherwise each trained turn becomes its own sample: ``prompt_i`` (exactly what the
-model is served when asked for that turn) followed by the turn as the template renders it when
-it is the last message, with only that turn trained. When ``prompt_i`` is a prefix of
-``render(messages[:i + 1])`` that sample is the latter render itself; when it is not (Mistral),
-the turn is located in that render by rendering the conversation with a marker as the turn's
-content.
+One conversation is one sample whenever the whole render shows every assistant turn as the
+model generates it: ``prompt_k`` followed by turn ``k``'s generated text is a prefix of the
+whole render, for every ``k``. Some templates render earlier turns differently once later turns
+exist: reasoning templates drop the ``<think>`` blocks of old turns (Qwen3); Mistral's writes
+the system prompt into the last user turn only. Training those turns on the whole render would
+teach a form the model is never asked to produce, so they are trained elsewhere: greedily from
+the end, the whole render trains the turns it shows as generated, and each remaining turn is
+trained in the render that ends with it (``prompt_k`` then the turn, as the template renders it
+when it is the last message), together with the earlier turns that render shows as generated.
+Every turn is trained exactly once. When ``prompt_k`` is not a prefix of
+``render(messages[:k + 1])`` (Mistral), the turn is located in that render by rendering the
+conversation with a marker as the turn's content.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tunelab.config._component_rules import NAMED_TEMPLATES
-from tunelab.data.chat_template import (
-    REASONING_KEYS,
-    ChatTemplate,
-    ChatTemplateError,
-    normalize_messages,
-)
+from tunelab.data._chat_turns import TokenizedChat, first_difference, label_turns, make_turn
+from tunelab.data.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
-
-# (token ids, mask) where mask[i] is True for tokens left out of the loss.
-TokenizedChat = tuple[list[int], list[bool]]
 
 
 def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
@@ -106,38 +102,17 @@ def apply_chat_template(
     return tokenizer.encode(text, add_bos=False)
 
 
-def _mask_from_spans(
-    tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]
-) -> tuple[list[int], list[bool]]:
-    """Encode ``text``; a token is trained (mask False) when it overlaps one of ``spans``."""
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    spans = sorted(spans)
-    mask = []
-    index = 0
-    for start, end in offsets:
-        # Spans and tokens are both in order: skip the spans this token is already past.
-        while index < len(spans) and start >= spans[index][1]:
-            index += 1
-        mask.append(not (index < len(spans) and end > spans[index][0]))
-    return ids, mask
+@dataclass
+class ConversationLayout:
+    """How a conversation becomes samples, and why.
 
+    Attributes:
+        samples: ``[(ids, mask)]``, in conversation order.
+        reason: One sentence: why one sample, or which turn forced a split.
+    """
 
-def _end_of_turn(tokenizer: Tokenizer, text: str, start: int, end: int) -> int:
-    """Where turn text ``text[start:end]`` stops being generated: after its last stop token."""
-    turn = text[start:end]
-    cut = -1
-    for token_id in tokenizer.stop_ids:
-        token = tokenizer.id_to_token(token_id)
-        if token:
-            found = turn.rfind(token)
-            if found >= 0:
-                cut = max(cut, found + len(token))
-    return start + cut if cut >= 0 else end
-
-
-# Stands for an assistant turn's content, to find where the template starts the turn. Private
-# use characters: no real content or template text contains them.
-_MARKER = "\ue000tunelab-turn\ue001"
+    samples: list[TokenizedChat]
+    reason: str
 
 
 def tokenize_conversation(
@@ -145,6 +120,7 @@ def tokenize_conversation(
     messages: Sequence[Any],
     *,
     train_on_input: bool = False,
+    train_on_reasoning: bool = True,
     trained_turns: Sequence[int] | None = None,
     add_generation_prompt: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -156,9 +132,12 @@ def tokenize_conversation(
 
     Args:
         tokenizer: The tokenizer.
-        messages: The conversation: dicts with ``role`` and ``content``, or ``Message``s.
+        messages: The conversation: dicts with ``role`` and ``content`` (and ``tool_calls``,
+            ``reasoning_content``, ...), or ``Message``s.
         train_on_input: Train on every token but the first (the first predicts nothing in its
             document, so packed documents never predict each other).
+        train_on_reasoning: Train on the reasoning text of assistant turns (``reasoning_content``
+            / ``thinking``) where the template renders it; False leaves it as context only.
         trained_turns: Indices of the assistant messages to train; None: every assistant
             message. (Preference pairs train only the answer, not assistant turns of the prompt.)
         add_generation_prompt: Let the template open one more assistant reply at the end.
@@ -168,8 +147,8 @@ def tokenize_conversation(
         template: The template; None for the tokenizer's own.
 
     Returns:
-        ``[(ids, mask)]``: one sample, or one per trained turn when the template renders
-        earlier turns differently once later ones exist (see the module docstring).
+        ``[(ids, mask)]``: one sample, or more when the whole render shows an earlier assistant
+        turn differently from how the model generates it (see the module docstring).
         ``mask[i]`` is True for tokens left out of the loss.
 
     Raises:
@@ -177,6 +156,40 @@ def tokenize_conversation(
         DataError: If the template does not compile.
         ChatTemplateError: If rendering fails, or the turn cannot be told apart in the render.
         ValueError: If ``trained_turns`` names a message that is not an assistant message.
+    """
+    return conversation_layout(
+        tokenizer,
+        messages,
+        train_on_input=train_on_input,
+        train_on_reasoning=train_on_reasoning,
+        trained_turns=trained_turns,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        documents=documents,
+        template_kwargs=template_kwargs,
+        template=template,
+    ).samples
+
+
+def conversation_layout(
+    tokenizer: Tokenizer,
+    messages: Sequence[Any],
+    *,
+    train_on_input: bool = False,
+    train_on_reasoning: bool = True,
+    trained_turns: Sequence[int] | None = None,
+    add_generation_prompt: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    template: ChatTemplate | None = None,
+) -> ConversationLayout:
+    """``tokenize_conversation``'s samples, with the reason for one sample or a split.
+
+    Args and Raises are as for ``tokenize_conversation``.
+
+    Returns:
+        The samples and the reason.
     """
     template = template or chat_template_of(tokenizer)
     messages = normalize_messages(messages)
@@ -192,7 +205,9 @@ def tokenize_conversation(
     full, full_blocks = render(messages, add_generation_prompt)
     if train_on_input:
         ids = tokenizer.encode(full, add_bos=False)
-        return [(ids, [i == 0 for i in range(len(ids))])]
+        return ConversationLayout(
+            [(ids, [i == 0 for i in range(len(ids))])], "train_on_input: the whole render"
+        )
     assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if trained_turns is None:
         trained_turns = assistant
@@ -201,86 +216,79 @@ def tokenize_conversation(
         raise ValueError(f"trained_turns {wrong} are not assistant messages")
     turns = []
     for index in sorted(set(trained_turns)):
-        prompt = _prompt(render, messages, index)
-        if index + 1 == len(messages) and not add_generation_prompt:
-            through, blocks = full, full_blocks
-        else:
-            through, blocks = render(messages[: index + 1], False)
-        turns.append((index, prompt, through, blocks))
-    if all(
-        through.startswith(prompt) and full.startswith(through) for _, prompt, through, _ in turns
-    ):
-        regions = [(len(prompt), len(through)) for _, prompt, through, _ in turns]
-        return [_label(tokenizer, template, full, full_blocks, regions)]
-    samples = []
-    for index, prompt, through, blocks in turns:
-        if through.startswith(prompt):
-            text, start = through, len(prompt)
-        else:
-            head = _turn_head(render, messages, index)
-            if not through.startswith(head):
-                raise ChatTemplateError(
-                    f"message {index}: cannot find the assistant turn in the template's render: "
-                    "it starts neither with the prompt for the turn nor as a render with only "
-                    "the turn's content changed"
-                )
-            text, start = prompt + through[len(head) :], len(prompt)
-            shift = len(prompt) - len(head)
-            blocks = [(low + shift, high + shift) for low, high in blocks if low >= len(head)]
-        samples.append(_label(tokenizer, template, text, blocks, [(start, len(text))]))
-    return samples
-
-
-def _prompt(render: Any, messages: list[dict[str, Any]], index: int) -> str:
-    """``render(messages[:index], add_generation_prompt=True)``: what asks for turn ``index``."""
-    try:
-        return render(messages[:index], True)[0]
-    except ChatTemplateError as error:
-        if index > 0:
-            raise
-        raise ChatTemplateError(
-            "message 0 is an assistant turn, and the template cannot render the empty "
-            f"conversation that prompts it ({error})"
-        ) from error
-
-
-def _turn_head(render: Any, messages: list[dict[str, Any]], index: int) -> str:
-    """The render of ``messages[:index + 1]`` up to where turn ``index``'s content starts.
-
-    The turn's content is replaced by a marker (and its reasoning dropped, which some templates
-    write before the content), so the text before the marker is the conversation as the
-    template renders it when this turn is the last one, up to and including the turn's header.
-
-    Raises:
-        ChatTemplateError: If the marker does not appear exactly once in the render.
-    """
-    turn = {k: v for k, v in messages[index].items() if k not in REASONING_KEYS}
-    text, _ = render([*messages[:index], {**turn, "content": _MARKER}], False)
-    if text.count(_MARKER) != 1:
-        raise ChatTemplateError(
-            f"message {index}: the template does not render the assistant's content as given, "
-            "so the turn cannot be located in its render"
-        )
-    return text[: text.index(_MARKER)]
-
-
-def _label(
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-    text: str,
-    blocks: list[tuple[int, int]],
-    regions: list[tuple[int, int]],
-) -> TokenizedChat:
-    """Encode ``text``, training the assistant turns at character ``regions`` only."""
-    if template.has_generation_blocks:
-        # The template says what is generated; keep the blocks inside trained turns, clipped
-        # to the turn (a block that also wrapped the role header would train the prompt).
-        spans = [
-            (max(start, low), min(end, high))
-            for start, end in blocks
-            for low, high in regions
-            if max(start, low) < min(end, high)
-        ]
+        last = index + 1 == len(messages) and not add_generation_prompt
+        through = (full, full_blocks) if last else render(messages[: index + 1], False)
+        turns.append(make_turn(tokenizer, template, render, messages, index, *through))
+    # Greedily from the end: the whole render trains every turn it shows as generated; each
+    # turn it shows otherwise is trained in the render that ends with it (which also trains
+    # the earlier turns shown there as generated), so every turn is trained exactly once.
+    samples: list[TokenizedChat] = []
+    pending = turns
+    text, blocks = full, full_blocks
+    first_split = next((turn for turn in turns if not turn.found_in(full)), None)
+    whole = True
+    while pending:
+        shown = [turn for turn in pending if turn.found_in(text)]
+        # A turn's own render shows it as generated (it is built so): every pass after the
+        # whole render trains at least that turn, so the loop ends.
+        assert shown or whole, "a turn's own render must show it"
+        whole = False
+        if shown:
+            samples.append(
+                label_turns(tokenizer, template, text, blocks, shown, train_on_reasoning)
+            )
+        done = {turn.index for turn in shown}
+        pending = [turn for turn in pending if turn.index not in done]
+        if pending:
+            text, blocks = pending[-1].text, pending[-1].blocks
+    samples.reverse()
+    if not turns:  # nothing to train (a prompt): the whole render, all masked
+        samples = [label_turns(tokenizer, template, full, full_blocks, [], train_on_reasoning)]
+    if first_split is None:
+        reason = "one sample: the whole render shows every assistant turn as the model generates it"
     else:
-        spans = [(low, _end_of_turn(tokenizer, text, low, high)) for low, high in regions]
-    return _mask_from_spans(tokenizer, text, spans)
+        reason = (
+            f"{len(samples)} samples: the whole render shows assistant message "
+            f"{first_split.index} differently from how the model generates it "
+            f"({first_difference(first_split, full)})"
+        )
+    return ConversationLayout(samples, reason)
+
+
+# A conversation that shows how a template lays out conversations: two user turns, each
+# answered with reasoning, and a system prompt (some templates refuse one: then none).
+_PROBE = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Next number after 40:"},
+    {"role": "assistant", "content": "41", "reasoning_content": "40 + 1"},
+    {"role": "user", "content": "Next number after 41:"},
+    {"role": "assistant", "content": "42", "reasoning_content": "41 + 1"},
+]
+
+
+def describe_layout(tokenizer: Tokenizer, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """One line: whether the tokenizer's chat template makes a conversation one sample, and why.
+
+    A two-turn conversation with a system prompt and reasoning is laid out as
+    ``tokenize_conversation`` lays out data (``conversation_layout``'s reason).
+
+    Args:
+        tokenizer: The tokenizer (with a chat template).
+        template_kwargs: The dataset's extra template variables.
+
+    Returns:
+        ``"chat template <source>: <reason>"``.
+    """
+    template = chat_template_of(tokenizer)
+    reason = ""
+    for probe in (_PROBE, _PROBE[1:]):
+        try:
+            layout = conversation_layout(
+                tokenizer, probe, template_kwargs=template_kwargs, template=template
+            )
+        except ChatTemplateError as error:
+            reason = f"a two-turn conversation could not be laid out ({error})"
+            continue
+        reason = layout.reason
+        break
+    return f"chat template {template.source}: a two-turn conversation is {reason}"

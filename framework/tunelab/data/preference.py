@@ -180,6 +180,7 @@ def preference_dataset(
     template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
     skip_malformed: bool = False,
+    allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
@@ -202,6 +203,7 @@ def preference_dataset(
         max_seq_len: Cut each side to this many tokens, keeping the start (default: the
             tokenizer's).
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        allow_unknown_tokens: As for ``instruct_dataset``.
         num_proc: Processes that tokenize, on local rank 0 only (default ``min(8, cpu
             count)``; small sources use fewer).
         cache_dir: Where tokenized datasets are cached (default: ``tunelab/`` in the
@@ -257,6 +259,7 @@ def preference_dataset(
         max_seq_len=max_seq_len,
         num_proc=num_proc,
         cache_dir=cache_dir,
+        allow_unknown_tokens=allow_unknown_tokens,
         describe=source,
     )
 

@@ -287,11 +287,40 @@ class Render:
     template_kwargs: Mapping[str, Any] | None
     train_on_input: bool
     max_seq_len: int | None
+    train_on_reasoning: bool = True
 
     @property
     def max_chars(self) -> int | None:
         """Characters of a text that can reach a sample (``text_bound``)."""
         return text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
+
+    def conversation(
+        self,
+        messages: list[dict[str, Any]],
+        column: str,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The samples of a chat-template conversation (tool calls, reasoning, tools, ...).
+
+        Raises:
+            BadRow: If the chat template fails on it.
+        """
+        assert isinstance(self.template, ChatTemplate)
+        try:
+            turns = tokenize_conversation(
+                self.tokenizer,
+                messages,
+                train_on_input=self.train_on_input,
+                train_on_reasoning=self.train_on_reasoning,
+                tools=tools,
+                documents=documents,
+                template_kwargs=self.template_kwargs,
+                template=self.template,
+            )
+        except ChatTemplateError as error:
+            raise BadRow(column, str(error)) from None
+        return [_record(tokens, mask, self.max_seq_len) for tokens, mask in turns]
 
     def samples(self, pairs: list[tuple[str, str]], column: str) -> list[dict[str, Any]]:
         """The samples of a row's (input, output) turns, read from ``column``."""
@@ -325,26 +354,6 @@ class InstructRows:
         output = read_text(row, self.columns["output"])
         user = self.render.template.join_instruction(instruction, given)
         return self.render.samples([("user", user), ("assistant", output)], "(whole row)")
-
-
-@dataclass
-class ChatRows:
-    """Row function of ``chat_dataset``: one conversation."""
-
-    render: Render
-    column: str
-    style: str
-
-    @property
-    def max_chars(self) -> int | None:
-        """Characters of a text that can reach a sample (``text_bound``)."""
-        return self.render.max_chars
-
-    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Samples of one row; raises ``BadRow``."""
-        pairs = read_messages(row.get(self.column), self.column, self.style)
-        check_answer(pairs, self.column)
-        return self.render.samples(pairs, self.column)
 
 
 @dataclass

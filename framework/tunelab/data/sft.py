@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunelab.data.chat_template import ChatTemplate
+from tunelab.data.conversations import ChatRows
 from tunelab.data.mix import DatasetSpec
 from tunelab.data.rows import (
     STYLES,
-    ChatRows,
     InstructRows,
     Render,
     TextRows,
@@ -78,6 +78,7 @@ def instruct_dataset(
     max_seq_len: int | None = None,
     packed: bool = False,
     skip_malformed: bool = False,
+    allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
@@ -107,6 +108,9 @@ def instruct_dataset(
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        allow_unknown_tokens: Build even when more than half of the content tokens of the first
+            samples are the tokenizer's unknown or padding token (by default that stops the
+            build: the tokenizer does not fit the data).
         num_proc: Processes that tokenize, on local rank 0 only (default ``min(8, cpu
             count)``; small sources use fewer).
         cache_dir: Where tokenized datasets are cached (default: ``tunelab/`` in the
@@ -155,6 +159,7 @@ def instruct_dataset(
         max_seq_len=max_seq_len,
         num_proc=num_proc,
         cache_dir=cache_dir,
+        allow_unknown_tokens=allow_unknown_tokens,
     )
 
 
@@ -169,9 +174,11 @@ def chat_dataset(
     template: str = "auto",
     template_kwargs: dict[str, Any] | None = None,
     train_on_input: bool = False,
+    train_on_reasoning: bool = True,
     max_seq_len: int | None = None,
     packed: bool = False,
     skip_malformed: bool = False,
+    allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
@@ -205,9 +212,14 @@ def chat_dataset(
             ``{"enable_thinking": False}``.
         train_on_input: Also train on system and user turns (with ``auto``: on every token but
             the first).
+        train_on_reasoning: Train on the reasoning (``reasoning_content`` / ``thinking``) of
+            assistant turns where the template renders it; false keeps it as context only.
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        allow_unknown_tokens: Build even when more than half of the content tokens of the first
+            samples are the tokenizer's unknown or padding token (by default that stops the
+            build: the tokenizer does not fit the data).
         num_proc: As for ``instruct_dataset``.
         cache_dir: As for ``instruct_dataset``.
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
@@ -229,7 +241,9 @@ def chat_dataset(
         )
     max_seq_len = _check_lengths(tokenizer, max_seq_len, packed)
     chosen = resolve_template(tokenizer, template, template_kwargs)
-    render = Render(tokenizer, chosen, template_kwargs, train_on_input, max_seq_len)
+    render = Render(
+        tokenizer, chosen, template_kwargs, train_on_input, max_seq_len, train_on_reasoning
+    )
 
     def rows_for(name: str, present: list[str]) -> ChatRows:
         column = conversation_column_of(name, present, conversation_column)
@@ -239,6 +253,7 @@ def chat_dataset(
         template=template,
         template_kwargs=template_kwargs,
         train_on_input=train_on_input,
+        train_on_reasoning=train_on_reasoning,
         max_seq_len=max_seq_len,
         conversation_column=conversation_column,
         conversation_style=conversation_style,
@@ -254,6 +269,7 @@ def chat_dataset(
         max_seq_len=max_seq_len,
         num_proc=num_proc,
         cache_dir=cache_dir,
+        allow_unknown_tokens=allow_unknown_tokens,
     )
 
 
@@ -267,6 +283,7 @@ def text_dataset(
     max_seq_len: int | None = None,
     packed: bool = False,
     skip_malformed: bool = False,
+    allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
     **load_dataset_kwargs: Any,
@@ -283,6 +300,7 @@ def text_dataset(
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's).
         packed: Pack samples into ``max_seq_len`` sequences.
         skip_malformed: Skip malformed (e.g. empty) rows instead of raising.
+        allow_unknown_tokens: As for ``instruct_dataset``.
         num_proc: As for ``instruct_dataset``.
         cache_dir: As for ``instruct_dataset``.
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
@@ -313,4 +331,5 @@ def text_dataset(
         max_seq_len=max_seq_len,
         num_proc=num_proc,
         cache_dir=cache_dir,
+        allow_unknown_tokens=allow_unknown_tokens,
     )

@@ -20,7 +20,7 @@ from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, tokenized_table
 from tunelab.data.packing import pack_samples
 from tunelab.data.rows import IGNORE_INDEX
 from tunelab.data.sources import Source
-from tunelab.data.tokenizer import Tokenizer
+from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
 from tunelab.errors import DataError
 
 
@@ -141,6 +141,15 @@ class TokenizedDataset(Dataset):
         row = position if self._rows is None else int(self._rows[position])
         return self._table[row]
 
+    def first_token_lists(self, count: int) -> list[list[int]]:
+        """The token ids of the first ``count`` samples (both sides of a pair), unpacked."""
+        num_samples = len(self._table) if self._rows is None else len(self._rows)
+        lists = []
+        for position in range(min(count, num_samples)):
+            sample = self._sample(position)
+            lists += [list(v) for k, v in sample.items() if k.endswith("tokens")]
+        return lists
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Return item ``index``, read from the table."""
         if not -len(self) <= index < len(self):
@@ -178,6 +187,7 @@ def build_tokenized(
     num_proc: int | None = None,
     cache_dir: str | None = None,
     describe: str = "",
+    allow_unknown_tokens: bool = False,
 ) -> TokenizedDataset:
     """Tokenize ``sources`` once per machine (``cache.tokenized_table``) and open the table.
 
@@ -194,9 +204,14 @@ def build_tokenized(
         num_proc: Tokenizing processes on local rank 0.
         cache_dir: Root of the tokenized cache.
         describe: What a preference error calls the dataset.
+        allow_unknown_tokens: Skip ``check_tokens_fit`` (the first samples may be mostly
+            unknown or padding tokens).
 
     Returns:
         The dataset.
+
+    Raises:
+        DataError: For a malformed row, or a tokenizer that does not fit the data.
     """
     table = tokenized_table(
         builder=builder,
@@ -208,7 +223,7 @@ def build_tokenized(
         num_proc=num_proc,
         cache_dir=cache_dir,
     )
-    return TokenizedDataset(
+    dataset = TokenizedDataset(
         table,
         kind=kind,
         source_names=[source.name for source in sources],
@@ -218,3 +233,7 @@ def build_tokenized(
         pad_id=tokenizer.pad_id,
         describe=describe,
     )
+    if not allow_unknown_tokens:
+        where = ", ".join(source.name for source in sources)
+        check_tokens_fit(tokenizer, dataset.first_token_lists(UNKNOWN_CHECK_SAMPLES), where)
+    return dataset

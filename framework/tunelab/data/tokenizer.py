@@ -117,6 +117,32 @@ class Tokenizer:
         self.no_chat_template_reason = no_chat_template_reason or f"{source} has no chat template"
         self.chat_template_overridden = chat_template_overridden and chat_template is not None
 
+    @property
+    def source(self) -> str:
+        """Where the tokenizer came from (its ``tokenizer.json``)."""
+        return self._source
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens: BOS, EOS, padding, stop ids and added special tokens."""
+        ids = {self.eos_id, self.pad_id, *self.stop_ids}
+        ids |= {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        return frozenset(ids | ({self.bos_id} if self.bos_id is not None else set()))
+
+    @functools.cached_property
+    def unfit_ids(self) -> frozenset[int]:
+        """The unknown token and a padding token that is not EOS or a stop token.
+
+        Most of the data becoming them means the tokenizer does not fit it (``check_tokens_fit``).
+        """
+        ids = set()
+        unknown = getattr(self._tokenizer.model, "unk_token", None)
+        if isinstance(unknown, str) and self.token_to_id(unknown) is not None:
+            ids.add(self.token_to_id(unknown))
+        if self.pad_id not in self.stop_ids and self.pad_id != self.bos_id:
+            ids.add(self.pad_id)
+        return frozenset(ids)
+
     def _require(self, token: str, key: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
@@ -242,6 +268,59 @@ def _post_processor_adds(tokenizer: _HFTokenizer, token: str | None) -> bool:
         return False
     ids = tokenizer.encode("a", add_special_tokens=True).ids
     return bool(ids) and ids[0] == tokenizer.token_to_id(token)
+
+
+# Above this share of unknown (or padding) tokens among the content tokens of the first samples,
+# a dataset build stops: the tokenizer does not fit the data (``allow_unknown_tokens`` allows it).
+MAX_UNKNOWN_SHARE = 0.5
+# Samples and content tokens the check looks at; fewer content tokens than the minimum decide
+# nothing.
+UNKNOWN_CHECK_SAMPLES = 64
+_UNKNOWN_CHECK_MIN_TOKENS = 16
+
+
+def check_tokens_fit(tokenizer: Tokenizer, token_lists: list[list[int]], where: str) -> None:
+    """Stop when most content tokens of the first samples are the unknown or padding token.
+
+    Content tokens are those that are not special tokens (role headers, BOS, EOS, end-of-turn
+    tokens); the unknown token and a padding token that is not also EOS or a stop token count
+    as content. A tokenizer that maps the data's words to them does not fit the data: training
+    would run and learn nothing. This builds on the load-time refusal of a vocabulary of
+    special tokens only, for a vocabulary that has ordinary tokens but not the data's.
+
+    Args:
+        tokenizer: The tokenizer.
+        token_lists: The first samples' token ids.
+        where: The dataset's sources, for the message.
+
+    Raises:
+        DataError: Naming the share, the count and a decoded sample, when the share of unknown
+            or padding tokens is above ``MAX_UNKNOWN_SHARE``.
+    """
+    unfit = tokenizer.unfit_ids
+    if not unfit:
+        return
+    specials = tokenizer.special_ids - unfit
+    num_content = num_unfit = 0
+    sample: list[int] | None = None
+    for ids in token_lists:
+        content = [i for i in ids if i not in specials]
+        bad = sum(i in unfit for i in content)
+        num_content += len(content)
+        num_unfit += bad
+        if bad and sample is None:
+            sample = ids
+    if num_content < _UNKNOWN_CHECK_MIN_TOKENS or num_unfit <= MAX_UNKNOWN_SHARE * num_content:
+        return
+    names = ", ".join(repr(tokenizer.id_to_token(i)) for i in sorted(unfit))
+    shown = tokenizer.decode(sample or [], skip_special_tokens=False)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    raise DataError(
+        f"{where}: {num_unfit / num_content:.0%} of the content tokens of the first "
+        f"{len(token_lists)} samples ({num_unfit} of {num_content}) are {names}: the tokenizer "
+        f"{tokenizer.source} does not fit the data (use the model's own tokenizer). A sample: "
+        f"{shown!r}. Set allow_unknown_tokens: true to train on it anyway"
+    )
 
 
 def _refuse_special_only(tokenizer: _HFTokenizer, file: Path, specials: set[str]) -> None:
