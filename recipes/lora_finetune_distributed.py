@@ -16,6 +16,7 @@ from tunelab.config import LoRAFinetuneArgs, instantiate
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
+    build_context_parallel,
     data_parallel_mesh,
     destroy_distributed,
     init_distributed,
@@ -59,11 +60,14 @@ def main(args: LoRAFinetuneArgs) -> None:
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
     # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    # Context parallelism when context_parallel_size > 1: its ranks split every sequence.
     mesh = data_parallel_mesh(
         device,
         replicate_size=args.data_parallel_replicate_size,
         shard_size=args.data_parallel_shard_size,
+        context_parallel_size=args.context_parallel_size,
     )
+    context = build_context_parallel(args.context_parallel_size)
     model = build_model(
         args.checkpoint_dir,
         device=device,
@@ -74,6 +78,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         activation_checkpointing=args.enable_activation_checkpointing,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
+        context_parallel_size=context.size,
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         seed=args.seed,
@@ -91,6 +96,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         allow_global_batch_change=args.allow_global_batch_change,
+        context_parallel_size=context.size,
     )
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(
@@ -103,7 +109,7 @@ def main(args: LoRAFinetuneArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     # A mixture-of-experts model's router load-balancing loss joins the objective (dense: none).
-    router_loss = RouterLoss(model, args.router_aux_loss_coef)
+    router_loss = RouterLoss(model, args.router_aux_loss_coef, context.size)
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
@@ -126,7 +132,9 @@ def main(args: LoRAFinetuneArgs) -> None:
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
         validate=data.val_loader
-        and (lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output)}),
+        and (
+            lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output, context)}
+        ),
         profiler=StepProfiler(
             run.profile_dir,
             enabled=args.profile,
@@ -143,8 +151,10 @@ def main(args: LoRAFinetuneArgs) -> None:
         batches = data.epoch(epoch)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
+            # With context parallelism each rank keeps its slice of every sequence.
             micro_batches = [
-                to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
+                context.shard(to_device(next(batches), device))
+                for _ in range(data.gradient_accumulation_steps)
             ]
             # The step's loss: token losses summed over micro-batches and ranks, divided by their
             # number of target tokens, so every token weighs the same at any world size.
@@ -152,7 +162,7 @@ def main(args: LoRAFinetuneArgs) -> None:
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             for batch in micro_batches:
                 routing = router_loss.stats(batch)
-                loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing)
+                loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing, context)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 objective = loss_sum * dist_info.world_size / num_tokens
                 (objective + router_loss.term(routing, len(micro_batches))).backward()

@@ -117,6 +117,8 @@ class FinetuneArgs(RecipeArgs):
     """HSDP: replicas of the model (across nodes); parameters are sharded within each (1: plain FSDP over all processes)."""
     data_parallel_shard_size: AtLeastOne | None = None
     """HSDP: processes each parameter is sharded over, usually the GPUs of one node (None: processes / data_parallel_replicate_size)."""
+    context_parallel_size: AtLeastOne = 1
+    """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size, and FSDP shards parameters over shard x context ranks (1: off)."""
     collective_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 1800.0
     """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
     compile: bool = False
@@ -238,6 +240,12 @@ _NO_ROUTER_LOSS = (
 )
 
 
+_NO_CONTEXT_PARALLEL = (
+    "key 'context_parallel_size': {recipe} does not split sequences yet (the SFT recipes "
+    "do): leave it 1"
+)
+
+
 @dataclass(kw_only=True)
 class LoRADPOArgs(LoRAFinetuneArgs):
     """Settings of lora_dpo_distributed: LoRA preference tuning with the DPO family of losses."""
@@ -260,6 +268,8 @@ class LoRADPOArgs(LoRAFinetuneArgs):
         problems = super().check_settings()
         if self.router_aux_loss_coef:
             problems.append(_NO_ROUTER_LOSS.format(recipe="lora_dpo_distributed"))
+        if self.context_parallel_size != 1:
+            problems.append(_NO_CONTEXT_PARALLEL.format(recipe="lora_dpo_distributed"))
         return problems
 
 
@@ -322,6 +332,8 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems = super().check_settings()
         if self.router_aux_loss_coef:
             problems.append(_NO_ROUTER_LOSS.format(recipe="grpo_distributed"))
+        if self.context_parallel_size != 1:
+            problems.append(_NO_CONTEXT_PARALLEL.format(recipe="grpo_distributed"))
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"

@@ -9,6 +9,7 @@ All masks are ``[batch, seq, seq]`` (query, key); the decoder also accepts
 form its kernel takes (``tunelab.modules.attention``).
 """
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,6 +115,12 @@ class AttentionMask:
         document_ids: integer ``[batch, seq]``, a document is a run of equal ids; None for
             one document per row.
         sliding_window: keys per query, itself included; None for no window.
+        query_positions: context parallelism: long ``[queries]``, the row positions of this
+            rank's queries (its zig-zag slice); the keys are the whole row (``seq_len``,
+            gathered by ``gather_key_values``). None: queries and keys are the whole row.
+        gather_key_values: context parallelism: turns this rank's keys and values
+            ``[batch, heads, queries, head_dim]`` into the whole row's (a collective with
+            an exact backward, ``tunelab.distributed.ContextParallel.gather_key_values``).
     """
 
     def __init__(
@@ -124,6 +131,10 @@ class AttentionMask:
         backend: str,
         document_ids: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        *,
+        query_positions: torch.Tensor | None = None,
+        gather_key_values: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        | None = None,
     ) -> None:
         if document_ids is not None and tuple(document_ids.shape) != (batch, seq_len):
             raise ValueError(
@@ -136,12 +147,25 @@ class AttentionMask:
         self.backend = backend
         self.document_ids = document_ids
         self.sliding_window = sliding_window
+        self.query_positions = query_positions
+        self.gather_key_values = gather_key_values
+        if query_positions is not None and backend == "flex":
+            raise ValueError(
+                "attention_backend 'flex' does not support context parallelism yet: use 'sdpa'"
+            )
         self._forms: dict[str, object] = {}
 
     def with_window(self, sliding_window: int | None) -> "AttentionMask":
         """The same rows cut to a sliding window (a new description with its own forms)."""
         return AttentionMask(
-            self.batch, self.seq_len, self.device, self.backend, self.document_ids, sliding_window
+            self.batch,
+            self.seq_len,
+            self.device,
+            self.backend,
+            self.document_ids,
+            sliding_window,
+            query_positions=self.query_positions,
+            gather_key_values=self.gather_key_values,
         )
 
     def prepare(self, explicit_scores: bool = False) -> "AttentionMask":
@@ -167,11 +191,18 @@ class AttentionMask:
 
     @property
     def causal_only(self) -> bool:
-        """True when this is plain causal attention (no documents, no window)."""
-        return self.document_ids is None and self.sliding_window is None
+        """True when this is plain causal attention (no documents, no window, no cp slice)."""
+        return (
+            self.document_ids is None
+            and self.sliding_window is None
+            and self.query_positions is None
+        )
 
     def first_key(self) -> torch.Tensor:
-        """Long ``[batch or 1, seq]``: the first key each query sees (its interval's start)."""
+        """Long ``[batch or 1, queries]``: the first key each query sees (its interval's start).
+
+        Computed over the whole row, then taken at ``query_positions`` when set.
+        """
         if "first_key" not in self._forms:
             index = torch.arange(self.seq_len, device=self.device)[None]
             first = torch.zeros_like(index)
@@ -180,15 +211,19 @@ class AttentionMask:
                 first = index - positions_from_document_ids(document_ids)
             if self.sliding_window is not None:
                 first = torch.maximum(first, index - self.sliding_window + 1)
+            if self.query_positions is not None:
+                first = first[:, self.query_positions.to(self.device)]
             self._forms["first_key"] = first
         return self._forms["first_key"]
 
     def dense(self) -> torch.Tensor:
-        """Bool ``[batch or 1, 1, seq, seq]``, True = may attend (the fallback path's mask)."""
+        """Bool ``[batch or 1, 1, queries, seq]``, True = may attend (the fallback path's mask)."""
         if "dense" not in self._forms:
             keys = torch.arange(self.seq_len, device=self.device)
+            queries = keys if self.query_positions is None else self.query_positions
             first = self.first_key()[:, :, None]
-            self._forms["dense"] = ((keys >= first) & (keys <= keys[:, None]))[:, None]
+            allowed = (keys >= first) & (keys <= queries.to(self.device)[:, None])
+            self._forms["dense"] = allowed[:, None]
         return self._forms["dense"]
 
     def block_mask(self) -> "BlockMask":

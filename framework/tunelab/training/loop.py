@@ -11,11 +11,12 @@ import resource
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tunelab.distributed import all_reduce_sum, reshard
-from tunelab.errors import DataError, TrainingError
+from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
+from tunelab.errors import ConfigError, DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.moe import RouterStats
 
@@ -45,6 +46,7 @@ def forward(
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None = None,
     router_stats: RouterStats | None = None,
+    context: ContextParallel | None = None,
 ) -> torch.Tensor:
     """Run the model on a collated batch; packed batches attend within their documents.
 
@@ -56,6 +58,8 @@ def forward(
         batch: ``tokens`` (and for packed batches ``document_ids`` and ``input_pos``).
         output: The model's :func:`output_layer` when the loss applies it chunk by chunk.
         router_stats: Records a mixture-of-experts model's routing (:class:`RouterLoss`).
+        context: Context parallelism: ``batch`` is this rank's slice
+            (``ContextParallel.shard``).
 
     Returns:
         Logits ``[batch, seq, vocab]``, or with ``output`` the final hidden states
@@ -63,6 +67,15 @@ def forward(
     """
     hidden = output is not None
     routing = {} if router_stats is None else {"router_stats": router_stats}
+    if context is not None and context.enabled:
+        return model(
+            batch["tokens"],
+            document_ids=batch.get("document_ids"),
+            input_pos=batch["input_pos"],
+            return_hidden=hidden,
+            context_parallel=context,
+            **routing,
+        )
     if "document_ids" in batch:
         return model(
             batch["tokens"],
@@ -80,17 +93,26 @@ def batch_loss(
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None = None,
     router_stats: RouterStats | None = None,
+    context: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's forward on ``batch`` and ``loss_fn`` of it: ``(loss_sum, num_tokens)``.
+
+    With ``context`` (context parallelism) ``batch`` is this rank's slice, whose ``labels``
+    are shifted with one leading ignored column (``ContextParallel.shard``): the model's
+    output gets one unscored position appended, so a loss that pairs ``logits[:, :-1]`` with
+    ``labels[:, 1:]`` scores every local position against its own target.
 
     With ``output`` (the model's :func:`output_layer`) the model returns its hidden states and
     the loss applies the output layer chunk by chunk: the logits never exist whole. Without,
     the loss gets the logits (any loss taking ``(logits, labels)`` works). ``router_stats``
     records a mixture-of-experts model's routing during the forward (:class:`RouterLoss`).
     """
+    result = forward(model, batch, output, router_stats, context)
+    if context is not None and context.enabled:
+        result = F.pad(result, (0, 0, 0, 1))
     if output is None:
-        return loss_fn(forward(model, batch, None, router_stats), batch["labels"])
-    return loss_fn(forward(model, batch, output, router_stats), batch["labels"], output=output)
+        return loss_fn(result, batch["labels"])
+    return loss_fn(result, batch["labels"], output=output)
 
 
 class RouterLoss:
@@ -111,14 +133,26 @@ class RouterLoss:
         coefficient: The weight; None takes the model's ``router_aux_loss_coef`` when its
             ``config.json`` sets ``output_router_logits: true`` (when transformers adds it to
             the loss), else 0.
+        context_parallel_size: Ranks that split each sequence (a weight above 0 needs 1).
+
+    Raises:
+        ConfigError: a router loss under context parallelism.
     """
 
-    def __init__(self, model: nn.Module, coefficient: float | None) -> None:
+    def __init__(
+        self, model: nn.Module, coefficient: float | None, context_parallel_size: int = 1
+    ) -> None:
         args = getattr(model, "args", None)
         is_moe = args is not None and getattr(args, "num_experts", 0) > 0
         if coefficient is None:
             coefficient = args.router_aux_loss_coef if is_moe and args.output_router_logits else 0.0
         self.coefficient = float(coefficient) if is_moe else 0.0
+        if self.coefficient > 0 and context_parallel_size > 1:
+            # Each rank would balance the routing of its slice, not of the whole sequences.
+            raise ConfigError(
+                "context_parallel_size: the router load-balancing loss is not split over "
+                "sequences yet; set router_aux_loss_coef: 0 or context_parallel_size: 1"
+            )
         self._device = next(model.parameters()).device
         self._sum = torch.zeros((), dtype=torch.float64, device=self._device)
         self._count = 0
@@ -183,10 +217,12 @@ def evaluate(
     loss_fn: nn.Module,
     device: torch.device,
     output: OutputLayer | None = None,
+    context: ContextParallel | None = None,
 ) -> float:
     """Mean token loss over a whole validation loader, over all ranks.
 
-    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk. The
+    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk;
+    ``context``: context parallelism (each batch is split over the cp group). The
     loss is also a ``validation loss X`` log line (INFO: shown on rank 0, between progress-bar
     refreshes), so it is on the console when it is computed, not only in the metric loggers.
     """
@@ -195,7 +231,9 @@ def evaluate(
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in loader:
         batch = to_device(batch, device)
-        loss_sum, num_tokens = batch_loss(loss_fn, model, batch, output)
+        if context is not None:
+            batch = context.shard(batch)
+        loss_sum, num_tokens = batch_loss(loss_fn, model, batch, output, context=context)
         totals += torch.stack([loss_sum.double(), num_tokens.double()])
     all_reduce_sum(totals)
     # An FSDP2 root keeps unsharded parameters after a no_grad forward (TORCH_NOTES).

@@ -44,6 +44,7 @@ def build_model(
     mesh: DeviceMesh | None = None,
     frozen_base: Literal["auto", "replicate", "shard"] = "shard",
     attention_backend: str = "auto",
+    context_parallel_size: int = 1,
 ) -> nn.Module:
     """Build, shard and load a model from a Hugging Face folder.
 
@@ -66,11 +67,13 @@ def build_model(
             logged); see ``tunelab.distributed.frozen_base``.
         attention_backend: The attention kernel (``auto``, ``sdpa``, ``flex``, ``dense``; see
             ``tunelab.modules.attention``); the resolved choice is printed once.
+        context_parallel_size: Ranks that split each sequence; above 1 ``auto`` resolves to
+            ``sdpa`` (``flex`` does not take a context-parallel slice yet).
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
-    backend = _attention_backend(attention_backend, device)
+    backend = _attention_backend(attention_backend, device, context_parallel_size)
     with torch.device("meta"):
         model = from_hf_config(checkpoint_dir)
         model.attention_backend = backend
@@ -111,9 +114,16 @@ def build_model(
     return model
 
 
-def _attention_backend(backend: str, device: torch.device) -> str:
+def _attention_backend(backend: str, device: torch.device, context_parallel_size: int = 1) -> str:
     """Resolve ``attention_backend`` for training on ``device``, and say what it picked."""
     resolved = resolve_attention_backend(backend, device)
+    if context_parallel_size > 1 and resolved == "flex":
+        if backend == "flex":
+            raise ConfigError(
+                "attention_backend: flex does not support context parallelism yet "
+                f"(context_parallel_size: {context_parallel_size}); use sdpa, dense or auto"
+            )
+        resolved = "sdpa"
     if resolved == "flex" and device.type == "cpu":
         raise ConfigError(
             f"attention_backend: flex cannot train on {device} (torch has no FlexAttention "
@@ -151,9 +161,13 @@ def build_dataloader(
     collate_fn: Callable[..., dict[str, torch.Tensor]],
     seed: int,
     shuffle: bool = True,
+    context_parallel_size: int = 1,
     **collate_kwargs: Any,
 ) -> tuple[DataLoader, StatefulDistributedSampler]:
     """A loader over this rank's share of ``dataset`` and its resumable sampler.
+
+    With context parallelism the ranks of a cp group (``context_parallel_size`` consecutive
+    ranks) share the same samples: the sampler's replicas are the data-parallel ranks.
 
     Args:
         dataset: A map-style dataset.
@@ -161,6 +175,7 @@ def build_dataloader(
         collate_fn: Turns a list of samples into a batch of tensors.
         seed: Seed of the per-epoch shuffle.
         shuffle: Shuffle each epoch.
+        context_parallel_size: Ranks that split each sample's sequence.
         **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
 
     Returns:
@@ -169,7 +184,11 @@ def build_dataloader(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     sampler = StatefulDistributedSampler(
-        len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+        len(dataset),
+        num_replicas=world_size // context_parallel_size,
+        rank=rank // context_parallel_size,
+        shuffle=shuffle,
+        seed=seed,
     )
     loader = DataLoader(
         dataset,
