@@ -7,6 +7,8 @@ on the ``sdpa`` and ``dense`` backends, with the chunked output layer and with w
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,23 @@ def test_flex_with_context_parallelism_is_one_clear_error():
     assert _attention_backend("auto", torch.device("cuda"), context_parallel_size=2) == "sdpa"
     with pytest.raises(ValueError, match="'flex' does not support context parallelism"):
         AttentionMask(1, 8, "cpu", "flex", query_positions=torch.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("config", "recipe"),
+    [("tiny/lora_dpo", "lora_dpo_distributed"), ("tiny/grpo", "grpo_distributed")],
+)
+def test_recipes_without_context_parallelism_refuse_the_setting(config, recipe):
+    tunelab = Path(sys.executable).with_name("tunelab")
+    result = subprocess.run(
+        [str(tunelab), "validate", config, "context_parallel_size=2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == (
+        f"tunelab: error: key 'context_parallel_size': {recipe} does not split sequences yet "
+        "(the SFT recipes do): leave it 1"
+    )
 
 
 @pytest.mark.slow
