@@ -23,6 +23,7 @@ from tunelab.distributed import (
 )
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
+    ActivationOffload,
     AfterStep,
     MetricLoggers,
     NonFiniteGuard,
@@ -73,6 +74,8 @@ def main(args: FullFinetuneArgs) -> None:
         mesh=mesh,
         dtype=resolve_dtype(args.dtype),
         activation_checkpointing=args.enable_activation_checkpointing,
+        activation_checkpointing_every=args.activation_checkpointing_every,
+        activation_checkpointing_scope=args.activation_checkpointing_scope,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
         context_parallel_size=context.size,
@@ -117,6 +120,8 @@ def main(args: FullFinetuneArgs) -> None:
         config_hash=config_fingerprint(args),
     )
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
+    # offload_activations: the forward's saved activations wait in pinned host memory (CUDA).
+    offload = ActivationOffload(args.offload_activations, device)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -157,7 +162,8 @@ def main(args: FullFinetuneArgs) -> None:
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             for batch in micro_batches:
                 routing = router_loss.stats(batch)
-                loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing, context)
+                with offload():
+                    loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing, context)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 objective = loss_sum * dist_info.world_size / num_tokens
                 (objective + router_loss.term(routing, len(micro_batches))).backward()

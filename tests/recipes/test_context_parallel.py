@@ -137,3 +137,19 @@ def test_full_finetune_with_cp2_equals_the_unsplit_run(window_model, tmp_path):
             "run_val_every_n_steps=null", *extra, nproc=nproc,
         )  # fmt: skip
     _assert_close(_metric(split, "loss"), _metric(whole, "loss"), [1, 2], TOLERANCE)
+
+
+@pytest.mark.parametrize("scope", ["block", "attention"])
+def test_cp2_with_selective_checkpointing_equals_the_unsplit_run(runs, window_model, tmp_path,
+                                                                 scope):  # fmt: skip
+    # The recomputed forward gathers keys and values again in the backward.
+    whole, _ = runs
+    out = tmp_path / "cp2_checkpointed"
+    result = _run(
+        out, window_model, "context_parallel_size=2", "enable_activation_checkpointing=true",
+        "activation_checkpointing_every=2", f"activation_checkpointing_scope={scope}",
+        "offload_activations=true", "max_steps_per_epoch=2", "run_val_every_n_steps=null",
+        nproc=2,
+    )  # fmt: skip
+    _assert_close(_metric(out, "loss"), _metric(whole, "loss"), [1, 2], TOLERANCE)
+    assert result.stderr.count("offload_activations: activations on cpu") == 1, result.stderr

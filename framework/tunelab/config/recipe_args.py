@@ -51,6 +51,12 @@ class CheckpointArgs:
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
 
 
+_NEEDS_CHECKPOINTING = (
+    "key '{key}': it selects what activation checkpointing recomputes; set "
+    "enable_activation_checkpointing: true"
+)
+
+
 @dataclass(kw_only=True)
 class FinetuneArgs(RecipeArgs):
     """Settings shared by the supervised fine-tuning recipes."""
@@ -111,6 +117,12 @@ class FinetuneArgs(RecipeArgs):
     """Evaluate val_dataset every N optimizer steps (it is always evaluated at epoch ends)."""
     enable_activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward to save memory."""
+    activation_checkpointing_every: AtLeastOne = 1
+    """With enable_activation_checkpointing: checkpoint one block in this many (1: every block; k: about 1/k of them, less recompute and more memory)."""
+    activation_checkpointing_scope: Literal["block", "attention"] = "block"
+    """With enable_activation_checkpointing: recompute the whole block (keeps only its input) or only its attention (projections, rotary, attention; the feed-forward keeps its activations)."""
+    offload_activations: bool = False
+    """Keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu), copied back in backward: less GPU memory, more host traffic; CUDA only (on CPU a no-op, said in one line)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each block's forward."""
     data_parallel_replicate_size: AtLeastOne = 1
@@ -133,8 +145,16 @@ class FinetuneArgs(RecipeArgs):
     """Intermediate checkpoints, resume and exports."""
 
     def check_settings(self) -> list[str]:
-        """Check that a tokenizer read from another folder fits the model's vocabulary."""
+        """Check that a tokenizer read from another folder fits the model's vocabulary.
+
+        And that the selective activation-checkpointing keys come with checkpointing on.
+        """
         problems = super().check_settings()
+        if not self.enable_activation_checkpointing:
+            if self.activation_checkpointing_every != 1:
+                problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_every"))
+            if self.activation_checkpointing_scope != "block":
+                problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_scope"))
         path = self.tokenizer.get("path") if isinstance(self.tokenizer, DictConfig) else None
         if isinstance(path, str) and path:
             problems += [
@@ -245,6 +265,11 @@ _NO_CONTEXT_PARALLEL = (
     "do): leave it 1"
 )
 
+_NO_OFFLOAD = (
+    "key 'offload_activations': {recipe} does not offload activations yet (the SFT recipes "
+    "do): leave it false"
+)
+
 
 @dataclass(kw_only=True)
 class LoRADPOArgs(LoRAFinetuneArgs):
@@ -270,6 +295,8 @@ class LoRADPOArgs(LoRAFinetuneArgs):
             problems.append(_NO_ROUTER_LOSS.format(recipe="lora_dpo_distributed"))
         if self.context_parallel_size != 1:
             problems.append(_NO_CONTEXT_PARALLEL.format(recipe="lora_dpo_distributed"))
+        if self.offload_activations:
+            problems.append(_NO_OFFLOAD.format(recipe="lora_dpo_distributed"))
         return problems
 
 
@@ -334,6 +361,8 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems.append(_NO_ROUTER_LOSS.format(recipe="grpo_distributed"))
         if self.context_parallel_size != 1:
             problems.append(_NO_CONTEXT_PARALLEL.format(recipe="grpo_distributed"))
+        if self.offload_activations:
+            problems.append(_NO_OFFLOAD.format(recipe="grpo_distributed"))
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"

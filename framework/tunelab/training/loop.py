@@ -5,6 +5,7 @@ recipe; these are the pieces it calls: move a batch, run the model, count the st
 tokens, clip and step the optimizer behind the non-finite guard, validate, measure memory.
 """
 
+import contextlib
 import logging
 import math
 import resource
@@ -187,6 +188,37 @@ class RouterLoss:
         total = all_reduce_sum(torch.stack([self._sum, count]))
         self._sum, self._count = torch.zeros_like(self._sum), 0
         return {"router_aux_loss": (total[0] / total[1].clamp(min=1)).item()}
+
+
+class ActivationOffload:
+    """Saved activations in pinned host memory during a forward: ``with offload(): ...``.
+
+    On CUDA each tensor autograd saves for the backward is copied to pinned CPU memory in the
+    forward and back to the GPU when the backward needs it
+    (``torch.autograd.graph.save_on_cpu(pin_memory=True)``): GPU memory for activations drops
+    to about one layer's working set, at the cost of two host copies of every saved tensor.
+    With activation checkpointing only the checkpointed blocks' inputs are saved, so the two
+    combine. On CPU the activations already live in host memory: a no-op, said in one line.
+
+    Args:
+        enabled: ``offload_activations``.
+        device: Where the model computes.
+    """
+
+    def __init__(self, enabled: bool, device: torch.device) -> None:
+        self.active = enabled and device.type == "cuda"
+        is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if enabled and not self.active and is_main:
+            logger.warning(
+                "offload_activations: activations on %s already live in host memory: no-op",
+                device.type,
+            )
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        """A context whose forward saves its activations on the host (or does nothing)."""
+        if not self.active:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
 def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -37,6 +37,8 @@ def build_model(
     lora: LoRAArgs | None = None,
     adapter_dir: str | None = None,
     activation_checkpointing: bool = False,
+    activation_checkpointing_every: int = 1,
+    activation_checkpointing_scope: Literal["block", "attention"] = "block",
     compile_blocks: bool = False,
     reshard_after_forward: bool = True,
     mixed_precision: bool = False,
@@ -55,6 +57,9 @@ def build_model(
         lora: Adapter settings; only adapter parameters train when given.
         adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
         activation_checkpointing: Recompute block activations in backward.
+        activation_checkpointing_every: With it, checkpoint one block in this many.
+        activation_checkpointing_scope: With it, recompute the whole ``block`` or only its
+            ``attention`` (``tunelab.distributed.apply_activation_checkpointing``).
         compile_blocks: ``torch.compile`` each transformer block.
         reshard_after_forward: FSDP2's ``reshard_after_forward``.
         mixed_precision: bf16 compute with fp32 reduction under FSDP2.
@@ -91,7 +96,9 @@ def build_model(
     if quantized:
         _quantize_base_nf4(model, device, mesh)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(
+            model, every=activation_checkpointing_every, scope=activation_checkpointing_scope
+        )
     if compile_blocks:
         for block in model.layers:
             block.compile()
