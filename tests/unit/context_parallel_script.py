@@ -35,6 +35,18 @@ _FAMILIES = {
         layer_types=["sliding_attention", "full_attention"],
         attention_sinks=True,
     ),
+    # Phi-3's LongRoPE picks its factors from the rows' largest position: unpacked rows reach
+    # 300 > 250, yet on 2 ranks the one holding chunks 1 and 2 sees at most 227.
+    "longrope": dict(
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.2, 1.3],
+            "long_factor": [2.0, 3.0, 4.0, 5.0],
+            "original_max_position_embeddings": 250,
+            "factor": 2.0,
+        },
+        max_seq_len=500,
+    ),
 }
 
 

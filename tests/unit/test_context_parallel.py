@@ -2,7 +2,8 @@
 and backward on 2 and 4 processes (gloo) against the unsplit run.
 
 ``context_parallel_script.py`` runs packed and unpacked rows of 301 tokens (padded by the
-split) through a tiny GQA model with sliding windows, soft-capped scores or attention sinks,
+split) through a tiny GQA model with sliding windows, soft-capped scores or attention sinks, or
+LongRoPE,
 on the ``sdpa`` and ``dense`` backends, with the chunked output layer and with whole logits.
 """
 
@@ -43,16 +44,17 @@ def test_shard_pads_shifts_labels_and_keeps_document_ids_whole():
         "input_pos": torch.tensor([[0, 1, 2, 0, 1]]),
         "document_ids": torch.tensor([[0, 0, 0, 1, 1]]),
     }
-    # Padded to 8 (token 0, no target, document 2, positions 5..7); rank 0 holds 0, 1, 6, 7.
+    # Padded to 8 (token 0, no target, document 2, position 0); rank 0 holds 0, 1, 6, 7.
     local = ContextParallel(2, rank=0).shard(batch)
     assert local["tokens"].tolist() == [[10, 11, 0, 0]]
-    assert local["input_pos"].tolist() == [[0, 1, 6, 7]]
+    assert local["input_pos"].tolist() == [[0, 1, 0, 0]]
     assert local["token_mask"].tolist() == [[True, True, False, False]]
     assert local["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
     # A leading ignored column, then each position's own target (the label of the next one).
     assert local["labels"].tolist() == [[-100, -100, 12, -100, -100]]
     other = ContextParallel(2, rank=1).shard(batch)
     assert other["tokens"].tolist() == [[12, 13, 14, 0]]
+    assert other["input_pos"].tolist() == [[2, 0, 1, 0]]
     assert other["labels"].tolist() == [[-100, 13, 14, -100, -100]]
     with pytest.raises(ValueError, match="cannot split batch keys"):
         ContextParallel(2, rank=0).shard({**batch, "pair_index": torch.tensor([0])})
@@ -107,7 +109,7 @@ def test_recipes_without_context_parallelism_refuse_the_setting(config, recipe):
 def test_split_forward_and_backward_equal_the_unsplit_ones(nproc):
     result = torchrun(SCRIPT, nproc=nproc)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 15, result.stdout
+    assert len(rows) == 20, result.stdout
     for row in rows:
         assert row["logits"] <= LOGITS_TOLERANCE, row
         assert row["loss"] <= LOSS_TOLERANCE, row

@@ -140,11 +140,18 @@ class ContextParallel:
         whole = self.gather(torch.cat([keys, values], dim=1), dim=2)
         return whole[:, :heads], whole[:, heads:]
 
+    def max_over_group(self, value: torch.Tensor) -> torch.Tensor:
+        """The largest ``value`` of the group's ranks (collective; a copy, autograd-free)."""
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return value
+
     def shard(self, batch: dict[str, torch.Tensor], ignore_index: int = -100) -> dict:
         """This rank's slice of a collated SFT batch (every rank of the group has the same).
 
         Rows are padded to :meth:`padded_length` (padding: token 0, no target, a document of
-        its own, positions continuing the column index), then split zig-zag. ``tokens``,
+        its own, position 0, so that no padding raises the rows' largest position, from which
+        LongRoPE picks its factors), then split zig-zag. ``tokens``,
         ``token_mask`` and ``input_pos`` (rotary positions: the global ones, ``0..seq-1`` for
         unpacked rows) become ``[batch, seq / size]``; ``labels`` ``[batch, seq / size + 1]``,
         shifted (module docstring); ``document_ids`` stays whole (the mask needs every key's).
@@ -169,12 +176,13 @@ class ContextParallel:
         rows, seq_len = tokens.shape
         padded = self.padded_length(seq_len)
         pad = padded - seq_len
-        index = torch.arange(padded, device=tokens.device).expand(rows, padded)
+        if "input_pos" in batch:
+            input_pos = batch["input_pos"]
+        else:
+            input_pos = torch.arange(seq_len, device=tokens.device).expand(rows, seq_len)
         full = {
             "tokens": F.pad(tokens, (0, pad), value=0),
-            "input_pos": torch.cat([batch["input_pos"], index[:, seq_len:]], dim=1)
-            if "input_pos" in batch
-            else index,
+            "input_pos": F.pad(input_pos, (0, pad), value=0),
         }
         if "token_mask" in batch:
             full["token_mask"] = F.pad(batch["token_mask"], (0, pad), value=False)

@@ -312,10 +312,20 @@ class TransformerDecoder(nn.Module):
         return masks
 
     def _rotary_tables(
-        self, input_pos: torch.Tensor, dtype: torch.dtype
+        self,
+        input_pos: torch.Tensor,
+        dtype: torch.dtype,
+        context: ContextParallel | None = None,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``(cos, sin)`` per attention kind (one table unless Gemma 3's local base differs)."""
-        tables = {FULL: self.model.rotary_emb(input_pos, dtype)}
+        """``(cos, sin)`` per attention kind (one table unless Gemma 3's local base differs).
+
+        Under context parallelism LongRoPE picks its factors from the largest position of the
+        whole rows (a max over the group), as the unsplit forward does.
+        """
+        max_position = None
+        if context is not None and context.enabled and self.model.rotary_emb.longrope:
+            max_position = context.max_over_group(input_pos.max())
+        tables = {FULL: self.model.rotary_emb(input_pos, dtype, max_position)}
         local = self.model.rotary_emb_local
         tables[SLIDING] = tables[FULL] if local is None else local(input_pos, dtype)
         return tables
@@ -424,7 +434,7 @@ class TransformerDecoder(nn.Module):
         if self.args.embed_scale:
             # Gemma: sqrt(dim) rounded to the activations' dtype first, as transformers does.
             h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
-        rotary = self._rotary_tables(input_pos, h.dtype)
+        rotary = self._rotary_tables(input_pos, h.dtype, context_parallel)
         for index, layer in enumerate(self.model.layers):
             kind = self.args.layer_type(index)
             cos, sin = rotary[kind]
