@@ -116,14 +116,20 @@ def test_cp_larger_than_the_world_is_one_error_naming_the_key(window_model, tmp_
     assert "Traceback" not in result.stderr
 
 
-def test_hsdp_2x1_with_cp2_on_4_processes_equals_the_unsplit_run(runs, window_model, tmp_path):
-    # replicate 2 x shard 1 x cp 2: each replica's cp group takes 2 of the step's 4 samples.
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        # replicate 2 x shard 1 x cp 2: each replica's cp group takes 2 of the step's 4 samples.
+        ["data_parallel_replicate_size=2", "frozen_base=shard"],
+        # plain FSDP over all 4 (shard 2 x cp 2): 2 data-parallel groups of 2 samples.
+        [],
+    ],
+    ids=["hsdp_2x1xcp2", "fsdp_2xcp2"],
+)
+def test_4_processes_with_cp2_equal_the_unsplit_run(runs, window_model, tmp_path, mesh):
     whole, _ = runs
-    out = tmp_path / "hsdp_cp"
-    _run(
-        out, window_model, "batch_size=2", "data_parallel_replicate_size=2",
-        "context_parallel_size=2", "frozen_base=shard", nproc=4,
-    )  # fmt: skip
+    out = tmp_path / "mesh_cp"
+    _run(out, window_model, "batch_size=2", "context_parallel_size=2", *mesh, nproc=4)
     _assert_close(_metric(out, "loss"), _metric(whole, "loss"), range(1, STEPS + 1), TOLERANCE)
     assert _metric(out, "num_tokens") == _metric(whole, "num_tokens")
 
