@@ -81,7 +81,6 @@ def main(args: LoRAFinetuneArgs) -> None:
         activation_checkpointing_scope=args.activation_checkpointing_scope,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
-        context_parallel_size=context.size,
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         seed=args.seed,

@@ -149,10 +149,6 @@ class AttentionMask:
         self.sliding_window = sliding_window
         self.query_positions = query_positions
         self.gather_key_values = gather_key_values
-        if query_positions is not None and backend == "flex":
-            raise ValueError(
-                "attention_backend 'flex' does not support context parallelism yet: use 'sdpa'"
-            )
         self._forms: dict[str, object] = {}
 
     def with_window(self, sliding_window: int | None) -> "AttentionMask":
@@ -232,7 +228,9 @@ class AttentionMask:
         A key block is skipped when no query of the query block sees any of its keys, fully
         attended when every query sees every key, and partial (``mask_mod`` per element)
         otherwise. No ``[seq, seq]`` tensor is built (``create_block_mask`` evaluates the
-        mask at every element).
+        mask at every element). With ``query_positions`` (context parallelism) the query
+        blocks are this rank's queries and the key blocks the whole row's keys: the zig-zag
+        slice is two runs of consecutive positions, so its blocks stay mostly full or empty.
         """
         if "block_mask" not in self._forms:
             self._forms["block_mask"] = self._build_block_mask()
@@ -241,25 +239,31 @@ class AttentionMask:
     def _build_block_mask(self) -> "BlockMask":
         from torch.nn.attention.flex_attention import BlockMask
 
-        size, seq_len = FLEX_BLOCK_SIZE, self.seq_len
-        num_blocks = -(-seq_len // size)
-        padded = num_blocks * size
-        index = torch.arange(padded, device=self.device)
-        first = self.first_key().expand(self.batch, seq_len)
-        # Padding queries (past seq_len) see only themselves; flex drops their outputs.
-        first = torch.cat([first, index[seq_len:].expand(self.batch, -1)], dim=1)
-        block_start = torch.arange(num_blocks, device=self.device) * size
-        block_last = torch.clamp(block_start + size - 1, max=seq_len - 1)
-        query = index[None, :, None]
+        size, key_len = FLEX_BLOCK_SIZE, self.seq_len
+        positions = self.query_positions
+        if positions is None:
+            positions = torch.arange(key_len, device=self.device)
+        positions = positions.to(self.device)
+        query_len = positions.shape[0]
+        num_query_blocks, num_key_blocks = -(-query_len // size), -(-key_len // size)
+        padded = num_query_blocks * size
+        # Padding queries (past the last one) sit past the last key: they touch no key block,
+        # and flex drops their outputs.
+        beyond = torch.full((padded - query_len,), key_len, device=self.device)
+        query = torch.cat([positions, beyond])
+        first = self.first_key().expand(self.batch, query_len)
+        first = torch.cat([first, beyond.expand(self.batch, -1)], dim=1)
+        block_start = torch.arange(num_key_blocks, device=self.device) * size
+        block_last = torch.clamp(block_start + size - 1, max=key_len - 1)
         lo = first[:, :, None]
         # [batch, padded queries, key blocks], then reduced over each query block.
-        touches = (lo <= block_last) & (query >= block_start)
-        covers = (lo <= block_start) & (query >= block_last)
-        valid = index < seq_len
+        touches = (lo <= block_last) & (query[None, :, None] >= block_start)
+        covers = (lo <= block_start) & (query[None, :, None] >= block_last)
+        valid = torch.arange(padded, device=self.device) < query_len
         covers = covers | ~valid[None, :, None]
         touches = touches & valid[None, :, None]
-        any_ = touches.view(self.batch, num_blocks, size, num_blocks).any(dim=2)
-        full = covers.view(self.batch, num_blocks, size, num_blocks).all(dim=2) & any_
+        any_ = touches.view(self.batch, num_query_blocks, size, num_key_blocks).any(dim=2)
+        full = covers.view(self.batch, num_query_blocks, size, num_key_blocks).all(dim=2) & any_
         partial = any_ & ~full
 
         def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,10 +271,10 @@ class AttentionMask:
             order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
             return counts, order.to(torch.int32)[:, None]
 
-        first_key = first
+        first_key, query_position = first, query
 
         def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 (flex's signature)
-            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= q_idx)
+            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= query_position[q_idx])
 
         counts, indices = ordered(partial)
         full_counts, full_indices = ordered(full)
@@ -281,5 +285,5 @@ class AttentionMask:
             full_indices,
             BLOCK_SIZE=size,
             mask_mod=mask_mod,
-            seq_lengths=(seq_len, seq_len),
+            seq_lengths=(query_len, key_len),
         )

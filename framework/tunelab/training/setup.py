@@ -46,7 +46,6 @@ def build_model(
     mesh: DeviceMesh | None = None,
     frozen_base: Literal["auto", "replicate", "shard"] = "shard",
     attention_backend: str = "auto",
-    context_parallel_size: int = 1,
 ) -> nn.Module:
     """Build, shard and load a model from a Hugging Face folder.
 
@@ -72,13 +71,11 @@ def build_model(
             logged); see ``tunelab.distributed.frozen_base``.
         attention_backend: The attention kernel (``auto``, ``sdpa``, ``flex``, ``dense``; see
             ``tunelab.modules.attention``); the resolved choice is printed once.
-        context_parallel_size: Ranks that split each sequence; above 1 ``auto`` resolves to
-            ``sdpa`` (``flex`` does not take a context-parallel slice yet).
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
-    backend = _attention_backend(attention_backend, device, context_parallel_size)
+    backend = _attention_backend(attention_backend, device)
     with torch.device("meta"):
         model = from_hf_config(checkpoint_dir)
         model.attention_backend = backend
@@ -121,16 +118,9 @@ def build_model(
     return model
 
 
-def _attention_backend(backend: str, device: torch.device, context_parallel_size: int = 1) -> str:
+def _attention_backend(backend: str, device: torch.device) -> str:
     """Resolve ``attention_backend`` for training on ``device``, and say what it picked."""
     resolved = resolve_attention_backend(backend, device)
-    if context_parallel_size > 1 and resolved == "flex":
-        if backend == "flex":
-            raise ConfigError(
-                "attention_backend: flex does not support context parallelism yet "
-                f"(context_parallel_size: {context_parallel_size}); use sdpa, dense or auto"
-            )
-        resolved = "sdpa"
     if resolved == "flex" and device.type == "cpu":
         raise ConfigError(
             f"attention_backend: flex cannot train on {device} (torch has no FlexAttention "
