@@ -109,6 +109,16 @@ def test_cp2_checkpoint_resumes_with_cp1_on_one_process(runs, window_model, tmp_
     assert_same_exports(out, whole, atol=1e-5)
 
 
+def test_cp2_checkpoint_resumes_with_cp1_on_two_processes(runs, window_model, tmp_path):
+    # The same 2 processes become 2 data-parallel ranks: the recorded global batch of 4 is
+    # kept as 2 samples each.
+    whole, split = runs
+    out = interrupted_copy(split, tmp_path / "resumed", after_step=2)
+    result = _run(out, window_model, "checkpoint.resume_from_checkpoint=true", nproc=2)
+    assert "global batch of 4 on 2 process(es): batch_size 2" in result.stdout + result.stderr
+    _assert_close(_metric(out, "loss"), _metric(whole, "loss"), range(3, STEPS + 1), TOLERANCE)
+
+
 def test_cp_larger_than_the_world_is_one_error_naming_the_key(window_model, tmp_path):
     result = _run(tmp_path / "out", window_model, "context_parallel_size=2", nproc=1, check=False)
     assert result.returncode != 0
