@@ -107,7 +107,7 @@ def main(args: FullFinetuneArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     # A mixture-of-experts model's router load-balancing loss joins the objective (dense: none).
-    router_loss = RouterLoss(model, args.router_aux_loss_coef, context.size)
+    router_loss = RouterLoss(model, args.router_aux_loss_coef, context)
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,

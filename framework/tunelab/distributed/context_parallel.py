@@ -140,6 +140,12 @@ class ContextParallel:
         whole = self.gather(torch.cat([keys, values], dim=1), dim=2)
         return whole[:, :heads], whole[:, heads:]
 
+    def sum_over_group(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the group's ranks (collective; a copy, autograd-free)."""
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group)
+        return value
+
     def max_over_group(self, value: torch.Tensor) -> torch.Tensor:
         """The largest ``value`` of the group's ranks (collective; a copy, autograd-free)."""
         value = value.detach().clone()

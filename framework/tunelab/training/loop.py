@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
-from tunelab.errors import ConfigError, DataError, TrainingError
+from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.moe import RouterStats
 
@@ -134,26 +134,24 @@ class RouterLoss:
         coefficient: The weight; None takes the model's ``router_aux_loss_coef`` when its
             ``config.json`` sets ``output_router_logits: true`` (when transformers adds it to
             the loss), else 0.
-        context_parallel_size: Ranks that split each sequence (a weight above 0 needs 1).
-
-    Raises:
-        ConfigError: a router loss under context parallelism.
+        context: Context parallelism: the statistics are summed over the ranks that split
+            the rows, so each rank's loss is that of the whole rows (and its logged value the
+            unsplit one), and the term is scaled by the group size, since FSDP2 then averages
+            over every rank of the group where the unsplit run has one.
     """
 
     def __init__(
-        self, model: nn.Module, coefficient: float | None, context_parallel_size: int = 1
+        self,
+        model: nn.Module,
+        coefficient: float | None,
+        context: ContextParallel | None = None,
     ) -> None:
         args = getattr(model, "args", None)
         is_moe = args is not None and getattr(args, "num_experts", 0) > 0
         if coefficient is None:
             coefficient = args.router_aux_loss_coef if is_moe and args.output_router_logits else 0.0
         self.coefficient = float(coefficient) if is_moe else 0.0
-        if self.coefficient > 0 and context_parallel_size > 1:
-            # Each rank would balance the routing of its slice, not of the whole sequences.
-            raise ConfigError(
-                "context_parallel_size: the router load-balancing loss is not split over "
-                "sequences yet; set router_aux_loss_coef: 0 or context_parallel_size: 1"
-            )
+        self.context = context if context is not None and context.enabled else None
         self._device = next(model.parameters()).device
         self._sum = torch.zeros((), dtype=torch.float64, device=self._device)
         self._count = 0
@@ -165,7 +163,10 @@ class RouterLoss:
 
     def stats(self, batch: dict[str, torch.Tensor]) -> RouterStats | None:
         """A record for one micro-batch's forward, or None when disabled."""
-        return RouterStats(batch.get("token_mask")) if self.enabled else None
+        if not self.enabled:
+            return None
+        sum_over_ranks = None if self.context is None else self.context.sum_over_group
+        return RouterStats(batch.get("token_mask"), sum_over_ranks)
 
     def term(self, stats: RouterStats | None, num_micro_batches: int) -> torch.Tensor | float:
         """The micro-batch's share of the objective: ``coefficient * loss / micro-batches``."""
@@ -174,7 +175,8 @@ class RouterLoss:
         loss = stats.loss()
         self._sum = self._sum + loss.detach().to(self._sum)
         self._count += 1
-        return loss * (self.coefficient / num_micro_batches)
+        ranks = 1 if self.context is None else self.context.size
+        return loss * (self.coefficient * ranks / num_micro_batches)
 
     def step_metrics(self) -> dict[str, float]:
         """The step's ``router_aux_loss``: its mean over micro-batches and ranks.
