@@ -3,9 +3,11 @@
 With ``context_parallel_size: N`` the N ranks of one context-parallel (cp) group train on the
 same samples, each holding a slice of every sequence: activations per rank shrink N-fold.
 The row is padded to a multiple of ``2N`` and cut into ``2N`` chunks; rank ``i`` takes chunks
-``i`` and ``2N - 1 - i`` (the zig-zag split of Brandon et al., 2023, Striped/zig-zag ring
-attention, as torchtitan and Megatron do): under a causal mask the late chunks see many keys
-and the early ones few, so pairing them balances the attention work.
+``i`` and ``2N - 1 - i``: under a causal mask the late chunks see many keys and the early ones
+few, so pairing them balances the attention work. This is the all-gather form of context
+parallelism that Llama 3 was trained with (The Llama 3 Herd of Models, 2024,
+https://arxiv.org/abs/2407.21783, section 3.3.2: 2N chunks, keys and values all-gathered, not
+passed around a ring), with the same load-balancing split as Megatron-LM's and torchtitan's.
 
 Attention all-gathers keys and values over the group (after rotary, which each rank applies
 with its tokens' global positions) and puts them back in row order; each rank's queries then
