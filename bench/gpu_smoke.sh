@@ -8,7 +8,10 @@
 # 2. fused AdamW on CUDA equals the foreach one over a few steps;
 # 3. recipe smoke runs on one GPU (attention_backend auto = flex): LoRA SFT, QLoRA (NF4 base),
 #    LoRA DPO; 2-process LoRA when there are two GPUs;
-# 4. the CUDA bench rows (bench_attention.py: sdpa vs flex, forward and backward, bf16).
+# 4. the CUDA bench rows (bench_attention.py: sdpa vs flex, forward and backward, bf16);
+# 5. activation offloading (issue 30): its CUDA test (a skip is a failure) and a LoRA run with
+#    offload_activations and selective checkpointing; with two GPUs, context parallelism:
+#    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32).
 #
 # Each step prints PASS or FAIL with its log under OUT_DIR; the exit status is the number of
 # failed steps (2 with no CUDA device).
@@ -88,6 +91,40 @@ if [ "$num_gpus" -ge 2 ]; then
 fi
 
 step bench_attention "$PY" bench/bench_attention.py --seq-len 2048 --repeats 3
+
+offload_test() {
+    local log="$OUT/offload_test.pytest"
+    "$PY" -m pytest -q -p no:cacheprovider -rs tests/unit/test_activation_memory.py \
+        -k offloading_on_cuda >"$log" 2>&1
+    local status=$?
+    cat "$log"
+    [ "$status" -eq 0 ] && ! grep -q "SKIPPED" "$log" && grep -q " passed" "$log"
+}
+step offload_test offload_test
+step recipe_offload "$TUNELAB" run lora_finetune_distributed --config tiny/lora \
+    "output_dir=$OUT/offload" "${COMMON[@]}" offload_activations=true \
+    enable_activation_checkpointing=true activation_checkpointing_every=2 \
+    activation_checkpointing_scope=attention
+if [ "$num_gpus" -ge 2 ]; then
+    PACKED=(dataset.packed=true dataset.max_seq_len=250 tokenizer.max_seq_len=250 batch_size=4)
+    context_parallel() {
+        "$TUNELAB" run lora_finetune_distributed --config tiny/lora "output_dir=$OUT/cp1" \
+            "${COMMON[@]}" "${PACKED[@]}" &&
+        "$TUNELAB" run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora \
+            "output_dir=$OUT/cp2" "${COMMON[@]}" "${PACKED[@]}" context_parallel_size=2 &&
+        "$PY" - "$OUT/cp1" "$OUT/cp2" <<'PYEOF'
+import json, sys
+losses = [
+    {r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/logs/metrics.jsonl")) if "loss" in r}
+    for d in sys.argv[1:]
+]
+print(losses)
+assert losses[0].keys() == losses[1].keys() and losses[0]
+assert all(abs(losses[0][s] - losses[1][s]) <= 1e-4 for s in losses[0]), losses
+PYEOF
+    }
+    step context_parallel_2gpu context_parallel
+fi
 
 echo "gpu_smoke: $failures failed step(s); logs in $OUT"
 exit "$failures"

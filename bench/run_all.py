@@ -41,6 +41,8 @@ BENCHMARKS = {
               ["--size-mb", "8", "--dim", "256", "--vocab-size", "1024", "--repeats", "1"]),
     "attention": ("bench_attention.py", False, [], [],
                   ["--seq-len", "256", "--dim", "256", "--repeats", "1"]),
+    "context": ("bench_context.py", True, [], [],
+                ["--seq-len", "256", "--dim", "128", "--vocab-size", "512", "--repeats", "1"]),
     "moe": ("bench_moe.py", False, [], ["--tokens", "4096"], ["--tokens", "64", "--repeats", "1"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"],

@@ -16,6 +16,7 @@ from tunelab.config import FullFinetuneArgs, instantiate
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
+    build_context_parallel,
     data_parallel_mesh,
     destroy_distributed,
     init_distributed,
@@ -24,6 +25,7 @@ from tunelab.distributed import (
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
+    ActivationOffload,
     AfterStep,
     MetricLoggers,
     NonFiniteGuard,
@@ -60,17 +62,22 @@ def main(args: FullFinetuneArgs) -> None:
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
     # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    # Context parallelism when context_parallel_size > 1: its ranks split every sequence.
     mesh = data_parallel_mesh(
         device,
         replicate_size=args.data_parallel_replicate_size,
         shard_size=args.data_parallel_shard_size,
+        context_parallel_size=args.context_parallel_size,
     )
+    context = build_context_parallel(args.context_parallel_size)
     model = build_model(
         args.checkpoint_dir,
         device=device,
         mesh=mesh,
         dtype=resolve_dtype(args.dtype),
         activation_checkpointing=args.enable_activation_checkpointing,
+        activation_checkpointing_every=args.activation_checkpointing_every,
+        activation_checkpointing_scope=args.activation_checkpointing_scope,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
         reshard_after_forward=args.reshard_after_forward,
@@ -92,6 +99,7 @@ def main(args: FullFinetuneArgs) -> None:
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         allow_global_batch_change=args.allow_global_batch_change,
+        context_parallel_size=context.size,
     )
     trainable = list(model.parameters())
     optimizer, lr_scheduler = build_optimizer(
@@ -104,7 +112,7 @@ def main(args: FullFinetuneArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     # A mixture-of-experts model's router load-balancing loss joins the objective (dense: none).
-    router_loss = RouterLoss(model, args.router_aux_loss_coef)
+    router_loss = RouterLoss(model, args.router_aux_loss_coef, context)
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
@@ -116,6 +124,8 @@ def main(args: FullFinetuneArgs) -> None:
         config_hash=config_fingerprint(args),
     )
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
+    # offload_activations: the forward's saved activations wait in pinned host memory (CUDA).
+    offload = ActivationOffload(args.offload_activations, device)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -126,7 +136,9 @@ def main(args: FullFinetuneArgs) -> None:
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
         validate=data.val_loader
-        and (lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output)}),
+        and (
+            lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output, context)}
+        ),
         profiler=StepProfiler(
             run.profile_dir,
             enabled=args.profile,
@@ -144,8 +156,10 @@ def main(args: FullFinetuneArgs) -> None:
         batches = data.epoch(epoch)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
+            # With context parallelism each rank keeps its slice of every sequence.
             micro_batches = [
-                to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
+                context.shard(to_device(next(batches), device))
+                for _ in range(data.gradient_accumulation_steps)
             ]
             # The step's loss: token losses summed over micro-batches and ranks, divided by their
             # number of target tokens, so every token weighs the same at any world size.
@@ -153,7 +167,8 @@ def main(args: FullFinetuneArgs) -> None:
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             for batch in micro_batches:
                 routing = router_loss.stats(batch)
-                loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing)
+                with offload():
+                    loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing, context)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 objective = loss_sum * dist_info.world_size / num_tokens
                 (objective + router_loss.term(routing, len(micro_batches))).backward()

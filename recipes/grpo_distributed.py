@@ -88,6 +88,8 @@ def main(args: GRPOArgs) -> None:
         mesh=mesh,
         dtype=resolve_dtype(args.dtype),
         activation_checkpointing=args.enable_activation_checkpointing,
+        activation_checkpointing_every=args.activation_checkpointing_every,
+        activation_checkpointing_scope=args.activation_checkpointing_scope,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
         reshard_after_forward=args.reshard_after_forward,

@@ -81,6 +81,8 @@ def main(args: LoRADPOArgs) -> None:
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         activation_checkpointing=args.enable_activation_checkpointing,
+        activation_checkpointing_every=args.activation_checkpointing_every,
+        activation_checkpointing_scope=args.activation_checkpointing_scope,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
         reshard_after_forward=args.reshard_after_forward,

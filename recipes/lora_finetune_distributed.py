@@ -17,6 +17,7 @@ from tunelab.config import LoRAFinetuneArgs, instantiate
 from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
+    build_context_parallel,
     data_parallel_mesh,
     destroy_distributed,
     init_distributed,
@@ -25,6 +26,7 @@ from tunelab.distributed import (
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
+    ActivationOffload,
     AfterStep,
     MetricLoggers,
     NonFiniteGuard,
@@ -61,11 +63,14 @@ def main(args: LoRAFinetuneArgs) -> None:
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
     # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+    # Context parallelism when context_parallel_size > 1: its ranks split every sequence.
     mesh = data_parallel_mesh(
         device,
         replicate_size=args.data_parallel_replicate_size,
         shard_size=args.data_parallel_shard_size,
+        context_parallel_size=args.context_parallel_size,
     )
+    context = build_context_parallel(args.context_parallel_size)
     model = build_model(
         args.checkpoint_dir,
         device=device,
@@ -74,6 +79,8 @@ def main(args: LoRAFinetuneArgs) -> None:
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         activation_checkpointing=args.enable_activation_checkpointing,
+        activation_checkpointing_every=args.activation_checkpointing_every,
+        activation_checkpointing_scope=args.activation_checkpointing_scope,
         compile_blocks=args.compile,
         attention_backend=args.attention_backend,
         reshard_after_forward=args.reshard_after_forward,
@@ -96,6 +103,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         allow_global_batch_change=args.allow_global_batch_change,
+        context_parallel_size=context.size,
     )
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(
@@ -108,7 +116,7 @@ def main(args: LoRAFinetuneArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     # A mixture-of-experts model's router load-balancing loss joins the objective (dense: none).
-    router_loss = RouterLoss(model, args.router_aux_loss_coef)
+    router_loss = RouterLoss(model, args.router_aux_loss_coef, context)
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
@@ -121,6 +129,8 @@ def main(args: LoRAFinetuneArgs) -> None:
         config_hash=config_fingerprint(args),
     )
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
+    # offload_activations: the forward's saved activations wait in pinned host memory (CUDA).
+    offload = ActivationOffload(args.offload_activations, device)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -131,7 +141,9 @@ def main(args: LoRAFinetuneArgs) -> None:
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
         validate=data.val_loader
-        and (lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output)}),
+        and (
+            lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output, context)}
+        ),
         profiler=StepProfiler(
             run.profile_dir,
             enabled=args.profile,
@@ -149,8 +161,10 @@ def main(args: LoRAFinetuneArgs) -> None:
         batches = data.epoch(epoch)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
+            # With context parallelism each rank keeps its slice of every sequence.
             micro_batches = [
-                to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
+                context.shard(to_device(next(batches), device))
+                for _ in range(data.gradient_accumulation_steps)
             ]
             # The step's loss: token losses summed over micro-batches and ranks, divided by their
             # number of target tokens, so every token weighs the same at any world size.
@@ -158,7 +172,8 @@ def main(args: LoRAFinetuneArgs) -> None:
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             for batch in micro_batches:
                 routing = router_loss.stats(batch)
-                loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing)
+                with offload():
+                    loss_sum, _ = batch_loss(loss_fn, model, batch, output, routing, context)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 objective = loss_sum * dist_info.world_size / num_tokens
                 (objective + router_loss.term(routing, len(micro_batches))).backward()

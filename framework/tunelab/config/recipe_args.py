@@ -53,6 +53,12 @@ class CheckpointArgs:
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
 
 
+_NEEDS_CHECKPOINTING = (
+    "key '{key}': it selects what activation checkpointing recomputes; set "
+    "enable_activation_checkpointing: true"
+)
+
+
 @dataclass(kw_only=True)
 class TrainingEvalArgs:
     """lm-evaluation-harness tasks scored on the live model during training."""
@@ -163,12 +169,20 @@ class FinetuneArgs(RecipeArgs):
     """Evaluate val_dataset every N optimizer steps (it is always evaluated at epoch ends)."""
     enable_activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward to save memory."""
+    activation_checkpointing_every: AtLeastOne = 1
+    """With enable_activation_checkpointing: checkpoint one block in this many (1: every block; k: about 1/k of them, less recompute and more memory)."""
+    activation_checkpointing_scope: Literal["block", "attention"] = "block"
+    """With enable_activation_checkpointing: recompute the whole block (keeps only its input) or only its attention (projections, rotary, attention; the feed-forward keeps its activations)."""
+    offload_activations: bool = False
+    """Keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu), copied back in backward: less GPU memory, more host traffic; CUDA only (on CPU a no-op, said in one line)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each block's forward."""
     data_parallel_replicate_size: AtLeastOne = 1
     """HSDP: replicas of the model (across nodes); parameters are sharded within each (1: plain FSDP over all processes)."""
     data_parallel_shard_size: AtLeastOne | None = None
     """HSDP: processes each parameter is sharded over, usually the GPUs of one node (None: processes / data_parallel_replicate_size)."""
+    context_parallel_size: AtLeastOne = 1
+    """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size, and FSDP shards parameters over shard x context ranks (1: off)."""
     collective_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 1800.0
     """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
     compile: bool = False
@@ -185,8 +199,17 @@ class FinetuneArgs(RecipeArgs):
     """lm-evaluation-harness tasks scored during training (scores logged as eval/<task>/<metric>)."""
 
     def check_settings(self) -> list[str]:
-        """Check the eval schedule, and that a tokenizer read from another folder fits the model."""
+        """Check the eval schedule, checkpointing keys and the tokenizer of another folder.
+
+        The selective activation-checkpointing keys need checkpointing on; a tokenizer read
+        from another folder must fit the model's vocabulary.
+        """
         problems = super().check_settings() + self.eval.check_settings()
+        if not self.enable_activation_checkpointing:
+            if self.activation_checkpointing_every != 1:
+                problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_every"))
+            if self.activation_checkpointing_scope != "block":
+                problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_scope"))
         path = self.tokenizer.get("path") if isinstance(self.tokenizer, DictConfig) else None
         if isinstance(path, str) and path:
             problems += [
@@ -301,6 +324,17 @@ _NO_ROUTER_LOSS = (
 )
 
 
+_NO_CONTEXT_PARALLEL = (
+    "key 'context_parallel_size': {recipe} does not split sequences yet (the SFT recipes "
+    "do): leave it 1"
+)
+
+_NO_OFFLOAD = (
+    "key 'offload_activations': {recipe} does not offload activations yet (the SFT recipes "
+    "do): leave it false"
+)
+
+
 @dataclass(kw_only=True)
 class LoRADPOArgs(LoRAFinetuneArgs):
     """Settings of lora_dpo_distributed: LoRA preference tuning with the DPO family of losses."""
@@ -323,6 +357,10 @@ class LoRADPOArgs(LoRAFinetuneArgs):
         problems = super().check_settings()
         if self.router_aux_loss_coef:
             problems.append(_NO_ROUTER_LOSS.format(recipe="lora_dpo_distributed"))
+        if self.context_parallel_size != 1:
+            problems.append(_NO_CONTEXT_PARALLEL.format(recipe="lora_dpo_distributed"))
+        if self.offload_activations:
+            problems.append(_NO_OFFLOAD.format(recipe="lora_dpo_distributed"))
         return problems
 
 
@@ -385,6 +423,10 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems = super().check_settings()
         if self.router_aux_loss_coef:
             problems.append(_NO_ROUTER_LOSS.format(recipe="grpo_distributed"))
+        if self.context_parallel_size != 1:
+            problems.append(_NO_CONTEXT_PARALLEL.format(recipe="grpo_distributed"))
+        if self.offload_activations:
+            problems.append(_NO_OFFLOAD.format(recipe="grpo_distributed"))
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"

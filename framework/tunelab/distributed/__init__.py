@@ -1,6 +1,7 @@
 """Process groups, FSDP2 wrapping and small collective helpers."""
 
 from tunelab.distributed.collectives import gather_full_tensors
+from tunelab.distributed.context_parallel import ContextParallel, build_context_parallel
 from tunelab.distributed.fsdp import (
     apply_activation_checkpointing,
     hold_gathered,
@@ -18,9 +19,11 @@ from tunelab.distributed.process_group import (
 )
 
 __all__ = [
+    "ContextParallel",
     "DistInfo",
     "all_reduce_sum",
     "apply_activation_checkpointing",
+    "build_context_parallel",
     "collective_timeout",
     "data_parallel_mesh",
     "destroy_distributed",

@@ -114,14 +114,44 @@ def _shard_trainable(model: nn.Module, shard: Callable) -> None:
         shard(holders, reshard_after_forward=False)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer block's activations in backward.
+ACTIVATION_CHECKPOINTING_SCOPES = ("block", "attention")
+"""The values of ``activation_checkpointing_scope``."""
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, *, every: int = 1, scope: Literal["block", "attention"] = "block"
+) -> None:
+    """Recompute transformer blocks' activations in backward (selectively).
+
+    Blocks ``0, every, 2 * every, ...`` are checkpointed: ``every`` 1 recomputes each block
+    (least memory, one more forward of the model), ``every`` k about ``1 / k`` of them (the
+    others keep their activations: less recompute, more memory). ``scope`` picks what is
+    recomputed in a checkpointed block: the whole ``block``, which keeps only its input, or
+    only its ``attention`` (``self_attn``: its projections, rotary and the attention itself),
+    whose activations grow with the heads and, under a dense mask, with the square of the
+    sequence; the feed-forward's are kept.
 
     Uses the composable ``checkpoint``, which, unlike ``checkpoint_wrapper``, keeps
     parameter names unchanged (no ``_checkpoint_wrapped_module.`` prefix in checkpoints).
+
+    Args:
+        model: A decoder exposing ``model.layers``.
+        every: Checkpoint one block in ``every``.
+        scope: ``block`` or ``attention``.
+
+    Raises:
+        ConfigError: ``every`` below 1 or an unknown scope.
     """
-    for block in model.layers:
-        checkpoint_activations(block)
+    if every < 1:
+        raise ConfigError(f"activation_checkpointing_every must be at least 1, got {every}")
+    if scope not in ACTIVATION_CHECKPOINTING_SCOPES:
+        raise ConfigError(
+            f"activation_checkpointing_scope must be one of {ACTIVATION_CHECKPOINTING_SCOPES}, "
+            f"got {scope!r}"
+        )
+    for index, block in enumerate(model.layers):
+        if index % every == 0:
+            checkpoint_activations(block if scope == "block" else block.self_attn)
 
 
 def reshard(model: nn.Module) -> None:

@@ -1,5 +1,7 @@
 """The data-parallel device mesh: plain FSDP (1-D) or HSDP (2-D, replicate x shard).
 
+With context parallelism the cp ranks join the shard dimension (``data_parallel_mesh``).
+
 FSDP2 shards every parameter over all ranks by default, so each all-gather and
 reduce-scatter crosses every link of the job, the slow one between nodes included. HSDP
 (hybrid sharding) shards within a group of ``shard_size`` ranks and replicates across
@@ -25,40 +27,64 @@ SHARD_DIM = "shard"
 
 
 def data_parallel_mesh(
-    device: torch.device, *, replicate_size: int = 1, shard_size: int | None = None
+    device: torch.device,
+    *,
+    replicate_size: int = 1,
+    shard_size: int | None = None,
+    context_parallel_size: int = 1,
 ) -> DeviceMesh | None:
-    """The mesh ``shard_model`` shards over, from the two data-parallel sizes.
+    """The mesh ``shard_model`` shards over, from the data- and context-parallel sizes.
+
+    The job is ``replicate x shard x context_parallel`` processes, context parallelism
+    innermost (``tunelab.distributed.context_parallel``). The ranks of a cp group compute
+    gradients of the same parameters from different tokens of the same samples, so FSDP2
+    shards each parameter over the shard and cp ranks together (``shard_size *
+    context_parallel_size`` ranks, torchtitan's ``dp_shard_cp``) and its reduction sums over
+    them.
 
     Args:
         device: This process's device (its type names the mesh's device type).
         replicate_size: Number of replicas (``data_parallel_replicate_size``).
-        shard_size: Ranks each parameter is sharded over (``data_parallel_shard_size``);
-            None: the world size divided by ``replicate_size``.
+        shard_size: Data-parallel ranks each parameter is sharded over
+            (``data_parallel_shard_size``); None: the world size divided by ``replicate_size``
+            and ``context_parallel_size``.
+        context_parallel_size: Ranks that split each sequence (``context_parallel_size``).
 
     Returns:
         None for plain FSDP over every rank (``replicate_size`` 1, the default: FSDP2 builds
         its own 1-D mesh) or without a process group; otherwise a 2-D mesh with dimensions
-        ``("replicate", "shard")``.
+        ``("replicate", "shard")``, the second of ``shard_size * context_parallel_size`` ranks.
 
     Raises:
         ConfigError: The sizes do not multiply to the world size.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    cp = context_parallel_size
     if shard_size is None:
-        if world_size % replicate_size:
-            raise ConfigError(
-                f"data_parallel_replicate_size: {replicate_size} does not divide the "
-                f"{world_size} processes of this run"
+        if world_size % (replicate_size * cp):
+            what = (
+                f"data_parallel_replicate_size: {replicate_size}"
+                if cp == 1
+                else f"data_parallel_replicate_size x context_parallel_size = "
+                f"{replicate_size} x {cp}"
             )
-        shard_size = world_size // replicate_size
-    if replicate_size * shard_size != world_size:
-        raise ConfigError(
+            raise ConfigError(f"{what} does not divide the {world_size} processes of this run")
+        shard_size = world_size // (replicate_size * cp)
+    if replicate_size * shard_size * cp != world_size:
+        sizes = (
             f"data_parallel_replicate_size x data_parallel_shard_size = {replicate_size} x "
-            f"{shard_size} = {replicate_size * shard_size}, but this run has {world_size} "
-            "processes: the product must equal the number of processes"
+            f"{shard_size} = {replicate_size * shard_size}"
+            if cp == 1
+            else "data_parallel_replicate_size x data_parallel_shard_size x "
+            f"context_parallel_size = {replicate_size} x {shard_size} x {cp} = "
+            f"{replicate_size * shard_size * cp}"
+        )
+        raise ConfigError(
+            f"{sizes}, but this run has {world_size} processes: the product must equal the "
+            "number of processes"
         )
     if replicate_size == 1 or not dist.is_initialized():
         return None
     return init_device_mesh(
-        device.type, (replicate_size, shard_size), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
+        device.type, (replicate_size, shard_size * cp), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
     )

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from tunelab.distributed.context_parallel import ContextParallel
 from tunelab.models.args import FULL, SLIDING, ModelArgs
 from tunelab.models.families import adapter_for
 from tunelab.models.state_dict_adapter import StateDictAdapter
@@ -259,12 +260,26 @@ class TransformerDecoder(nn.Module):
         return mask
 
     def _described_masks(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        context: ContextParallel | None = None,
     ) -> dict[str, AttentionMask]:
-        """Each attention kind's ``AttentionMask`` (no dense tensor; kernels build their form)."""
+        """Each attention kind's ``AttentionMask`` (no dense tensor; kernels build their form).
+
+        Under context parallelism the masks describe this rank's queries against the whole
+        row, whose keys and values the layers gather.
+        """
         batch, seq_len = tokens.shape
         backend = resolve_attention_backend(self.attention_backend, tokens.device)
-        full = AttentionMask(batch, seq_len, tokens.device, backend, document_ids)
+        cp = {}
+        if context is not None and context.enabled:
+            seq_len *= context.size
+            cp = {
+                "query_positions": context.query_positions(seq_len, tokens.device),
+                "gather_key_values": context.gather_key_values,
+            }
+        full = AttentionMask(batch, seq_len, tokens.device, backend, document_ids, **cp)
         masks = {FULL: full}
         if SLIDING in (self.args.layer_types or ()):
             masks[SLIDING] = full.with_window(self.args.sliding_window)
@@ -297,10 +312,20 @@ class TransformerDecoder(nn.Module):
         return masks
 
     def _rotary_tables(
-        self, input_pos: torch.Tensor, dtype: torch.dtype
+        self,
+        input_pos: torch.Tensor,
+        dtype: torch.dtype,
+        context: ContextParallel | None = None,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``(cos, sin)`` per attention kind (one table unless Gemma 3's local base differs)."""
-        tables = {FULL: self.model.rotary_emb(input_pos, dtype)}
+        """``(cos, sin)`` per attention kind (one table unless Gemma 3's local base differs).
+
+        Under context parallelism LongRoPE picks its factors from the largest position of the
+        whole rows (a max over the group), as the unsplit forward does.
+        """
+        max_position = None
+        if context is not None and context.enabled and self.model.rotary_emb.longrope:
+            max_position = context.max_over_group(input_pos.max())
+        tables = {FULL: self.model.rotary_emb(input_pos, dtype, max_position)}
         local = self.model.rotary_emb_local
         tables[SLIDING] = tables[FULL] if local is None else local(input_pos, dtype)
         return tables
@@ -332,6 +357,7 @@ class TransformerDecoder(nn.Module):
         input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
         router_stats: RouterStats | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -353,6 +379,11 @@ class TransformerDecoder(nn.Module):
             router_stats: a mixture-of-experts model records each MoE layer's routing in it,
                 for the load-balancing loss (``RouterStats.loss()``); a dense one records
                 nothing.
+            context_parallel: context parallelism (``tunelab.distributed.ContextParallel``):
+                ``tokens`` and ``input_pos`` (required: the global positions) are this rank's
+                zig-zag slice of rows ``context_parallel.size`` times longer, and
+                ``document_ids``, if given, are the whole rows (``ContextParallel.shard``
+                makes such a batch). Attention gathers the keys and values of the row.
 
         Returns:
             Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
@@ -364,7 +395,20 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         batch, seq_len = tokens.shape
         described = mask is None and not self.caches_are_enabled()
-        if document_ids is not None:
+        split = context_parallel is not None and context_parallel.enabled
+        if split:
+            if not described or input_pos is None:
+                raise ValueError(
+                    "context parallelism needs input_pos (global positions) and no mask or "
+                    "KV caches"
+                )
+            row = (batch, seq_len * context_parallel.size)
+            if document_ids is not None and tuple(document_ids.shape) != row:
+                raise ValueError(
+                    f"with context parallelism document_ids are whole rows {list(row)}, got "
+                    f"shape {tuple(document_ids.shape)}"
+                )
+        elif document_ids is not None:
             if not described:
                 raise ValueError("document_ids cannot be combined with a mask or KV caches")
             if document_ids.shape != tokens.shape:
@@ -383,14 +427,14 @@ class TransformerDecoder(nn.Module):
                 f"input_pos shape {tuple(input_pos.shape)} != tokens shape {tuple(tokens.shape)}"
             )
         if described:
-            masks = self._described_masks(tokens, document_ids)
+            masks = self._described_masks(tokens, document_ids, context_parallel)
         else:
             masks = self._layer_masks(mask, input_pos, seq_len)
         h = self.model.embed_tokens(tokens)
         if self.args.embed_scale:
             # Gemma: sqrt(dim) rounded to the activations' dtype first, as transformers does.
             h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
-        rotary = self._rotary_tables(input_pos, h.dtype)
+        rotary = self._rotary_tables(input_pos, h.dtype, context_parallel)
         for index, layer in enumerate(self.model.layers):
             kind = self.args.layer_type(index)
             cos, sin = rotary[kind]

@@ -243,7 +243,13 @@ class Attention(nn.Module):
     def _attend_described(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
-        """Attention under an ``AttentionMask``, with the kernel of its backend."""
+        """Attention under an ``AttentionMask``, with the kernel of its backend.
+
+        Under context parallelism (``mask.gather_key_values``) this rank's queries attend to
+        the whole row's keys and values, gathered here (after rotary, with global positions).
+        """
+        if mask.gather_key_values is not None:
+            k, v = mask.gather_key_values(k, v)
         if mask.backend != "dense":
             if mask.causal_only and not self.explicit_scores:
                 return self._attend(q, k, v, None)

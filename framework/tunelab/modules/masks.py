@@ -9,6 +9,7 @@ All masks are ``[batch, seq, seq]`` (query, key); the decoder also accepts
 form its kernel takes (``tunelab.modules.attention``).
 """
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,6 +115,12 @@ class AttentionMask:
         document_ids: integer ``[batch, seq]``, a document is a run of equal ids; None for
             one document per row.
         sliding_window: keys per query, itself included; None for no window.
+        query_positions: context parallelism: long ``[queries]``, the row positions of this
+            rank's queries (its zig-zag slice); the keys are the whole row (``seq_len``,
+            gathered by ``gather_key_values``). None: queries and keys are the whole row.
+        gather_key_values: context parallelism: turns this rank's keys and values
+            ``[batch, heads, queries, head_dim]`` into the whole row's (a collective with
+            an exact backward, ``tunelab.distributed.ContextParallel.gather_key_values``).
     """
 
     def __init__(
@@ -124,6 +131,10 @@ class AttentionMask:
         backend: str,
         document_ids: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        *,
+        query_positions: torch.Tensor | None = None,
+        gather_key_values: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        | None = None,
     ) -> None:
         if document_ids is not None and tuple(document_ids.shape) != (batch, seq_len):
             raise ValueError(
@@ -136,12 +147,21 @@ class AttentionMask:
         self.backend = backend
         self.document_ids = document_ids
         self.sliding_window = sliding_window
+        self.query_positions = query_positions
+        self.gather_key_values = gather_key_values
         self._forms: dict[str, object] = {}
 
     def with_window(self, sliding_window: int | None) -> "AttentionMask":
         """The same rows cut to a sliding window (a new description with its own forms)."""
         return AttentionMask(
-            self.batch, self.seq_len, self.device, self.backend, self.document_ids, sliding_window
+            self.batch,
+            self.seq_len,
+            self.device,
+            self.backend,
+            self.document_ids,
+            sliding_window,
+            query_positions=self.query_positions,
+            gather_key_values=self.gather_key_values,
         )
 
     def prepare(self, explicit_scores: bool = False) -> "AttentionMask":
@@ -167,11 +187,18 @@ class AttentionMask:
 
     @property
     def causal_only(self) -> bool:
-        """True when this is plain causal attention (no documents, no window)."""
-        return self.document_ids is None and self.sliding_window is None
+        """True when this is plain causal attention (no documents, no window, no cp slice)."""
+        return (
+            self.document_ids is None
+            and self.sliding_window is None
+            and self.query_positions is None
+        )
 
     def first_key(self) -> torch.Tensor:
-        """Long ``[batch or 1, seq]``: the first key each query sees (its interval's start)."""
+        """Long ``[batch or 1, queries]``: the first key each query sees (its interval's start).
+
+        Computed over the whole row, then taken at ``query_positions`` when set.
+        """
         if "first_key" not in self._forms:
             index = torch.arange(self.seq_len, device=self.device)[None]
             first = torch.zeros_like(index)
@@ -180,15 +207,19 @@ class AttentionMask:
                 first = index - positions_from_document_ids(document_ids)
             if self.sliding_window is not None:
                 first = torch.maximum(first, index - self.sliding_window + 1)
+            if self.query_positions is not None:
+                first = first[:, self.query_positions.to(self.device)]
             self._forms["first_key"] = first
         return self._forms["first_key"]
 
     def dense(self) -> torch.Tensor:
-        """Bool ``[batch or 1, 1, seq, seq]``, True = may attend (the fallback path's mask)."""
+        """Bool ``[batch or 1, 1, queries, seq]``, True = may attend (the fallback path's mask)."""
         if "dense" not in self._forms:
             keys = torch.arange(self.seq_len, device=self.device)
+            queries = keys if self.query_positions is None else self.query_positions
             first = self.first_key()[:, :, None]
-            self._forms["dense"] = ((keys >= first) & (keys <= keys[:, None]))[:, None]
+            allowed = (keys >= first) & (keys <= queries.to(self.device)[:, None])
+            self._forms["dense"] = allowed[:, None]
         return self._forms["dense"]
 
     def block_mask(self) -> "BlockMask":
@@ -197,7 +228,9 @@ class AttentionMask:
         A key block is skipped when no query of the query block sees any of its keys, fully
         attended when every query sees every key, and partial (``mask_mod`` per element)
         otherwise. No ``[seq, seq]`` tensor is built (``create_block_mask`` evaluates the
-        mask at every element).
+        mask at every element). With ``query_positions`` (context parallelism) the query
+        blocks are this rank's queries and the key blocks the whole row's keys: the zig-zag
+        slice is two runs of consecutive positions, so its blocks stay mostly full or empty.
         """
         if "block_mask" not in self._forms:
             self._forms["block_mask"] = self._build_block_mask()
@@ -206,25 +239,31 @@ class AttentionMask:
     def _build_block_mask(self) -> "BlockMask":
         from torch.nn.attention.flex_attention import BlockMask
 
-        size, seq_len = FLEX_BLOCK_SIZE, self.seq_len
-        num_blocks = -(-seq_len // size)
-        padded = num_blocks * size
-        index = torch.arange(padded, device=self.device)
-        first = self.first_key().expand(self.batch, seq_len)
-        # Padding queries (past seq_len) see only themselves; flex drops their outputs.
-        first = torch.cat([first, index[seq_len:].expand(self.batch, -1)], dim=1)
-        block_start = torch.arange(num_blocks, device=self.device) * size
-        block_last = torch.clamp(block_start + size - 1, max=seq_len - 1)
-        query = index[None, :, None]
+        size, key_len = FLEX_BLOCK_SIZE, self.seq_len
+        positions = self.query_positions
+        if positions is None:
+            positions = torch.arange(key_len, device=self.device)
+        positions = positions.to(self.device)
+        query_len = positions.shape[0]
+        num_query_blocks, num_key_blocks = -(-query_len // size), -(-key_len // size)
+        padded = num_query_blocks * size
+        # Padding queries (past the last one) sit past the last key: they touch no key block,
+        # and flex drops their outputs.
+        beyond = torch.full((padded - query_len,), key_len, device=self.device)
+        query = torch.cat([positions, beyond])
+        first = self.first_key().expand(self.batch, query_len)
+        first = torch.cat([first, beyond.expand(self.batch, -1)], dim=1)
+        block_start = torch.arange(num_key_blocks, device=self.device) * size
+        block_last = torch.clamp(block_start + size - 1, max=key_len - 1)
         lo = first[:, :, None]
         # [batch, padded queries, key blocks], then reduced over each query block.
-        touches = (lo <= block_last) & (query >= block_start)
-        covers = (lo <= block_start) & (query >= block_last)
-        valid = index < seq_len
+        touches = (lo <= block_last) & (query[None, :, None] >= block_start)
+        covers = (lo <= block_start) & (query[None, :, None] >= block_last)
+        valid = torch.arange(padded, device=self.device) < query_len
         covers = covers | ~valid[None, :, None]
         touches = touches & valid[None, :, None]
-        any_ = touches.view(self.batch, num_blocks, size, num_blocks).any(dim=2)
-        full = covers.view(self.batch, num_blocks, size, num_blocks).all(dim=2) & any_
+        any_ = touches.view(self.batch, num_query_blocks, size, num_key_blocks).any(dim=2)
+        full = covers.view(self.batch, num_query_blocks, size, num_key_blocks).all(dim=2) & any_
         partial = any_ & ~full
 
         def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,10 +271,10 @@ class AttentionMask:
             order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
             return counts, order.to(torch.int32)[:, None]
 
-        first_key = first
+        first_key, query_position = first, query
 
         def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 (flex's signature)
-            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= q_idx)
+            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= query_position[q_idx])
 
         counts, indices = ordered(partial)
         full_counts, full_indices = ordered(full)
@@ -246,5 +285,5 @@ class AttentionMask:
             full_indices,
             BLOCK_SIZE=size,
             mask_mod=mask_mod,
-            seq_lengths=(seq_len, seq_len),
+            seq_lengths=(query_len, key_len),
         )

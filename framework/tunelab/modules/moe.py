@@ -19,6 +19,7 @@ https://arxiv.org/abs/2101.03961, eq. 4-6) is gathered across layers by ``Router
 way transformers' ``load_balancing_loss_func`` computes it.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,10 +118,19 @@ class RouterStats:
 
     Args:
         valid: bool or 0/1 ``[batch, seq]``, the tokens to count; None counts every token.
+        sum_over_ranks: context parallelism: sums a tensor over the ranks that split the
+            sequences (``ContextParallel.sum_over_group``), so ``f_e`` and ``P_e`` are those of
+            the whole rows; each rank's gradient then flows into its own tokens' router
+            probabilities only. None: the rows are whole here.
     """
 
-    def __init__(self, valid: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        valid: torch.Tensor | None = None,
+        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.valid = valid
+        self.sum_over_ranks = sum_over_ranks
         self.num_experts = 0
         self.num_layers = 0
         self._assigned: torch.Tensor | None = None
@@ -162,8 +172,17 @@ class RouterStats:
         """
         if self._assigned is None:
             return torch.zeros(())
-        fraction = self._assigned / self._rows
-        probability = self._probabilities / self._rows
+        assigned, probabilities, rows = self._assigned, self._probabilities, self._rows
+        if self.sum_over_ranks is not None:
+            local = torch.cat([assigned, probabilities.detach(), rows.reshape(1).float()])
+            total = self.sum_over_ranks(local.detach())
+            num_experts = assigned.shape[0]
+            assigned, rows = total[:num_experts], total[-1]
+            # The whole rows' sum as value, this rank's own probabilities as gradient path.
+            others = total[num_experts:-1] - probabilities.detach()
+            probabilities = probabilities + others
+        fraction = assigned / rows
+        probability = probabilities / rows
         return (fraction * probability).sum() * self.num_experts
 
 

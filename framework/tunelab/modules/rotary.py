@@ -249,13 +249,19 @@ class RotaryEmbedding(nn.Module):
         return self._inv_freq[device, long]
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        max_position: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute ``cos`` and ``sin`` for the given positions.
 
         Args:
             positions: integer positions ``[batch, seq]``.
             dtype: dtype of the returned tables (the activations' dtype).
+            max_position: the largest position of the whole batch when ``positions`` is a
+                part of it (context parallelism): LongRoPE picks its factors from it, so every
+                part picks as the whole would. None: ``positions.max()``.
 
         Returns:
             ``(cos, sin)``, each ``[batch, seq, head_dim]``.
@@ -263,7 +269,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self._frequencies(positions.device)
         if self.longrope:
             # A select, not a Python branch: no device sync (transformers' rule, same outcome).
-            is_long = positions.max() + 1 > self.scaling["original_max_position_embeddings"]
+            largest = positions.max() if max_position is None else max_position
+            is_long = largest + 1 > self.scaling["original_max_position_embeddings"]
             inv_freq = torch.where(is_long, self._frequencies(positions.device, True), inv_freq)
         freqs = positions.float()[..., None] * inv_freq  # [b, s, head_dim / 2], fp32
         angles = torch.cat((freqs, freqs), dim=-1)

@@ -46,6 +46,7 @@ from tunelab.training.grpo_rollouts import (
 )
 from tunelab.training.grpo_validation import RolloutValidation
 from tunelab.training.loop import (
+    ActivationOffload,
     NonFiniteGuard,
     RouterLoss,
     batch_loss,
@@ -135,6 +136,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingSettings",
     "sample_tokens",
+    "ActivationOffload",
     "AfterStep",
     "config_fingerprint",
     "JsonlLogger",

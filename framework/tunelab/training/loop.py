@@ -5,16 +5,18 @@ recipe; these are the pieces it calls: move a batch, run the model, count the st
 tokens, clip and step the optimizer behind the non-finite guard, validate, measure memory.
 """
 
+import contextlib
 import logging
 import math
 import resource
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tunelab.distributed import all_reduce_sum, reshard
+from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.moe import RouterStats
@@ -45,6 +47,7 @@ def forward(
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None = None,
     router_stats: RouterStats | None = None,
+    context: ContextParallel | None = None,
 ) -> torch.Tensor:
     """Run the model on a collated batch; packed batches attend within their documents.
 
@@ -56,6 +59,8 @@ def forward(
         batch: ``tokens`` (and for packed batches ``document_ids`` and ``input_pos``).
         output: The model's :func:`output_layer` when the loss applies it chunk by chunk.
         router_stats: Records a mixture-of-experts model's routing (:class:`RouterLoss`).
+        context: Context parallelism: ``batch`` is this rank's slice
+            (``ContextParallel.shard``).
 
     Returns:
         Logits ``[batch, seq, vocab]``, or with ``output`` the final hidden states
@@ -63,6 +68,15 @@ def forward(
     """
     hidden = output is not None
     routing = {} if router_stats is None else {"router_stats": router_stats}
+    if context is not None and context.enabled:
+        return model(
+            batch["tokens"],
+            document_ids=batch.get("document_ids"),
+            input_pos=batch["input_pos"],
+            return_hidden=hidden,
+            context_parallel=context,
+            **routing,
+        )
     if "document_ids" in batch:
         return model(
             batch["tokens"],
@@ -80,17 +94,26 @@ def batch_loss(
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None = None,
     router_stats: RouterStats | None = None,
+    context: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's forward on ``batch`` and ``loss_fn`` of it: ``(loss_sum, num_tokens)``.
+
+    With ``context`` (context parallelism) ``batch`` is this rank's slice, whose ``labels``
+    are shifted with one leading ignored column (``ContextParallel.shard``): the model's
+    output gets one unscored position appended, so a loss that pairs ``logits[:, :-1]`` with
+    ``labels[:, 1:]`` scores every local position against its own target.
 
     With ``output`` (the model's :func:`output_layer`) the model returns its hidden states and
     the loss applies the output layer chunk by chunk: the logits never exist whole. Without,
     the loss gets the logits (any loss taking ``(logits, labels)`` works). ``router_stats``
     records a mixture-of-experts model's routing during the forward (:class:`RouterLoss`).
     """
+    result = forward(model, batch, output, router_stats, context)
+    if context is not None and context.enabled:
+        result = F.pad(result, (0, 0, 0, 1))
     if output is None:
-        return loss_fn(forward(model, batch, None, router_stats), batch["labels"])
-    return loss_fn(forward(model, batch, output, router_stats), batch["labels"], output=output)
+        return loss_fn(result, batch["labels"])
+    return loss_fn(result, batch["labels"], output=output)
 
 
 class RouterLoss:
@@ -111,14 +134,24 @@ class RouterLoss:
         coefficient: The weight; None takes the model's ``router_aux_loss_coef`` when its
             ``config.json`` sets ``output_router_logits: true`` (when transformers adds it to
             the loss), else 0.
+        context: Context parallelism: the statistics are summed over the ranks that split
+            the rows, so each rank's loss is that of the whole rows (and its logged value the
+            unsplit one), and the term is scaled by the group size, since FSDP2 then averages
+            over every rank of the group where the unsplit run has one.
     """
 
-    def __init__(self, model: nn.Module, coefficient: float | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        coefficient: float | None,
+        context: ContextParallel | None = None,
+    ) -> None:
         args = getattr(model, "args", None)
         is_moe = args is not None and getattr(args, "num_experts", 0) > 0
         if coefficient is None:
             coefficient = args.router_aux_loss_coef if is_moe and args.output_router_logits else 0.0
         self.coefficient = float(coefficient) if is_moe else 0.0
+        self.context = context if context is not None and context.enabled else None
         self._device = next(model.parameters()).device
         self._sum = torch.zeros((), dtype=torch.float64, device=self._device)
         self._count = 0
@@ -130,7 +163,10 @@ class RouterLoss:
 
     def stats(self, batch: dict[str, torch.Tensor]) -> RouterStats | None:
         """A record for one micro-batch's forward, or None when disabled."""
-        return RouterStats(batch.get("token_mask")) if self.enabled else None
+        if not self.enabled:
+            return None
+        sum_over_ranks = None if self.context is None else self.context.sum_over_group
+        return RouterStats(batch.get("token_mask"), sum_over_ranks)
 
     def term(self, stats: RouterStats | None, num_micro_batches: int) -> torch.Tensor | float:
         """The micro-batch's share of the objective: ``coefficient * loss / micro-batches``."""
@@ -139,7 +175,8 @@ class RouterLoss:
         loss = stats.loss()
         self._sum = self._sum + loss.detach().to(self._sum)
         self._count += 1
-        return loss * (self.coefficient / num_micro_batches)
+        ranks = 1 if self.context is None else self.context.size
+        return loss * (self.coefficient * ranks / num_micro_batches)
 
     def step_metrics(self) -> dict[str, float]:
         """The step's ``router_aux_loss``: its mean over micro-batches and ranks.
@@ -153,6 +190,37 @@ class RouterLoss:
         total = all_reduce_sum(torch.stack([self._sum, count]))
         self._sum, self._count = torch.zeros_like(self._sum), 0
         return {"router_aux_loss": (total[0] / total[1].clamp(min=1)).item()}
+
+
+class ActivationOffload:
+    """Saved activations in pinned host memory during a forward: ``with offload(): ...``.
+
+    On CUDA each tensor autograd saves for the backward is copied to pinned CPU memory in the
+    forward and back to the GPU when the backward needs it
+    (``torch.autograd.graph.save_on_cpu(pin_memory=True)``): GPU memory for activations drops
+    to about one layer's working set, at the cost of two host copies of every saved tensor.
+    With activation checkpointing only the checkpointed blocks' inputs are saved, so the two
+    combine. On CPU the activations already live in host memory: a no-op, said in one line.
+
+    Args:
+        enabled: ``offload_activations``.
+        device: Where the model computes.
+    """
+
+    def __init__(self, enabled: bool, device: torch.device) -> None:
+        self.active = enabled and device.type == "cuda"
+        is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if enabled and not self.active and is_main:
+            logger.warning(
+                "offload_activations: activations on %s already live in host memory: no-op",
+                device.type,
+            )
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        """A context whose forward saves its activations on the host (or does nothing)."""
+        if not self.active:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
 def global_token_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -183,10 +251,12 @@ def evaluate(
     loss_fn: nn.Module,
     device: torch.device,
     output: OutputLayer | None = None,
+    context: ContextParallel | None = None,
 ) -> float:
     """Mean token loss over a whole validation loader, over all ranks.
 
-    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk. The
+    ``output``: the model's :func:`output_layer` when the loss applies it chunk by chunk;
+    ``context``: context parallelism (each batch is split over the cp group). The
     loss is also a ``validation loss X`` log line (INFO: shown on rank 0, between progress-bar
     refreshes), so it is on the console when it is computed, not only in the metric loggers.
     """
@@ -195,7 +265,9 @@ def evaluate(
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in loader:
         batch = to_device(batch, device)
-        loss_sum, num_tokens = batch_loss(loss_fn, model, batch, output)
+        if context is not None:
+            batch = context.shard(batch)
+        loss_sum, num_tokens = batch_loss(loss_fn, model, batch, output, context=context)
         totals += torch.stack([loss_sum.double(), num_tokens.double()])
     all_reduce_sum(totals)
     # An FSDP2 root keeps unsharded parameters after a no_grad forward (TORCH_NOTES).

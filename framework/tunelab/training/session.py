@@ -90,6 +90,7 @@ def build_data(
     index_pairs: bool = False,
     resume_from: RunFolder | None = None,
     allow_global_batch_change: bool = False,
+    context_parallel_size: int = 1,
 ) -> TrainingData:
     """Build the training (and validation) datasets and loaders.
 
@@ -109,6 +110,8 @@ def build_data(
             of processes (see :func:`keep_global_batch`).
         allow_global_batch_change: Resume with the configured batch even when it changes the
             global batch (the run is then not the uninterrupted one).
+        context_parallel_size: Ranks that split each sample's sequence: they share samples,
+            so the data-parallel ranks are the processes divided by it.
 
     Returns:
         The loaders, the sampler and the number of optimizer steps per epoch.
@@ -118,11 +121,17 @@ def build_data(
         ConfigError: A resume cannot keep the recorded global batch on this world size.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    data_parallel_size = world_size // context_parallel_size
     if resume_from is not None and not allow_global_batch_change:
         batch_size, gradient_accumulation_steps = keep_global_batch(
-            resume_from, batch_size, gradient_accumulation_steps, world_size
+            resume_from, batch_size, gradient_accumulation_steps, data_parallel_size
         )
-    common = {"batch_size": batch_size, "collate_fn": collate_fn, "seed": seed}
+    common = {
+        "batch_size": batch_size,
+        "collate_fn": collate_fn,
+        "seed": seed,
+        "context_parallel_size": context_parallel_size,
+    }
     train = instantiate(dataset, tokenizer=tokenizer)
     if index_pairs:
         train = IndexedPairs(train)
@@ -142,7 +151,7 @@ def build_data(
         raise DataError(
             f"dataset: {len(train)} samples, but one optimizer step takes {per_step} "
             f"(batch_size {batch_size} x gradient_accumulation_steps "
-            f"{gradient_accumulation_steps} x {sampler.num_replicas} processes): "
+            f"{gradient_accumulation_steps} x {sampler.num_replicas} data-parallel ranks): "
             "no step can run; use more data or a smaller batch"
         )
     samples_per_step = batch_size * gradient_accumulation_steps
@@ -169,7 +178,8 @@ def keep_global_batch(
             from before the global batch was recorded).
         batch_size: The configured samples per micro-batch per process.
         gradient_accumulation_steps: The configured micro-batches per optimizer step.
-        world_size: Processes in this run.
+        world_size: Data-parallel ranks in this run (processes / ``context_parallel_size``:
+            the ranks of a context-parallel group share their samples).
 
     Returns:
         ``(batch_size, gradient_accumulation_steps)`` to use.

@@ -37,6 +37,8 @@ def build_model(
     lora: LoRAArgs | None = None,
     adapter_dir: str | None = None,
     activation_checkpointing: bool = False,
+    activation_checkpointing_every: int = 1,
+    activation_checkpointing_scope: Literal["block", "attention"] = "block",
     compile_blocks: bool = False,
     reshard_after_forward: bool = True,
     mixed_precision: bool = False,
@@ -54,6 +56,9 @@ def build_model(
         lora: Adapter settings; only adapter parameters train when given.
         adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
         activation_checkpointing: Recompute block activations in backward.
+        activation_checkpointing_every: With it, checkpoint one block in this many.
+        activation_checkpointing_scope: With it, recompute the whole ``block`` or only its
+            ``attention`` (``tunelab.distributed.apply_activation_checkpointing``).
         compile_blocks: ``torch.compile`` each transformer block.
         reshard_after_forward: FSDP2's ``reshard_after_forward``.
         mixed_precision: bf16 compute with fp32 reduction under FSDP2.
@@ -88,7 +93,9 @@ def build_model(
     if quantized:
         _quantize_base_nf4(model, device, mesh)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(
+            model, every=activation_checkpointing_every, scope=activation_checkpointing_scope
+        )
     if compile_blocks:
         for block in model.layers:
             block.compile()
@@ -151,9 +158,13 @@ def build_dataloader(
     collate_fn: Callable[..., dict[str, torch.Tensor]],
     seed: int,
     shuffle: bool = True,
+    context_parallel_size: int = 1,
     **collate_kwargs: Any,
 ) -> tuple[DataLoader, StatefulDistributedSampler]:
     """A loader over this rank's share of ``dataset`` and its resumable sampler.
+
+    With context parallelism the ranks of a cp group (``context_parallel_size`` consecutive
+    ranks) share the same samples: the sampler's replicas are the data-parallel ranks.
 
     Args:
         dataset: A map-style dataset.
@@ -161,6 +172,7 @@ def build_dataloader(
         collate_fn: Turns a list of samples into a batch of tensors.
         seed: Seed of the per-epoch shuffle.
         shuffle: Shuffle each epoch.
+        context_parallel_size: Ranks that split each sample's sequence.
         **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
 
     Returns:
@@ -169,7 +181,11 @@ def build_dataloader(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     sampler = StatefulDistributedSampler(
-        len(dataset), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+        len(dataset),
+        num_replicas=world_size // context_parallel_size,
+        rank=rank // context_parallel_size,
+        shuffle=shuffle,
+        seed=seed,
     )
     loader = DataLoader(
         dataset,
