@@ -258,6 +258,10 @@ class MoEExperts(nn.Module):
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.grouped: bool | None = None
         """``grouped_linear``'s choice: None picks ``grouped_mm`` where it has a kernel."""
+        self.lora = nn.ModuleDict()
+        """LoRA on a projection, by its name (``tunelab.peft.ExpertLoRA``, put here by
+        ``apply_lora``): ``delta(rows, counts, grouped)`` is added to its grouped matmul unless
+        the adapter is ``disabled``. Empty without LoRA (no state-dict key)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -271,14 +275,12 @@ class MoEExperts(nn.Module):
                 nn.init.zeros_(bias)
 
     def _project(
-        self,
-        rows: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        counts: torch.Tensor,
-        experts: torch.Tensor,
+        self, name: str, rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
+        weight, bias = getattr(self, name), getattr(self, f"{name}_bias")
         out = grouped_linear(rows, weight, counts, grouped=self.grouped, transposed=self.transposed)
+        if name in self.lora and not self.lora[name].disabled:
+            out = out + self.lora[name].delta(rows, counts, self.grouped)
         return out if bias is None else out + bias[experts]
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -310,10 +312,8 @@ class MoEExperts(nn.Module):
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
         experts = flat_experts[order]
         rows = x[order // top_k]
-        hidden = self._gate(
-            self._project(rows, self.gate_up_proj, self.gate_up_proj_bias, counts, experts)
-        )
-        out = self._project(hidden, self.down_proj, self.down_proj_bias, counts, experts)
+        hidden = self._gate(self._project("gate_up_proj", rows, counts, experts))
+        out = self._project("down_proj", hidden, counts, experts)
         out = out * top_weights.reshape(-1)[order, None]
         # Back to (token, slot) order, then the sum over each token's k experts.
         unsorted = torch.empty_like(out).index_copy(0, order, out)
