@@ -74,7 +74,9 @@ def _select_expert_targets(
     return selected, others
 
 
-def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str) -> list[str]:
+def _select_targets(
+    linears: dict[str, nn.Linear], targets: Sequence[str] | str, has_experts: bool = False
+) -> list[str]:
     if not isinstance(targets, str) and list(targets) == [ALL_LINEAR]:
         targets = ALL_LINEAR  # the config form, `targets: [all-linear]`
     if isinstance(targets, str) and targets == ALL_LINEAR:
@@ -95,8 +97,12 @@ def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str)
         if not any(_matches(name, target) for name in linears):
             raise TunelabError(
                 f"lora target {target!r} matches no nn.Linear in the model; "
-                f"available linear names: {', '.join(short_names) or '(none)'} (stacked "
-                f"expert weights are named experts.{' / experts.'.join(EXPERT_PROJECTIONS)})"
+                f"available linear names: {', '.join(short_names) or '(none)'}"
+                + (
+                    f" (stacked expert weights: experts.{' / experts.'.join(EXPERT_PROJECTIONS)})"
+                    if has_experts
+                    else ""
+                )
             )
     return [name for name in linears if any(_matches(name, target) for target in wanted)]
 
@@ -141,7 +147,11 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
     if selected_experts:
         check_expert_lora_options(lora.dropout, lora.use_dora)
     linears = _linear_modules(model)
-    selected = _select_targets(linears, other_targets) if other_targets else []
+    selected = (
+        _select_targets(linears, other_targets, bool(expert_weights))
+        if other_targets or not selected_experts
+        else []
+    )
     for fqn in selected_experts:
         _add_expert_lora(fqn, expert_weights[fqn], lora)
     for fqn in selected:
