@@ -179,6 +179,8 @@ class FinetuneArgs(RecipeArgs):
     """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), and only at scored positions (no logits for prompts or padding), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
     router_aux_loss_coef: Annotated[float, Finite(), Range(ge=0)] | None = None
     """Mixture-of-experts models: weight of the router's load-balancing loss in the training loss (logged as router_aux_loss); null: the model's router_aux_loss_coef when its config.json sets output_router_logits: true (as transformers does), else 0. Dense models ignore it."""
+    router_z_loss_coef: Annotated[float, Finite(), Range(ge=0)] = 0.0
+    """Mixture-of-experts models: weight of the router z-loss, the mean over MoE layers and tokens of logsumexp(router logits)^2 (ST-MoE), in the training loss (logged as router_z_loss); 0: none. Dense models ignore it."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
     eval: TrainingEvalArgs = field(default_factory=TrainingEvalArgs)
@@ -299,6 +301,10 @@ _NO_ROUTER_LOSS = (
     "key 'router_aux_loss_coef': {recipe} does not add a router load-balancing loss yet "
     "(the SFT recipes do): leave it null or 0"
 )
+_NO_Z_LOSS = (
+    "key 'router_z_loss_coef': {recipe} does not add a router z-loss yet (the SFT recipes do): "
+    "leave it 0"
+)
 
 
 @dataclass(kw_only=True)
@@ -323,6 +329,8 @@ class LoRADPOArgs(LoRAFinetuneArgs):
         problems = super().check_settings()
         if self.router_aux_loss_coef:
             problems.append(_NO_ROUTER_LOSS.format(recipe="lora_dpo_distributed"))
+        if self.router_z_loss_coef:
+            problems.append(_NO_Z_LOSS.format(recipe="lora_dpo_distributed"))
         return problems
 
 
@@ -385,6 +393,8 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems = super().check_settings()
         if self.router_aux_loss_coef:
             problems.append(_NO_ROUTER_LOSS.format(recipe="grpo_distributed"))
+        if self.router_z_loss_coef:
+            problems.append(_NO_Z_LOSS.format(recipe="grpo_distributed"))
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"
