@@ -28,7 +28,8 @@ _RUN = (
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=2",
     "checkpoint.enable_async_checkpointing=false",
-    "router_aux_loss_coef=0.01",  # the router term in the objective, resumed exactly too
+    "router_aux_loss_coef=0.01",  # the router terms in the objective, resumed exactly too
+    "router_z_loss_coef=0.001",
     "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
 )
 _PEFT_LOADS_EXPERTS = (
@@ -47,7 +48,8 @@ def test_two_process_moe_lora_resumes_exactly_and_exports_the_hub_layout(tmp_pat
     out = tmp_path / "run"
     tunelab_run("lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", *_RUN)
     losses = losses_by_step(out)
-    assert all(r["router_aux_loss"] > 0 for r in read_metrics(out) if "loss" in r)
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert all(r["router_aux_loss"] > 0 and r["router_z_loss"] > 0 for r in rows)
     assert sorted(losses) == [1, 2, 3] and all(
         map(torch.isfinite, torch.tensor([*losses.values()]))
     )
