@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tunelab.cli._check import check_config
 from tunelab.config.lora import EXPERT_TARGETS, LoRAArgs
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.models import ModelArgs, TransformerDecoder
@@ -236,3 +237,13 @@ def test_bad_expert_settings_are_one_clear_error():
         apply_lora(_tiny_moe_model(), LoRAArgs(targets=["down_proj"]))
     # Attention-only targets may still use dropout.
     apply_lora(_tiny_moe_model(), LoRAArgs(dropout=0.1, targets=["q_proj"]))
+
+
+def test_tunelab_validate_names_the_key_before_any_model_loads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    targets = "lora.targets=[q_proj,experts.down_proj]"
+    check_config("tiny/moe_lora", [targets])
+    with pytest.raises(ConfigError, match="key 'lora.dropout'"):
+        check_config("tiny/moe_lora", [targets, "lora.dropout=0.05"])
+    with pytest.raises(ConfigError, match="key 'lora.use_dora'"):
+        check_config("tiny/moe_lora", [targets, "lora.use_dora=true"])

@@ -141,6 +141,33 @@ class LoRAArgs:
             **run_settings,
         )
 
+    def expert_target_problems(self) -> list[str]:
+        """What the expert targets (``EXPERT_TARGETS``) cannot have: dropout, DoRA.
+
+        PEFT's ``target_parameters`` implements neither, so such an adapter could not be
+        loaded there, and tunelab's expert update has no dropout either.
+
+        Returns:
+            One message per conflicting key; empty when no target names an expert weight.
+        """
+        if not any(_is_expert_target(target) for target in self.targets):
+            return []
+        experts = " / ".join(EXPERT_TARGETS)
+        problems = []
+        if self.dropout:
+            problems.append(
+                f"key 'lora.dropout': {self.dropout!r}, but lora.targets names expert weights "
+                f"({experts}), whose adapters have no dropout (as PEFT's target_parameters): "
+                "set lora.dropout to 0 or drop the expert targets"
+            )
+        if self.use_dora:
+            problems.append(
+                f"key 'lora.use_dora': true, but lora.targets names expert weights ({experts}), "
+                "which DoRA does not cover (nor PEFT's target_parameters): set lora.use_dora "
+                "to false or drop the expert targets"
+            )
+        return problems
+
     # -- what a checkpoint records -------------------------------------------------------
 
     def fingerprint(self, target_names: Sequence[str]) -> dict[str, Any]:

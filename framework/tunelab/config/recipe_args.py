@@ -215,7 +215,11 @@ class LoRAFinetuneArgs(FinetuneArgs):
     """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
 
     def check_settings(self) -> list[str]:
-        """With ``adapter_dir``, the adapter's settings fill ``lora`` (or conflict with it)."""
+        """The adapter's settings fill ``lora``; expert targets take no dropout nor DoRA.
+
+        With ``adapter_dir`` the adapter decides the fields left at their defaults, and a
+        conflicting field is a problem.
+        """
         problems = super().check_settings()
         # A folder without the file is already reported by adapter_dir's own check.
         if (
@@ -223,7 +227,7 @@ class LoRAFinetuneArgs(FinetuneArgs):
             and (Path(self.adapter_dir) / ADAPTER_CONFIG_NAME).is_file()
         ):
             problems += self.lora.reconcile_with_adapter(self.adapter_dir)
-        return problems
+        return problems + self.lora.expert_target_problems()
 
 
 @dataclass(kw_only=True)

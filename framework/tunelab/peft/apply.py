@@ -14,10 +14,10 @@ from torch.distributed.tensor import DTensor
 
 from tunelab.config.lora import ALL_LINEAR, LoRAArgs
 from tunelab.distributed._fqn import clean_fqn
-from tunelab.errors import TunelabError
+from tunelab.errors import ConfigError, TunelabError
 from tunelab.modules.moe import MoEExperts, MoERouter
 from tunelab.peft._names import MAGNITUDE
-from tunelab.peft.expert_lora import EXPERT_PROJECTIONS, ExpertLoRA, check_expert_lora_options
+from tunelab.peft.expert_lora import EXPERT_PROJECTIONS, ExpertLoRA
 from tunelab.peft.lora import LoRALinear, validate_lora_options
 
 LORA_TARGETS = (
@@ -144,8 +144,9 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
         raise TunelabError("apply_lora: the model already has LoRA layers; apply it once")
     expert_weights = _expert_weights(model)
     selected_experts, other_targets = _select_expert_targets(expert_weights, lora.targets)
-    if selected_experts:
-        check_expert_lora_options(lora.dropout, lora.use_dora)
+    problems = lora.expert_target_problems()
+    if selected_experts and problems:
+        raise ConfigError(problems[0])
     linears = _linear_modules(model)
     selected = (
         _select_targets(linears, other_targets, bool(expert_weights))

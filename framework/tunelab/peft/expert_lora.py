@@ -20,7 +20,6 @@ import math
 import torch
 from torch import nn
 
-from tunelab.errors import ConfigError
 from tunelab.modules.moe import grouped_linear
 from tunelab.peft.lora import _init_full_then_copy, lora_scale, validate_lora_options
 
@@ -183,23 +182,3 @@ def expert_delta(
     a, b = expert_factors(lora_a.float(), lora_b.float(), num_experts)
     delta = torch.bmm(b[experts], a[experts]).mul_(scale)
     return delta.transpose(1, 2) if transposed else delta
-
-
-def check_expert_lora_options(dropout: float, use_dora: bool) -> None:
-    """Refuse the options LoRA on stacked expert weights does not have.
-
-    Raises:
-        ConfigError: Naming ``lora.dropout`` or ``lora.use_dora``.
-    """
-    if dropout:
-        raise ConfigError(
-            f"key 'lora.dropout': {dropout!r}, but lora.targets names expert weights "
-            f"(experts.{'/'.join(EXPERT_PROJECTIONS)}), whose adapters have no dropout (as "
-            "PEFT's target_parameters): set lora.dropout to 0 or drop the expert targets"
-        )
-    if use_dora:
-        raise ConfigError(
-            "key 'lora.use_dora': true, but lora.targets names expert weights "
-            f"(experts.{'/'.join(EXPERT_PROJECTIONS)}), which DoRA does not cover (nor "
-            "PEFT's target_parameters): set lora.use_dora to false or drop the expert targets"
-        )
