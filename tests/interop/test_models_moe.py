@@ -23,7 +23,9 @@ from tunelab.peft import (
     adapter_state_dict,
     apply_lora,
     get_adapter_params,
+    load_peft_adapter,
     merged_state_dict,
+    read_adapter_config,
     save_peft_adapter,
 )
 
@@ -356,3 +358,35 @@ def test_expert_lora_adapter_loads_in_peft_with_our_logits(moe_dir, tmp_path, fa
     assert set(peft.get_peft_model_state_dict(adapted)) == ours
     with torch.no_grad():
         assert _max_error(adapted(_tokens()).logits, expected) <= TOLERANCE
+
+
+@pytest.mark.skipif(
+    not (_PEFT_LOADS_EXPERTS and _STACKED_EXPERTS),
+    reason="PEFT writes expert LoRA as target_parameters (peft >= 0.17) on stacked expert "
+    "weights (transformers >= 5)",
+)
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_we_read_an_expert_adapter_peft_wrote(moe_dir, tmp_path, family):
+    """PEFT's own ``target_parameters`` adapter (its spelling of the targets) loads into our
+    model with PEFT's logits."""
+    path = moe_dir(family)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    peft_model = peft.get_peft_model(_hf(path), config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    peft_model.eval().save_pretrained(tmp_path / "adapter")
+    ours = load_pretrained(path)
+    apply_lora(ours, LoRAArgs.from_peft_config(read_adapter_config(tmp_path / "adapter")))
+    load_peft_adapter(ours, tmp_path / "adapter")
+    with torch.no_grad():
+        expected = peft_model(_tokens()).logits
+        assert _max_error(ours(_tokens()), expected) <= TOLERANCE
+        assert _max_error(_hf(path)(_tokens()).logits, expected) > 1e-2
