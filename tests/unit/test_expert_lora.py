@@ -247,3 +247,42 @@ def test_tunelab_validate_names_the_key_before_any_model_loads(tmp_path, monkeyp
         check_config("tiny/moe_lora", [targets, "lora.dropout=0.05"])
     with pytest.raises(ConfigError, match="key 'lora.use_dora'"):
         check_config("tiny/moe_lora", [targets, "lora.use_dora=true"])
+
+
+def test_with_an_nf4_base_the_experts_stay_plain_and_merge_matches_the_forward():
+    """QLoRA plus expert LoRA: the attention weights go to NF4, the stacked experts and their
+    factors stay in the training dtype, and the merge (NF4 dequantized) equals the forward."""
+    pytest.importorskip("torchao")
+    from tunelab.peft.nf4 import copy_rows_nf4_, is_nf4, quantize_base_nf4
+
+    args = ModelArgs(
+        vocab_size=64, dim=128, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_dim=24,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    state = TransformerDecoder(args).state_dict()
+    with torch.device("meta"):
+        model = TransformerDecoder(args)
+    apply_lora(model, LoRAArgs(rank=2, alpha=4.0, targets=["q_proj", *EXPERT_TARGETS]))
+    plan = quantize_base_nf4(model, device=torch.device("cpu"))
+    assert "model.layers.0.self_attn.q_proj" in plan.quantized
+    assert not any("experts" in name for name in [*plan.quantized, *plan.kept])
+    model.to_empty(device="cpu")
+    for key, param in model.state_dict(keep_vars=True).items():
+        if key in state:
+            copy_rows_nf4_(param, state[key])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in get_adapter_params(model).values():
+            param.normal_(std=0.3)
+    experts = model.layers[0].mlp.experts
+    assert is_nf4(model.layers[0].self_attn.q_proj.weight) and not is_nf4(experts.down_proj)
+    assert experts.lora["down_proj"].lora_A.weight.requires_grad
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = model(tokens)
+        plain = TransformerDecoder(args)
+        plain.load_state_dict(merged_state_dict(model))
+        torch.testing.assert_close(plain(tokens), adapted, rtol=0, atol=1e-4)
+        with disable_adapter(model):
+            assert float((model(tokens) - adapted).abs().max()) > 1e-2
