@@ -1,7 +1,9 @@
 """Apply LoRA to any model as one generic module swap, and switch adapters on and off.
 
 Targets are the last component of a module's name (``q_proj``, ``down_proj``, ``lm_head``),
-the names users know from Hugging Face, so one function serves every family and size.
+the names users know from Hugging Face, so one function serves every family and size. A
+mixture-of-experts model's stacked expert weights are targets too (``experts.gate_up_proj``,
+``experts.down_proj``): they get an ``ExpertLoRA`` instead of a module swap.
 """
 
 from __future__ import annotations
@@ -116,9 +118,10 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
     """Put LoRA on the targets: ``LoRALinear`` swaps and ``ExpertLoRA`` factors.
 
     Each targeted ``nn.Linear`` becomes a ``LoRALinear`` over the same parameters; each
-    targeted stacked expert weight gets an ``ExpertLoRA`` in its experts' ``lora``. Call it before ``fully_shard`` (the swap needs plain parameters). The model may live on
-    the meta device; then call ``init_lora_parameters`` after ``to_empty``. Afterwards only
-    the adapter parameters require grad.
+    targeted stacked expert weight gets an ``ExpertLoRA`` in its experts' ``lora``. Call it
+    before ``fully_shard`` (the swap needs plain parameters). The model may live on the meta
+    device; then call ``init_lora_parameters`` after ``to_empty``. Afterwards only the adapter
+    parameters require grad.
 
     Args:
         model: Any module with ``nn.Linear`` children.
@@ -214,7 +217,10 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
 
 
 def expert_weight_fqn(lora_fqn: str) -> str:
-    """The stacked weight an ``ExpertLoRA`` adapts: ``<experts>.lora.down_proj`` -> ``<experts>.down_proj``."""
+    """The stacked weight an ``ExpertLoRA`` adapts.
+
+    ``<experts>.lora.down_proj`` -> ``<experts>.down_proj``.
+    """
     experts, _, projection = lora_fqn.rpartition(".")
     return f"{experts.removesuffix('.lora')}.{projection}"
 
@@ -243,7 +249,7 @@ def lora_target_names(model: nn.Module) -> list[str]:
     )
 
 
-def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear]:
+def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear | ExpertLoRA]:
     modules = lora_modules(model)
     if not modules:
         raise TunelabError(f"{caller}: the model has no LoRA layers; call apply_lora first")

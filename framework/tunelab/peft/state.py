@@ -86,7 +86,10 @@ def peft_key_names(native_keys: Iterable[str]) -> dict[str, str]:
 
 
 def to_peft_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename native adapter keys to PEFT's: ``X.lora_A.weight`` -> ``base_model.model.X.lora_A.weight``.
+    """Rename native adapter keys to PEFT's (``peft_key_names``).
+
+    ``X.lora_A.weight`` -> ``base_model.model.X.lora_A.weight``; expert factors as the module
+    docstring says.
 
     Args:
         state_dict: Adapter weights under native keys.
