@@ -116,7 +116,9 @@ def main(args: LoRAFinetuneArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     # A mixture-of-experts model's router load-balancing loss joins the objective (dense: none).
-    router_loss = RouterLoss(model, args.router_aux_loss_coef, context)
+    router_loss = RouterLoss(
+        model, args.router_aux_loss_coef, args.router_z_loss_coef, context=context
+    )
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,

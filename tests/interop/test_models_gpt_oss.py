@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tests.mxfp4_codes import mxfp4_codes
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.checkpoint.mxfp4 import dequantize_mxfp4
-from tunelab.config.lora import LoRAArgs
+from tunelab.config.lora import EXPERT_TARGETS, LoRAArgs
 from tunelab.errors import CheckpointError
 from tunelab.generation import generate
 from tunelab.models import load_pretrained
@@ -349,13 +349,16 @@ def test_export_is_the_hub_layout_and_loads_in_transformers(checkpoints, tmp_pat
     assert all(torch.equal(native[key], state[key]) for key in state)
 
 
-def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(checkpoints, tmp_path):
-    """LoRA on the attention projections: PEFT applies our adapter with our logits, and the
-    merged export loads in transformers with them."""
+@pytest.mark.parametrize("experts", [(), EXPERT_TARGETS], ids=["attention", "and_experts"])
+def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(checkpoints, tmp_path, experts):
+    """LoRA on the attention projections, and on the stacked expert weights (PEFT's
+    ``target_parameters`` on the ``[E, in, out]`` layout): PEFT applies our adapter with our
+    logits, and the merged export loads in transformers with them."""
     path = checkpoints[0]
     model = load_pretrained(path)
-    swapped = apply_lora(model, LoRAArgs(targets=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    assert len(swapped) == 8
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", *experts]
+    swapped = apply_lora(model, LoRAArgs(targets=targets))
+    assert len(swapped) == 8 + 2 * len(experts)
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in get_adapter_params(model).items():

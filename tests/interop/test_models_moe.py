@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
-from tunelab.config.lora import LoRAArgs
+from tunelab.config.lora import EXPERT_TARGETS, LoRAArgs
 from tunelab.generation import generate
 from tunelab.models import load_pretrained
 from tunelab.modules import RouterStats
@@ -23,7 +23,9 @@ from tunelab.peft import (
     adapter_state_dict,
     apply_lora,
     get_adapter_params,
+    load_peft_adapter,
     merged_state_dict,
+    read_adapter_config,
     save_peft_adapter,
 )
 
@@ -293,3 +295,98 @@ def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(moe_dir, tmp
         assert _max_error(adapted(tokens).logits, expected) <= TOLERANCE
         assert _max_error(_hf(tmp_path / "merged")(tokens).logits, expected) <= TOLERANCE
         assert _max_error(_hf(path)(tokens).logits, expected) > 1e-2
+
+
+_PEFT_LOADS_EXPERTS = "target_parameters" in getattr(peft.LoraConfig, "__dataclass_fields__", {})
+_STACKED_EXPERTS = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def _expert_lora_model(path, targets):
+    """Our model with LoRA on ``targets``, random ``B`` (a fresh one is zero), and its logits."""
+    model = load_pretrained(path)
+    lora = LoRAArgs(rank=4, alpha=8.0, targets=targets)
+    swapped = apply_lora(model, lora)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in get_adapter_params(model).items():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+        expected = model(_tokens())
+    return model, lora, swapped, expected
+
+
+_EXPERT_CASES = {
+    "both": ["q_proj", *EXPERT_TARGETS],
+    "down_only": ["mlp.experts.down_proj"],  # one projection: PEFT names it without base_layer
+}
+
+
+@pytest.mark.parametrize("case", list(_EXPERT_CASES))
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_expert_lora_merged_export_loads_in_transformers(moe_dir, tmp_path, family, case):
+    """LoRA on the stacked experts merges expert by expert into the hub's per-expert layout."""
+    path = moe_dir(family)
+    model, _, swapped, expected = _expert_lora_model(path, _EXPERT_CASES[case])
+    assert "model.layers.0.mlp.experts.down_proj" in swapped
+    merged = model.state_dict_adapter.to_hf(merged_state_dict(model))
+    save_hf_sharded(merged, tmp_path / "merged", source_dir=path)
+    with torch.no_grad():
+        assert _max_error(_hf(tmp_path / "merged")(_tokens()).logits, expected) <= TOLERANCE
+        assert _max_error(_hf(path)(_tokens()).logits, expected) > 1e-2
+
+
+@pytest.mark.skipif(
+    not (_PEFT_LOADS_EXPERTS and _STACKED_EXPERTS),
+    reason="PEFT loads expert LoRA as target_parameters (peft >= 0.17) on stacked expert "
+    "weights (transformers >= 5)",
+)
+@pytest.mark.parametrize("case", list(_EXPERT_CASES))
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_expert_lora_adapter_loads_in_peft_with_our_logits(moe_dir, tmp_path, family, case):
+    """The adapter is PEFT's ``target_parameters`` format: PEFT builds the same keys, loads our
+    factors, and gives our logits."""
+    path = moe_dir(family)
+    model, lora, swapped, expected = _expert_lora_model(path, _EXPERT_CASES[case])
+    config = lora.peft_config(swapped, str(path))
+    assert config["target_parameters"] == sorted(
+        {"experts." + name.rpartition(".")[2] for name in swapped if ".experts." in name}
+    )
+    save_peft_adapter(adapter_state_dict(model), config, tmp_path / "adapter")
+    adapted = peft.PeftModel.from_pretrained(_hf(path), tmp_path / "adapter").eval()
+    ours = set(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(ours) == 2 * len(swapped)
+    assert set(peft.get_peft_model_state_dict(adapted)) == ours
+    with torch.no_grad():
+        assert _max_error(adapted(_tokens()).logits, expected) <= TOLERANCE
+
+
+@pytest.mark.skipif(
+    not (_PEFT_LOADS_EXPERTS and _STACKED_EXPERTS),
+    reason="PEFT writes expert LoRA as target_parameters (peft >= 0.17) on stacked expert "
+    "weights (transformers >= 5)",
+)
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_we_read_an_expert_adapter_peft_wrote(moe_dir, tmp_path, family):
+    """PEFT's own ``target_parameters`` adapter (its spelling of the targets) loads into our
+    model with PEFT's logits."""
+    path = moe_dir(family)
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    peft_model = peft.get_peft_model(_hf(path), config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    peft_model.eval().save_pretrained(tmp_path / "adapter")
+    ours = load_pretrained(path)
+    apply_lora(ours, LoRAArgs.from_peft_config(read_adapter_config(tmp_path / "adapter")))
+    load_peft_adapter(ours, tmp_path / "adapter")
+    with torch.no_grad():
+        expected = peft_model(_tokens()).logits
+        assert _max_error(ours(_tokens()), expected) <= TOLERANCE
+        assert _max_error(_hf(path)(_tokens()).logits, expected) > 1e-2

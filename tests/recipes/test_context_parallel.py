@@ -172,9 +172,10 @@ def test_cp2_with_selective_checkpointing_equals_the_unsplit_run(runs, window_mo
 
 
 def test_moe_router_loss_under_cp2_equals_the_unsplit_run(tmp_path):
-    # tiny/moe_lora (4 experts, top-2) with the load-balancing loss in the objective: each
-    # rank's routing statistics are summed over the cp group, so the logged router_aux_loss and
-    # the gradients (hence the later losses) are the unsplit run's.
+    # tiny/moe_lora (4 experts, top-2) with the load-balancing loss and the z-loss in the
+    # objective: each rank's routing statistics are summed over the cp group, so the logged
+    # router_aux_loss and router_z_loss and the gradients (hence the later losses) are the
+    # unsplit run's.
     runs = {}
     for nproc, extra in ((1, []), (2, ["context_parallel_size=2"])):
         out = tmp_path / f"moe_{nproc}"
@@ -183,10 +184,10 @@ def test_moe_router_loss_under_cp2_equals_the_unsplit_run(tmp_path):
             "dataset.packed=true", "dataset.max_seq_len=250", "tokenizer.max_seq_len=250",
             "batch_size=2", "epochs=1", "max_steps_per_epoch=3", "~val_dataset",
             "lr_scheduler.num_warmup_steps=0", "checkpoint.save_every_n_steps=null",
-            "router_aux_loss_coef=0.5", *extra, nproc=nproc,
+            "router_aux_loss_coef=0.5", "router_z_loss_coef=0.1", *extra, nproc=nproc,
         )  # fmt: skip
         runs[nproc] = out
-    for key in ("loss", "router_aux_loss"):
+    for key in ("loss", "router_aux_loss", "router_z_loss"):
         _assert_close(_metric(runs[2], key), _metric(runs[1], key), [1, 2, 3], TOLERANCE)
     # Gradient norms of about 5-7: fp32 sums in another order differ by about 3e-6.
     _assert_close(_metric(runs[2], "grad_norm"), _metric(runs[1], "grad_norm"), [1, 2, 3], 1e-5)

@@ -2,7 +2,9 @@
 
 Five experts split 3 + 2 over the ranks (``Shard(0)`` of the stacked weights). The sharded
 model's logits, its load-balancing loss and its gradients equal one process's, and the export
-writes the hub's per-expert tensors, equal to the source's.
+writes the hub's per-expert tensors, equal to the source's. With LoRA on attention and the
+stacked experts, the adapter gradients equal one process's, and the merged export (each rank
+merges its own experts) equals one process's merge.
 """
 
 import json
@@ -12,11 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from torch.distributed.tensor import distribute_tensor
 
 from tunelab.checkpoint.export import export_hf
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.models import ModelArgs, TransformerDecoder, from_hf_config, load_hf_into_model
 from tunelab.modules import RouterStats
+from tunelab.peft import LoRAArgs, apply_lora, get_adapter_params, merged_state_dict
 
 WORLD_SIZE = 2
 
@@ -27,7 +31,12 @@ def _loss(model, tokens):
     return logits, logits.square().mean() + 0.1 * stats.loss()
 
 
-def _worker(rank: int, init_file: str, checkpoint_dir: str, reference_file: str, out: str):
+_LORA = LoRAArgs(rank=2, alpha=4.0, targets=["q_proj", "experts.gate_up_proj", "experts.down_proj"])
+
+
+def _worker(
+    rank: int, init_file: str, checkpoint_dir: str, reference_file: str, out: str, lora: bool
+):
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group(
@@ -36,6 +45,8 @@ def _worker(rank: int, init_file: str, checkpoint_dir: str, reference_file: str,
     try:
         with torch.device("meta"):
             model = from_hf_config(checkpoint_dir)
+        if lora:
+            apply_lora(model, _LORA)
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -44,6 +55,13 @@ def _worker(rank: int, init_file: str, checkpoint_dir: str, reference_file: str,
         experts = model.layers[0].mlp.experts.gate_up_proj
         assert experts.to_local().shape[0] == (3, 2)[rank]
         reference = torch.load(reference_file, weights_only=True)
+        if lora:
+            with torch.no_grad():
+                for name, param in get_adapter_params(model).items():
+                    local = distribute_tensor(
+                        reference["params"][name], param.device_mesh, param.placements
+                    ).to_local()
+                    param.to_local().copy_(local)
         logits, loss = _loss(model, reference["tokens"])
         torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
         loss.backward()
@@ -51,16 +69,20 @@ def _worker(rank: int, init_file: str, checkpoint_dir: str, reference_file: str,
             torch.testing.assert_close(
                 param.full_tensor(), reference["params"][name], rtol=0, atol=0
             )
+            if reference["grads"][name] is None:
+                assert param.grad is None, name
+                continue
             grad = param.grad.full_tensor()
             torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-4, atol=1e-6)
-        export_hf(model, out, base_checkpoint_dir=checkpoint_dir)
+        export_hf(model, out, base_checkpoint_dir=checkpoint_dir, lora=_LORA if lora else None)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_fsdp2_moe_load_train_step_and_export_match_one_process(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_on_experts"])
+def test_fsdp2_moe_load_train_step_and_export_match_one_process(tmp_path, lora):
     args = ModelArgs(
         vocab_size=64, dim=16, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_dim=24,
         family="qwen3_moe", qk_norm=True, num_experts=5, num_experts_per_tok=2,
@@ -75,6 +97,11 @@ def test_fsdp2_moe_load_train_step_and_export_match_one_process(tmp_path):
     save_hf_sharded(adapter.to_hf(model.state_dict()), checkpoint)
     (checkpoint / "config.json").write_text(json.dumps(adapter.hf_config(torch.float32)))
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    if lora:
+        apply_lora(model, _LORA)
+        with torch.no_grad():
+            for param in get_adapter_params(model).values():
+                param.normal_(std=0.3)
     logits, loss = _loss(model, tokens)
     loss.backward()
     reference = {
@@ -83,21 +110,35 @@ def test_fsdp2_moe_load_train_step_and_export_match_one_process(tmp_path):
         "params": {k: v.detach() for k, v in model.named_parameters()},
         "grads": {k: v.grad for k, v in model.named_parameters()},
     }
-    assert reference["grads"]["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    trained = (
+        "model.layers.0.mlp.experts.lora.down_proj.lora_A.weight"
+        if lora
+        else ("model.layers.0.mlp.gate.weight")
+    )
+    assert reference["grads"][trained].abs().sum() > 0
     torch.save(reference, tmp_path / "reference.pt")
     out = tmp_path / "export"
     mp.spawn(
         _worker,
-        args=(str(tmp_path / "init"), str(checkpoint), str(tmp_path / "reference.pt"), str(out)),
+        args=(
+            str(tmp_path / "init"), str(checkpoint), str(tmp_path / "reference.pt"), str(out), lora
+        ),
         nprocs=WORLD_SIZE,
-    )
+    )  # fmt: skip
     source, exported = (
         load_file(checkpoint / "model.safetensors"),
         load_file(out / "model.safetensors"),
     )
     assert "model.layers.0.mlp.experts.4.up_proj.weight" in exported
     assert set(exported) == set(source)
-    assert all(torch.equal(exported[key], source[key]) for key in source)
+    if not lora:
+        assert all(torch.equal(exported[key], source[key]) for key in source)
+        return
+    expected = adapter.to_hf(merged_state_dict(model))
+    for key in source:
+        torch.testing.assert_close(exported[key], expected[key], rtol=0, atol=1e-6)
+    key = "model.layers.0.mlp.experts.4.up_proj.weight"
+    assert float((exported[key] - source[key]).abs().max()) > 1e-2  # the merge is there
 
 
 def _gpt_oss_worker(rank: int, init_file: str, checkpoint_dir: str, reference_file: str, out: str):

@@ -24,6 +24,8 @@ ALL_LINEAR = "all-linear"
 """``targets: [all-linear]``: every linear layer except ``lm_head``."""
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 """PEFT's adapter settings file."""
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+"""The stacked MoE expert weights as ``lora.targets`` names them: PEFT's ``target_parameters``."""
 
 # PEFT options that change what the adapter computes and that tunelab does not implement.
 _UNSUPPORTED_OPTIONS = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
@@ -44,7 +46,7 @@ class LoRAArgs:
     targets: Annotated[list[Annotated[str, NonEmpty()]], NonEmpty()] = field(
         default_factory=lambda: ["q_proj", "v_proj"]
     )
-    """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head; Phi-3: qkv_proj gate_up_proj), or ["all-linear"]."""
+    """Linear layers to adapt by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head; Phi-3: qkv_proj gate_up_proj), or ["all-linear"]; MoE expert weights as experts.gate_up_proj experts.down_proj (no dropout, no DoRA)."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r."""
     use_dora: bool = False
@@ -68,14 +70,16 @@ class LoRAArgs:
             A JSON-serialisable dict that ``peft.PeftModel.from_pretrained`` loads as the
             same adapter.
         """
-        return {
+        names = short_target_names(target_names)
+        parameters = [name for name in names if name in EXPERT_TARGETS]
+        config = {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model_name_or_path,
             "r": self.rank,
             "lora_alpha": self.alpha,
             "lora_dropout": self.dropout,
-            "target_modules": short_target_names(target_names),
+            "target_modules": [name for name in names if name not in parameters],
             "bias": "none",
             "use_rslora": self.use_rslora,
             "use_dora": self.use_dora,
@@ -89,6 +93,9 @@ class LoRAArgs:
             "alpha_pattern": {},
             "revision": None,
         }
+        if parameters:
+            config["target_parameters"] = parameters  # only then: peft < 0.17 has no such key
+        return config
 
     @classmethod
     def from_peft_config(cls, config: Mapping[str, Any], **run_settings: Any) -> LoRAArgs:
@@ -107,6 +114,16 @@ class LoRAArgs:
                 f"adapter target_modules {targets!r} is a regex; tunelab supports a list of "
                 "names or 'all-linear'"
             )
+        parameters = config.get("target_parameters") or []
+        unknown = [name for name in parameters if not _is_expert_target(name)]
+        if unknown:
+            raise CheckpointError(
+                f"adapter target_parameters {unknown} are not stacked expert weights; tunelab "
+                f"adapts {', '.join(EXPERT_TARGETS)}"
+            )
+        if isinstance(targets, str):
+            targets = [targets]
+        targets = [*(targets or []), *parameters]
         unsupported = {key: config[key] for key in _UNSUPPORTED_OPTIONS if config.get(key)}
         if config.get("bias", "none") != "none":
             unsupported["bias"] = config["bias"]
@@ -118,11 +135,38 @@ class LoRAArgs:
             rank=config["r"],
             alpha=config["lora_alpha"],
             dropout=config.get("lora_dropout", 0.0),
-            targets=[targets] if isinstance(targets, str) else list(targets),
+            targets=targets,
             use_rslora=bool(config.get("use_rslora", False)),
             use_dora=bool(config.get("use_dora", False)),
             **run_settings,
         )
+
+    def expert_target_problems(self) -> list[str]:
+        """What the expert targets (``EXPERT_TARGETS``) cannot have: dropout, DoRA.
+
+        PEFT's ``target_parameters`` implements neither, so such an adapter could not be
+        loaded there, and tunelab's expert update has no dropout either.
+
+        Returns:
+            One message per conflicting key; empty when no target names an expert weight.
+        """
+        if not any(_is_expert_target(target) for target in self.targets):
+            return []
+        experts = " / ".join(EXPERT_TARGETS)
+        problems = []
+        if self.dropout:
+            problems.append(
+                f"key 'lora.dropout': {self.dropout!r}, but lora.targets names expert weights "
+                f"({experts}), whose adapters have no dropout (as PEFT's target_parameters): "
+                "set lora.dropout to 0 or drop the expert targets"
+            )
+        if self.use_dora:
+            problems.append(
+                f"key 'lora.use_dora': true, but lora.targets names expert weights ({experts}), "
+                "which DoRA does not cover (nor PEFT's target_parameters): set lora.use_dora "
+                "to false or drop the expert targets"
+            )
+        return problems
 
     # -- what a checkpoint records -------------------------------------------------------
 
@@ -189,6 +233,9 @@ def _same(name: str, first: Any, second: Any) -> bool:
 def short_target_names(targets: Sequence[str]) -> list[str]:
     """Short target names (last FQN components), sorted and unique.
 
+    A stacked expert weight keeps its module's name (``experts.down_proj``, from
+    ``model.layers.0.mlp.experts.down_proj``), as ``EXPERT_TARGETS`` spell them.
+
     Args:
         targets: Short names or FQNs (``["all-linear"]`` stays as it is).
 
@@ -200,10 +247,21 @@ def short_target_names(targets: Sequence[str]) -> list[str]:
             f"LoRA target names must be the resolved module names (the list apply_lora "
             f"returns), got the string {targets!r}"
         )
-    names = sorted({target.rpartition(".")[2] for target in targets})
+    names = sorted({_short_name(target) for target in targets})
     if not names:
         raise ConfigError("LoRA targets is empty")
     return names
+
+
+def _is_expert_target(name: str) -> bool:
+    return any(name == target or name.endswith("." + target) for target in EXPERT_TARGETS)
+
+
+def _short_name(target: str) -> str:
+    # An expert weight keeps its module's name: a bare down_proj is a dense MLP linear.
+    if _is_expert_target(target):
+        return "experts." + target.rpartition(".")[2]
+    return target.rpartition(".")[2]
 
 
 def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:

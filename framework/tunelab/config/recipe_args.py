@@ -193,6 +193,8 @@ class FinetuneArgs(RecipeArgs):
     """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), and only at scored positions (no logits for prompts or padding), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
     router_aux_loss_coef: Annotated[float, Finite(), Range(ge=0)] | None = None
     """Mixture-of-experts models: weight of the router's load-balancing loss in the training loss (logged as router_aux_loss); null: the model's router_aux_loss_coef when its config.json sets output_router_logits: true (as transformers does), else 0. Dense models ignore it."""
+    router_z_loss_coef: Annotated[float, Finite(), Range(ge=0)] = 0.0
+    """Mixture-of-experts models: weight of the router z-loss, the mean over MoE layers and tokens of logsumexp(router logits)^2 (ST-MoE), in the training loss (logged as router_z_loss); 0: none. Dense models ignore it."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
     eval: TrainingEvalArgs = field(default_factory=TrainingEvalArgs)
@@ -236,7 +238,11 @@ class LoRAFinetuneArgs(FinetuneArgs):
     """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
 
     def check_settings(self) -> list[str]:
-        """With ``adapter_dir``, the adapter's settings fill ``lora`` (or conflict with it)."""
+        """The adapter's settings fill ``lora``; expert targets take no dropout nor DoRA.
+
+        With ``adapter_dir`` the adapter decides the fields left at their defaults, and a
+        conflicting field is a problem.
+        """
         problems = super().check_settings()
         # A folder without the file is already reported by adapter_dir's own check.
         if (
@@ -244,7 +250,7 @@ class LoRAFinetuneArgs(FinetuneArgs):
             and (Path(self.adapter_dir) / ADAPTER_CONFIG_NAME).is_file()
         ):
             problems += self.lora.reconcile_with_adapter(self.adapter_dir)
-        return problems
+        return problems + self.lora.expert_target_problems()
 
 
 @dataclass(kw_only=True)
@@ -322,6 +328,10 @@ _NO_ROUTER_LOSS = (
     "key 'router_aux_loss_coef': {recipe} does not add a router load-balancing loss yet "
     "(the SFT recipes do): leave it null or 0"
 )
+_NO_Z_LOSS = (
+    "key 'router_z_loss_coef': {recipe} does not add a router z-loss yet (the SFT recipes do): "
+    "leave it 0"
+)
 
 
 _NO_CONTEXT_PARALLEL = (
@@ -361,6 +371,8 @@ class LoRADPOArgs(LoRAFinetuneArgs):
             problems.append(_NO_CONTEXT_PARALLEL.format(recipe="lora_dpo_distributed"))
         if self.offload_activations:
             problems.append(_NO_OFFLOAD.format(recipe="lora_dpo_distributed"))
+        if self.router_z_loss_coef:
+            problems.append(_NO_Z_LOSS.format(recipe="lora_dpo_distributed"))
         return problems
 
 
@@ -427,6 +439,8 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems.append(_NO_CONTEXT_PARALLEL.format(recipe="grpo_distributed"))
         if self.offload_activations:
             problems.append(_NO_OFFLOAD.format(recipe="grpo_distributed"))
+        if self.router_z_loss_coef:
+            problems.append(_NO_Z_LOSS.format(recipe="grpo_distributed"))
         if self.loss is not None:
             problems.append(
                 "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"

@@ -16,7 +16,8 @@ projection; its router has a bias, and its experts gate with a clamped SwiGLU.
 
 The router's load-balancing loss (Switch Transformer, Fedus et al., 2021,
 https://arxiv.org/abs/2101.03961, eq. 4-6) is gathered across layers by ``RouterStats``, the
-way transformers' ``load_balancing_loss_func`` computes it.
+way transformers' ``load_balancing_loss_func`` computes it, and so is the router z-loss
+(ST-MoE, Zoph et al., 2022, https://arxiv.org/abs/2202.08906, eq. 5).
 """
 
 from collections.abc import Callable
@@ -114,7 +115,12 @@ class RouterStats:
     ``load_balancing_loss_func``; ``valid`` plays its ``attention_mask``: padding tokens are not
     counted, and the tokens of packed documents all are.
 
-    Pass one to ``TransformerDecoder.forward(router_stats=...)``, then read ``loss()``.
+    It also gathers the router z-loss (ST-MoE eq. 5), ``z_loss()``: the mean over MoE layers
+    and counted tokens of ``logsumexp(router logits)^2``, which keeps the logits small (as
+    transformers' ``router_z_loss_func`` over all layers' logits, with padding left out).
+
+    Pass one to ``TransformerDecoder.forward(router_stats=...)``, then read ``loss()`` and
+    ``z_loss()``.
 
     Args:
         valid: bool or 0/1 ``[batch, seq]``, the tokens to count; None counts every token.
@@ -136,14 +142,22 @@ class RouterStats:
         self._assigned: torch.Tensor | None = None
         self._probabilities: torch.Tensor | None = None
         self._rows: torch.Tensor | float = 0.0
+        self._squared_log_z: torch.Tensor | float = 0.0
+        self._logit_rows: torch.Tensor | float = 0.0
 
-    def add(self, probabilities: torch.Tensor, top_indices: torch.Tensor) -> None:
+    def add(
+        self,
+        probabilities: torch.Tensor,
+        top_indices: torch.Tensor,
+        logits: torch.Tensor | None = None,
+    ) -> None:
         """Record one MoE layer.
 
         Args:
             probabilities: fp32 ``[tokens, E]`` router softmax, tokens in ``[batch, seq]``
                 order (gradients flow through it into the router).
             top_indices: long ``[tokens, top_k]``, the experts each token went to.
+            logits: ``[tokens, E]`` router logits, for the z-loss (None: not recorded).
         """
         num_experts = probabilities.shape[-1]
         if self.valid is None:
@@ -163,6 +177,10 @@ class RouterStats:
             self._probabilities = self._probabilities + summed
         self._rows = self._rows + weight.sum()
         self.num_layers += 1
+        if logits is not None:
+            log_z = torch.logsumexp(logits.float(), dim=-1)
+            self._squared_log_z = self._squared_log_z + (log_z.square() * weight).sum()
+            self._logit_rows = self._logit_rows + weight.sum()
 
     def loss(self) -> torch.Tensor:
         """The load-balancing loss (before ``router_aux_loss_coef``); 0 with no MoE layer.
@@ -184,6 +202,22 @@ class RouterStats:
         fraction = assigned / rows
         probability = probabilities / rows
         return (fraction * probability).sum() * self.num_experts
+
+    def z_loss(self) -> torch.Tensor:
+        """The router z-loss (before ``router_z_loss_coef``); 0 with no recorded logits.
+
+        Returns:
+            A scalar fp32 tensor: ``sum_layers sum_tokens w_t * logsumexp(l_t)^2 /
+            sum_layers sum_tokens w_t`` with ``w_t`` the ``valid`` mask.
+        """
+        if not isinstance(self._squared_log_z, torch.Tensor):
+            return torch.zeros(())
+        squared, rows = self._squared_log_z, self._logit_rows
+        if self.sum_over_ranks is not None:
+            total = self.sum_over_ranks(torch.stack([squared.detach(), rows.float()]))
+            # The whole rows' value, this rank's own tokens as the gradient path.
+            squared, rows = squared + (total[0] - squared.detach()), total[1]
+        return squared / rows
 
 
 class MoERouter(nn.Linear):
@@ -277,6 +311,10 @@ class MoEExperts(nn.Module):
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.grouped: bool | None = None
         """``grouped_linear``'s choice: None picks ``grouped_mm`` where it has a kernel."""
+        self.lora = nn.ModuleDict()
+        """LoRA on a projection, by its name (``tunelab.peft.ExpertLoRA``, put here by
+        ``apply_lora``): ``delta(rows, counts, grouped)`` is added to its grouped matmul unless
+        the adapter is ``disabled``. Empty without LoRA (no state-dict key)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -290,14 +328,12 @@ class MoEExperts(nn.Module):
                 nn.init.zeros_(bias)
 
     def _project(
-        self,
-        rows: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        counts: torch.Tensor,
-        experts: torch.Tensor,
+        self, name: str, rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
+        weight, bias = getattr(self, name), getattr(self, f"{name}_bias")
         out = grouped_linear(rows, weight, counts, grouped=self.grouped, transposed=self.transposed)
+        if name in self.lora and not self.lora[name].disabled:
+            out = out + self.lora[name].delta(rows, counts, self.grouped)
         return out if bias is None else out + bias[experts]
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -329,10 +365,8 @@ class MoEExperts(nn.Module):
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
         experts = flat_experts[order]
         rows = x[order // top_k]
-        hidden = self._gate(
-            self._project(rows, self.gate_up_proj, self.gate_up_proj_bias, counts, experts)
-        )
-        out = self._project(hidden, self.down_proj, self.down_proj_bias, counts, experts)
+        hidden = self._gate(self._project("gate_up_proj", rows, counts, experts))
+        out = self._project("down_proj", hidden, counts, experts)
         out = out * top_weights.reshape(-1)[order, None]
         # Back to (token, slot) order, then the sum over each token's k experts.
         unsorted = torch.empty_like(out).index_copy(0, order, out)
@@ -389,7 +423,10 @@ class MoEBlock(nn.Module):
             ``(probabilities [tokens, E] fp32, top_weights [tokens, k] fp32,
             top_indices [tokens, k])``.
         """
-        probabilities = F.softmax(self.gate(x).float(), dim=-1)
+        return self._route(self.gate(x))
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probabilities = F.softmax(logits.float(), dim=-1)
         top_weights, top_indices = torch.topk(probabilities, self.top_k, dim=-1)
         if self.normalize_top_k:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
@@ -398,9 +435,10 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, router_stats: RouterStats | None = None) -> torch.Tensor:
         """Apply the block to ``x`` ``[..., D]``, recording router statistics if asked."""
         flat = x.reshape(-1, x.shape[-1])
-        probabilities, top_weights, top_indices = self.route(flat)
+        logits = self.gate(flat)
+        probabilities, top_weights, top_indices = self._route(logits)
         if router_stats is not None:
-            router_stats.add(probabilities, top_indices)
+            router_stats.add(probabilities, top_indices, logits)
         if not self.weights_in_fp32:
             top_weights = top_weights.to(x.dtype)
         return self.experts(flat, top_weights, top_indices).view_as(x)

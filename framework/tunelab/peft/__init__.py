@@ -9,12 +9,14 @@ from tunelab.peft.apply import (
     lora_target_names,
     set_trainable_params,
 )
+from tunelab.peft.expert_lora import ExpertLoRA
 from tunelab.peft.lora import LoRALinear
 from tunelab.peft.merge import merged_state_dict
 from tunelab.peft.peft_io import load_peft_adapter, save_peft_adapter
 from tunelab.peft.state import adapter_state_dict
 
 __all__ = [
+    "ExpertLoRA",
     "LoRAArgs",
     "LoRALinear",
     "adapter_state_dict",

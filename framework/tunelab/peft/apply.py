@@ -1,7 +1,9 @@
 """Apply LoRA to any model as one generic module swap, and switch adapters on and off.
 
 Targets are the last component of a module's name (``q_proj``, ``down_proj``, ``lm_head``),
-the names users know from Hugging Face, so one function serves every family and size.
+the names users know from Hugging Face, so one function serves every family and size. A
+mixture-of-experts model's stacked expert weights are targets too (``experts.gate_up_proj``,
+``experts.down_proj``): they get an ``ExpertLoRA`` instead of a module swap.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from torch.distributed.tensor import DTensor
 
 from tunelab.config.lora import ALL_LINEAR, LoRAArgs
 from tunelab.distributed._fqn import clean_fqn
-from tunelab.errors import TunelabError
-from tunelab.modules.moe import MoERouter
+from tunelab.errors import ConfigError, TunelabError
+from tunelab.modules.moe import MoEExperts, MoERouter
 from tunelab.peft._names import MAGNITUDE
+from tunelab.peft.expert_lora import EXPERT_PROJECTIONS, ExpertLoRA
 from tunelab.peft.lora import LoRALinear, validate_lora_options
 
 LORA_TARGETS = (
@@ -47,7 +50,35 @@ def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
-def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str) -> list[str]:
+def _expert_weights(model: nn.Module) -> dict[str, MoEExperts]:
+    """Every stacked expert weight LoRA can target, ``<experts>.gate_up_proj``, by FQN."""
+    return {
+        f"{name}.{projection}": module
+        for name, module in model.named_modules()
+        if isinstance(module, MoEExperts)
+        for projection in EXPERT_PROJECTIONS
+    }
+
+
+def _select_expert_targets(
+    weights: dict[str, MoEExperts], targets: Sequence[str] | str
+) -> tuple[list[str], list[str]]:
+    """Split ``targets`` into the expert weights they name and the remaining targets.
+
+    An expert weight is named with at least its module's name (``experts.down_proj``), so a
+    bare ``down_proj`` keeps meaning dense MLP linears.
+    """
+    if isinstance(targets, str) or list(targets) == [ALL_LINEAR]:
+        return [], [targets] if isinstance(targets, str) else list(targets)
+    expert_targets = [t for t in targets if "." in t and any(_matches(w, t) for w in weights)]
+    others = [t for t in targets if t not in expert_targets]
+    selected = [w for w in weights if any(_matches(w, t) for t in expert_targets)]
+    return selected, others
+
+
+def _select_targets(
+    linears: dict[str, nn.Linear], targets: Sequence[str] | str, has_experts: bool = False
+) -> list[str]:
     if not isinstance(targets, str) and list(targets) == [ALL_LINEAR]:
         targets = ALL_LINEAR  # the config form, `targets: [all-linear]`
     if isinstance(targets, str) and targets == ALL_LINEAR:
@@ -69,6 +100,11 @@ def _select_targets(linears: dict[str, nn.Linear], targets: Sequence[str] | str)
             raise TunelabError(
                 f"lora target {target!r} matches no nn.Linear in the model; "
                 f"available linear names: {', '.join(short_names) or '(none)'}"
+                + (
+                    f" (stacked expert weights: experts.{' / experts.'.join(EXPERT_PROJECTIONS)})"
+                    if has_experts
+                    else ""
+                )
             )
     return [name for name in linears if any(_matches(name, target) for target in wanted)]
 
@@ -79,33 +115,49 @@ def _matches(fqn: str, target: str) -> bool:
 
 
 def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
-    """Replace each targeted ``nn.Linear`` with a ``LoRALinear`` over the same parameters.
+    """Put LoRA on the targets: ``LoRALinear`` swaps and ``ExpertLoRA`` factors.
 
-    Call it before ``fully_shard`` (the swap needs plain parameters). The model may live on
-    the meta device; then call ``init_lora_parameters`` after ``to_empty``. Afterwards only
-    the adapter parameters require grad.
+    Each targeted ``nn.Linear`` becomes a ``LoRALinear`` over the same parameters; each
+    targeted stacked expert weight gets an ``ExpertLoRA`` in its experts' ``lora``. Call it
+    before ``fully_shard`` (the swap needs plain parameters). The model may live on the meta
+    device; then call ``init_lora_parameters`` after ``to_empty``. Afterwards only the adapter
+    parameters require grad.
 
     Args:
         model: Any module with ``nn.Linear`` children.
         lora: The adapter settings. ``lora.targets`` names what to adapt: a module matches a
             target equal to its FQN or to a dot-separated suffix of it, as in PEFT (e.g.
             ``["q_proj", "v_proj"]`` or ``"self_attn.q_proj"``); or ``["all-linear"]`` for
-            every linear layer except ``lm_head``. ``quantize_base`` is not applied here
-            (``tunelab.training.build_model`` quantizes the base).
+            every linear layer except ``lm_head``. Stacked MoE expert weights are targeted as
+            ``experts.gate_up_proj`` / ``experts.down_proj`` (any suffix of their FQN with at
+            least two components; ``all-linear`` leaves them out). ``quantize_base`` is
+            not applied here (``tunelab.training.build_model`` quantizes the base).
 
     Returns:
-        The FQNs of the swapped modules, in module order.
+        The FQNs of the swapped modules and adapted expert weights, in module order.
 
     Raises:
-        ConfigError: If ``rank``, ``alpha`` or ``dropout`` is out of range.
+        ConfigError: If ``rank``, ``alpha`` or ``dropout`` is out of range, or expert weights
+            are targeted with dropout or DoRA.
         TunelabError: If a target matches no linear layer (the message lists the available
             names), if LoRA was already applied, or if the model is already sharded.
     """
     validate_lora_options(lora.rank, lora.alpha, lora.dropout)
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if any(isinstance(m, LoRALinear | ExpertLoRA) for m in model.modules()):
         raise TunelabError("apply_lora: the model already has LoRA layers; apply it once")
+    expert_weights = _expert_weights(model)
+    selected_experts, other_targets = _select_expert_targets(expert_weights, lora.targets)
+    problems = lora.expert_target_problems()
+    if selected_experts and problems:
+        raise ConfigError(problems[0])
     linears = _linear_modules(model)
-    selected = _select_targets(linears, lora.targets)
+    selected = (
+        _select_targets(linears, other_targets, bool(expert_weights))
+        if other_targets or not selected_experts
+        else []
+    )
+    for fqn in selected_experts:
+        _add_expert_lora(fqn, expert_weights[fqn], lora)
     for fqn in selected:
         linear = linears[fqn]
         if isinstance(linear.weight, DTensor):
@@ -124,19 +176,53 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
         )
         setattr(parent, child_name, swapped)
     set_trainable_params(model)
-    return selected
+    # Module order: a linear's place is its weight's, an expert weight's its own.
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    return sorted(
+        selected_experts + selected, key=lambda fqn: order.get(fqn, order.get(f"{fqn}.weight"))
+    )
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """Every ``LoRALinear`` of ``model`` by FQN.
+def _add_expert_lora(fqn: str, experts: MoEExperts, lora: LoRAArgs) -> None:
+    projection = fqn.rpartition(".")[2]
+    weight = getattr(experts, projection)
+    if isinstance(weight, DTensor):
+        raise TunelabError(f"apply_lora: {fqn} is already sharded; apply LoRA before fully_shard")
+    num_experts, first, second = weight.shape
+    in_dim, out_dim = (first, second) if experts.transposed else (second, first)
+    experts.lora[projection] = ExpertLoRA(
+        num_experts,
+        in_dim,
+        out_dim,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        use_rslora=lora.use_rslora,
+        transposed=experts.transposed,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear | ExpertLoRA]:
+    """Every ``LoRALinear`` and ``ExpertLoRA`` of ``model`` by FQN.
 
     Args:
         model: A model, with or without LoRA.
 
     Returns:
-        The LoRA layers in module order (empty if there are none).
+        The LoRA layers in module order (empty if there are none). An ``ExpertLoRA``'s FQN
+        is ``<experts>.lora.<projection>``; ``expert_weight_fqn`` names the weight it adapts.
     """
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear | ExpertLoRA)}
+
+
+def expert_weight_fqn(lora_fqn: str) -> str:
+    """The stacked weight an ``ExpertLoRA`` adapts.
+
+    ``<experts>.lora.down_proj`` -> ``<experts>.down_proj``.
+    """
+    experts, _, projection = lora_fqn.rpartition(".")
+    return f"{experts.removesuffix('.lora')}.{projection}"
 
 
 def lora_target_names(model: nn.Module) -> list[str]:
@@ -146,16 +232,24 @@ def lora_target_names(model: nn.Module) -> list[str]:
         model: A LoRA-applied model.
 
     Returns:
-        Sorted unique last name components, e.g. ``["q_proj", "v_proj"]``.
+        Sorted unique last name components, e.g. ``["q_proj", "v_proj"]``; an adapted
+        stacked expert weight as ``experts.<projection>`` (``experts.down_proj``).
 
     Raises:
         TunelabError: If the model has no LoRA layers.
     """
     modules = _require_lora(model, "lora_target_names")
-    return sorted({name.rpartition(".")[2] for name in modules})
+    return sorted(
+        {
+            f"experts.{name.rpartition('.')[2]}"
+            if isinstance(module, ExpertLoRA)
+            else name.rpartition(".")[2]
+            for name, module in modules.items()
+        }
+    )
 
 
-def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear]:
+def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear | ExpertLoRA]:
     modules = lora_modules(model)
     if not modules:
         raise TunelabError(f"{caller}: the model has no LoRA layers; call apply_lora first")

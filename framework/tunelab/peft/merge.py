@@ -20,6 +20,12 @@ shard-local (``m`` is ``Shard(0)`` like ``B``). An NF4 base (QLoRA) is dequantiz
 shard first: the merged model is the dequantized base plus the adapter. Frozen NF4 weights
 without an adapter are dequantized the same way.
 
+A stacked expert weight with an ``ExpertLoRA`` merges expert by expert,
+``W_e' = W_e + scale * B_e A_e`` (transposed for gpt-oss's ``[E, in, out]``). FSDP2 shards it
+``Shard(0)`` over experts, so each rank adds the updates of its own experts, computed from the
+gathered (small) factors: the merge stays shard-local. These weights are merged when the state
+dict is built, not deferred to the writer: the export writes them as per-expert hub tensors.
+
 The merge never writes the live parameters: FSDP2's ``model.state_dict()`` aliases them, and
 merging into it in place would silently turn training weights into ``W + ΔW`` at each export.
 """
@@ -32,11 +38,13 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
 from tunelab.peft._names import MAGNITUDE
-from tunelab.peft.apply import lora_modules
+from tunelab.peft.apply import expert_weight_fqn, lora_modules
+from tunelab.peft.expert_lora import ExpertLoRA, expert_delta
 from tunelab.peft.nf4 import dequantize
 
 
@@ -130,25 +138,98 @@ def merge_weight(
     )
 
 
+def merge_expert_weight(
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    adapter: ExpertLoRA,
+) -> torch.Tensor:
+    """A stacked expert weight plus its per-expert LoRA updates, in fp32, cast back.
+
+    Collective when the inputs are DTensors (the factors are gathered): call on every rank.
+
+    Args:
+        weight: ``[E, out, in]`` (``[E, in, out]`` when ``transposed``), plain or a DTensor.
+        lora_a: ``[E * r, in]``, plain or a DTensor.
+        lora_b: ``[out, r * E]``, plain or a DTensor.
+        adapter: The ``ExpertLoRA`` (its scale, number of experts and layout).
+
+    Returns:
+        The merged weight; for a DTensor ``weight`` sharded over experts a DTensor of the
+        same layout, built from this rank's experts only.
+    """
+    lora_a, lora_b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (lora_a, lora_b))
+    transposed = adapter.transposed
+    if not isinstance(weight, DTensor):
+        delta = expert_delta(
+            lora_a, lora_b, adapter.num_experts, adapter.scale, slice(None), transposed
+        )
+        return (weight.float() + delta).to(weight.dtype)
+    if not all(p == Shard(0) or isinstance(p, Replicate) for p in weight.placements):
+        full = merge_expert_weight(weight.full_tensor(), lora_a, lora_b, adapter)
+        return DTensor.from_local(
+            full, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim
+        ).redistribute(weight.device_mesh, weight.placements)
+    local = weight.to_local()
+    shape, offset = compute_local_shape_and_global_offset(
+        weight.shape, weight.device_mesh, weight.placements
+    )
+    experts = slice(offset[0], offset[0] + shape[0])
+    delta = expert_delta(lora_a, lora_b, adapter.num_experts, adapter.scale, experts, transposed)
+    merged = (local.float() + delta).to(weight.dtype)
+    return DTensor.from_local(
+        merged,
+        weight.device_mesh,
+        weight.placements,
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
+    )
+
+
 def _lora_state(
     model: nn.Module, caller: str
 ) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
-    """The LoRA modules and the state dict, both under clean FQNs."""
-    modules = {clean_fqn(name): module for name, module in lora_modules(model).items()}
+    """The LoRA modules and the state dict, both under clean FQNs.
+
+    An ``ExpertLoRA`` is listed under the FQN of the stacked weight it adapts.
+    """
+    modules = {}
+    for name, module in lora_modules(model).items():
+        name = clean_fqn(name)
+        modules[expert_weight_fqn(name) if isinstance(module, ExpertLoRA) else name] = module
     if not modules:
         raise TunelabError(f"{caller}: the model has no LoRA layers; call apply_lora first")
     return modules, {clean_fqn(key): value for key, value in model.state_dict().items()}
 
 
+def _expert_factors(
+    key: str,
+    state: Mapping[str, torch.Tensor],
+    full_adapter: Mapping[str, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    experts, _, projection = key.rpartition(".")
+    source = full_adapter or state
+    return tuple(source[f"{experts}.lora.{projection}.{f}.weight"] for f in ("lora_A", "lora_B"))
+
+
 def _role(key: str, modules: Mapping[str, nn.Module]) -> str:
-    """The key's role: ``"weight"`` (adapted base), ``"adapter"`` (A, B, magnitude), ``"other"``."""
+    """The key's role: ``"weight"``, ``"experts"``, ``"adapter"`` or ``"other"``.
+
+    An adapted base weight, an adapted stacked expert weight, a LoRA factor or DoRA magnitude,
+    or anything else.
+    """
+    if isinstance(modules.get(key), ExpertLoRA):
+        return "experts"
     owner, _, leaf = key.rpartition(".")
     if owner in modules and leaf == "weight":
         return "weight"
     if owner in modules and leaf == MAGNITUDE:
         return "adapter"
     parent, _, name = owner.rpartition(".")
-    return "adapter" if parent in modules and name in ("lora_A", "lora_B") else "other"
+    if name in ("lora_A", "lora_B") and (parent in modules or expert_weight_fqn(parent) in modules):
+        return "adapter"
+    return "other"
 
 
 def merged_state_dict(
@@ -189,6 +270,9 @@ def merged_state_dict(
                 modules[owner].scale,
                 state.get(f"{owner}.{MAGNITUDE}"),
             )
+        elif role == "experts":
+            lora_a, lora_b = _expert_factors(key, state, full_adapter)
+            merged[key] = merge_expert_weight(value, lora_a, lora_b, modules[key])
         elif role == "other":
             merged[key] = dequantize(value)
     return merged
@@ -225,6 +309,9 @@ def lazy_merged_state_dict(
         role = _role(key, modules)
         if role == "other":
             result[key] = dequantize(value)
+        if role == "experts":
+            lora_a, lora_b = _expert_factors(key, state, full_adapter)
+            result[key] = merge_expert_weight(value, lora_a, lora_b, modules[key])
         if role != "weight":
             continue
         owner = key.rpartition(".")[0]

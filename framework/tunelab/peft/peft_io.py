@@ -156,10 +156,11 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
         )
     try:
         # The checked path: a link out of the adapter folder is refused, never read.
-        loaded = from_peft_state_dict(load_file(model_file(weights_path, adapter_dir)))
+        stored = load_file(model_file(weights_path, adapter_dir))
     except SafetensorError as error:
         raise CheckpointError(f"cannot read {weights_path}: {error}") from error
     targets = adapter_state_dict(model)
+    loaded = from_peft_state_dict(stored, targets)
     missing = sorted(set(targets) - set(loaded))
     unexpected = sorted(set(loaded) - set(targets))
     if missing or unexpected:

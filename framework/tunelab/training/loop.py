@@ -126,24 +126,27 @@ class RouterLoss:
     micro-batch's backward, so the step's router term is the mean over micro-batches and
     (FSDP2 averaging gradients) ranks, as in transformers' training loss. The logged
     ``router_aux_loss`` (:meth:`step_metrics`) is that mean, before the coefficient; the
-    logged ``loss`` stays the token loss. A dense model, or a coefficient of 0: every method
-    is a no-op.
+    logged ``loss`` stays the token loss. The router z-loss (``RouterStats.z_loss``, ST-MoE
+    eq. 5) joins the same way with its own coefficient and is logged as ``router_z_loss``.
+    A dense model, or both coefficients 0: every method is a no-op.
 
     Args:
         model: The decoder (sharded or not).
-        coefficient: The weight; None takes the model's ``router_aux_loss_coef`` when its
-            ``config.json`` sets ``output_router_logits: true`` (when transformers adds it to
-            the loss), else 0.
+        coefficient: The load-balancing weight; None takes the model's
+            ``router_aux_loss_coef`` when its ``config.json`` sets ``output_router_logits:
+            true`` (when transformers adds it to the loss), else 0.
+        z_coefficient: The z-loss weight (0: none).
         context: Context parallelism: the statistics are summed over the ranks that split
-            the rows, so each rank's loss is that of the whole rows (and its logged value the
-            unsplit one), and the term is scaled by the group size, since FSDP2 then averages
-            over every rank of the group where the unsplit run has one.
+            the rows, so each rank's losses are those of the whole rows (and their logged
+            values the unsplit ones), and the term is scaled by the group size, since FSDP2
+            then averages over every rank of the group where the unsplit run has one.
     """
 
     def __init__(
         self,
         model: nn.Module,
         coefficient: float | None,
+        z_coefficient: float = 0.0,
         context: ContextParallel | None = None,
     ) -> None:
         args = getattr(model, "args", None)
@@ -151,15 +154,16 @@ class RouterLoss:
         if coefficient is None:
             coefficient = args.router_aux_loss_coef if is_moe and args.output_router_logits else 0.0
         self.coefficient = float(coefficient) if is_moe else 0.0
+        self.z_coefficient = float(z_coefficient) if is_moe else 0.0
         self.context = context if context is not None and context.enabled else None
         self._device = next(model.parameters()).device
-        self._sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        self._sum = torch.zeros(2, dtype=torch.float64, device=self._device)
         self._count = 0
 
     @property
     def enabled(self) -> bool:
-        """Whether the model routes and the loss has a weight."""
-        return self.coefficient > 0
+        """Whether the model routes and a router loss has a weight."""
+        return self.coefficient > 0 or self.z_coefficient > 0
 
     def stats(self, batch: dict[str, torch.Tensor]) -> RouterStats | None:
         """A record for one micro-batch's forward, or None when disabled."""
@@ -169,27 +173,38 @@ class RouterLoss:
         return RouterStats(batch.get("token_mask"), sum_over_ranks)
 
     def term(self, stats: RouterStats | None, num_micro_batches: int) -> torch.Tensor | float:
-        """The micro-batch's share of the objective: ``coefficient * loss / micro-batches``."""
+        """The micro-batch's share of the objective.
+
+        ``(coefficient * loss + z_coefficient * z_loss) / micro-batches`` (times the group size
+        under context parallelism).
+        """
         if stats is None:
             return 0.0
-        loss = stats.loss()
-        self._sum = self._sum + loss.detach().to(self._sum)
+        loss, z_loss = stats.loss(), stats.z_loss()
+        self._sum = self._sum + torch.stack([loss.detach(), z_loss.detach()]).to(self._sum)
         self._count += 1
         ranks = 1 if self.context is None else self.context.size
-        return loss * (self.coefficient * ranks / num_micro_batches)
+        objective = loss * self.coefficient + z_loss * self.z_coefficient
+        return objective * (ranks / num_micro_batches)
 
     def step_metrics(self) -> dict[str, float]:
-        """The step's ``router_aux_loss``: its mean over micro-batches and ranks.
+        """The step's ``router_aux_loss`` and ``router_z_loss``: means over micro-batches and ranks.
 
-        A collective when enabled (every rank calls it); then the next step starts from zero.
-        ``{}`` when disabled.
+        Each is logged when its coefficient is set. A collective when enabled (every rank calls
+        it); then the next step starts from zero. ``{}`` when disabled.
         """
         if not self.enabled:
             return {}
-        count = torch.tensor(float(self._count), dtype=torch.float64, device=self._device)
-        total = all_reduce_sum(torch.stack([self._sum, count]))
+        count = torch.tensor([float(self._count)], dtype=torch.float64, device=self._device)
+        total = all_reduce_sum(torch.cat([self._sum, count]))
         self._sum, self._count = torch.zeros_like(self._sum), 0
-        return {"router_aux_loss": (total[0] / total[1].clamp(min=1)).item()}
+        means = (total[:2] / total[2].clamp(min=1)).tolist()
+        metrics = {}
+        if self.coefficient > 0:
+            metrics["router_aux_loss"] = means[0]
+        if self.z_coefficient > 0:
+            metrics["router_z_loss"] = means[1]
+        return metrics
 
 
 class ActivationOffload:
