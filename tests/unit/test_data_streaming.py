@@ -1,0 +1,132 @@
+"""Streaming datasets: the materialised path's samples, world-size-free batches, exact resume."""
+
+import json
+from itertools import islice
+
+import pytest
+
+from tunelab import _paths
+from tunelab.data import instruct_dataset, load_tokenizer
+from tunelab.data.stream_loader import StreamLoader, StreamPosition
+from tunelab.errors import ConfigError, DataError
+
+TINY = _paths.assets_dir() / "tiny"
+NUM_SHARDS, ROWS_PER_SHARD = 12, 15
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(TINY), max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The first 180 rows of the tiny SFT data as 12 JSONL shards of 15 rows."""
+    folder = tmp_path_factory.mktemp("shards")
+    rows = (TINY / "sft.jsonl").read_text().splitlines()
+    for shard in range(NUM_SHARDS):
+        lines = rows[shard * ROWS_PER_SHARD : (shard + 1) * ROWS_PER_SHARD]
+        (folder / f"part-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def stream(tokenizer, shards, **kwargs):
+    settings = {"template": "instruct", "max_seq_len": 64, "streaming": True, **kwargs}
+    return instruct_dataset(tokenizer, source=str(shards), **settings)
+
+
+def global_steps(dataset, world_size, global_batch, num_steps, state=None):
+    """Each step's items in global order (rank r's item i at r + i * W) and the final state."""
+    micro_batch = global_batch // world_size
+    positions = [
+        StreamPosition(num_sources=len(dataset.sources), num_replicas=world_size, seed=5)
+        for _ in range(world_size)
+    ]
+    if state is not None:
+        for position in positions:
+            position.load_state_dict(json.loads(json.dumps(state)))
+    loaders = [
+        iter(StreamLoader(dataset, p, batch_size=micro_batch, collate_fn=list, rank=rank))
+        for rank, p in enumerate(positions)
+    ]
+    steps = []
+    for _ in range(num_steps):
+        per_rank = [next(loader) for loader in loaders]
+        step = [per_rank[i % world_size][i // world_size] for i in range(global_batch)]
+        steps.append([item["tokens"] for item in step])
+        for position in positions:
+            position.advance(micro_batch)
+    states = [position.state_dict() for position in positions]
+    assert all(s == states[0] for s in states)
+    return steps, states[0]
+
+
+def test_in_order_stream_gives_the_materialised_samples(tokenizer, shards, tmp_path):
+    # shuffle_buffer_size 1 reads in order: the same row function makes the same samples.
+    streamed = stream(tokenizer, shards, shuffle_buffer_size=1)
+    files = sorted(str(f) for f in shards.iterdir())
+    materialised = instruct_dataset(
+        tokenizer, source="json", data_files=files, template="instruct", max_seq_len=64,
+        cache_dir=str(tmp_path),
+    )  # fmt: skip
+    items = [item for item, _ in streamed.items(0, 5, {k: 0 for k in LOCATION})]
+    assert len(items) == len(materialised) == NUM_SHARDS * ROWS_PER_SHARD
+    assert items == [materialised[i] for i in range(len(materialised))]
+
+
+LOCATION = ("window", "source", "row", "taken", "sample")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_global_batches_do_not_depend_on_the_world_size(tokenizer, shards, packed):
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7, packed=packed)
+    single, state = global_steps(dataset, 1, 8, 4)
+    for world_size in (2, 4):
+        assert global_steps(dataset, world_size, 8, 4) == (single, state)
+    # The shuffle moved rows, within windows of 7 rows that span shards.
+    in_order, _ = global_steps(
+        stream(tokenizer, shards, packed=packed, shuffle_buffer_size=1), 1, 8, 4
+    )
+    assert single != in_order
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_resume_from_a_saved_position_continues_the_stream(tokenizer, shards, packed):
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7, packed=packed)
+    uninterrupted, _ = global_steps(dataset, 2, 8, 7)
+    first, state = global_steps(dataset, 2, 8, 4)
+    # A state in the middle of a window and of a pack: the resume must rebuild both.
+    assert state["stream"]["taken"] > 0
+    resumed, _ = global_steps(dataset, 4, 8, 3, state=state)
+    assert first + resumed == uninterrupted
+
+
+def test_packs_fill_the_sequence(tokenizer, shards):
+    dataset = stream(tokenizer, shards, packed=True)
+    packs = [item for item, _ in islice(dataset.items(0, 5, dict.fromkeys(LOCATION, 0)), 5)]
+    assert all(len(pack["tokens"]) == 64 for pack in packs)
+    assert all(max(pack["document_ids"]) >= 2 for pack in packs)
+
+
+def test_a_stream_that_ends_before_the_epoch_is_a_clear_error(tokenizer, shards):
+    dataset = stream(tokenizer, shards)
+    with pytest.raises(DataError, match="max_steps_per_epoch"):
+        global_steps(dataset, 2, 64, 3)
+
+
+def test_shuffle_buffer_without_streaming_is_a_clear_error(tokenizer, shards, tmp_path):
+    with pytest.raises(ConfigError, match="shuffle_buffer_size"):
+        instruct_dataset(
+            tokenizer, source=str(shards / "part-000.jsonl"), template="instruct",
+            shuffle_buffer_size=8, cache_dir=str(tmp_path),
+        )  # fmt: skip
+
+
+def test_malformed_row_names_the_file_and_line(tokenizer, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"instruction": "x", "output": "y"}\n{"instruction": 3\n')
+    dataset = instruct_dataset(
+        tokenizer, source=str(tmp_path), template="instruct", streaming=True,
+        allow_unknown_tokens=True,
+    )  # fmt: skip
+    with pytest.raises(DataError, match=r"a\.jsonl:2: row 1"):
+        list(dataset.items(0, 0, dict.fromkeys(LOCATION, 0)))
