@@ -34,11 +34,10 @@ from typing import Any
 import numpy as np
 
 from tunelab._json_lines import json_rows
-from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, TokenizeRows
+from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, TokenizeRows, malformed_message
 from tunelab.data.packing import pack_samples
 from tunelab.data.rows import IGNORE_INDEX
 from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source
-from tunelab.data.tokenized import _malformed_message
 from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
 from tunelab.errors import ConfigError, DataError
 
@@ -158,7 +157,7 @@ class StreamingDataset:
                 return []
             records = [{name: values[0] for name, values in out.items()}]
             names = [source.name for source in self.sources]
-            raise DataError(_malformed_message(records, 0, names))
+            raise DataError(malformed_message(records, 0, names))
         return [
             {name: out[name][i] for name in SAMPLE_COLUMNS["sft"]}
             for i in range(len(out["tokens"]))

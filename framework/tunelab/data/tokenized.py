@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, tokenized_table
+from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, malformed_message, tokenized_table
 from tunelab.data.packing import pack_samples
 from tunelab.data.rows import IGNORE_INDEX
-from tunelab.data.sources import Source
+from tunelab.data.sources import Source, expand_folders
+from tunelab.data.streaming import DEFAULT_SHUFFLE_BUFFER, StreamingDataset
 from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
 from tunelab.errors import ConfigError, DataError
 
@@ -103,7 +104,7 @@ class TokenizedDataset(Dataset):
         self._pad_id = pad_id
         malformed = _flags(table, "problem")
         if malformed.any() and not skip_malformed:
-            raise DataError(_malformed_message(table, int(np.argmax(malformed)), source_names))
+            raise DataError(malformed_message(table, int(np.argmax(malformed)), source_names))
         self.num_skipped = int(malformed.sum())
         usable = ~malformed
         if not usable.any():
@@ -161,16 +162,6 @@ class TokenizedDataset(Dataset):
         samples = [self._sample(position) for position in range(start, end)]
         (pack,) = pack_samples(samples, self._max_seq_len, self._pad_id, IGNORE_INDEX)
         return pack
-
-
-def _malformed_message(table: Any, row: int, source_names: list[str]) -> str:
-    record = table[row]
-    name = source_names[record["source"]]
-    where = f"{name}:{record['line']}" if record["line"] is not None else name
-    return (
-        f"{where}: row {record['row']} (0-based), column {record['column']!r}: "
-        f"{record['problem']} (set skip_malformed: true to skip such rows)"
-    )
 
 
 def build_tokenized(
@@ -269,9 +260,6 @@ def _stream(
     allow_unknown_tokens: bool,
 ) -> Any:
     """The ``StreamingDataset`` of ``build_tokenized(streaming=True)``."""
-    from tunelab.data.sources import expand_folders
-    from tunelab.data.streaming import DEFAULT_SHUFFLE_BUFFER, StreamingDataset
-
     if kind != "sft":
         raise ConfigError(f"dataset.streaming: supports SFT datasets only, not {kind} data")
     dataset = StreamingDataset(
