@@ -130,3 +130,17 @@ def test_malformed_row_names_the_file_and_line(tokenizer, tmp_path):
     )  # fmt: skip
     with pytest.raises(DataError, match=r"a\.jsonl:2: row 1"):
         list(dataset.items(0, 0, dict.fromkeys(LOCATION, 0)))
+
+
+def test_a_checkpoint_resumes_only_with_the_data_path_that_saved_it(tokenizer, shards):
+    from tunelab.data import StatefulDistributedSampler
+
+    position = StreamPosition(num_sources=NUM_SHARDS, num_replicas=1, seed=0)
+    sampler = StatefulDistributedSampler(10, num_replicas=1, rank=0)
+    with pytest.raises(ConfigError, match="saved by a streaming run"):
+        sampler.load_state_dict(position.state_dict())
+    with pytest.raises(ConfigError, match="saved by a run without streaming"):
+        position.load_state_dict(sampler.state_dict())
+    changed = {**position.state_dict(), "num_sources": NUM_SHARDS + 1}
+    with pytest.raises(ConfigError, match="was it changed"):
+        position.load_state_dict(changed)
