@@ -14,6 +14,8 @@ every rank reproduces, so that its position is a few integers, free of the world
    position alone restores it: no buffered row is saved.
 3. **Tokenize**: each row goes through the builder's own row function (``cache.TokenizeRows``,
    the code the materialised path runs): same templates, same masks, same malformed-row errors.
+   The rows of a window are shared out over the ranks by position and the samples gathered,
+   so each rank tokenizes ``1/W`` of the stream.
 4. **Pack** (``packed: true``): greedily in stream order (``pack_samples``' rule). A pack is
    closed by the first sample that does not fit, so restarting the packer at the first sample
    of the open pack rebuilds the same packs: the packing remainder is that sample's location.
@@ -163,6 +165,39 @@ class StreamingDataset:
             for i in range(len(out["tokens"]))
         ]
 
+    def _tokenize_window(
+        self, buffer: list[tuple[int, int, dict]], order: np.ndarray, taken: int
+    ) -> dict[int, list[dict]]:
+        """The samples of the window's rows from permuted position ``taken`` on, by position.
+
+        Sharded by row: rank ``r`` of ``W`` tokenizes positions ``taken + r``, ``taken + r +
+        W``, ... and one ``all_gather_object`` gives every rank all of them (every rank reads
+        the same stream, so every rank gathers at the same point). A malformed row raises on
+        every rank, the first one by position.
+        """
+        import torch.distributed as dist
+
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+        mine: dict[int, list[dict]] = {}
+        error = None
+        for position in range(taken + rank, len(buffer), world_size):
+            try:
+                mine[position] = self._tokenize(*buffer[order[position]])
+            except DataError as raised:
+                error = (position, str(raised))
+                break
+        if not distributed:
+            if error is not None:
+                raise DataError(error[1])
+            return mine
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, (mine, error))
+        errors = [error for _, error in gathered if error is not None]
+        if errors:
+            raise DataError(min(errors)[1])
+        return {position: samples for part, _ in gathered for position, samples in part.items()}
+
     def _samples(
         self, epoch: int, seed: int, location: dict[str, int]
     ) -> Iterator[tuple[dict | None, dict[str, int]]]:
@@ -177,8 +212,9 @@ class StreamingDataset:
             order = np.random.default_rng([seed, epoch, window]).permutation(len(buffer))
             if self.shuffle_buffer_size == 1:
                 order = np.arange(len(buffer))
+            window_samples = self._tokenize_window(buffer, order, taken)
             for position in range(taken, len(buffer)):
-                samples = self._tokenize(*buffer[order[position]])
+                samples = window_samples[position]
                 for number in range(first, len(samples)):
                     yield samples[number], {**start, "taken": position, "sample": number}
                 first = 0
