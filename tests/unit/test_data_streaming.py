@@ -30,6 +30,19 @@ def shards(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def parquet_shards(tmp_path_factory, shards):
+    """The same rows as 12 Parquet shards (read through ``datasets`` streaming)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path_factory.mktemp("parquet")
+    for path in sorted(shards.iterdir()):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        pq.write_table(pa.Table.from_pylist(rows), folder / (path.stem + ".parquet"))
+    return folder
+
+
 def stream(tokenizer, shards, **kwargs):
     settings = {"template": "instruct", "max_seq_len": 64, "streaming": True, **kwargs}
     return instruct_dataset(tokenizer, source=str(shards), **settings)
@@ -74,6 +87,13 @@ def test_in_order_stream_gives_the_materialised_samples(tokenizer, shards, tmp_p
     assert items == [materialised[i] for i in range(len(materialised))]
 
 
+def test_parquet_shards_stream_the_same_samples(tokenizer, shards, parquet_shards):
+    location = dict.fromkeys(LOCATION, 0)
+    from_json = [item for item, _ in stream(tokenizer, shards).items(0, 5, location)]
+    from_parquet = [item for item, _ in stream(tokenizer, parquet_shards).items(0, 5, location)]
+    assert from_parquet == from_json and len(from_json) == NUM_SHARDS * ROWS_PER_SHARD
+
+
 LOCATION = ("window", "source", "row", "taken", "sample")
 
 
@@ -90,9 +110,14 @@ def test_global_batches_do_not_depend_on_the_world_size(tokenizer, shards, packe
     assert single != in_order
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_resume_from_a_saved_position_continues_the_stream(tokenizer, shards, packed):
-    dataset = stream(tokenizer, shards, shuffle_buffer_size=7, packed=packed)
+@pytest.mark.parametrize(
+    ("packed", "files"), [(False, "jsonl"), (True, "jsonl"), (True, "parquet")]
+)
+def test_resume_from_a_saved_position_continues_the_stream(
+    tokenizer, shards, parquet_shards, packed, files
+):
+    folder = shards if files == "jsonl" else parquet_shards
+    dataset = stream(tokenizer, folder, shuffle_buffer_size=7, packed=packed)
     uninterrupted, _ = global_steps(dataset, 2, 8, 7)
     first, state = global_steps(dataset, 2, 8, 4)
     # A state in the middle of a window and of a pack: the resume must rebuild both.
