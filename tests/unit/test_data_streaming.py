@@ -169,3 +169,13 @@ def test_a_checkpoint_resumes_only_with_the_data_path_that_saved_it(tokenizer, s
     changed = {**position.state_dict(), "num_sources": NUM_SHARDS + 1}
     with pytest.raises(ConfigError, match="was it changed"):
         position.load_state_dict(changed)
+
+
+def test_mixing_a_stream_is_a_clear_error(tokenizer, shards):
+    from tunelab.data import mix_dataset
+
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.streaming: a stream cannot be mixed"):
+        mix_dataset(
+            tokenizer, datasets=[stream(tokenizer, shards), stream(tokenizer, shards)],
+            weights=[1, 1],
+        )  # fmt: skip
