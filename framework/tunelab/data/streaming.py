@@ -130,7 +130,7 @@ class StreamingDataset:
         self._skip_malformed = skip_malformed
         self._max_seq_len = max_seq_len
         self._pad_id = tokenizer.pad_id
-        self._functions: dict[int, TokenizeRows] = {}
+        self._functions: dict[tuple[int, tuple[str, ...]], TokenizeRows] = {}
 
     def _rows(self, source: int, row: int) -> Iterator[tuple[int, int, dict[str, list[Any]]]]:
         """``(source, row, batch)`` for every row of the stream from ``(source, row)`` on."""
@@ -141,18 +141,25 @@ class StreamingDataset:
 
     def _tokenize(self, source: int, row: int, batch: dict[str, list[Any]]) -> list[dict]:
         """The samples of one row (none for a skipped malformed row)."""
-        function = self._functions.get(source)
         json_rows_ = self.sources[source].kind == "json"
-        if function is None:
-            columns = _columns(batch, json_rows_)
-            if columns is None:  # not an object: TokenizeRows reports it without a row function
-                function = TokenizeRows(_no_rows, "sft", source, json_rows_)
-            else:
-                # The first row's keys stand for the file's columns (nothing is read ahead).
-                rows = self._rows_for(self.sources[source].name, columns)
+        columns = _columns(batch, json_rows_)
+        if columns is None:  # not an object: TokenizeRows reports it without a row function
+            function = TokenizeRows(_no_rows, "sft", source, json_rows_)
+        else:
+            # Keyed by the row's own columns (nothing is read ahead), so a row's samples do not
+            # depend on which rows a rank or a resumed run tokenized before it.
+            key = (source, tuple(columns))
+            function = self._functions.get(key)
+            if function is None:
+                try:
+                    rows = self._rows_for(self.sources[source].name, columns)
+                except DataError:
+                    if self._skip_malformed:
+                        return []
+                    raise
                 max_chars = getattr(rows, "max_chars", None)
                 function = TokenizeRows(rows, "sft", source, json_rows_, max_chars)
-                self._functions[source] = function
+                self._functions[key] = function
         out = function(batch, [row])
         if out["problem"] and out["problem"][0] is not None:
             if self._skip_malformed:
