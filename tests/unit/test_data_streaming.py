@@ -1,6 +1,7 @@
 """Streaming datasets: the materialised path's samples, world-size-free batches, exact resume."""
 
 import json
+import shutil
 from itertools import islice
 
 import pytest
@@ -179,3 +180,48 @@ def test_mixing_a_stream_is_a_clear_error(tokenizer, shards):
             tokenizer, datasets=[stream(tokenizer, shards), stream(tokenizer, shards)],
             weights=[1, 1],
         )  # fmt: skip
+
+
+def _two_ranks(rank, init_file, folder, result_dir):
+    """One of 2 gloo ranks: stream ``folder`` whole; write the items, or the error."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
+        try:  # the first windows are read when the dataset is built (check_tokens_fit)
+            dataset = stream(tokenizer, folder, shuffle_buffer_size=7)
+            outcome = [
+                item["tokens"] for item, _ in dataset.items(0, 5, dict.fromkeys(LOCATION, 0))
+            ]
+        except DataError as error:
+            outcome = str(error)
+        (result_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_two_ranks(tmp_path, folder):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), folder, tmp_path), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards, tmp_path):
+    single = [item["tokens"] for item, _ in stream(tokenizer, shards, shuffle_buffer_size=7).items(
+        0, 5, dict.fromkeys(LOCATION, 0)
+    )]  # fmt: skip
+    assert _run_two_ranks(tmp_path, shards) == [single, single]
+
+
+def test_a_malformed_row_tokenized_by_one_rank_stops_both(shards, tmp_path):
+    folder = tmp_path / "data"
+    shutil.copytree(shards, folder)
+    broken = folder / "part-003.jsonl"
+    lines = broken.read_text().splitlines()
+    lines[4] = '{"instruction": "x", "output": ""}'
+    broken.write_text("\n".join(lines) + "\n")
+    outcomes = _run_two_ranks(tmp_path, folder)
+    assert outcomes[0] == outcomes[1]
+    assert isinstance(outcomes[0], str) and "part-003.jsonl:5: row 4" in outcomes[0]
