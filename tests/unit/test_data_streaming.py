@@ -225,3 +225,20 @@ def test_a_malformed_row_tokenized_by_one_rank_stops_both(shards, tmp_path):
     outcomes = _run_two_ranks(tmp_path, folder)
     assert outcomes[0] == outcomes[1]
     assert isinstance(outcomes[0], str) and "part-003.jsonl:5: row 4" in outcomes[0]
+
+
+def test_preview_shows_the_first_items_of_a_stream(shards):
+    import io
+
+    from tunelab.cli import _data
+
+    overrides = [f"dataset.source={shards}", "dataset.data_files=null", "dataset.streaming=true"]
+    out = io.StringIO()
+    _data.preview("tiny/lora", overrides, 3, as_json=True, out=out)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=128)
+    expected = stream(tokenizer, shards, max_seq_len=128).items(0, 0, dict.fromkeys(LOCATION, 0))
+    assert [r["input_ids"] for r in records] == [i["tokens"] for i, _ in islice(expected, 3)]
+    text = io.StringIO()
+    _data.preview("tiny/lora", overrides, 1, as_json=False, out=text)
+    assert text.getvalue().startswith(f"tiny/lora: a stream of {NUM_SHARDS} files (items")
