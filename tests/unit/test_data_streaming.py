@@ -242,3 +242,18 @@ def test_preview_shows_the_first_items_of_a_stream(shards):
     text = io.StringIO()
     _data.preview("tiny/lora", overrides, 1, as_json=False, out=text)
     assert text.getvalue().startswith(f"tiny/lora: a stream of {NUM_SHARDS} files (items")
+
+
+def test_each_epoch_restarts_the_files_with_its_own_shuffle(tokenizer, shards):
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7)
+    window = [i["tokens"] for i, _ in islice(stream(tokenizer, shards, shuffle_buffer_size=1).items(
+        0, 5, dict.fromkeys(LOCATION, 0)), 7)]  # fmt: skip
+    position = StreamPosition(num_sources=NUM_SHARDS, num_replicas=1, seed=5)
+    loader = StreamLoader(dataset, position, batch_size=7, collate_fn=list, rank=0)
+    first = [item["tokens"] for item in next(iter(loader))]
+    position.advance(7)
+    position.set_epoch(1)
+    assert position.consumed == 0 and position.location == dict.fromkeys(LOCATION, 0)
+    second = [item["tokens"] for item in next(iter(loader))]
+    assert sorted(first) == sorted(second) == sorted(window)
+    assert first != second != window
