@@ -257,3 +257,16 @@ def test_each_epoch_restarts_the_files_with_its_own_shuffle(tokenizer, shards):
     second = [item["tokens"] for item in next(iter(loader))]
     assert sorted(first) == sorted(second) == sorted(window)
     assert first != second != window
+
+
+def test_settings_check_refuses_a_stream_without_steps_or_a_streamed_validation(shards, tmp_path):
+    from tunelab.cli._check import check_config
+
+    stream_settings = [f"output_dir={tmp_path / 'out'}", f"dataset.source={shards}",
+                       "dataset.data_files=null", "dataset.streaming=true"]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        check_config("tiny/lora", [*stream_settings, "val_dataset.streaming=true"])
+    message = str(info.value)
+    assert "key 'max_steps_per_epoch': dataset.streaming: true needs it" in message
+    assert "key 'val_dataset.streaming': validation data cannot stream" in message
+    check_config("tiny/lora", [*stream_settings, "max_steps_per_epoch=4"])  # valid
