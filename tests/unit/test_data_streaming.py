@@ -232,7 +232,8 @@ def test_preview_shows_the_first_items_of_a_stream(shards):
 
     from tunelab.cli import _data
 
-    overrides = [f"dataset.source={shards}", "dataset.data_files=null", "dataset.streaming=true"]
+    overrides = [f"dataset.source={shards}", "dataset.data_files=null", "dataset.streaming=true",
+                 "max_steps_per_epoch=4"]  # fmt: skip
     out = io.StringIO()
     _data.preview("tiny/lora", overrides, 3, as_json=True, out=out)
     records = [json.loads(line) for line in out.getvalue().splitlines()]
