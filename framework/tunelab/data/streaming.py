@@ -47,6 +47,7 @@ DEFAULT_SHUFFLE_BUFFER = 1000
 """Rows per shuffle window when ``shuffle_buffer_size`` is not set."""
 
 LOCATION_KEYS = ("window", "source", "row", "taken", "sample")
+_JSON_KEYS = "_keys"
 
 
 def start_location() -> dict[str, int]:
@@ -63,6 +64,8 @@ def _rows_of(source: Source, start: int) -> Iterator[dict[str, list[Any]]]:
                 JSON_TEXT: [text],
                 JSON_LINE: [line],
                 JSON_PROBLEM: [row if text is None else None],
+                # The keys of a row already parsed here (TokenizeRows parses the text itself).
+                _JSON_KEYS: [list(row) if text is not None and isinstance(row, dict) else None],
             }
         return
     import datasets
@@ -83,14 +86,7 @@ def _rows_of(source: Source, start: int) -> Iterator[dict[str, list[Any]]]:
 
 def _columns(batch: dict[str, list[Any]], json_rows_: bool) -> list[str] | None:
     """The columns a row shows (its keys), or None for a JSON line that is not an object."""
-    if not json_rows_:
-        return list(batch)
-    import json
-
-    if batch[JSON_TEXT][0] is None:
-        return None
-    row = json.loads(batch[JSON_TEXT][0])
-    return list(row) if isinstance(row, dict) else None
+    return batch[_JSON_KEYS][0] if json_rows_ else list(batch)
 
 
 class StreamingDataset:
