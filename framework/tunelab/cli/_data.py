@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any, TextIO
 
 from tunelab.cli._check import load_recipe_config, recipe_of_config
@@ -132,6 +133,15 @@ def _highlighted(tokenizer: Any, ids: list[int], labels: list[int], color: bool)
     return "".join(pieces)
 
 
+def _first_items(dataset: Any, rows: int) -> list[dict[str, Any]]:
+    """The first ``rows`` items: by index, or a stream's first (epoch 0, seed 0)."""
+    from tunelab.data.streaming import StreamingDataset, start_location
+
+    if isinstance(dataset, StreamingDataset):
+        return [item for item, _ in islice(dataset.items(0, 0, start_location()), rows)]
+    return [dataset[index] for index in range(min(rows, len(dataset)))]
+
+
 def _summary(config: str, dataset: Any) -> str:
     counts = [
         f"{getattr(dataset, name, 0)} {name.removeprefix('num_')}"
@@ -140,6 +150,8 @@ def _summary(config: str, dataset: Any) -> str:
     ]
     kind = "packs" if getattr(dataset, "packed", False) else "items"
     extra = f" ({', '.join(counts)})" if counts else ""
+    if not hasattr(dataset, "__len__"):  # a stream: its length is unknown
+        return f"{config}: a stream of {len(dataset.sources)} files ({kind} of epoch 0, seed 0)"
     return f"{config}: {len(dataset)} {kind}{extra}"
 
 
@@ -157,11 +169,11 @@ def preview(
     """
     out = out or sys.stdout
     tokenizer, dataset, node = _build(config, overrides)
-    count = min(rows, len(dataset))
+    items = _first_items(dataset, rows)
     if as_json:
-        for index in range(count):
+        for item in items:
             record = {}
-            for side, ids, labels in _sequences(dataset[index]):
+            for side, ids, labels in _sequences(item):
                 prefix = f"{side}_" if side else ""
                 record[f"{prefix}input_ids"], record[f"{prefix}labels"] = ids, labels
             out.write(json.dumps(record) + "\n")
@@ -171,8 +183,8 @@ def preview(
     layout = _layout_line(tokenizer, node)
     if layout:
         out.write(layout + "\n")
-    for index in range(count):
-        for side, ids, labels in _sequences(dataset[index]):
+    for index, item in enumerate(items):
+        for side, ids, labels in _sequences(item):
             num_trained = sum(label != IGNORE_INDEX for label in labels)
             name = f"item {index}{f' {side}' if side else ''}"
             out.write(f"\n--- {name}: {len(ids)} tokens, {num_trained} trained ---\n")

@@ -113,6 +113,8 @@ _DATASET = {
     "column_map": dict[str, Annotated[str, NonEmpty()]] | None,
     "num_proc": Annotated[int, Range(ge=1)] | None,
     "cache_dir": Annotated[str, NonEmpty()] | None,
+    "streaming": bool,
+    "shuffle_buffer_size": Annotated[int, Range(ge=1)] | None,
 }
 _ADAM = {
     "lr": PositiveLR,
@@ -166,6 +168,8 @@ RULES: dict[str, ComponentRules] = {
             "allow_unknown_tokens": bool,
             "num_proc": _DATASET["num_proc"],
             "cache_dir": _DATASET["cache_dir"],
+            "streaming": bool,
+            "shuffle_buffer_size": _DATASET["shuffle_buffer_size"],
         },
         check_data_source,
     ),

@@ -11,7 +11,7 @@ This module must not import torch: ``tunelab validate`` imports it to check a co
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from omegaconf import DictConfig
 
@@ -201,10 +201,11 @@ class FinetuneArgs(RecipeArgs):
     """lm-evaluation-harness tasks scored during training (scores logged as eval/<task>/<metric>)."""
 
     def check_settings(self) -> list[str]:
-        """Check the eval schedule, checkpointing keys and the tokenizer of another folder.
+        """Check the eval schedule, checkpointing keys, streaming, and another tokenizer.
 
-        The selective activation-checkpointing keys need checkpointing on; a tokenizer read
-        from another folder must fit the model's vocabulary.
+        The selective activation-checkpointing keys need checkpointing on; a streamed dataset
+        needs max_steps_per_epoch; a tokenizer read from another folder must fit the model's
+        vocabulary.
         """
         problems = super().check_settings() + self.eval.check_settings()
         if not self.enable_activation_checkpointing:
@@ -212,6 +213,7 @@ class FinetuneArgs(RecipeArgs):
                 problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_every"))
             if self.activation_checkpointing_scope != "block":
                 problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_scope"))
+        problems += _streaming_problems(self.dataset, self.val_dataset, self.max_steps_per_epoch)
         path = self.tokenizer.get("path") if isinstance(self.tokenizer, DictConfig) else None
         if isinstance(path, str) and path:
             problems += [
@@ -219,6 +221,23 @@ class FinetuneArgs(RecipeArgs):
                 for problem in tokenizer_fits_model(Path(path), Path(self.checkpoint_dir))
             ]
         return problems
+
+
+def _streaming_problems(dataset: Any, val_dataset: Any, max_steps_per_epoch: int | None) -> list:
+    """A streamed dataset needs ``max_steps_per_epoch``; validation data cannot stream."""
+
+    def streams(node: Any) -> bool:
+        return isinstance(node, DictConfig) and node.get("streaming") is True
+
+    problems = []
+    if streams(dataset) and max_steps_per_epoch is None:
+        problems.append(
+            "key 'max_steps_per_epoch': dataset.streaming: true needs it (a stream's length is "
+            "unknown, and the schedule and progress need the number of steps)"
+        )
+    if streams(val_dataset):
+        problems.append("key 'val_dataset.streaming': validation data cannot stream")
+    return problems
 
 
 @dataclass(kw_only=True)

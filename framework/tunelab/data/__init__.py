@@ -9,6 +9,9 @@
 4. Open the result as a dataset: ``tokenized`` (``TokenizedDataset``), built by ``sft``,
    ``preference`` and ``prompts``; ``mix`` weights several.
 5. Pack: ``packing``. 6. Collate: ``collate``. 7. Sample over ranks, resumably: ``sampler``.
+
+With ``streaming: true``, stages 3 to 5 run on the fly instead (``streaming``) and the global
+batches are split over ranks with a saved stream position (``stream_loader``).
 """
 
 from tunelab.data.chat import apply_chat_template, tokenize_conversation

@@ -389,3 +389,14 @@ def _open(folder: Path, kind: str) -> Any:
     if not parts:
         return Dataset.from_dict({name: [] for name in features(kind)}, features=features(kind))
     return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+def malformed_message(table: Any, row: int, source_names: list[str]) -> str:
+    """What a malformed row's error says: ``file:line: row N (0-based), column: why``."""
+    record = table[row]
+    name = source_names[record["source"]]
+    where = f"{name}:{record['line']}" if record["line"] is not None else name
+    return (
+        f"{where}: row {record['row']} (0-based), column {record['column']!r}: "
+        f"{record['problem']} (set skip_malformed: true to skip such rows)"
+    )

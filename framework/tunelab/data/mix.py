@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from tunelab.data.streaming import StreamingDataset
 from tunelab.errors import ConfigError
 
 
@@ -189,4 +190,10 @@ def mix_dataset(
     if tokenizer is None and any(isinstance(d, DatasetSpec) for d in datasets):
         return DatasetSpec.capture(mix_dataset, locals())
     built = [d.build(tokenizer) if isinstance(d, DatasetSpec) else d for d in datasets]
+    streamed = [k for k, dataset in enumerate(built) if isinstance(dataset, StreamingDataset)]
+    if streamed:
+        raise ConfigError(
+            f"mix_dataset: datasets[{streamed[0]}].streaming: a stream cannot be mixed (the "
+            "weights need each dataset's length); remove streaming"
+        )
     return MixedDataset(built, list(weights), num_samples=num_samples, seed=seed)

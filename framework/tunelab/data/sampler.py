@@ -143,6 +143,11 @@ class StatefulDistributedSampler(Sampler[int]):
         Raises:
             ConfigError: If a key is missing or ``consumed`` exceeds the dataset length.
         """
+        if "stream" in state_dict:
+            raise ConfigError(
+                "dataset.streaming: the checkpoint was saved by a streaming run; resume it with "
+                "streaming: true"
+            )
         missing = {"epoch", "consumed", "seed"} - set(state_dict)
         if missing:
             raise ConfigError(f"sampler state is missing {', '.join(sorted(missing))}")

@@ -27,6 +27,7 @@ from tunelab.data.rows import (
     resolve_columns,
 )
 from tunelab.data.sources import resolve_sources
+from tunelab.data.streaming import StreamingDataset
 from tunelab.data.templates import Template, get_template
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
@@ -81,8 +82,10 @@ def instruct_dataset(
     allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
+    streaming: bool = False,
+    shuffle_buffer_size: int | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset | DatasetSpec:
+) -> TokenizedDataset | StreamingDataset | DatasetSpec:
     """Instruction rows (alpaca ``instruction`` / ``input`` / ``output``) as SFT samples.
 
     Each row becomes a user message (the instruction, plus the input when non-empty) and an
@@ -115,6 +118,9 @@ def instruct_dataset(
             count)``; small sources use fewer).
         cache_dir: Where tokenized datasets are cached (default: ``tunelab/`` in the
             ``datasets`` cache).
+        streaming: Read, tokenize and pack the rows on the fly instead of tokenizing them
+            ahead into the cache (``tunelab.data.streaming``); needs ``max_steps_per_epoch``.
+        shuffle_buffer_size: Rows per shuffle window of a stream (default 1000; 1: in order).
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -160,6 +166,8 @@ def instruct_dataset(
         num_proc=num_proc,
         cache_dir=cache_dir,
         allow_unknown_tokens=allow_unknown_tokens,
+        streaming=streaming,
+        shuffle_buffer_size=shuffle_buffer_size,
     )
 
 
@@ -181,8 +189,10 @@ def chat_dataset(
     allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
+    streaming: bool = False,
+    shuffle_buffer_size: int | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset | DatasetSpec:
+) -> TokenizedDataset | StreamingDataset | DatasetSpec:
     """Conversations as SFT samples; by default only assistant turns are trained.
 
     With ``template: auto`` (the default) each conversation is rendered with the tokenizer's
@@ -222,6 +232,9 @@ def chat_dataset(
             build: the tokenizer does not fit the data).
         num_proc: As for ``instruct_dataset``.
         cache_dir: As for ``instruct_dataset``.
+        streaming: Read, tokenize and pack the rows on the fly instead of tokenizing them
+            ahead into the cache (``tunelab.data.streaming``); needs ``max_steps_per_epoch``.
+        shuffle_buffer_size: Rows per shuffle window of a stream (default 1000; 1: in order).
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -270,6 +283,8 @@ def chat_dataset(
         num_proc=num_proc,
         cache_dir=cache_dir,
         allow_unknown_tokens=allow_unknown_tokens,
+        streaming=streaming,
+        shuffle_buffer_size=shuffle_buffer_size,
     )
 
 
@@ -286,8 +301,10 @@ def text_dataset(
     allow_unknown_tokens: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
+    streaming: bool = False,
+    shuffle_buffer_size: int | None = None,
     **load_dataset_kwargs: Any,
-) -> TokenizedDataset | DatasetSpec:
+) -> TokenizedDataset | StreamingDataset | DatasetSpec:
     """Plain text (continued pre-training): every token trained, each row BOS + text + EOS.
 
     Args:
@@ -303,6 +320,9 @@ def text_dataset(
         allow_unknown_tokens: As for ``instruct_dataset``.
         num_proc: As for ``instruct_dataset``.
         cache_dir: As for ``instruct_dataset``.
+        streaming: Read, tokenize and pack the rows on the fly instead of tokenizing them
+            ahead into the cache (``tunelab.data.streaming``); needs ``max_steps_per_epoch``.
+        shuffle_buffer_size: Rows per shuffle window of a stream (default 1000; 1: in order).
         **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
 
     Returns:
@@ -332,4 +352,6 @@ def text_dataset(
         num_proc=num_proc,
         cache_dir=cache_dir,
         allow_unknown_tokens=allow_unknown_tokens,
+        streaming=streaming,
+        shuffle_buffer_size=shuffle_buffer_size,
     )

@@ -223,6 +223,29 @@ def resolve_sources(
     return [Source(name, "hub", source, split, data_files, load_dataset_kwargs)]
 
 
+def expand_folders(sources: list[Source]) -> list[Source]:
+    """``sources`` with each local folder replaced by its data files, sorted by path.
+
+    A stream's position counts files and rows, so a folder must be a fixed list of files (the
+    hub ids stay one source each, read through ``datasets`` streaming).
+
+    Raises:
+        DataError: If a folder holds no data file.
+    """
+    expanded = []
+    for source in sources:
+        folder = Path(source.loader)
+        if source.kind != "hub" or not folder.is_dir():
+            expanded.append(source)
+            continue
+        suffixes = (*_SUFFIX_TO_LOADER, ARROW_SUFFIX)
+        files = sorted(str(f) for f in folder.rglob("*") if f.suffix.lower() in suffixes)
+        if not files:
+            raise DataError(f"{source.name}: no data file ({', '.join(suffixes)}) in the folder")
+        expanded += [_file_source(_loader_of(file, None), file, source.kwargs) for file in files]
+    return expanded
+
+
 def _loader_of(file: str, loader: str | None) -> str:
     """The loader of ``file``: its suffix's for an Arrow file, else the one given or implied."""
     suffix = Path(file).suffix.lower()

@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, tokenized_table
+from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, malformed_message, tokenized_table
 from tunelab.data.packing import pack_samples
 from tunelab.data.rows import IGNORE_INDEX
-from tunelab.data.sources import Source
+from tunelab.data.sources import Source, expand_folders
+from tunelab.data.streaming import DEFAULT_SHUFFLE_BUFFER, StreamingDataset
 from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 
 
 def _flags(table: Any, column: str) -> np.ndarray:
@@ -103,7 +104,7 @@ class TokenizedDataset(Dataset):
         self._pad_id = pad_id
         malformed = _flags(table, "problem")
         if malformed.any() and not skip_malformed:
-            raise DataError(_malformed_message(table, int(np.argmax(malformed)), source_names))
+            raise DataError(malformed_message(table, int(np.argmax(malformed)), source_names))
         self.num_skipped = int(malformed.sum())
         usable = ~malformed
         if not usable.any():
@@ -163,16 +164,6 @@ class TokenizedDataset(Dataset):
         return pack
 
 
-def _malformed_message(table: Any, row: int, source_names: list[str]) -> str:
-    record = table[row]
-    name = source_names[record["source"]]
-    where = f"{name}:{record['line']}" if record["line"] is not None else name
-    return (
-        f"{where}: row {record['row']} (0-based), column {record['column']!r}: "
-        f"{record['problem']} (set skip_malformed: true to skip such rows)"
-    )
-
-
 def build_tokenized(
     tokenizer: Tokenizer,
     *,
@@ -188,8 +179,13 @@ def build_tokenized(
     cache_dir: str | None = None,
     describe: str = "",
     allow_unknown_tokens: bool = False,
-) -> TokenizedDataset:
+    streaming: bool = False,
+    shuffle_buffer_size: int | None = None,
+) -> Any:
     """Tokenize ``sources`` once per machine (``cache.tokenized_table``) and open the table.
+
+    With ``streaming`` nothing is tokenized ahead: the result is a ``StreamingDataset`` over
+    the same row functions.
 
     Args:
         tokenizer: The tokenizer.
@@ -206,13 +202,26 @@ def build_tokenized(
         describe: What a preference error calls the dataset.
         allow_unknown_tokens: Skip ``check_tokens_fit`` (the first samples may be mostly
             unknown or padding tokens).
+        streaming: Return a ``StreamingDataset`` (SFT only).
+        shuffle_buffer_size: Rows per shuffle window of a stream (streaming only).
 
     Returns:
-        The dataset.
+        The dataset (a ``TokenizedDataset``, or a ``StreamingDataset`` with ``streaming``).
 
     Raises:
+        ConfigError: For ``shuffle_buffer_size`` without ``streaming``.
         DataError: For a malformed row, or a tokenizer that does not fit the data.
     """
+    if streaming:
+        return _stream(
+            tokenizer, rows_for, sources, skip_malformed, kind, packed, max_seq_len,
+            shuffle_buffer_size, allow_unknown_tokens,
+        )  # fmt: skip
+    if shuffle_buffer_size is not None:
+        raise ConfigError(
+            f"dataset.shuffle_buffer_size={shuffle_buffer_size} applies to streaming only: "
+            "set streaming: true or remove it"
+        )
     table = tokenized_table(
         builder=builder,
         kind=kind,
@@ -236,4 +245,32 @@ def build_tokenized(
     if not allow_unknown_tokens:
         where = ", ".join(source.name for source in sources)
         check_tokens_fit(tokenizer, dataset.first_token_lists(UNKNOWN_CHECK_SAMPLES), where)
+    return dataset
+
+
+def _stream(
+    tokenizer: Tokenizer,
+    rows_for: Callable[[str, list[str]], RowFunction],
+    sources: list[Source],
+    skip_malformed: bool,
+    kind: str,
+    packed: bool,
+    max_seq_len: int | None,
+    shuffle_buffer_size: int | None,
+    allow_unknown_tokens: bool,
+) -> Any:
+    """The ``StreamingDataset`` of ``build_tokenized(streaming=True)``."""
+    if kind != "sft":
+        raise ConfigError(f"dataset.streaming: supports SFT datasets only, not {kind} data")
+    dataset = StreamingDataset(
+        tokenizer,
+        rows_for=rows_for,
+        sources=expand_folders(sources),
+        skip_malformed=skip_malformed,
+        packed=packed,
+        max_seq_len=max_seq_len,
+        shuffle_buffer_size=shuffle_buffer_size or DEFAULT_SHUFFLE_BUFFER,
+    )
+    if not allow_unknown_tokens:
+        dataset.check_tokens_fit(tokenizer)
     return dataset

@@ -26,12 +26,14 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.config.recipe_args import CheckpointArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.data.preference import IndexedPairs
+from tunelab.data.stream_loader import StreamLoader, StreamPosition
+from tunelab.data.streaming import StreamingDataset
 from tunelab.errors import ConfigError, DataError
 from tunelab.lifecycle import Preemption, RunFolder, restart_of_job
 from tunelab.training.loop import peak_memory_gib
 from tunelab.training.profiler import StepProfiler
 from tunelab.training.progress import ProgressBar
-from tunelab.training.setup import build_dataloader
+from tunelab.training.setup import build_dataloader, build_stream_loader
 
 if TYPE_CHECKING:
     from tunelab.checkpoint import CheckpointClient
@@ -41,10 +43,10 @@ if TYPE_CHECKING:
 class TrainingData:
     """A recipe's loaders, the sampler whose position checkpoints save, and the step size."""
 
-    loader: DataLoader
+    loader: DataLoader | StreamLoader
     """This rank's training micro-batches."""
-    sampler: StatefulDistributedSampler
-    """The resumable sampler behind ``loader``."""
+    sampler: StatefulDistributedSampler | StreamPosition
+    """The resumable sampler behind ``loader`` (a stream's position with ``streaming``)."""
     val_loader: DataLoader | None
     """Validation micro-batches, or None without a validation dataset."""
     steps_per_epoch: int
@@ -133,6 +135,11 @@ def build_data(
         "context_parallel_size": context_parallel_size,
     }
     train = instantiate(dataset, tokenizer=tokenizer)
+    if isinstance(train, StreamingDataset):
+        return _stream_data(
+            train, tokenizer, common, val_dataset, max_steps_per_epoch, index_pairs,
+            gradient_accumulation_steps,
+        )  # fmt: skip
     if index_pairs:
         train = IndexedPairs(train)
     loader, sampler = build_dataloader(train, **common, pad_id=tokenizer.pad_id)
@@ -158,6 +165,39 @@ def build_data(
     return TrainingData(
         loader, sampler, val_loader, steps_per_epoch, gradient_accumulation_steps, samples_per_step
     )
+
+
+def _stream_data(
+    train: StreamingDataset,
+    tokenizer: Any,
+    common: dict[str, Any],
+    val_dataset: Any,
+    max_steps_per_epoch: int | None,
+    index_pairs: bool,
+    gradient_accumulation_steps: int,
+) -> TrainingData:
+    """``build_data`` for a ``StreamingDataset``: an epoch is ``max_steps_per_epoch`` steps."""
+    if max_steps_per_epoch is None:
+        raise ConfigError(
+            "max_steps_per_epoch: dataset.streaming: true needs it (a stream's length is "
+            "unknown, and the schedule and progress need the number of steps)"
+        )
+    if index_pairs:
+        raise ConfigError("dataset.streaming: supports SFT recipes only")
+    loader, position = build_stream_loader(train, **common, pad_id=tokenizer.pad_id)
+    val_loader = None
+    if val_dataset is not None:
+        validation = instantiate(val_dataset, tokenizer=tokenizer)
+        if isinstance(validation, StreamingDataset):
+            raise ConfigError("val_dataset.streaming: validation data cannot stream")
+        val_loader, _ = build_dataloader(
+            validation, **common, shuffle=False, pad_id=tokenizer.pad_id
+        )
+    samples_per_step = common["batch_size"] * gradient_accumulation_steps
+    return TrainingData(
+        loader, position, val_loader, max_steps_per_epoch, gradient_accumulation_steps,
+        samples_per_step,
+    )  # fmt: skip
 
 
 def keep_global_batch(

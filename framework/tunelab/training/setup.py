@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset
 import tunelab.peft as peft
 from tunelab.config.lora import LoRAArgs
 from tunelab.data import StatefulDistributedSampler
+from tunelab.data.stream_loader import StreamLoader, StreamPosition
+from tunelab.data.streaming import StreamingDataset
 from tunelab.distributed import apply_activation_checkpointing, shard_model
 from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.errors import ConfigError
@@ -198,6 +200,39 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler
+
+
+def build_stream_loader(
+    dataset: StreamingDataset,
+    *,
+    batch_size: int,
+    collate_fn: Callable[..., dict[str, torch.Tensor]],
+    seed: int,
+    **collate_kwargs: Any,
+) -> tuple[StreamLoader, StreamPosition]:
+    """This rank's share of a stream's global batches and their resumable position.
+
+    Args:
+        dataset: A ``StreamingDataset``.
+        batch_size: Items per micro-batch on this rank.
+        collate_fn: Turns a list of items into a batch of tensors.
+        seed: Seed of the shuffle windows.
+        **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
+
+    Returns:
+        The loader and its position (which the checkpoint saves).
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    position = StreamPosition(num_sources=len(dataset.sources), num_replicas=world_size, seed=seed)
+    loader = StreamLoader(
+        dataset,
+        position,
+        batch_size=batch_size,
+        collate_fn=partial(collate_fn, **collate_kwargs),
+        rank=rank,
+    )
+    return loader, position
 
 
 def config_fingerprint(args: Any) -> str:

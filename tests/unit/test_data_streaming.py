@@ -1,0 +1,273 @@
+"""Streaming datasets: the materialised path's samples, world-size-free batches, exact resume."""
+
+import json
+import shutil
+from itertools import islice
+
+import pytest
+
+from tunelab import _paths
+from tunelab.data import instruct_dataset, load_tokenizer
+from tunelab.data.stream_loader import StreamLoader, StreamPosition
+from tunelab.errors import ConfigError, DataError
+
+TINY = _paths.assets_dir() / "tiny"
+NUM_SHARDS, ROWS_PER_SHARD = 12, 15
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(str(TINY), max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The first 180 rows of the tiny SFT data as 12 JSONL shards of 15 rows."""
+    folder = tmp_path_factory.mktemp("shards")
+    rows = (TINY / "sft.jsonl").read_text().splitlines()
+    for shard in range(NUM_SHARDS):
+        lines = rows[shard * ROWS_PER_SHARD : (shard + 1) * ROWS_PER_SHARD]
+        (folder / f"part-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def parquet_shards(tmp_path_factory, shards):
+    """The same rows as 12 Parquet shards (read through ``datasets`` streaming)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path_factory.mktemp("parquet")
+    for path in sorted(shards.iterdir()):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        pq.write_table(pa.Table.from_pylist(rows), folder / (path.stem + ".parquet"))
+    return folder
+
+
+def stream(tokenizer, shards, **kwargs):
+    settings = {"template": "instruct", "max_seq_len": 64, "streaming": True, **kwargs}
+    return instruct_dataset(tokenizer, source=str(shards), **settings)
+
+
+def global_steps(dataset, world_size, global_batch, num_steps, state=None):
+    """Each step's items in global order (rank r's item i at r + i * W) and the final state."""
+    micro_batch = global_batch // world_size
+    positions = [
+        StreamPosition(num_sources=len(dataset.sources), num_replicas=world_size, seed=5)
+        for _ in range(world_size)
+    ]
+    if state is not None:
+        for position in positions:
+            position.load_state_dict(json.loads(json.dumps(state)))
+    loaders = [
+        iter(StreamLoader(dataset, p, batch_size=micro_batch, collate_fn=list, rank=rank))
+        for rank, p in enumerate(positions)
+    ]
+    steps = []
+    for _ in range(num_steps):
+        per_rank = [next(loader) for loader in loaders]
+        step = [per_rank[i % world_size][i // world_size] for i in range(global_batch)]
+        steps.append([item["tokens"] for item in step])
+        for position in positions:
+            position.advance(micro_batch)
+    states = [position.state_dict() for position in positions]
+    assert all(s == states[0] for s in states)
+    return steps, states[0]
+
+
+def test_in_order_stream_gives_the_materialised_samples(tokenizer, shards, tmp_path):
+    # shuffle_buffer_size 1 reads in order: the same row function makes the same samples.
+    streamed = stream(tokenizer, shards, shuffle_buffer_size=1)
+    files = sorted(str(f) for f in shards.iterdir())
+    materialised = instruct_dataset(
+        tokenizer, source="json", data_files=files, template="instruct", max_seq_len=64,
+        cache_dir=str(tmp_path),
+    )  # fmt: skip
+    items = [item for item, _ in streamed.items(0, 5, {k: 0 for k in LOCATION})]
+    assert len(items) == len(materialised) == NUM_SHARDS * ROWS_PER_SHARD
+    assert items == [materialised[i] for i in range(len(materialised))]
+
+
+def test_parquet_shards_stream_the_same_samples(tokenizer, shards, parquet_shards):
+    location = dict.fromkeys(LOCATION, 0)
+    from_json = [item for item, _ in stream(tokenizer, shards).items(0, 5, location)]
+    from_parquet = [item for item, _ in stream(tokenizer, parquet_shards).items(0, 5, location)]
+    assert from_parquet == from_json and len(from_json) == NUM_SHARDS * ROWS_PER_SHARD
+
+
+LOCATION = ("window", "source", "row", "taken", "sample")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_global_batches_do_not_depend_on_the_world_size(tokenizer, shards, packed):
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7, packed=packed)
+    single, state = global_steps(dataset, 1, 8, 4)
+    for world_size in (2, 4):
+        assert global_steps(dataset, world_size, 8, 4) == (single, state)
+    # The shuffle moved rows, within windows of 7 rows that span shards.
+    in_order, _ = global_steps(
+        stream(tokenizer, shards, packed=packed, shuffle_buffer_size=1), 1, 8, 4
+    )
+    assert single != in_order
+
+
+@pytest.mark.parametrize(
+    ("packed", "files"), [(False, "jsonl"), (True, "jsonl"), (True, "parquet")]
+)
+def test_resume_from_a_saved_position_continues_the_stream(
+    tokenizer, shards, parquet_shards, packed, files
+):
+    folder = shards if files == "jsonl" else parquet_shards
+    dataset = stream(tokenizer, folder, shuffle_buffer_size=7, packed=packed)
+    uninterrupted, _ = global_steps(dataset, 2, 8, 7)
+    first, state = global_steps(dataset, 2, 8, 4)
+    # A state in the middle of a window and of a pack: the resume must rebuild both.
+    assert state["stream"]["taken"] > 0
+    resumed, _ = global_steps(dataset, 4, 8, 3, state=state)
+    assert first + resumed == uninterrupted
+
+
+def test_packs_fill_the_sequence(tokenizer, shards):
+    dataset = stream(tokenizer, shards, packed=True)
+    packs = [item for item, _ in islice(dataset.items(0, 5, dict.fromkeys(LOCATION, 0)), 5)]
+    assert all(len(pack["tokens"]) == 64 for pack in packs)
+    assert all(max(pack["document_ids"]) >= 2 for pack in packs)
+
+
+def test_a_stream_that_ends_before_the_epoch_is_a_clear_error(tokenizer, shards):
+    dataset = stream(tokenizer, shards)
+    with pytest.raises(DataError, match="max_steps_per_epoch"):
+        global_steps(dataset, 2, 64, 3)
+
+
+def test_shuffle_buffer_without_streaming_is_a_clear_error(tokenizer, shards, tmp_path):
+    with pytest.raises(ConfigError, match="shuffle_buffer_size"):
+        instruct_dataset(
+            tokenizer, source=str(shards / "part-000.jsonl"), template="instruct",
+            shuffle_buffer_size=8, cache_dir=str(tmp_path),
+        )  # fmt: skip
+
+
+def test_malformed_row_names_the_file_and_line(tokenizer, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"instruction": "x", "output": "y"}\n{"instruction": 3\n')
+    dataset = instruct_dataset(
+        tokenizer, source=str(tmp_path), template="instruct", streaming=True,
+        allow_unknown_tokens=True,
+    )  # fmt: skip
+    with pytest.raises(DataError, match=r"a\.jsonl:2: row 1"):
+        list(dataset.items(0, 0, dict.fromkeys(LOCATION, 0)))
+
+
+def test_a_checkpoint_resumes_only_with_the_data_path_that_saved_it(tokenizer, shards):
+    from tunelab.data import StatefulDistributedSampler
+
+    position = StreamPosition(num_sources=NUM_SHARDS, num_replicas=1, seed=0)
+    sampler = StatefulDistributedSampler(10, num_replicas=1, rank=0)
+    with pytest.raises(ConfigError, match="saved by a streaming run"):
+        sampler.load_state_dict(position.state_dict())
+    with pytest.raises(ConfigError, match="saved by a run without streaming"):
+        position.load_state_dict(sampler.state_dict())
+    changed = {**position.state_dict(), "num_sources": NUM_SHARDS + 1}
+    with pytest.raises(ConfigError, match="was it changed"):
+        position.load_state_dict(changed)
+
+
+def test_mixing_a_stream_is_a_clear_error(tokenizer, shards):
+    from tunelab.data import mix_dataset
+
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.streaming: a stream cannot be mixed"):
+        mix_dataset(
+            tokenizer, datasets=[stream(tokenizer, shards), stream(tokenizer, shards)],
+            weights=[1, 1],
+        )  # fmt: skip
+
+
+def _two_ranks(rank, init_file, folder, result_dir):
+    """One of 2 gloo ranks: stream ``folder`` whole; write the items, or the error."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
+        try:  # the first windows are read when the dataset is built (check_tokens_fit)
+            dataset = stream(tokenizer, folder, shuffle_buffer_size=7)
+            outcome = [
+                item["tokens"] for item, _ in dataset.items(0, 5, dict.fromkeys(LOCATION, 0))
+            ]
+        except DataError as error:
+            outcome = str(error)
+        (result_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_two_ranks(tmp_path, folder):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), folder, tmp_path), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards, tmp_path):
+    single = [item["tokens"] for item, _ in stream(tokenizer, shards, shuffle_buffer_size=7).items(
+        0, 5, dict.fromkeys(LOCATION, 0)
+    )]  # fmt: skip
+    assert _run_two_ranks(tmp_path, shards) == [single, single]
+
+
+def test_a_malformed_row_tokenized_by_one_rank_stops_both(shards, tmp_path):
+    folder = tmp_path / "data"
+    shutil.copytree(shards, folder)
+    broken = folder / "part-003.jsonl"
+    lines = broken.read_text().splitlines()
+    lines[4] = '{"instruction": "x", "output": ""}'
+    broken.write_text("\n".join(lines) + "\n")
+    outcomes = _run_two_ranks(tmp_path, folder)
+    assert outcomes[0] == outcomes[1]
+    assert isinstance(outcomes[0], str) and "part-003.jsonl:5: row 4" in outcomes[0]
+
+
+def test_preview_shows_the_first_items_of_a_stream(shards):
+    import io
+
+    from tunelab.cli import _data
+
+    overrides = [f"dataset.source={shards}", "dataset.data_files=null", "dataset.streaming=true",
+                 "max_steps_per_epoch=4"]  # fmt: skip
+    out = io.StringIO()
+    _data.preview("tiny/lora", overrides, 3, as_json=True, out=out)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=128)
+    expected = stream(tokenizer, shards, max_seq_len=128).items(0, 0, dict.fromkeys(LOCATION, 0))
+    assert [r["input_ids"] for r in records] == [i["tokens"] for i, _ in islice(expected, 3)]
+    text = io.StringIO()
+    _data.preview("tiny/lora", overrides, 1, as_json=False, out=text)
+    assert text.getvalue().startswith(f"tiny/lora: a stream of {NUM_SHARDS} files (items")
+
+
+def test_each_epoch_restarts_the_files_with_its_own_shuffle(tokenizer, shards):
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7)
+    window = [i["tokens"] for i, _ in islice(stream(tokenizer, shards, shuffle_buffer_size=1).items(
+        0, 5, dict.fromkeys(LOCATION, 0)), 7)]  # fmt: skip
+    position = StreamPosition(num_sources=NUM_SHARDS, num_replicas=1, seed=5)
+    loader = StreamLoader(dataset, position, batch_size=7, collate_fn=list, rank=0)
+    first = [item["tokens"] for item in next(iter(loader))]
+    position.advance(7)
+    position.set_epoch(1)
+    assert position.consumed == 0 and position.location == dict.fromkeys(LOCATION, 0)
+    second = [item["tokens"] for item in next(iter(loader))]
+    assert sorted(first) == sorted(second) == sorted(window)
+    assert first != second != window
+
+
+def test_settings_check_refuses_a_stream_without_steps_or_a_streamed_validation(shards, tmp_path):
+    from tunelab.cli._check import check_config
+
+    stream_settings = [f"output_dir={tmp_path / 'out'}", f"dataset.source={shards}",
+                       "dataset.data_files=null", "dataset.streaming=true"]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        check_config("tiny/lora", [*stream_settings, "val_dataset.streaming=true"])
+    message = str(info.value)
+    assert "key 'max_steps_per_epoch': dataset.streaming: true needs it" in message
+    assert "key 'val_dataset.streaming': validation data cannot stream" in message
+    check_config("tiny/lora", [*stream_settings, "max_steps_per_epoch=4"])  # valid
