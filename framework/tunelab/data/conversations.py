@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunelab.data.chat_template import REASONING_KEYS, ChatTemplate
-from tunelab.data.rows import BadRow, Render
+from tunelab.data.rows import BadRow, Render, conversation_style
 
 # Roles a chat-template conversation may use.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -43,14 +43,6 @@ SHAREGPT_ROLES = {
     "observation": "tool",
     "tool": "tool",
 }
-
-
-def _style_of(first: Any) -> str:
-    """``sharegpt`` when the first message has ``from`` or ``value`` and no OpenAI key."""
-    if isinstance(first, dict) and not {"role", "content"} & set(first):
-        if {"from", "value"} & set(first):
-            return "sharegpt"
-    return "openai"
 
 
 def _json_value(value: Any, column: str, what: str) -> Any:
@@ -199,14 +191,7 @@ def read_conversation(value: Any, column: str, style: str = "auto") -> list[dict
             arguments are not a JSON object, a tool message answers no call, or there is no
             assistant turn or an empty one (no content and no tool call).
     """
-    if value is None:
-        raise BadRow(column, "missing value")
-    if not isinstance(value, list):
-        raise BadRow(column, f"expected a list of messages, got {type(value).__name__}")
-    if not value:
-        raise BadRow(column, "empty conversation")
-    if style == "auto":
-        style = _style_of(value[0])
+    style = conversation_style(value, column, style)
     read = _sharegpt_message if style == "sharegpt" else _openai_message
     messages = []
     for index, message in enumerate(value):

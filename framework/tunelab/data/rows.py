@@ -162,8 +162,24 @@ def read_text(row: dict[str, Any], column: str, *, optional: bool = False) -> st
     return value
 
 
-def _style_of(first: Any) -> str:
-    """``sharegpt`` when the first message has ``from`` or ``value`` and no OpenAI key."""
+def conversation_style(value: Any, column: str, style: str) -> str:
+    """Check that ``value`` is a non-empty list of messages; its style (``auto`` resolved).
+
+    ``auto`` is ``sharegpt`` when the first message has ``from`` or ``value`` and no OpenAI
+    key (``role``, ``content``), else ``openai``.
+
+    Raises:
+        BadRow: If the conversation is missing, not a list, or empty.
+    """
+    if value is None:
+        raise BadRow(column, "missing value")
+    if not isinstance(value, list):
+        raise BadRow(column, f"expected a list of messages, got {type(value).__name__}")
+    if not value:
+        raise BadRow(column, "empty conversation")
+    if style != "auto":
+        return style
+    first = value[0]
     if isinstance(first, dict) and not {"role", "content"} & set(first):
         if {"from", "value"} & set(first):
             return "sharegpt"
@@ -186,14 +202,7 @@ def read_messages(value: Any, column: str, style: str = "openai") -> list[tuple[
     Raises:
         BadRow: If the conversation is missing, empty, or a message is malformed.
     """
-    if value is None:
-        raise BadRow(column, "missing value")
-    if not isinstance(value, list):
-        raise BadRow(column, f"expected a list of messages, got {type(value).__name__}")
-    if not value:
-        raise BadRow(column, "empty conversation")
-    if style == "auto":
-        style = _style_of(value[0])
+    style = conversation_style(value, column, style)
     role_key, content_key = ("from", "value") if style == "sharegpt" else ("role", "content")
     messages = []
     for i, message in enumerate(value):

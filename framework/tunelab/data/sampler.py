@@ -26,6 +26,7 @@ and on resume ``sampler.load_state_dict(state)`` before building the iterator. B
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -33,6 +34,16 @@ from torch.utils.data import Sampler
 from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+
+def resumed_seed(state_dict: dict[str, Any], configured: int) -> int:
+    """The data seed a resume continues with: the checkpoint's, said when it differs."""
+    saved = int(state_dict["seed"])
+    if saved != configured:
+        logger.warning(
+            "resuming with the checkpoint's data seed %s, not the configured %s", saved, configured
+        )
+    return saved
 
 
 class StatefulDistributedSampler(Sampler[int]):
@@ -157,12 +168,6 @@ class StatefulDistributedSampler(Sampler[int]):
                 f"sampler state has consumed={consumed} but the dataset has {self.dataset_len} "
                 "items: was the dataset changed since the checkpoint?"
             )
-        if int(state_dict["seed"]) != self.seed:
-            logger.warning(
-                "resuming with the checkpoint's data seed %s, not the configured %s",
-                state_dict["seed"],
-                self.seed,
-            )
-        self.seed = int(state_dict["seed"])
+        self.seed = resumed_seed(state_dict, self.seed)
         self.epoch = int(state_dict["epoch"])
         self.consumed = consumed

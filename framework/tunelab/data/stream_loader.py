@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
+from tunelab.data.sampler import resumed_seed
 from tunelab.data.streaming import LOCATION_KEYS, StreamingDataset, start_location
 from tunelab.errors import ConfigError, DataError
 
@@ -93,13 +94,7 @@ class StreamPosition:
                 f"dataset.streaming: the checkpoint's stream had {state_dict['num_sources']} "
                 f"files, the dataset now has {self.num_sources}: was it changed?"
             )
-        if int(state_dict["seed"]) != self.seed:
-            logger.warning(
-                "resuming with the checkpoint's data seed %s, not the configured %s",
-                state_dict["seed"],
-                self.seed,
-            )
-        self.seed = int(state_dict["seed"])
+        self.seed = resumed_seed(state_dict, self.seed)
         self.epoch = int(state_dict["epoch"])
         self.consumed = int(state_dict["consumed"])
         self.location = {key: int(state_dict["stream"][key]) for key in LOCATION_KEYS}
