@@ -60,7 +60,14 @@ class _HashingFileSystem(FileSystem):
             return
         with super().create_stream(path, mode) as stream, ThreadPoolExecutor(1) as hasher:
             hashing = HashingWriter(stream, hasher)
-            yield hashing
+            try:
+                yield hashing
+            except RuntimeError as error:
+                # torch.save's zip writer swallows the OSError its write raised (a full disk)
+                # and fails later with "unexpected pos ...": the OSError is the cause to report.
+                if hashing.failure is not None:
+                    raise hashing.failure from error
+                raise
             self.book.add(Path(path).name, hashing.record())
 
 

@@ -208,15 +208,20 @@ def build_stream_loader(
     batch_size: int,
     collate_fn: Callable[..., dict[str, torch.Tensor]],
     seed: int,
+    context_parallel_size: int = 1,
     **collate_kwargs: Any,
 ) -> tuple[StreamLoader, StreamPosition]:
     """This rank's share of a stream's global batches and their resumable position.
+
+    As in :func:`build_dataloader`, the ranks of a cp group share their items: the stream's
+    replicas are the data-parallel ranks.
 
     Args:
         dataset: A ``StreamingDataset``.
         batch_size: Items per micro-batch on this rank.
         collate_fn: Turns a list of items into a batch of tensors.
         seed: Seed of the shuffle windows.
+        context_parallel_size: Ranks that split each sample's sequence.
         **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
 
     Returns:
@@ -224,7 +229,8 @@ def build_stream_loader(
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    position = StreamPosition(num_sources=len(dataset.sources), num_replicas=world_size, seed=seed)
+    replicas, rank = world_size // context_parallel_size, rank // context_parallel_size
+    position = StreamPosition(num_sources=len(dataset.sources), num_replicas=replicas, seed=seed)
     loader = StreamLoader(
         dataset,
         position,
