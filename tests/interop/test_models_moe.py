@@ -14,6 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.interop.adapter_checks import (
+    assert_adapter_and_merge_give_our_logits,
+    randomize_lora_b,
+)
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.config.lora import EXPERT_TARGETS, LoRAArgs
 from tunelab.generation import generate
@@ -22,7 +26,6 @@ from tunelab.modules import RouterStats
 from tunelab.peft import (
     adapter_state_dict,
     apply_lora,
-    get_adapter_params,
     load_peft_adapter,
     merged_state_dict,
     read_adapter_config,
@@ -273,28 +276,7 @@ def test_lora_adapter_loads_in_peft_and_merge_loads_in_transformers(moe_dir, tmp
     path = moe_dir(family)
     model = load_pretrained(path)
     swapped = apply_lora(model, LoRAArgs(targets=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in get_adapter_params(model).items():
-            if "lora_B" in name:
-                param.normal_(std=0.2)
-    tokens = _tokens()
-    with torch.no_grad():
-        expected = model(tokens)
-    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, use_rslora=False)
-    save_peft_adapter(
-        adapter_state_dict(model), lora.peft_config(swapped, str(path)), tmp_path / "adapter"
-    )
-    adapted = peft.PeftModel.from_pretrained(_hf(path), tmp_path / "adapter").eval()
-    ours = set(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
-    assert len(ours) == 2 * len(swapped)
-    assert set(peft.get_peft_model_state_dict(adapted)) == ours
-    merged = model.state_dict_adapter.to_hf(merged_state_dict(model))
-    save_hf_sharded(merged, tmp_path / "merged", source_dir=path)
-    with torch.no_grad():
-        assert _max_error(adapted(tokens).logits, expected) <= TOLERANCE
-        assert _max_error(_hf(tmp_path / "merged")(tokens).logits, expected) <= TOLERANCE
-        assert _max_error(_hf(path)(tokens).logits, expected) > 1e-2
+    assert_adapter_and_merge_give_our_logits(model, swapped, path, tmp_path, _tokens(), TOLERANCE)
 
 
 _PEFT_LOADS_EXPERTS = "target_parameters" in getattr(peft.LoraConfig, "__dataclass_fields__", {})
@@ -306,11 +288,8 @@ def _expert_lora_model(path, targets):
     model = load_pretrained(path)
     lora = LoRAArgs(rank=4, alpha=8.0, targets=targets)
     swapped = apply_lora(model, lora)
-    torch.manual_seed(1)
+    randomize_lora_b(model)
     with torch.no_grad():
-        for name, param in get_adapter_params(model).items():
-            if "lora_B" in name:
-                param.normal_(std=0.2)
         expected = model(_tokens())
     return model, lora, swapped, expected
 
