@@ -180,7 +180,9 @@ class RouterLoss:
         """
         if stats is None:
             return 0.0
-        loss, z_loss = stats.loss(), stats.z_loss()
+        loss = stats.loss()
+        # The z-loss only when weighted: under context parallelism it is one more collective.
+        z_loss = stats.z_loss() if self.z_coefficient > 0 else torch.zeros((), device=loss.device)
         self._sum = self._sum + torch.stack([loss.detach(), z_loss.detach()]).to(self._sum)
         self._count += 1
         ranks = 1 if self.context is None else self.context.size
