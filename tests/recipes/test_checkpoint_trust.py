@@ -105,8 +105,15 @@ def test_corrupt_newest_checkpoint_is_moved_aside_and_the_run_finishes_exactly(r
         [TUNELAB, "verify", str(out / "step_4")], capture_output=True, text=True
     )
     assert verify.returncode == 1
+    # The range named is the one item (and its padding) that holds the flipped byte.
+    manifest = json.loads((out / "step_4" / "tunelab_manifest.json").read_text())
+    ((start, length, _),) = [
+        piece
+        for piece in manifest["files"]["__1_0.distcp"]["ranges"]
+        if piece[0] <= len(raw) // 2 < piece[0] + piece[1]
+    ]
     assert verify.stdout.strip() == (
-        f"FAILED {data}: content differs from its checksum (bytes 0..{len(raw)})"
+        f"FAILED {data}: content differs from its checksum (bytes {start}..{start + length})"
     )
 
     result = _run(out, "checkpoint.resume_from_checkpoint=true")
@@ -246,11 +253,11 @@ def test_write_failures_are_one_line_and_leave_committed_checkpoints_intact(refe
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 2.5 MB tmpfs (a real full disk); skipped where mounting is not permitted."""
+    """A 1.7 MB tmpfs (a real full disk); skipped where mounting is not permitted."""
     mount_point = tmp_path / "tmpfs"
     mount_point.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", "size=1700k", "tmpfs", str(mount_point)],
         capture_output=True,
     )
     if mounted.returncode != 0:
@@ -261,7 +268,7 @@ def small_tmpfs(tmp_path):
 
 def test_full_disk_is_one_line_and_the_committed_checkpoint_stays_intact(small_tmpfs):
     out = small_tmpfs / "run"
-    # step_2 (~1.6 MB) fits; step_4 does not: ENOSPC in the middle of its shards.
+    # step_2 (~1.1 MB) fits; step_4 does not: ENOSPC in the middle of its shards.
     result = _run(out, check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output, output[-3000:]

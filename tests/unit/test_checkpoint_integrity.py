@@ -1,8 +1,5 @@
 """Checksums taken while writing, verification, and step checkpoints that never unpickle."""
 
-import contextlib
-import errno
-import io
 import json
 import pickle
 
@@ -154,15 +151,88 @@ def test_crafted_tensor_record_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "pwned"
     metadata = json.loads((tmp_path / ".metadata.json").read_text())
     # An attacker rewrites the data file with a pickle that runs code and points every item
-    # at it (even with the checksums recomputed, the loader never executes it).
+    # at it (even with the checksums recomputed, the loader never executes it): raw records
+    # are bytes of the size the metadata gives, never deserialized.
     payload = pickle.dumps(_Payload(marker))
     (tmp_path / "__0_0.distcp").write_bytes(payload)
     for item in metadata["items"]:
         item[4:6] = [0, len(payload)]
     (tmp_path / ".metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="'model.b' is .* bytes, which is not the size"):
+        load({"model": {"b": torch.zeros(4)}}, tmp_path)
+    # The format tunelab wrote before raw files (torch.save records) is still read, and a
+    # pickle there is refused by torch.load(weights_only=True), never run.
+    metadata["format"] = "tunelab-dcp-metadata/1"
+    (tmp_path / ".metadata.json").write_text(json.dumps(metadata))
     with pytest.raises(CheckpointError, match="cannot load .*Weights only load failed"):
         load({"model": {"b": torch.zeros(4)}}, tmp_path)
     assert not marker.exists()
+
+
+class _TorchSaveWriter(dcp.FileSystemWriter):
+    """torch's writer (a torch.save record per tensor) with the JSON metadata of format 1."""
+
+    def finish(self, metadata, results):
+        storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        payload = json.dumps(_dcp_json.to_json(metadata, storage_data, raw_records=False))
+        (self.path / ".metadata.json").write_text(payload)
+
+
+def test_checkpoints_of_the_torch_save_format_still_load(tmp_path):
+    # A run saved by tunelab before raw tensor files resumes after an upgrade.
+    dcp.save(_state(), storage_writer=_TorchSaveWriter(tmp_path), no_dist=True)
+    target = {
+        "model": {"w": torch.zeros(5, 3), "b": torch.zeros(4)},
+        "optimizer": {"step": torch.tensor(0.0), "m": torch.zeros(7)},
+    }
+    load(target, tmp_path)
+    expected = _state()
+    for group in expected:
+        for key in expected[group]:
+            assert torch.equal(target[group][key], expected[group][key]), key
+
+
+def test_raw_records_are_the_tensor_bytes_at_aligned_offsets_one_range_each(tmp_path):
+    from tunelab.checkpoint._tensor_files import ALIGN
+
+    records = _save(tmp_path)
+    metadata = json.loads((tmp_path / ".metadata.json").read_text())
+    assert metadata["format"] == "tunelab-dcp-metadata/2"
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    state = _state()
+    ranges = records["__0_0.distcp"]["ranges"]
+    assert len(ranges) == len(metadata["items"]) == 4
+    ends = {offset + length for offset, length, _ in ranges}
+    for fqn, _, _, name, offset, length in metadata["items"]:
+        group, key = fqn.split(".")
+        expected = state[group][key].reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert name == "__0_0.distcp" and offset % ALIGN == 0
+        assert data[offset : offset + length] == expected, fqn
+        assert offset + length in ends, fqn  # an item's range ends where the item does
+
+
+def test_a_load_verifies_what_it_reads_and_names_the_range(tmp_path):
+    from tunelab.checkpoint._tensor_files import ContentMismatch
+
+    records = _save(tmp_path)
+    metadata = json.loads((tmp_path / ".metadata.json").read_text())
+    offset = next(item[4] for item in metadata["items"] if item[0] == "optimizer.m")
+    target = {"optimizer": {"m": torch.zeros(7)}}
+    verified = load(target, tmp_path, records)
+    (start,) = [r[0] for r in records["__0_0.distcp"]["ranges"] if r[0] <= offset < r[0] + r[1]]
+    assert verified == {("__0_0.distcp", start)}  # only the range it read
+    with open(tmp_path / "__0_0.distcp", "r+b") as file:
+        file.seek(offset + 5)
+        byte = file.read(1)
+        file.seek(offset + 5)
+        file.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ContentMismatch, match=r"__0_0\.distcp: content differs from its checksum"):
+        load(target, tmp_path, records)
+    # Without records nothing is verified (a caller's choice); the flipped bit arrives.
+    load(target, tmp_path)
+    assert not torch.equal(target["optimizer"]["m"], _state()["optimizer"]["m"])
+    # Another item, not read by this load, is untouched by the flip and still verifies.
+    assert load({"model": {"w": torch.zeros(5, 3)}}, tmp_path, records)
 
 
 @pytest.mark.parametrize(
@@ -220,53 +290,26 @@ def test_the_package_never_unpickles_a_file():
     assert offenders == []
 
 
-class _FullDisk(io.RawIOBase):
-    """A file on a disk with ``room`` bytes left: the write that passes it fails (ENOSPC)."""
+def test_a_write_the_file_system_refuses_is_one_line_naming_the_file(tmp_path):
+    # A real refusal by the kernel: a file-size limit (EFBIG, as a full disk gives ENOSPC)
+    # reached while a data file is written.
+    import resource
+    import signal
 
-    def __init__(self, room: int) -> None:
-        super().__init__()
-        self.room = room
+    state = {"model": {"w": torch.randn(1 << 16)}}
+    previous_signal = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, previous_limit[1]))
+    try:
+        with pytest.raises(CheckpointException) as caught:
+            dcp.save(state, storage_writer=ChecksummedWriter(tmp_path / "step_4"), no_dist=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_signal)
+    from tunelab.checkpoint.dcp import as_checkpoint_error
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if size > self.room:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.room -= size
-        return size
-
-
-def test_a_full_disk_inside_torch_save_is_reported_as_the_full_disk(monkeypatch):
-    # torch.save's zip writer swallows the OSError its write raised when the disk fills while
-    # it writes its end records, and fails with "unexpected pos ..." instead (seen in CI on a
-    # small tmpfs): the checkpoint's file system reports the OSError, which becomes one line.
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    from tunelab.checkpoint.dcp import _HashingFileSystem, as_checkpoint_error
-
-    swallowed = []
-    for room in range(0, 400):
-        try:
-            torch.save(torch.zeros(10), integrity.HashingWriter(_FullDisk(room)))
-        except RuntimeError:
-            swallowed.append(room)
-        except OSError:
-            pass
-    assert swallowed, "torch.save no longer hides the OSError: this check is moot"
-
-    room = swallowed[0]
-
-    @contextlib.contextmanager
-    def full_disk(self, path, mode):
-        yield _FullDisk(room)
-
-    monkeypatch.setattr(FileSystem, "create_stream", full_disk)
-    files = _HashingFileSystem(integrity.RecordBook())
-    with pytest.raises(OSError) as caught:
-        with files.create_stream("step_4/__0_0.distcp", "wb") as stream:
-            torch.save(torch.zeros(10), stream)
-    assert caught.value.errno == errno.ENOSPC
-    line = str(as_checkpoint_error(caught.value, "step_4", "writing checkpoint"))
-    assert line == "writing checkpoint step_4 failed: No space left on device", line
+    line = str(as_checkpoint_error(caught.value, tmp_path / "step_4", "writing checkpoint"))
+    assert line == (
+        f"writing checkpoint {tmp_path / 'step_4'} failed: "
+        f"{tmp_path / 'step_4' / '__0_0.distcp'}: File too large"
+    ), line

@@ -5,8 +5,9 @@
 rank at resume. tunelab writes the same information as ``.metadata.json`` instead and reads it
 back through a strict parser that accepts tensor entries only (a ``BytesStorageMetadata`` entry
 would make DCP ``torch.load`` the bytes with ``weights_only=False``), known dtypes only, and no
-storage transforms. Tensor records in ``.distcp`` files are read by DCP with
-``torch.load(weights_only=True)``.
+storage transforms. Format 2 (``_tensor_files``) stores each item as its raw bytes, described by this
+metadata (dtype and chunk shape); format 1, written by tunelab before it, stored ``torch.save``
+records, which are still read, by DCP with ``torch.load(weights_only=True)``.
 """
 
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from tunelab.errors import CheckpointError
 
 METADATA_JSON_NAME = ".metadata.json"
 """The JSON form of a step checkpoint's DCP metadata (there is no pickled ``.metadata``)."""
-_FORMAT = "tunelab-dcp-metadata/1"
+_FORMAT = "tunelab-dcp-metadata/2"
+_TORCH_SAVE_FORMAT = "tunelab-dcp-metadata/1"  # items are torch.save records (still read)
 _DTYPES = {
     str(dtype): dtype
     for dtype in (
@@ -54,8 +56,20 @@ class StorageInfo:
     transform_descriptors: None = None
 
 
-def to_json(metadata: Metadata, storage_data: dict[MetadataIndex, Any]) -> dict[str, Any]:
+def holds_raw_records(data: dict[str, Any]) -> bool:
+    """Whether metadata that :func:`from_json` accepted describes raw tensor files."""
+    return data["format"] == _FORMAT
+
+
+def to_json(
+    metadata: Metadata, storage_data: dict[MetadataIndex, Any], *, raw_records: bool = True
+) -> dict[str, Any]:
     """Encode DCP metadata and the items' storage locations as plain JSON values.
+
+    Args:
+        metadata: What DCP planned.
+        storage_data: Where each item was written.
+        raw_records: The items are raw bytes (False: ``torch.save`` records, format 1).
 
     Raises:
         CheckpointError: If the state holds something other than strided tensors of a known
@@ -81,7 +95,7 @@ def to_json(metadata: Metadata, storage_data: dict[MetadataIndex, Any]) -> dict[
         items.append([index.fqn, offset, index.index, info.relative_path, info.offset, info.length])
     mappings = metadata.planner_data or {}
     return {
-        "format": _FORMAT,
+        "format": _FORMAT if raw_records else _TORCH_SAVE_FORMAT,
         "version": metadata.version,
         "tensors": tensors,
         "items": items,
@@ -100,7 +114,7 @@ def from_json(data: Any, source: str) -> Metadata:
         CheckpointError: If anything is not exactly what :func:`to_json` writes.
     """
     try:
-        if data["format"] != _FORMAT:
+        if data["format"] not in (_FORMAT, _TORCH_SAVE_FORMAT):
             raise ValueError(f"format {data['format']!r}, expected {_FORMAT!r}")
         state_dict_metadata = {}
         for fqn, entry in data["tensors"].items():

@@ -40,9 +40,11 @@ from torch.distributed.tensor import DTensor
 from tunelab._model_files import read_model_bytes
 from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint._dcp_json import METADATA_JSON_NAME
+from tunelab.checkpoint._tensor_files import ContentMismatch
 from tunelab.checkpoint.dcp import (
     DCPSaver,
     FileRecords,
+    SafeReader,
     WriterFactory,
     as_checkpoint_error,
     load,
@@ -275,7 +277,10 @@ class CheckpointClient:
                 self._check_fingerprint(checkpoint)
                 problem = self._verify(checkpoint)
                 if problem is None:
-                    return self._load(checkpoint)
+                    try:
+                        return self._load(checkpoint)
+                    except ContentMismatch as error:  # the same on every rank
+                        problem = str(error)
             # Every rank names it (the problem is the same everywhere), so the one error line
             # is the same whichever rank's error the launcher reports.
             # The checkpoint's own path once, not in each of its files' problems, and each
@@ -300,13 +305,18 @@ class CheckpointClient:
         return None
 
     def _verify(self, checkpoint: CommittedCheckpoint) -> str | None:
-        """Check every file of ``checkpoint`` against its checksums, ranks sharing the reads.
+        """Check ``checkpoint``'s files against their checksums, ranks sharing the reads.
+
+        The raw tensor files are left to the load, which verifies their bytes as it reads
+        them (:meth:`_load`): each byte is read once. Everything else (the metadata, the
+        trainer state, tensor files of the ``torch.save`` format) is verified here.
 
         Returns:
             The same on every rank: None, or the first problem (and how many more).
         """
         files = checkpoint.manifest["files"]
-        names = sorted(files)
+        streamed = _streamed_files(checkpoint.path, files)
+        names = sorted(name for name in files if name not in streamed)
         problems = integrity.problems_in(
             checkpoint.path, files, names=names[self.rank :: self.world_size]
         )
@@ -323,15 +333,49 @@ class CheckpointClient:
                 checkpoint.path / TRAINER_STATE_NAME, checkpoint.step
             )
             problems += [state_problem] if state_problem else []
-        gathered: list[Any] = [problems]
-        if self.world_size > 1:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, problems, group=self._saver.process_group)
-        everything = [problem for rank_problems in gathered for problem in rank_problems]
+        return self._first_problem(problems)
+
+    def _first_problem(self, problems: list[str]) -> str | None:
+        """Every rank's ``problems`` gathered: None, or the first (and how many more)."""
+        everything = [
+            problem for rank_problems in self._gather(problems) for problem in rank_problems
+        ]
         if not everything:
             return None
         more = f" (and {len(everything) - 1} more)" if len(everything) > 1 else ""
         return everything[0] + more
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (on the checkpoint's own group)."""
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self._saver.process_group)
+        return gathered
+
+    def _verify_unread(
+        self, checkpoint: CommittedCheckpoint, verified: set[tuple[str, int]]
+    ) -> None:
+        """Verify the ranges of the raw tensor files that no rank's load read.
+
+        Raises:
+            ContentMismatch: If one differs from its checksum (on every rank).
+        """
+        files = checkpoint.manifest["files"]
+        read = set().union(*self._gather(verified))
+        unread = [
+            (name, offset)
+            for name in sorted(_streamed_files(checkpoint.path, files))
+            for offset, _, _ in files[name]["ranges"]
+            if (name, offset) not in read
+        ]
+        problems = []
+        for name, offset in unread[self.rank :: self.world_size]:
+            problem = integrity.check_file(checkpoint.path / name, files[name], only={offset})
+            problems += [f"{checkpoint.path / name}: {problem}"] if problem else []
+        problem = self._first_problem(problems)
+        if problem is not None:
+            raise ContentMismatch(problem)
 
     def _broadcast(self, objects: list[Any]) -> None:
         if self.world_size > 1:
@@ -360,7 +404,7 @@ class CheckpointClient:
                 f"(and {len(missing) - 1} more): it was made for another model or adapter"
             )
         try:
-            load(tensors, checkpoint.path)
+            verified = load(tensors, checkpoint.path, checkpoint.manifest["files"])
         except CheckpointError:
             raise
         except Exception as error:
@@ -368,6 +412,7 @@ class CheckpointClient:
                 f"{checkpoint.path} passed verification but cannot be loaded: "
                 f"{type(error).__name__}: {first_line(error)}"
             ) from error
+        self._verify_unread(checkpoint, verified)
         for group, saved in zip(param_groups, trainer_state["optimizer_param_groups"], strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
         optim_sd = {**tensors["optimizer"], "param_groups": param_groups}
@@ -472,6 +517,22 @@ class CheckpointClient:
                 "python": platform.python_version(),
             },
         }
+
+
+def _streamed_files(path: Path, files: Mapping[str, Any]) -> set[str]:
+    """The files of a step checkpoint its load verifies as it reads them (raw tensor files).
+
+    Empty for a checkpoint of the ``torch.save`` format or one whose metadata cannot be read
+    (its verification then fails on the metadata itself, before anything is loaded).
+    """
+    try:
+        reader = SafeReader(path)
+        metadata = reader.read_metadata()
+    except CheckpointError:
+        return set()
+    if not reader.raw_records:
+        return set()
+    return {info.relative_path for info in metadata.storage_data.values()} & set(files)
 
 
 def _global_shape(param: torch.Tensor) -> torch.Size:

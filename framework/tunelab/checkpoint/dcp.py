@@ -5,34 +5,54 @@ while training runs collectives on it aborts both processes, and a second save, 
 async, started while one is in flight deadlocks. So async saves run on a dedicated gloo
 group, and every save first waits for the one in flight.
 
-Step checkpoints are written by :class:`ChecksummedWriter` (every file hashed as it is
-written, metadata as JSON rather than DCP's pickled ``.metadata``) and read back by
-:class:`SafeReader`, which parses that JSON strictly and loads tensor data only.
+Step checkpoints are written by :class:`ChecksummedWriter` (raw tensor files, every item
+hashed as it is written, metadata as JSON rather than DCP's pickled ``.metadata``) and read
+back by :class:`SafeReader`, which parses that JSON strictly, reads tensor bytes only and
+verifies them as they arrive. DCP still plans both: which rank writes which chunk, and which
+stored chunks each rank reads (resharding to another world size).
 """
 
 import contextlib
 import io
 import json
+import math
 import os
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from tunelab.checkpoint import _dcp_json
-from tunelab.checkpoint.integrity import FileRecord, HashingWriter, RecordBook, record_of
+from tunelab.checkpoint._dcp_json import StorageInfo
+from tunelab.checkpoint._tensor_files import (
+    ContentMismatch,
+    Want,
+    read_wanted,
+    tensor_bytes,
+    write_tensor_file,
+)
+from tunelab.checkpoint.integrity import FileRecord, record_of
 from tunelab.checkpoint.layout import write_atomic
 from tunelab.distributed import collective_timeout
 from tunelab.errors import CheckpointError, TunelabError, first_line
@@ -42,63 +62,72 @@ WriterFactory = Callable[[Path], StorageWriter]
 # Write results under this prefix carry a rank's file checksums to the coordinator's finish
 # step, through the gather DCP does anyway (no extra collective).
 _RECORD_PREFIX = "\0tunelab-file-record/"
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local filesystem, with every file opened for writing hashed as it is written."""
-
-    def __init__(self, book: RecordBook) -> None:
-        super().__init__()
-        self.book = book
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        """Open ``path``; a stream opened with ``"wb"`` records its checksum when closed."""
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with super().create_stream(path, mode) as stream, ThreadPoolExecutor(1) as hasher:
-            hashing = HashingWriter(stream, hasher)
-            try:
-                yield hashing
-            except RuntimeError as error:
-                # torch.save's zip writer swallows the OSError its write raised (a full disk)
-                # and fails later with "unexpected pos ...": the OSError is the cause to report.
-                if hashing.failure is not None:
-                    raise hashing.failure from error
-                raise
-            self.book.add(Path(path).name, hashing.record())
+WRITE_THREADS = 2
+"""Files each rank writes in parallel in a step save (see docs/benchmarks.md, checkpoint I/O)."""
+READ_THREADS = 2
+"""Files each rank reads in parallel on resume."""
+_MIN_FILE_BYTES = 64 << 20  # a rank's state is split into files of at least this size
 
 
 class ChecksummedWriter(dcp.FileSystemWriter):
-    """``FileSystemWriter`` that checksums every file and writes its metadata as JSON.
+    """DCP storage writer of step checkpoints: raw tensor files, checksummed, JSON metadata.
 
+    DCP plans the save (which rank writes which chunk); each rank then writes its items'
+    bytes into ``threads`` files in parallel (``_tensor_files``: raw bytes at aligned offsets,
+    hashed while written, write-back started as they are written, one ``fsync`` per file).
     After a save, the coordinator's :attr:`file_records` holds every rank's files and
     ``.metadata.json`` with their checksums: what the step's manifest lists.
 
     Args:
         path: The checkpoint folder.
         sync_files: fsync every file before the save completes.
+        threads: Files written in parallel by each rank (items split between them by size).
     """
 
-    def __init__(self, path: str | os.PathLike, *, sync_files: bool = True) -> None:
-        super().__init__(path, sync_files=sync_files)
-        self._book = RecordBook()
-        self.fs = _HashingFileSystem(self._book)
+    def __init__(
+        self, path: str | os.PathLike, *, sync_files: bool = True, threads: int = WRITE_THREADS
+    ) -> None:
+        super().__init__(path, sync_files=sync_files, thread_count=threads)
         self.file_records: FileRecords = {}
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> torch.futures.Future[list[WriteResult]]:
         """Write this rank's items, then add its file checksums to the write results."""
-        future = super().write_data(plan, planner)
-        results = list(future.wait())
-        results += [
-            WriteResult(
-                index=MetadataIndex(_RECORD_PREFIX + name), size_in_bytes=0, storage_data=record
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                raise CheckpointError(f"{item.index.fqn!r} is not a tensor; only tensors are saved")
+        prefix = plan.storage_data.prefix
+        buckets = _split_by_size([item for item in plan.items], self.thread_count)
+        jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
+
+        def write(name: str, items: list[WriteItem]) -> tuple[list[WriteResult], FileRecord]:
+            tensors = [_cpu(planner.resolve_data(item)) for item in items]
+            places, record = write_tensor_file(
+                Path(self.path) / name, tensors, sync=self.sync_files
             )
-            for name, record in self._book.records().items()
-        ]
-        done: Any = type(future)()
+            return [
+                WriteResult(
+                    index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, *place)
+                )
+                for item, place in zip(items, places, strict=True)
+                for length in (place[1],)
+            ], record
+
+        results: list[WriteResult] = []
+        with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+            for (name, _), (written, record) in zip(
+                jobs, pool.map(lambda job: write(*job), jobs), strict=True
+            ):
+                results += written
+                results.append(
+                    WriteResult(
+                        index=MetadataIndex(_RECORD_PREFIX + name),
+                        size_in_bytes=0,
+                        storage_data=record,
+                    )
+                )
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done
 
@@ -118,8 +147,64 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         self.file_records = records
 
 
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def _split_by_size(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """``items`` in groups of about equal bytes, largest first, one file each.
+
+    At most ``bins`` groups, and no more than one per ``_MIN_FILE_BYTES``: a small state
+    (an adapter, a tiny model) stays one file per rank.
+    """
+
+    def size(item: WriteItem) -> int:
+        data = item.tensor_data
+        return math.prod(data.size) * data.properties.dtype.itemsize if data else 0
+
+    total = sum(size(item) for item in items)
+    groups: list[list[WriteItem]] = [[] for _ in range(max(1, min(bins, total // _MIN_FILE_BYTES)))]
+    loads = [0] * len(groups)
+    for item in sorted(items, key=size, reverse=True):
+        smallest = loads.index(min(loads))
+        groups[smallest].append(item)
+        loads[smallest] += size(item)
+    return [group for group in groups if group] or [[]]
+
+
 class SafeReader(dcp.FileSystemReader):
-    """``FileSystemReader`` that reads ``.metadata.json`` (never a pickle) and tensors only."""
+    """DCP storage reader of step checkpoints: JSON metadata only, raw tensor bytes only.
+
+    Reads ``.metadata.json`` (never a pickle). Each rank reads the items its shards need, file
+    by file in ``threads`` parallel threads, each run of items sequentially in large reads
+    straight into the destination tensors, and verifies each item's range against the
+    manifest's digest as the bytes arrive (no second read); :attr:`verified` names the
+    ranges it checked. Checkpoints of tunelab before raw files (``torch.save`` records) are
+    read through DCP's own reader with ``torch.load(weights_only=True)``, unverified here
+    (the client verifies them whole first).
+
+    Args:
+        path: The checkpoint folder.
+        records: The manifest's file records (None: read without verifying).
+        threads: Files read in parallel by each rank.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        records: FileRecords | None = None,
+        *,
+        threads: int = READ_THREADS,
+    ) -> None:
+        super().__init__(path)
+        self._records = records
+        self._threads = threads
+        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        self.raw_records = True
+        """Whether the data files hold raw bytes (False: ``torch.save`` records)."""
+        self.verified: set[tuple[str, int]] = set()
+        """``(file, range offset)`` of every range this rank read and verified."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Parse and validate the JSON metadata.
@@ -136,7 +221,104 @@ class SafeReader(dcp.FileSystemReader):
             raise CheckpointError(f"{path}: unreadable checkpoint metadata ({error})") from None
         metadata = _dcp_json.from_json(data, str(path))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        self.raw_records = _dcp_json.holds_raw_records(data)
+        self._chunks = {
+            MetadataIndex(fqn, chunk.offsets): (chunk.sizes, entry.properties.dtype)
+            for fqn, entry in metadata.state_dict_metadata.items()
+            for chunk in entry.chunks  # type: ignore[union-attr]
+        }
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        """Read this rank's items (raw files: verified as they arrive)."""
+        if not self.raw_records:
+            return super().read_data(plan, planner)
+        per_file: dict[str, dict[int, list[ReadItem]]] = {}
+        for request in plan.items:
+            info = self.storage_data[request.storage_index]
+            per_file.setdefault(info.relative_path, {}).setdefault(info.offset, []).append(request)
+        jobs = [
+            (name, [self._want(name, requests, planner) for requests in items.values()])
+            for name, items in sorted(per_file.items())
+        ]
+
+        def read(name: str, wants: list[Want]) -> None:
+            record = self._records.get(name) if self._records is not None else None
+            if self._records is not None and record is None:
+                raise ContentMismatch(f"{Path(self.path) / name}: not listed in the manifest")
+            size = record["size"] if record else os.stat(Path(self.path) / name).st_size
+            read_wanted(Path(self.path) / name, size, wants)
+
+        with ThreadPoolExecutor(max(1, min(self._threads, len(jobs)))) as pool:
+            list(pool.map(lambda job: read(*job), jobs))
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _want(self, name: str, requests: list[ReadItem], planner: LoadPlanner) -> Want:
+        """What to read for one stored item, and where its bytes go."""
+        info = self.storage_data[requests[0].storage_index]
+        sizes, dtype = self._chunks.get(
+            MetadataIndex(requests[0].storage_index.fqn, requests[0].storage_index.offset),
+            (None, None),
+        )
+        if sizes is None or info.length != math.prod(sizes) * dtype.itemsize:
+            raise CheckpointError(
+                f"{Path(self.path) / name}: item {requests[0].storage_index.fqn!r} is "
+                f"{info.length} bytes, which is not the size its metadata gives"
+            )
+        start, length, digest = info.offset, info.length, None
+        record = self._records.get(name) if self._records is not None else None
+        if record is not None:
+            # The range that ends where the item ends: the item and the padding before it.
+            found = [r for r in record["ranges"] if r[0] <= info.offset < r[0] + r[1]]
+            if not found or found[0][0] + found[0][1] != info.offset + info.length:
+                raise ContentMismatch(
+                    f"{Path(self.path) / name}: no checksummed range holds item "
+                    f"{requests[0].storage_index.fqn!r}"
+                )
+            start, length, digest = found[0]
+        # The common case (a resume on the world size that saved): the stored chunk is the
+        # whole destination shard, whose memory takes the bytes as they are read.
+        into, whole = None, None
+        if len(requests) == 1 and _covers(requests[0], sizes):
+            target = planner.resolve_tensor(requests[0]).detach()
+            if target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype:
+                into, whole = tensor_bytes(target), target
+
+        def done(data: memoryview) -> None:
+            if whole is not None:
+                planner.commit_tensor(requests[0], whole)
+            else:
+                stored = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(sizes)
+                for request in requests:
+                    source = _narrow(stored, request.storage_offsets, request.lengths)
+                    target = planner.resolve_tensor(request).detach()
+                    if target.size() != source.size():
+                        raise CheckpointError(
+                            f"{request.storage_index.fqn!r}: stored {list(source.size())}, "
+                            f"the model needs {list(target.size())}"
+                        )
+                    target.copy_(source)
+                    planner.commit_tensor(request, target)
+            if digest is not None:
+                self.verified.add((name, start))
+
+        return Want(start, length, digest, info.offset - start, into, done)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The block of ``tensor`` at ``offsets`` of ``lengths`` (a view)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _covers(request: ReadItem, sizes: torch.Size) -> bool:
+    """Whether ``request`` reads the whole stored chunk."""
+    return all(offset == 0 for offset in request.storage_offsets) and tuple(
+        request.lengths
+    ) == tuple(sizes)
 
 
 class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
@@ -322,27 +504,44 @@ class DCPSaver:
                 self._group = None
 
 
-def load(state_dict: dict[str, Any], path: Path) -> None:
+def load(
+    state_dict: dict[str, Any], path: Path, records: FileRecords | None = None
+) -> set[tuple[str, int]]:
     """Load a step checkpoint into ``state_dict`` in place, resharding to this world size.
 
-    Reads only ``.metadata.json`` (strictly parsed) and tensor records (``torch.load`` with
-    ``weights_only=True``, inside DCP); nothing is unpickled without restriction.
+    Reads only ``.metadata.json`` (strictly parsed) and raw tensor bytes (checkpoints of
+    tunelab before raw files: tensor records through ``torch.load(weights_only=True)``);
+    nothing is unpickled without restriction.
+
+    Args:
+        state_dict: Tensors and DTensors to fill, keyed by FQN.
+        path: The step checkpoint.
+        records: The manifest's file records: every range read is verified as it arrives.
+            None reads without verifying.
+
+    Returns:
+        ``(file, range offset)`` of every range this rank read and verified; the other ranks'
+        are theirs (the caller verifies what no rank read).
 
     Raises:
+        ContentMismatch: If bytes read differ from their checksum (on every rank: DCP
+            gathers each rank's failure). ``state_dict`` may then hold some of them.
         CheckpointError: If the metadata is not what tunelab writes or a record cannot be
             loaded (a pickle that is not plain tensor data is refused, never run).
     """
-    reader = SafeReader(path)
+    reader = SafeReader(path, records)
     reader.read_metadata()  # Its errors, raised here, are one line (DCP wraps them).
     try:
         dcp.load(state_dict, storage_reader=reader, planner=_TensorOnlyLoadPlanner())
     except CheckpointException as error:
-        failures = [failure for failure, _ in error.failures.values()]
+        # The lowest rank's failure first: every rank raises the same one.
+        failures = [error.failures[rank][0] for rank in sorted(error.failures)]
         for failure in failures:
             if isinstance(failure, CheckpointError):
                 raise failure from error
         first = first_line(failures[0] if failures else error)
         raise CheckpointError(f"{path}: cannot load ({first})") from error
+    return reader.verified
 
 
 def saved_keys(path: Path) -> set[str]:

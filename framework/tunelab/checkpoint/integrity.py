@@ -22,7 +22,6 @@ import io
 import json
 import os
 import shutil
-import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
@@ -174,24 +173,6 @@ class HashingWriter(io.RawIOBase):
         return {"size": self._size, "ranges": [[0, self._size, self._hasher.hexdigest()]]}
 
 
-class RecordBook:
-    """Thread-safe collection of the records of files written by one save."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._records: dict[str, FileRecord] = {}
-
-    def add(self, name: str, record: FileRecord) -> None:
-        """Record the file ``name`` (relative POSIX path)."""
-        with self._lock:
-            self._records[name] = record
-
-    def records(self) -> dict[str, FileRecord]:
-        """A copy of every record so far."""
-        with self._lock:
-            return dict(self._records)
-
-
 # -- verification ------------------------------------------------------------------------
 
 
@@ -242,8 +223,15 @@ def open_regular(path: Path) -> BinaryIO:
     )
 
 
-def check_file(path: Path, record: Mapping[str, Any]) -> str | None:
+def check_file(
+    path: Path, record: Mapping[str, Any], *, only: set[int] | None = None
+) -> str | None:
     """Verify one file against its record.
+
+    Args:
+        path: The file.
+        record: Its manifest record.
+        only: Verify only the ranges starting at these offsets (None: every range).
 
     Returns:
         None when size and every range digest match, else what is wrong (one phrase).
@@ -264,6 +252,8 @@ def check_file(path: Path, record: Mapping[str, Any]) -> str | None:
         if actual != size:
             return f"has {actual} bytes, the manifest records {size}"
         for offset, length, expected in ranges:
+            if only is not None and offset not in only:
+                continue
             hasher = xxhash.xxh3_128()
             file.seek(offset)
             remaining = length
