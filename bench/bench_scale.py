@@ -2,16 +2,24 @@
 
 Run (it starts its own 2 processes under torchrun):
 
-    python bench/bench_scale.py                 # ~128 MB of fp32 base weights, 3 repeats
-    python bench/bench_scale.py --size-mb 512
+    python bench/bench_scale.py                          # 512 MB and 2 GB models, 5 repeats
+    python bench/bench_scale.py --sizes-mb 128 --repeats 3   # a quick look
 
 docs/scaling.md extrapolates these to Llama-3.1-70B on 2 x 8 GPUs. On 2 ranks, each
 repetition barrier to barrier, fsync on everywhere:
 
-- intermediate save: ``CheckpointClient.save(blocking=True)`` of a fully fine-tuned model
-  (weights and both AdamW moments: 3 bytes of checkpoint per byte of weights);
+- step save: ``CheckpointClient.save(blocking=True)`` of a fully fine-tuned model (weights
+  and both AdamW moments: 3 bytes of checkpoint per byte of weights), against each rank
+  writing the same number of bytes with ``write`` and one ``fsync``;
 - resume load: ``CheckpointClient.load_latest()`` of that checkpoint, cold page cache
-  (verification of every file, DCP read into the sharded model and optimizer);
+  (verification of every byte, DCP read into the sharded model and optimizer), against each
+  rank reading its own files of the same checkpoint cold;
+
+the four of them alternating, at least 5 times per model size, medians printed with each
+rank's own ratio (its time from the barrier to the end of its part) and the load average.
+Targets (issue 31): step save and cold resume load within 1.2x of raw at 2 GB on 2 ranks.
+At the first size only (they are unchanged by issue 31):
+
 - consolidation: the full model's export, every rank writing its rows into the final
   ``model-0000k-of-0000n.safetensors`` files (``CheckpointClient.export``);
 - adapter-first merged export: a LoRA model's export (PEFT adapter, then the shard-local
@@ -25,6 +33,7 @@ back cold): that ratio is what carries over to another machine's disk.
 import argparse
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +45,7 @@ from _common import (
     GiB,
     Row,
     barrier,
+    gather_floats,
     is_main,
     median,
     print_table,
@@ -51,8 +61,8 @@ from _models import (
     size_parser,
 )
 from _system import drop_from_page_cache, files_under
-from bench_resume import my_files, read_all
-from tunelab.checkpoint import CheckpointClient, LoRASpec
+from bench_resume import read_all
+from tunelab.checkpoint import CheckpointClient
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 
@@ -61,8 +71,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def parse_args() -> argparse.Namespace:
     """Command-line flags."""
-    parser = size_parser(__doc__.splitlines()[0], repeats=3, full=False)
-    parser.set_defaults(size_mb=128)
+    parser = size_parser(__doc__.splitlines()[0], repeats=5, full=False)
+    parser.add_argument(
+        "--sizes-mb", default="512,2048", help="fp32 model sizes, MB, comma-separated"
+    )
     return parse_size_args(parser)
 
 
@@ -71,12 +83,92 @@ def folder_bytes(path: Path) -> int:
     return sum(file.stat().st_size for file in files_under(path))
 
 
-def raw_write(path: Path, data: memoryview) -> None:
-    """This rank's share of the bytes, written once and fsynced (the disk's floor)."""
-    with open(path / f"raw-{dist.get_rank()}.bin", "wb") as handle:
-        handle.write(data)
-        handle.flush()
+_RAW_BLOCK = 256 << 20
+
+
+def raw_write(path: Path, num_bytes: int, block: memoryview) -> None:
+    """``num_bytes`` written once into a new file with one ``fsync`` (the disk's floor)."""
+    with open(path, "wb", buffering=0) as handle:
+        left = num_bytes
+        while left:
+            left -= handle.write(block[: min(left, len(block))])
         os.fsync(handle.fileno())
+
+
+def timed(action) -> tuple[float, list[float]]:
+    """``action`` barrier to barrier (the slowest rank), and each rank's own seconds."""
+    barrier()
+    start = time.perf_counter()
+    action()
+    mine = time.perf_counter() - start
+    barrier()
+    return time.perf_counter() - start, gather_floats(mine)
+
+
+def rank_files(step_dir: Path, rank: int) -> list[Path]:
+    """The data files rank ``rank`` wrote into a step checkpoint (what it reads on resume)."""
+    return sorted(step_dir.glob(f"__{rank}_*.distcp"))
+
+
+def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
+    """Step save and cold resume load of a fully fine-tuned model, alternating with raw I/O."""
+    rank = dist.get_rank()
+    model = build_model(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    init_optimizer_state(model, optimizer)
+    client = CheckpointClient(
+        out / "full", model=model, optimizer=optimizer, lr_scheduler=None,
+        base_checkpoint_dir=base, keep_last_n=2,
+    )  # fmt: skip
+    steps = iter(range(1, 1000))
+    step_dir = client.save(next(steps), 0, {}, blocking=True)  # warm-up
+    client.load_latest()
+    total_bytes = folder_bytes(step_dir)
+    my_bytes = sum(path.stat().st_size for path in rank_files(step_dir, rank))
+    block = memoryview(torch.randint(0, 256, (_RAW_BLOCK,), dtype=torch.uint8).numpy())
+    scratch = out / "raw"
+    if is_main():
+        scratch.mkdir(parents=True, exist_ok=True)
+    raw_file = scratch / f"raw-{rank}.bin"
+    times: dict[str, list[tuple[float, list[float]]]] = {
+        key: [] for key in ("raw write", "save", "raw read", "load")
+    }
+    for _ in range(repeats):
+        raw_file.unlink(missing_ok=True)
+        times["raw write"].append(timed(lambda: raw_write(raw_file, my_bytes, block)))
+        times["save"].append(timed(lambda: client.save(next(steps), 0, {}, blocking=True)))
+        latest = client.run.step_dir(max(c.step for c in client.run.scan_checkpoints()[0]))
+        everything = files_under(latest)
+        cold(everything + [raw_file])
+        mine = rank_files(latest, rank)
+        times["raw read"].append(timed(lambda mine=mine: read_all(mine)))
+        cold(everything)
+        times["load"].append(timed(client.load_latest))
+    raw_file.unlink(missing_ok=True)
+    client.close()
+    rows = []
+    for name, ours, raw in (
+        ("step save (weights + AdamW)", "save", "raw write"),
+        ("resume load, cold cache", "load", "raw read"),
+    ):
+        t = median(total for total, _ in times[ours])
+        r = median(total for total, _ in times[raw])
+        per_rank = [
+            median(ranks[i] for _, ranks in times[ours])
+            / median(ranks[i] for _, ranks in times[raw])
+            for i in range(dist.get_world_size())
+        ]
+        gb = total_bytes / 1e9
+        at_2gb = size_mb >= 2048
+        rows.append(Row(
+            f"{name}, {size_mb:.0f} MB model", seconds(t), seconds(r), f"{t / r:.2f}x raw",
+            "<= 1.2x" if at_2gb else "-", (t <= 1.2 * r) if at_2gb else None,
+            (f"{total_bytes / GiB:.2f} GiB", ", ".join(f"{x:.2f}x" for x in per_rank),
+             f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB",
+             " ".join(f"{total:.2f}" for total, _ in times[ours]) + " vs "
+             + " ".join(f"{total:.2f}" for total, _ in times[raw])),
+        ))  # fmt: skip
+    return rows
 
 
 def cold(files: list[Path]) -> None:
@@ -103,7 +195,8 @@ def measure(name, action, num_bytes, raw, repeats, before=None) -> Row:
     t, r = median(times), median(raw)
     gb = num_bytes / 1e9
     return Row(name, seconds(t), seconds(r), f"{t / r:.2f}x raw", "-", None,
-               (f"{num_bytes / GiB:.2f} GiB", f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB"))  # fmt: skip
+               (f"{num_bytes / GiB:.2f} GiB", "-", f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB",
+                " ".join(f"{x:.2f}" for x in times) + " vs " + " ".join(f"{x:.2f}" for x in raw)))  # fmt: skip
 
 
 def measure_export(name: str, client: CheckpointClient, out: Path, repeats: int) -> Row:
@@ -111,47 +204,59 @@ def measure_export(name: str, client: CheckpointClient, out: Path, repeats: int)
     export_dir = client.output_dir / "epoch_0"
     client.export(0)  # warm-up
     num_bytes = folder_bytes(export_dir)
-    raw = raw_times(out, num_bytes, repeats, write=True)
+    raw = raw_times(out, num_bytes, repeats)
     return measure(
         name, lambda: client.export(0), num_bytes, raw, repeats, before=lambda: clear(export_dir)
     )
 
 
 def main() -> None:
-    """Measure the four operations and their raw-disk floors; print the table on rank 0."""
+    """Measure the operations and their raw-disk floors; print the table on rank 0."""
     args = parse_args()
     init_distributed("cpu")
-    workspace = prepare_workspace(args, "tunelab_bench_scale")
-    base, out = workspace.base, workspace.out
-    rows = []
+    sizes = [float(size) for size in args.sizes_mb.split(",")]
+    load_before = os.getloadavg()[0]
+    rows, notes = [], []
+    for number, size_mb in enumerate(sizes):
+        args.size_mb = size_mb
+        workspace = prepare_workspace(args, "tunelab_bench_scale")
+        base, out = workspace.base, workspace.out
+        rows += step_rows(base, out, size_mb, args.repeats)
+        notes.append(f"{size_mb:.0f} MB: {workspace.weight_bytes / GiB:.2f} GiB of fp32 weights")
+        if number == 0:
+            rows += export_rows(base, out, args.repeats)
+        if is_main():
+            shutil.rmtree(workspace.root, ignore_errors=True)
+        barrier()
 
-    # Full fine-tuning: step save, resume load, consolidated export.
+    if is_main():
+        print_table(
+            "Scale: per-GB cost of save, resume, consolidation and merged export vs raw disk",
+            rows,
+            [
+                "; ".join(notes) + f"; {dist.get_world_size()} ranks, fsync on, medians of "
+                f"{args.repeats} alternating runs; load average {load_before:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after. The raw column writes (one fsync) or reads "
+                "(cold) the same bytes, each rank its own share; per rank: each rank's own "
+                "time over its raw time. s/GB divides by the bytes written or read "
+                "(GB = 1e9 bytes). The last column: every run, tunelab vs raw, in seconds."
+            ],
+            extra_columns=["bytes", "per rank", "tunelab s/GB", "raw s/GB", "runs (s)"],
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def export_rows(base: Path, out: Path, repeats: int) -> list[Row]:
+    """Consolidation and the adapter-first merged export, against raw writes."""
+    rows = []
     model = build_model(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    init_optimizer_state(model, optimizer)
     client = CheckpointClient(
-        out / "full",
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=None,
+        out / "export", model=model, optimizer=optimizer, lr_scheduler=None,
         base_checkpoint_dir=base,
-        keep_last_n=2,
-    )
-    steps = iter(range(1, 1000))
-    step_dir = client.save(next(steps), 0, {}, blocking=True)  # warm-up
-    save_bytes = folder_bytes(step_dir)
-    rows.append(measure(
-        "intermediate save (weights + AdamW)",
-        lambda: client.save(next(steps), 0, {}, blocking=True),
-        save_bytes, raw_times(out, save_bytes, args.repeats, write=True), args.repeats,
-    ))  # fmt: skip
-    latest = files_under(client.output_dir / f"step_{args.repeats + 1}")
-    rows.append(measure(
-        "resume load, cold cache", client.load_latest, save_bytes,
-        raw_times(out, save_bytes, args.repeats, write=False, files=latest), args.repeats,
-        before=lambda: cold(latest),
-    ))  # fmt: skip
-    rows.append(measure_export("consolidation (full model export)", client, out, args.repeats))
+    )  # fmt: skip
+    rows.append(measure_export("consolidation (full model export)", client, out, repeats))
     client.close()
     del model, optimizer, client
 
@@ -164,45 +269,27 @@ def main() -> None:
     optimizer = torch.optim.AdamW(peft.get_adapter_params(model).values(), lr=1e-4)
     client = CheckpointClient(
         out / "lora", model=model, optimizer=optimizer, lr_scheduler=None,
-        base_checkpoint_dir=base, lora=LoRASpec(rank=16, alpha=32.0, targets=tuple(TARGETS)),
+        base_checkpoint_dir=base, lora=lora_args,
     )  # fmt: skip
-    rows.append(measure_export("adapter-first merged export (LoRA)", client, out, args.repeats))
+    rows.append(measure_export("adapter-first merged export (LoRA)", client, out, repeats))
     client.close()
-
-    if is_main():
-        shutil.rmtree(workspace.root, ignore_errors=True)
-        print_table(
-            "Scale: per-GB cost of save, resume, consolidation and merged export vs raw disk",
-            rows,
-            [
-                f"{workspace.weight_bytes / GiB:.2f} GiB of fp32 base weights, "
-                f"{dist.get_world_size()} ranks, fsync on, median of {args.repeats}; the raw "
-                "column writes (fsync) or reads (cold) the same bytes, each rank its half. "
-                "s/GB divides by the bytes written or read (GB = 1e9 bytes)."
-            ],
-            extra_columns=["bytes", "tunelab s/GB", "raw s/GB"],
-        )
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
-def raw_times(out: Path, num_bytes: int, repeats: int, *, write: bool, files=None) -> list[float]:
-    """Raw disk seconds for ``num_bytes``: written and fsynced, or ``files`` read back cold."""
+def raw_times(out: Path, num_bytes: int, repeats: int) -> list[float]:
+    """Raw disk seconds for ``num_bytes`` written and fsynced, each rank its share."""
     scratch = out / "raw"
     if is_main():
         scratch.mkdir(parents=True, exist_ok=True)
     barrier()
-    mine = [] if write else my_files(files, dist.get_rank(), dist.get_world_size())
-    # Random bytes, made before the clock starts (each rank writes its half).
-    share = torch.randint(0, 256, (num_bytes // dist.get_world_size() if write else 0,))
-    data = memoryview(share.to(torch.uint8).numpy())
+    path = scratch / f"raw-{dist.get_rank()}.bin"
+    block = memoryview(torch.randint(0, 256, (_RAW_BLOCK,), dtype=torch.uint8).numpy())
     times = []
     for _ in range(repeats):
-        if write:
-            times.append(time_collective(lambda: raw_write(scratch, data)))
-        else:
-            cold(files)
-            times.append(time_collective(lambda: read_all(mine)))
+        path.unlink(missing_ok=True)
+        times.append(
+            time_collective(lambda: raw_write(path, num_bytes // dist.get_world_size(), block))
+        )
     clear(scratch)
     return times
 

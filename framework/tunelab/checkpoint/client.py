@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,8 @@ class CheckpointClient:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
+        self._pruning: threading.Thread | None = None
+        self._prune_error: BaseException | None = None
         self._fingerprint = self._make_fingerprint()
         self._remove_stale()
         # An async save stages the state while the next forward and backward run; the
@@ -167,7 +170,7 @@ class CheckpointClient:
         Returns:
             The step directory.
         """
-        self._saver.wait()
+        self.wait()
         path = self.run.step_dir(step)
         if path.is_symlink():
             # Writing (or clearing) it would reach into whatever it points at.
@@ -222,8 +225,27 @@ class CheckpointClient:
             raise as_checkpoint_error(error, path, "writing checkpoint") from error
         logger.info("committed checkpoint %s", path)
         if self.keep_last_n is not None:
-            for deleted in self.run.prune(self.keep_last_n):
+            # Deleting superseded checkpoints is off the save's path (0.17 s per 0.5 GB
+            # here, a third of the save): a thread, joined by the next save, wait and close.
+            self._join_prune()
+            self._pruning = threading.Thread(target=self._prune, name="tunelab-prune")
+            self._pruning.start()
+
+    def _prune(self) -> None:
+        try:
+            for deleted in self.run.prune(self.keep_last_n or 0):
                 logger.info("pruned checkpoint %s", deleted)
+        except OSError as error:
+            self._prune_error = as_checkpoint_error(error, self.output_dir, "pruning checkpoints")
+
+    def _join_prune(self) -> None:
+        """Wait for the pruning in flight; raise its error."""
+        thread, self._pruning = self._pruning, None
+        if thread is not None:
+            thread.join()
+        error, self._prune_error = self._prune_error, None
+        if error is not None:
+            raise error
 
     def _tensor_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
@@ -232,8 +254,9 @@ class CheckpointClient:
         return {"model": model_sd, "optimizer": optim_sd}, param_groups
 
     def wait(self) -> None:
-        """Block until the save in flight is committed."""
+        """Block until the save in flight is committed and superseded ones are deleted."""
         self._saver.wait()
+        self._join_prune()
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the parameters and optimizer state.
@@ -479,7 +502,10 @@ class CheckpointClient:
     def close(self) -> None:
         """Wait for the save in flight, then release the checkpoint process group."""
         self._step_hook.remove()
-        self._saver.close()
+        try:
+            self._saver.close()
+        finally:
+            self._join_prune()
 
     # -- manifest ----------------------------------------------------------------------
 
