@@ -10,7 +10,8 @@ repetition barrier to barrier, fsync on everywhere:
 
 - step save: ``CheckpointClient.save(blocking=True)`` of a fully fine-tuned model (weights
   and both AdamW moments: 3 bytes of checkpoint per byte of weights), against each rank
-  writing the same number of bytes with ``write`` and one ``fsync``;
+  writing the same number of bytes with ``write`` and one ``fsync`` (the deletion of the
+  checkpoint it supersedes runs in a background thread and is waited for untimed);
 - resume load: ``CheckpointClient.load_latest()`` of that checkpoint, cold page cache
   (verification of every byte, DCP read into the sharded model and optimizer), against each
   rank reading its own files of the same checkpoint cold;
@@ -137,6 +138,7 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
         raw_file.unlink(missing_ok=True)
         times["raw write"].append(timed(lambda: raw_write(raw_file, my_bytes, block)))
         times["save"].append(timed(lambda: client.save(next(steps), 0, {}, blocking=True)))
+        client.wait()  # untimed: the superseded checkpoint's deletion (a background thread)
         latest = client.run.step_dir(max(c.step for c in client.run.scan_checkpoints()[0]))
         everything = files_under(latest)
         cold(everything + [raw_file])

@@ -123,8 +123,6 @@ class HashingWriter(io.RawIOBase):
         self._hasher = xxhash.xxh3_128()
         self._executor = hasher
         self._size = 0
-        self.failure: OSError | None = None
-        """The first OSError a write raised (a caller may swallow it and fail otherwise)."""
 
     def writable(self) -> bool:
         """Always writable."""
@@ -145,14 +143,12 @@ class HashingWriter(io.RawIOBase):
                 # A failed write names no file; say which (what a user needs to act on it).
                 name = getattr(self._file, "name", None)
                 error = OSError(error.errno, error.strerror, name)
-            self.failure = self.failure or error
             raise error from None
         finally:
             if pending is not None:
                 pending.result()  # the caller may reuse its buffer once write returns
         if written is not None and written != len(view):
-            self.failure = self.failure or OSError(f"short write: {written} of {len(view)} bytes")
-            raise self.failure
+            raise OSError(f"short write: {written} of {len(view)} bytes")
         self._size += len(view)
         return len(view)
 
