@@ -269,7 +269,7 @@ class SafeReader(dcp.FileSystemReader):
             )
         start, length, digest = info.offset, info.length, None
         record = self._records.get(name) if self._records is not None else None
-        if record is not None:
+        if record is not None and info.length > 0:  # an empty item has no bytes to verify
             # The range that ends where the item ends: the item and the padding before it.
             found = [r for r in record["ranges"] if r[0] <= info.offset < r[0] + r[1]]
             if not found or found[0][0] + found[0][1] != info.offset + info.length:
@@ -290,7 +290,11 @@ class SafeReader(dcp.FileSystemReader):
             if whole is not None:
                 planner.commit_tensor(requests[0], whole)
             else:
-                stored = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(sizes)
+                stored = (
+                    torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(sizes)
+                    if len(data)
+                    else torch.empty(sizes, dtype=dtype)
+                )
                 for request in requests:
                     source = _narrow(stored, request.storage_offsets, request.lengths)
                     target = planner.resolve_tensor(request).detach()
