@@ -153,15 +153,8 @@ def _expert_slices(
     rows = param.shape[0] // num_experts
     (start, length), columns = spans
     assert start % rows == 0 and length % rows == 0, "a packed shard holds whole experts"
-    return (
-        local,
-        [(start // rows, length // rows), (0, rows), columns],
-        (
-            num_experts,
-            rows,
-            param.shape[1],
-        ),
-    )
+    spans = [(start // rows, length // rows), (0, rows), columns]
+    return local, spans, (num_experts, rows, param.shape[1])
 
 
 def _fill(
