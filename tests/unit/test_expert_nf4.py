@@ -96,6 +96,8 @@ def test_codes_equal_torchao_on_the_same_weight(layout):
         values = dequantize_experts(packed, NUM_EXPERTS)
         assert values.shape == weight.shape  # gpt-oss keeps [E, in, out]
         assert torch.equal(values, reference.get_original_weight().view(weight.shape))
+        # What the forward and backward unpack: the same values.
+        assert torch.equal(experts.unpack_weight(packed), reference.get_original_weight())
         error = float((values - weight).abs().max())
         assert 0 < error < 0.2 * float(weight.abs().max())  # rounded, not the weight
 
