@@ -7,7 +7,8 @@ its rows of torchao's quantization of the whole (packed) weight, bit for bit; th
 the adapter gradients equal one process's; each rank's shard-local merge (its experts
 dequantized plus their LoRA updates) equals the one-process merge, and so does the exported
 file. Both expert layouts: Qwen3-MoE's ``[E, out, in]`` and gpt-oss's ``[E, in, out]`` with
-biases.
+biases, the latter loaded from MXFP4 experts as the hub has them (each rank dequantizes its
+experts' blocks, then quantizes them to NF4).
 """
 
 import json
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.tensor import distribute_tensor
 
+from tests.mxfp4_codes import mxfp4_codes
 from tunelab.checkpoint.export import export_hf
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.config.lora import LoRAArgs
@@ -117,14 +119,28 @@ def test_fsdp2_nf4_experts_match_one_process(tmp_path, layout):
     )  # fmt: skip
     torch.manual_seed(0)
     source = TransformerDecoder(args)
+    generator = torch.Generator().manual_seed(2)
+    packed = {}
     with torch.no_grad():
         for name, param in source.named_parameters():
             if name.endswith(("mlp.gate.weight", "bias", "sinks")):
                 param.normal_(0.0, 1.0)
+            elif layout == "gpt_oss" and name.endswith(("gate_up_proj", "down_proj")):
+                # As the hub has gpt-oss: MXFP4 experts, read per rank, then quantized to NF4.
+                experts, inputs, outputs = param.shape
+                blocks, scales, weight = mxfp4_codes((experts, outputs, inputs), generator)
+                param.copy_(weight.transpose(1, 2))
+                packed[name] = (blocks, scales)
     adapter = source.state_dict_adapter
     checkpoint = tmp_path / "base"
-    save_hf_sharded(adapter.to_hf(source.state_dict()), checkpoint)
-    (checkpoint / "config.json").write_text(json.dumps(adapter.hf_config(torch.float32)))
+    hf_state = adapter.to_hf(source.state_dict())
+    config = adapter.hf_config(torch.float32)
+    for key, (blocks, scales) in packed.items():
+        del hf_state[key]
+        hf_state[f"{key}_blocks"], hf_state[f"{key}_scales"] = blocks, scales
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    save_hf_sharded(hf_state, checkpoint)
+    (checkpoint / "config.json").write_text(json.dumps(config))
 
     model = _build(str(checkpoint))
     codes = {}
@@ -159,12 +175,11 @@ def test_fsdp2_nf4_experts_match_one_process(tmp_path, layout):
         args=(str(tmp_path / "init"), str(checkpoint), str(tmp_path / "reference.pt"), str(out)),
         nprocs=WORLD_SIZE,
     )
-    source_file = load_file(checkpoint / "model.safetensors")
     exported = load_file(out / "model.safetensors")
-    expected = adapter.to_hf(merged)
-    assert set(exported) == set(source_file) == set(expected)
+    expected, source_state = adapter.to_hf(merged), adapter.to_hf(source.state_dict())
+    assert set(exported) == set(expected) == set(source_state)
     for key in exported:
         torch.testing.assert_close(exported[key], expected[key], rtol=0, atol=1e-6)
     # The merge is there, on the NF4-rounded experts.
     key = next(k for k in exported if "experts" in k and "bias" not in k)
-    assert float((exported[key] - source_file[key]).abs().max()) > 1e-2
+    assert float((exported[key] - source_state[key]).abs().max()) > 1e-2
