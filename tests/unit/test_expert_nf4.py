@@ -245,3 +245,26 @@ def test_experts_that_cannot_be_packed_stay_plain_with_the_reason():
     assert reason == "5 experts do not split evenly over 2 processes"
     assert model.layers[0].mlp.experts.down_proj.dim() == 3
     assert model.layers[0].mlp.experts.unpack_weight is None
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """The Mixtral QLoRA config recomputes each block: the unpack runs again, same bits."""
+    from tunelab.distributed import apply_activation_checkpointing
+
+    args = _tiny_moe_args("stacked")
+    torch.manual_seed(0)
+    state = TransformerDecoder(args).state_dict()
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointed in (False, True):
+        lora = LoRAArgs(rank=2, alpha=4.0, targets=["q_proj", *EXPERT_TARGETS])
+        model, _ = nf4_moe_model(args, state, lora)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for param in get_adapter_params(model).values():
+                param.normal_(std=0.3)
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        model(tokens).square().mean().backward()
+        grads.append({k: p.grad for k, p in get_adapter_params(model).items()})
+    assert len(grads[0]) == 12 and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
