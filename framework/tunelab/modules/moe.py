@@ -94,7 +94,7 @@ class _UnpackedGroupedLinear(torch.autograd.Function):
 
     The weight is unpacked in the forward and again in the backward, and only the packed form
     is saved for the backward (as torchao's ``linear_nf4`` does for one NF4 linear): one
-    layer's experts exist in full precision for one matmul at a time. ``rows`` gets the
+    projection's experts of one layer exist in full precision for one matmul at a time. ``rows`` gets the
     gradient ``grad[i] @ W[g(i)]``, the weight none.
     """
 
