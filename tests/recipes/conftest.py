@@ -73,6 +73,25 @@ def interrupted_copy(source: Path, target: Path, *, after_step: int) -> Path:
     return target
 
 
+def our_model(base_dir: Path, adapter_dir: Path, **lora):
+    """Our model as the recipe builds it on one process, with the exported adapter.
+
+    ``lora``: the run settings the adapter file does not hold (``quantize_base="nf4"``).
+    """
+    import torch
+
+    from tunelab.config.lora import LoRAArgs
+    from tunelab.peft import read_adapter_config
+    from tunelab.training import build_model
+
+    args = LoRAArgs.from_peft_config(read_adapter_config(adapter_dir), **lora)
+    model = build_model(
+        str(base_dir), device=torch.device("cpu"), dtype=torch.float32, lora=args,
+        adapter_dir=str(adapter_dir),
+    )  # fmt: skip
+    return model.eval()
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     """Every record of ``{output_dir}/logs/metrics.jsonl``."""
     path = Path(output_dir) / "logs" / "metrics.jsonl"

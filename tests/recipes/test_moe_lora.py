@@ -12,7 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, read_metrics, tunelab_run
+from tests.recipes.conftest import (
+    interrupted_copy,
+    losses_by_step,
+    our_model,
+    read_metrics,
+    tunelab_run,
+)
 from tunelab._paths import assets_dir
 
 transformers = pytest.importorskip("transformers")
@@ -79,3 +85,69 @@ def test_two_process_moe_lora_resumes_exactly_and_exports_the_hub_layout(tmp_pat
         if _PEFT_LOADS_EXPERTS:  # older PEFT cannot hold expert LoRA: the merge is checked
             adapted = peft.PeftModel.from_pretrained(_hf(base), export / "adapter").eval()
             assert float((adapted(tokens).logits - expected).abs().max()) <= 1e-4
+
+
+def test_two_process_moe_qlora_resumes_exactly_and_exports_the_nf4_merge(tmp_path):
+    """QLoRA on the experts: 4 experts, 2 whole ones per rank, packed NF4 (attention is too
+    small for NF4's blocks here and stays fp32). The run resumes exactly; transformers loads
+    the merged export with no missing key; its experts are torchao's dequantized base plus
+    the update, and PEFT's adapter on the NF4-rounded base has its logits (not the unquantized
+    base's)."""
+    from torchao.quantization import to_nf4
+
+    from tunelab.models import load_pretrained
+    from tunelab.peft.expert_lora import expert_delta
+    from tunelab.peft.nf4 import is_nf4
+
+    out = tmp_path / "qlora"
+    qlora = (*_RUN, "lora.quantize_base=nf4")
+    result = tunelab_run("lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", *qlora)
+    notice = next(line for line in result.stderr.splitlines() if "quantize_base nf4" in line)
+    assert "6 weights in NF4" in notice and "experts" not in notice, notice
+    losses = losses_by_step(out)
+    assert sorted(losses) == [1, 2, 3] and all(
+        map(torch.isfinite, torch.tensor([*losses.values()]))
+    )
+    resumed_dir = interrupted_copy(out, tmp_path / "resumed", after_step=2)
+    tunelab_run(
+        "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={resumed_dir}", *qlora,
+        "checkpoint.resume_from_checkpoint=true",
+    )  # fmt: skip
+    assert losses_by_step(resumed_dir) == {3: losses[3]}
+
+    export, base = out / "epoch_0", assets_dir() / "tiny_moe"
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(
+        export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokens = torch.randint(0, 810, (2, 17), generator=torch.Generator().manual_seed(0))
+    if _PEFT_LOADS_EXPERTS:
+        # PEFT applies the adapter to the base whose stacked experts went through torchao's
+        # NF4 (attention stayed fp32 in the run, as there): the merged export's logits.
+        rounded, original = _hf(base), _hf(base)
+        with torch.no_grad():
+            for name, param in rounded.named_parameters():
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    flat = param.reshape(-1, param.shape[-1])
+                    param.copy_(to_nf4(flat).get_original_weight().view(param.shape))
+            expected = merged(tokens).logits
+            adapted = peft.PeftModel.from_pretrained(rounded, export / "adapter").eval()
+            assert float((adapted(tokens).logits - expected).abs().max()) <= 1e-4
+            unrounded = peft.PeftModel.from_pretrained(original, export / "adapter").eval()
+            assert float((unrounded(tokens).logits - expected).abs().max()) > 1e-3
+    ours = our_model(base, export / "adapter", quantize_base="nf4")  # the adapter's factors
+    experts = ours.layers[2].mlp.experts
+    assert is_nf4(experts.gate_up_proj) and is_nf4(experts.down_proj)
+    # Expert 3 of layer 2: torchao's dequantization of the whole stacked weight, then the
+    # expert's update, equals the export (written by the rank that holds expert 3).
+    stacked = load_pretrained(base).layers[2].mlp.experts.down_proj.detach()
+    values = to_nf4(stacked.reshape(-1, stacked.shape[-1])).get_original_weight()
+    adapter = experts.lora["down_proj"]
+    delta = expert_delta(
+        adapter.lora_A.weight.detach(), adapter.lora_B.weight.detach(), 4, adapter.scale
+    )
+    expected = values.view(stacked.shape)[3] + delta[3]
+    with safe_open(export / "model.safetensors", "pt") as f:
+        exported = f.get_tensor("model.layers.2.block_sparse_moe.experts.3.w2.weight")
+    torch.testing.assert_close(exported, expected, rtol=0, atol=1e-6)
+    assert float(delta[3].abs().max()) > 1e-4  # trained

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, tunelab_run
+from tests.recipes.conftest import interrupted_copy, losses_by_step, our_model, tunelab_run
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
@@ -81,27 +81,6 @@ def qlora_2p(tmp_path_factory, nf4_model_dir):
     return out
 
 
-def _our_model(base_dir, adapter_dir, **lora):
-    """Our model as the recipe builds it on one process, with the exported adapter."""
-    from tunelab.config.recipe_args import LoRAArgs
-    from tunelab.peft import read_adapter_config
-    from tunelab.training import build_model
-
-    config = read_adapter_config(adapter_dir)
-    args = LoRAArgs(
-        rank=config["r"],
-        alpha=config["lora_alpha"],
-        targets=config["target_modules"],
-        use_dora=config["use_dora"],
-        **lora,
-    )
-    model = build_model(
-        str(base_dir), device=torch.device("cpu"), dtype=torch.float32, lora=args,
-        adapter_dir=str(adapter_dir),
-    )  # fmt: skip
-    return model.eval()
-
-
 def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     from torchao.quantization import to_nf4
@@ -123,7 +102,7 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
 
     # The merged export: transformers' logits equal our NF4 base + adapter's.
     export = qlora_2p / "epoch_0"
-    ours = _our_model(nf4_model_dir, export / "adapter", quantize_base="nf4")
+    ours = our_model(nf4_model_dir, export / "adapter", quantize_base="nf4")
     assert is_nf4(ours.layers[0].self_attn.q_proj.weight)
     assert is_nf4(ours.layers[1].mlp.down_proj.weight)
     with torch.no_grad():
@@ -201,7 +180,7 @@ def test_qlora_dora_dpo_adapter_loads_in_peft_with_our_logits_and_the_merged_exp
     assert abs(losses[1] - math.log(2)) < 1e-6, losses
     adapter = out / "epoch_0" / "adapter"
     assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
-    ours = _our_model(nf4_model_dir, adapter, quantize_base="nf4")
+    ours = our_model(nf4_model_dir, adapter, quantize_base="nf4")
     peft_model = _peft_on_dequantized_base(nf4_model_dir, adapter)
     with torch.no_grad():
         expected = ours(TOKENS)

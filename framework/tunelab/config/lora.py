@@ -52,7 +52,7 @@ class LoRAArgs:
     use_dora: bool = False
     """DoRA: learn a magnitude per output feature on top of the low-rank update (weight-decomposed LoRA, as PEFT's use_dora)."""
     quantize_base: Literal["nf4"] | None = None
-    """QLoRA: nf4 stores the frozen linear weights (not lm_head) in 4-bit NormalFloat (torchao), quantized shard by shard as they load (None: the training dtype)."""
+    """QLoRA: nf4 stores the frozen linear weights (not lm_head, not MoE routers) and stacked MoE expert weights in 4-bit NormalFloat (torchao), quantized shard by shard as they load (None: the training dtype)."""
 
     # -- PEFT's adapter_config.json ------------------------------------------------------
 

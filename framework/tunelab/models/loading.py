@@ -139,6 +139,37 @@ def _local_slices(param: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, in
     return param, [(0, size) for size in param.shape]
 
 
+def _expert_slices(
+    param: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, list[tuple[int, int]], tuple[int, ...]]:
+    """``_local_slices`` of a stacked expert weight in its ``[E, rows, cols]`` terms.
+
+    QLoRA packs one 2-D, ``[E * rows, cols]`` (``tunelab.peft.nf4``), sharded in whole
+    experts; a plain one is 3-D already. Also returns the ``[E, rows, cols]`` shape.
+    """
+    local, spans = _local_slices(param)
+    if param.dim() == 3:
+        return local, spans, tuple(param.shape)
+    rows = param.shape[0] // num_experts
+    (start, length), columns = spans
+    assert start % rows == 0 and length % rows == 0, "a packed shard holds whole experts"
+    spans = [(start // rows, length // rows), (0, rows), columns]
+    return local, spans, (num_experts, rows, param.shape[1])
+
+
+def _fill(
+    param: torch.Tensor,
+    local: torch.Tensor,
+    rows: torch.Tensor,
+    copy_rows: Callable[[torch.Tensor, torch.Tensor], None] | None,
+) -> None:
+    """Copy this rank's ``rows`` into ``param`` (``copy_rows`` when given)."""
+    if copy_rows is None:
+        local.copy_(rows.reshape(local.shape))
+    else:
+        copy_rows(param, rows)
+
+
 def _read_local(reader: HFCheckpointReader, key: str, spans: list[tuple[int, int]]) -> torch.Tensor:
     if not spans:  # a scalar
         return reader.get(key)
@@ -255,18 +286,18 @@ def load_hf_into_model(
         if key in packed:
             _load_mxfp4(reader, key, param, *packed[key], copy_rows)
             continue
-        if tuple(param.shape) != reader.shape(key):
+        file_shape = tuple(reader.shape(key))
+        if param.dim() == 2 and len(file_shape) == 3:  # packed experts (QLoRA), stacked file
+            local, spans, shape = _expert_slices(param, file_shape[0])
+        else:
+            (local, spans), shape = _local_slices(param), tuple(param.shape)
+        if shape != file_shape:
             raise CheckpointError(
-                f"{reader.file_of(key)}: {key!r} has shape {reader.shape(key)} but the config "
-                f"gives {tuple(param.shape)}"
+                f"{reader.file_of(key)}: {key!r} has shape {file_shape} but the config "
+                f"gives {shape}"
             )
-        local, spans = _local_slices(param)
         if local.numel():
-            rows = _checked(reader, key, _read_local(reader, key, spans))
-            if copy_rows is None:
-                local.copy_(rows)
-            else:
-                copy_rows(param, rows)
+            _fill(param, local, _checked(reader, key, _read_local(reader, key, spans)), copy_rows)
     for native, (param, experts) in stacked.items():
         _load_stacked_experts(reader, native, param, experts, copy_rows)
     for key, partner in tied.items():
@@ -292,15 +323,15 @@ def _load_stacked_experts(
 
     Each rank reads only the experts of its rows (FSDP2 shards the experts dimension).
     """
+    local, spans, shape = _expert_slices(param, len(experts))
     for parts in experts:
         for key in parts:
-            wanted = (param.shape[1] // len(parts), *param.shape[2:])
+            wanted = (shape[1] // len(parts), *shape[2:])
             if tuple(reader.shape(key)) != wanted:
                 raise CheckpointError(
                     f"{reader.file_of(key)}: {key!r} has shape {reader.shape(key)} but the "
                     f"config gives {wanted} (one expert's part of {native})"
                 )
-    local, spans = _local_slices(param)
     if not local.numel():
         return
     start, length = spans[0]
@@ -312,10 +343,7 @@ def _load_stacked_experts(
     )
     for dim, (offset, size) in enumerate(spans[1:], start=1):
         rows = rows.narrow(dim, offset, size)
-    if copy_rows is None:
-        local.copy_(rows)
-    else:
-        copy_rows(param, rows)
+    _fill(param, local, rows, copy_rows)
 
 
 def _load_mxfp4(
@@ -330,7 +358,7 @@ def _load_mxfp4(
 
     Each rank reads and dequantizes only the experts of its rows (dimension 0).
     """
-    experts, inputs, outputs = param.shape
+    local, spans, (experts, inputs, outputs) = _expert_slices(param, reader.shape(blocks_key)[0])
     wanted = {
         blocks_key: (experts, outputs, inputs // 32, 16),
         scales_key: (experts, outputs, inputs // 32),
@@ -339,9 +367,8 @@ def _load_mxfp4(
         if inputs % 32 or tuple(reader.shape(name)) != shape:
             raise CheckpointError(
                 f"{reader.file_of(name)}: {name!r} has shape {tuple(reader.shape(name))} but the "
-                f"config gives {key} {tuple(param.shape)}, whose MXFP4 form is {shape}"
+                f"config gives {key} {(experts, inputs, outputs)}, whose MXFP4 form is {shape}"
             )
-    local, spans = _local_slices(param)
     if not local.numel():
         return
     start, length = spans[0]
@@ -353,10 +380,7 @@ def _load_mxfp4(
     rows = _checked(reader, blocks_key, rows)
     for dim, (offset, size) in enumerate(spans[1:], start=1):
         rows = rows.narrow(dim, offset, size)
-    if copy_rows is None:
-        local.copy_(rows)
-    else:
-        copy_rows(param, rows.contiguous())
+    _fill(param, local, rows.contiguous(), copy_rows)
 
 
 def load_pretrained(

@@ -89,6 +89,44 @@ def grouped_linear(
     return _padded_bmm(rows, right, counts)
 
 
+class _UnpackedGroupedLinear(torch.autograd.Function):
+    """``grouped_linear`` over a frozen weight kept packed (quantized) between uses.
+
+    The weight is unpacked in the forward and again in the backward, and only the packed form
+    is saved for the backward (as torchao's ``linear_nf4`` does for one NF4 linear): one
+    projection's experts of one layer exist in full precision for one matmul at a time. ``rows`` gets the
+    gradient ``grad[i] @ W[g(i)]``, the weight none.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, packed, counts, unpack, num_groups, grouped, transposed):
+        ctx.save_for_backward(packed, counts)
+        ctx.unpack, ctx.num_groups = unpack, num_groups
+        ctx.grouped, ctx.transposed = grouped, transposed
+        weight = _unpacked(unpack, packed, num_groups, rows.dtype)
+        return grouped_linear(rows, weight, counts, grouped=grouped, transposed=transposed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, counts = ctx.saved_tensors
+        weight = _unpacked(ctx.unpack, packed, ctx.num_groups, grad.dtype)
+        # rows @ W^T's input gradient is grad @ W: the same weight read the other way round.
+        grad_rows = grouped_linear(
+            grad.contiguous(), weight, counts, grouped=ctx.grouped, transposed=not ctx.transposed
+        )
+        return grad_rows, None, None, None, None, None, None
+
+
+def _unpacked(
+    unpack: Callable[[torch.Tensor], torch.Tensor],
+    packed: torch.Tensor,
+    num_groups: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    weight = unpack(packed)
+    return weight.view(num_groups, -1, weight.shape[-1]).to(dtype)
+
+
 def _padded_bmm(rows: torch.Tensor, right: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``grouped_linear`` as one ``bmm`` over groups padded to the largest group.
 
@@ -311,6 +349,11 @@ class MoEExperts(nn.Module):
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.grouped: bool | None = None
         """``grouped_linear``'s choice: None picks ``grouped_mm`` where it has a kernel."""
+        self.unpack_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """QLoRA (``tunelab.peft.nf4``) stores frozen expert weights packed, 2-D ``[E * rows,
+        cols]`` (each ``[E, rows, cols]`` weight's experts one after another, so FSDP2's
+        ``Shard(0)`` still splits whole experts): this maps the packed tensor to its values,
+        ``[E * rows, cols]``, each time a projection runs. None: the weights are plain."""
         self.lora = nn.ModuleDict()
         """LoRA on a projection, by its name (``tunelab.peft.ExpertLoRA``, put here by
         ``apply_lora``): ``delta(rows, counts, grouped)`` is added to its grouped matmul unless
@@ -331,7 +374,16 @@ class MoEExperts(nn.Module):
         self, name: str, rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
         weight, bias = getattr(self, name), getattr(self, f"{name}_bias")
-        out = grouped_linear(rows, weight, counts, grouped=self.grouped, transposed=self.transposed)
+        if weight.dim() == 2:  # packed (see ``unpack_weight``)
+            assert self.unpack_weight is not None, f"{name} is packed without unpack_weight"
+            out = _UnpackedGroupedLinear.apply(
+                rows, weight, counts, self.unpack_weight, self.num_experts, self.grouped,
+                self.transposed,
+            )  # fmt: skip
+        else:
+            out = grouped_linear(
+                rows, weight, counts, grouped=self.grouped, transposed=self.transposed
+            )
         if name in self.lora and not self.lora[name].disabled:
             out = out + self.lora[name].delta(rows, counts, self.grouped)
         return out if bias is None else out + bias[experts]

@@ -23,7 +23,9 @@ without an adapter are dequantized the same way.
 A stacked expert weight with an ``ExpertLoRA`` merges expert by expert,
 ``W_e' = W_e + scale * B_e A_e`` (transposed for gpt-oss's ``[E, in, out]``). FSDP2 shards it
 ``Shard(0)`` over experts, so each rank adds the updates of its own experts, computed from the
-gathered (small) factors: the merge stays shard-local. These weights are merged when the state
+gathered (small) factors: the merge stays shard-local. Under QLoRA the stacked weight is NF4,
+packed 2-D ``[E * rows, cols]``: each rank dequantizes its own experts first
+(``dequantize_experts``), as a dense NF4 base is dequantized shard by shard. These weights are merged when the state
 dict is built, not deferred to the writer: the export writes them as per-expert hub tensors.
 
 The merge never writes the live parameters: FSDP2's ``model.state_dict()`` aliases them, and
@@ -42,10 +44,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import TunelabError
+from tunelab.modules.moe import MoEExperts
 from tunelab.peft._names import MAGNITUDE
 from tunelab.peft.apply import expert_weight_fqn, lora_modules
 from tunelab.peft.expert_lora import ExpertLoRA, expert_delta
-from tunelab.peft.nf4 import dequantize
+from tunelab.peft.nf4 import dequantize, dequantize_experts
 
 
 def _rows_are_local(weight: DTensor, lora_b: torch.Tensor) -> bool:
@@ -192,7 +195,9 @@ def _lora_state(
 ) -> tuple[dict[str, nn.Module], dict[str, torch.Tensor]]:
     """The LoRA modules and the state dict, both under clean FQNs.
 
-    An ``ExpertLoRA`` is listed under the FQN of the stacked weight it adapts.
+    An ``ExpertLoRA`` is listed under the FQN of the stacked weight it adapts. Stacked expert
+    weights are given as ``[E, rows, cols]`` values: NF4-packed ones dequantized (each rank its
+    own experts), plain ones as they are.
     """
     modules = {}
     for name, module in lora_modules(model).items():
@@ -200,7 +205,13 @@ def _lora_state(
         modules[expert_weight_fqn(name) if isinstance(module, ExpertLoRA) else name] = module
     if not modules:
         raise TunelabError(f"{caller}: the model has no LoRA layers; call apply_lora first")
-    return modules, {clean_fqn(key): value for key, value in model.state_dict().items()}
+    state = {clean_fqn(key): value for key, value in model.state_dict().items()}
+    for name, experts in model.named_modules():
+        if isinstance(experts, MoEExperts):
+            for projection in ("gate_up_proj", "down_proj"):
+                key = clean_fqn(f"{name}.{projection}")
+                state[key] = dequantize_experts(state[key], experts.num_experts)
+    return modules, state
 
 
 def _expert_factors(

@@ -17,6 +17,16 @@ rank must hold whole blocks of scales: ``rows * in_dim`` divisible by ``64 * 256
 A weight that is not (a tiny model's, or one whose rows do not split evenly over the ranks)
 stays in the training dtype, and :func:`quantize_base_nf4` returns its name.
 
+Stacked mixture-of-experts weights (``MoEExperts.gate_up_proj`` / ``down_proj``, ``[E, rows,
+cols]`` in either layout, gpt-oss's ``[E, in, out]`` included) are quantized the same way, as
+the 2-D ``[E * rows, cols]`` tensor of their experts one after another (torchao's ``NF4Tensor``
+is 2-D only, and FSDP2 needs its row ops): the codes are ``to_nf4`` of that reshape, and each
+projection unpacks its layer's experts for its grouped matmul (``MoEExperts.unpack_weight``),
+in the backward again. FSDP2 shards the rows, so a rank holds whole experts when ``E`` divides
+by the processes; otherwise, or when a rank's experts hold no whole block of scales, the
+weight stays in the training dtype. :func:`dequantize_experts` gives the ``[E, rows, cols]``
+values back (a merge adds each rank's own experts' updates to them).
+
 The model is quantized on the meta device, before ``fully_shard``: FSDP2 then shards the
 ``NF4Tensor`` by rows, ``to_empty`` allocates the packed shards, and the loader fills them with
 :func:`copy_rows_nf4_`. On an HSDP mesh whose shard groups have one rank (``replicate x 1``),
@@ -34,7 +44,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tunelab.errors import ConfigError
-from tunelab.modules.moe import MoERouter
+from tunelab.modules.moe import MoEExperts, MoERouter
 from tunelab.peft._nf4_fsdp import gather_one_tensor_on_one_rank
 
 NF4_BLOCK_SIZE = 64
@@ -89,6 +99,55 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
+def dequantize_experts(tensor: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A stacked expert weight's ``[E, rows, cols]`` values, packed (NF4) or not.
+
+    A packed weight is 2-D ``[E * rows, cols]`` (see the module docstring); a DTensor's local
+    shard holds whole experts and is dequantized alone, into a ``[E, rows, cols]`` DTensor of
+    the same mesh and placements (no communication). A 3-D weight is returned as it is.
+
+    Args:
+        tensor: The stored weight, plain, NF4, or a DTensor of either.
+        num_experts: ``E``.
+
+    Returns:
+        ``[E, rows, cols]`` in the training dtype.
+    """
+    if tensor.dim() == 3:
+        return tensor
+    shape = (num_experts, tensor.shape[0] // num_experts, tensor.shape[1])
+    if isinstance(tensor, DTensor):
+        local = dequantize(tensor.to_local())
+        return DTensor.from_local(
+            local.view(-1, *shape[1:]),
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+    return dequantize(tensor).view(shape)
+
+
+def _unpack_nf4(packed: torch.Tensor) -> torch.Tensor:
+    """``MoEExperts.unpack_weight`` for NF4 experts: the whole (gathered) weight's values.
+
+    Bit for bit ``packed.get_original_weight()`` (each value is its NF4 level times its block's
+    scale, one multiplication in the weight's dtype), with less memory on the way: torchao
+    widens every 4-bit code to an int64 index (8 bytes a value, 7.5 GB for one Mixtral layer's
+    ``gate_up_proj``); here one int32 index per byte picks both of its values from a 256 x 2
+    table (2 bytes a value).
+    """
+    levels = packed.nf4
+    # Byte b holds the codes b >> 4 (first value) and b & 15 (second value).
+    table = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)
+    values = table[packed.quantized_data.int()].view(-1, packed.block_size)
+    scales = packed.dequantize_scalers(
+        packed.quantized_scalers, packed.quantization_factor, packed.scaler_block_size
+    )
+    return values.mul_(scales.unsqueeze(1)).view(packed.shape)
+
+
 def _why_not_quantizable(out_dim: int, in_dim: int, world_size: int) -> str | None:
     if out_dim % world_size:
         return f"{out_dim} rows do not split evenly over {world_size} processes"
@@ -115,6 +174,7 @@ def quantize_base_nf4(
 ) -> NF4Plan:
     """Turn every frozen linear weight of a meta-device model into an (empty) ``NF4Tensor``.
 
+    Stacked MoE expert weights too, as 2-D ``[E * rows, cols]`` (see the module docstring).
     Call it after ``apply_lora`` and before ``fully_shard``, on the meta device; then
     ``to_empty`` allocates the packed bytes and :func:`copy_rows_nf4_` fills them as the
     checkpoint loads. The LoRA ``A``/``B`` weights, DoRA magnitudes, biases, norms and
@@ -158,16 +218,64 @@ def quantize_base_nf4(
         if reason is not None:
             plan.kept[name] = reason
             continue
-        quantized = to_nf4(weight.detach(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
-        # The two tensors FSDP2 does not shard are shared by every row shard: make them real
-        # now, so that to_empty (which allocates only the sharded ones) leaves none on meta.
-        if weight.dtype not in tables:
-            tables[weight.dtype] = _nf4_levels(to_nf4, weight.dtype, device)
-        quantized.nf4 = tables[weight.dtype]
-        quantized.scaler_mean = torch.zeros((), dtype=weight.dtype, device=device)
-        module.weight = nn.Parameter(quantized, requires_grad=False)
+        module.weight = _empty_nf4(weight, to_nf4, tables, device)
         plan.quantized.append(name)
+    for name, module in model.named_modules():
+        if isinstance(module, MoEExperts):
+            _quantize_experts(name, module, world_size, plan, to_nf4, tables, device)
     return plan
+
+
+def _empty_nf4(
+    weight: torch.Tensor,
+    to_nf4: Callable[..., torch.Tensor],
+    tables: dict[torch.dtype, torch.Tensor],
+    device: torch.device,
+) -> nn.Parameter:
+    """The frozen NF4 parameter of a 2-D meta weight (its values come at load)."""
+    quantized = to_nf4(weight.detach(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+    # The two tensors FSDP2 does not shard are shared by every row shard: make them real
+    # now, so that to_empty (which allocates only the sharded ones) leaves none on meta.
+    if weight.dtype not in tables:
+        tables[weight.dtype] = _nf4_levels(to_nf4, weight.dtype, device)
+    quantized.nf4 = tables[weight.dtype]
+    quantized.scaler_mean = torch.zeros((), dtype=weight.dtype, device=device)
+    return nn.Parameter(quantized, requires_grad=False)
+
+
+def _quantize_experts(
+    name: str,
+    experts: MoEExperts,
+    world_size: int,
+    plan: NF4Plan,
+    to_nf4: Callable[..., torch.Tensor],
+    tables: dict[torch.dtype, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Pack an ``MoEExperts``' frozen stacked weights as 2-D NF4 ``[E * rows, cols]``."""
+    for projection in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, projection)
+        fqn = f"{name}.{projection}"
+        if weight.requires_grad or weight.dim() != 3:
+            continue
+        if not weight.is_meta:
+            raise ConfigError(
+                f"quantize_base_nf4: {fqn} is materialised; quantize on the meta device"
+            )
+        num_experts, rows, cols = weight.shape
+        if num_experts % world_size:
+            plan.kept[fqn] = (
+                f"{num_experts} experts do not split evenly over {world_size} processes"
+            )
+            continue
+        reason = _why_not_quantizable(num_experts * rows, cols, world_size)
+        if reason is not None:
+            plan.kept[fqn] = reason
+            continue
+        packed = weight.detach().reshape(num_experts * rows, cols)
+        setattr(experts, projection, _empty_nf4(packed, to_nf4, tables, device))
+        experts.unpack_weight = _unpack_nf4
+        plan.quantized.append(fqn)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -250,7 +358,8 @@ def copy_rows_nf4_(param: torch.Tensor, rows: torch.Tensor) -> None:
     if not is_nf4(local):
         local.copy_(rows)
         return
-    rows = rows.to(local.dtype).contiguous()
+    # A stacked expert weight's rows come as [experts, rows, cols]; it is packed 2-D.
+    rows = rows.to(local.dtype).reshape(local.shape).contiguous()
     scaler_mean = _scaler_mean(rows, param)
     scalers, factor, data = quantize_rows_nf4(rows, scaler_mean, local.nf4)
     local.quantized_scalers.copy_(scalers)
@@ -263,7 +372,8 @@ def frozen_linear_bytes(model: nn.Module) -> int:
     """Bytes this rank holds for the weights ``quantize_base_nf4`` may quantize.
 
     Those are the frozen weights of linear layers other than ``lm_head`` (and the adapters'
-    own); an NF4 weight counts its packed values, block scales and scale factors.
+    own) and the frozen stacked MoE expert weights; an NF4 weight counts its packed values,
+    block scales and scale factors.
 
     Args:
         model: A model, sharded or not.
@@ -275,17 +385,19 @@ def frozen_linear_bytes(model: nn.Module) -> int:
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         leaf = name.rpartition(".")[2]
-        if (
-            not _is_linear(module)
-            or weight is None
-            or weight.requires_grad
-            or leaf in (_OUTPUT_LAYER, "lora_A", "lora_B")
-        ):
-            continue
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
-        if is_nf4(local):
-            inner = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
-            total += sum(t.numel() * t.element_size() for t in inner)
+        if isinstance(module, MoEExperts):
+            weights = [module.gate_up_proj, module.down_proj]
+        elif _is_linear(module) and leaf not in (_OUTPUT_LAYER, "lora_A", "lora_B"):
+            weights = [weight]
         else:
-            total += local.numel() * local.element_size()
+            continue
+        for weight in weights:
+            if weight is None or weight.requires_grad:
+                continue
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            if is_nf4(local):
+                inner = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
+                total += sum(t.numel() * t.element_size() for t in inner)
+            else:
+                total += local.numel() * local.element_size()
     return total
