@@ -158,6 +158,7 @@ def main(args: GRPOArgs) -> None:
         pad_id=tokenizer.pad_id,
         decode=tokenizer.decode,
         gather_once=args.rollout_gather_once,
+        merge_adapters=args.rollout_merge_adapters,
     )
     rewards = Rewards(args.rewards, args.reward_weights)
     groups = GroupSampler(
