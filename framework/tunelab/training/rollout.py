@@ -15,6 +15,7 @@ index), so the tokens do not depend on the batch, the number of processes, or a 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +83,9 @@ def sample_tokens(
     """
     if settings.temperature <= 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / settings.temperature
+    logits = logits.float()
+    if settings.temperature != 1.0:  # x / 1.0 is x: skip the op
+        logits = logits / settings.temperature
     if settings.top_k is not None and settings.top_k < logits.shape[-1]:
         kth = torch.topk(logits, settings.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -94,7 +97,8 @@ def sample_tokens(
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     probs = probs.cpu()
-    if not bool(torch.isfinite(probs).all()):
+    # A NaN or inf anywhere makes the sum non-finite (probabilities are >= 0): one reduction.
+    if not math.isfinite(float(probs.sum())):
         raise ValueError(
             "the sampling probabilities are not finite: the policy's logits hold NaN or inf "
             "(a diverged update; lower the learning rate or clip gradients)"
