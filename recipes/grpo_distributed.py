@@ -7,14 +7,15 @@ Each step: 1. take this rank's prompts and sample ``num_generations`` completion
 with the training model (``ModelRolloutEngine``: batched, KV cache, a seed per completion),
 score them with the configured rewards and turn each group's rewards into advantages
 (``GroupSampler``; with dynamic sampling, groups of equal rewards are left out and may be
-refilled from more prompts); 2. store the sampling policy's and the reference's log-probs
-when needed; 3. ``num_iterations`` optimizer steps over the rollouts with the clipped
-policy-gradient loss (``tunelab.losses.GRPOLoss``), the log-probs computed at completion
-positions only; 4. ``after_step`` logs, validates (greedy completions of ``val_dataset``),
-exports and saves. The reference (``beta`` > 0) is the model with its adapters disabled, or
-for full fine-tuning (``lora: null``) a frozen copy of the base. Sampling seeds derive from
-the seed, the step and the prompt's index, so a resumed run or another number of processes
-samples the same completions.
+refilled from more prompts); 2. store the reference's log-probs when needed; 3.
+``num_iterations`` optimizer steps over the rollouts with the clipped policy-gradient loss
+(``tunelab.losses.GRPOLoss``), the log-probs computed at completion positions only (the first
+pass's, taken before any update, are the sampling policy's: kept for the next passes); 4.
+``after_step`` logs, validates (greedy completions of ``val_dataset``), exports and saves.
+The reference (``beta`` > 0) is the model with its adapters disabled, or for full fine-tuning
+(``lora: null``) a frozen copy of the base. Sampling seeds derive from the seed, the step and
+the prompt's index, so a resumed run or another number of processes samples the same
+completions.
 """
 
 import time
@@ -158,6 +159,7 @@ def main(args: GRPOArgs) -> None:
         pad_id=tokenizer.pad_id,
         decode=tokenizer.decode,
         gather_once=args.rollout_gather_once,
+        merge_adapters=args.rollout_merge_adapters,
     )
     rewards = Rewards(args.rewards, args.reward_weights)
     groups = GroupSampler(
@@ -232,8 +234,9 @@ def main(args: GRPOArgs) -> None:
             rollouts = [part.rollout for part in scored]
             counts = step_counts(scored, device)
             train_start = time.perf_counter()
-            # 2. The sampling policy's log-probs (reused over iterations) and the reference's.
-            store_logps(rollouts, model, output, old=args.num_iterations > 1, reference=reference)
+            # 2. The reference's log-probs (beta > 0). The sampling policy's are those of the
+            # first pass (before the first update): kept there for the next iterations.
+            store_logps(rollouts, model, output, old=False, reference=reference)
             divisor = loss_normalizer(
                 args.loss_aggregation,
                 num_sequences=int(counts["num_sequences"]),
@@ -241,10 +244,15 @@ def main(args: GRPOArgs) -> None:
                 max_new_tokens=args.max_new_tokens,
             )
             # 3. num_iterations optimizer steps over the same rollouts.
-            for _ in range(args.num_iterations):
+            for iteration in range(args.num_iterations):
                 # FSDP2 averages gradients over ranks: scale by the world size.
                 step_sums = policy_gradient_pass(
-                    model, rollouts, loss_fn, output, scale=dist_info.world_size / divisor
+                    model,
+                    rollouts,
+                    loss_fn,
+                    output,
+                    scale=dist_info.world_size / divisor,
+                    keep_old=iteration == 0 and args.num_iterations > 1,
                 )
                 step_totals = global_sums(step_sums, device)
                 metrics = optimizer_step(

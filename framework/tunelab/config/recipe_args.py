@@ -443,6 +443,8 @@ class GRPOArgs(LoRAFinetuneArgs):
     """With dynamic_sampling: up to N rounds of batch_size more prompts per process, sampled until the step has as many kept groups as its own prompts (0: no refill, the step trains on the groups left)."""
     rollout_gather_once: bool = True
     """FSDP2: all-gather the sharded weights once per rollout phase and hold them until its last token (each process then holds the whole model while generating); false: gather block by block for every generated token (less memory, one all-gather per block per token)."""
+    rollout_merge_adapters: bool = True
+    """LoRA/DoRA: the rollout phase runs each adapter merged into a temporary copy of its weight, W + scale * B A (one linear per projection instead of three; the live weights untouched); costs a copy of the adapted weights while generating, and tokens may differ from the unmerged path's by rounding. Not for an NF4 base (QLoRA keeps it unmerged), nor under FSDP2 with rollout_gather_once false (the weights are never whole)."""
 
     def check_settings(self) -> list[str]:
         """The settings grpo_distributed does not use must be left out."""

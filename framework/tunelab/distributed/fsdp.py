@@ -166,7 +166,7 @@ def reshard(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def hold_gathered(model: nn.Module) -> Iterator[None]:
+def hold_gathered(model: nn.Module, *, gather_now: bool = False) -> Iterator[None]:
     """Keep each FSDP2 group of ``model`` gathered from its first forward until the block ends.
 
     For many forwards in a row with no update between them (generation: one forward per
@@ -178,12 +178,22 @@ def hold_gathered(model: nn.Module) -> Iterator[None]:
 
     Args:
         model: The model, FSDP2-sharded or plain.
+        gather_now: All-gather every group on entry (in module order, the same on every
+            rank), so the module attributes are the whole tensors before any forward (to
+            build something from them, as ``tunelab.peft.merged_adapters`` does). Only for
+            an FSDP2 root; otherwise the groups gather at their first forward.
     """
     modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
     settings = [_reshards_after_forward(module) for module in modules]
     for module in modules:
         module.set_reshard_after_forward(False, recurse=False)
     try:
+        if gather_now and isinstance(model, FSDPModule):
+            # FSDP2 sets up its communication state at the root's first forward; an unshard
+            # before any forward needs it first (idempotent; torch 2.13 FSDPState._lazy_init).
+            model._get_fsdp_state()._lazy_init()
+            for module in modules:
+                module.unshard()
         yield
     finally:
         for module, setting in zip(modules, settings, strict=True):

@@ -10,6 +10,7 @@ from tunelab.peft.apply import (
     set_trainable_params,
 )
 from tunelab.peft.expert_lora import ExpertLoRA
+from tunelab.peft.inference_merge import merged_adapters
 from tunelab.peft.lora import LoRALinear
 from tunelab.peft.merge import merged_state_dict
 from tunelab.peft.peft_io import load_peft_adapter, save_peft_adapter
@@ -26,6 +27,7 @@ __all__ = [
     "init_lora_parameters",
     "load_peft_adapter",
     "lora_target_names",
+    "merged_adapters",
     "merged_state_dict",
     "read_adapter_config",
     "save_peft_adapter",

@@ -120,6 +120,8 @@ class LoRALinear(nn.Module):
     ``<name>.lora_B.weight``, the names PEFT uses. Forward:
     ``y = F.linear(x, weight, bias) + scale * lora_B(lora_A(dropout(x)))``; while
     ``disabled`` is set the adapter term is skipped, so the output is the base model's.
+    Inside ``tunelab.peft.merged_adapters`` it computes one linear with a temporary merged
+    weight instead (inference only).
     With ``use_dora`` it also has ``lora_magnitude_vector`` (``[out_dim]``, PEFT's name) and
     computes DoRA (see the module docstring). The base ``weight`` may be a torchao
     ``NF4Tensor`` (QLoRA); it is dequantized on the fly.
@@ -160,6 +162,8 @@ class LoRALinear(nn.Module):
         self.scale = lora_scale(rank, alpha, use_rslora)
         self.use_dora = use_dora
         self.disabled = False
+        # Set only inside ``tunelab.peft.merged_adapters`` (inference): W + scale * B A.
+        self.merged_weight: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_dim), requires_grad=False) if bias else None
         self.dropout = nn.Dropout(dropout) if dropout > 0.0 else nn.Identity()
@@ -261,6 +265,8 @@ class LoRALinear(nn.Module):
         Returns:
             Output ``[..., out_dim]``.
         """
+        if self.merged_weight is not None and not self.disabled:
+            return F.linear(x, self.merged_weight, self.bias)
         out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out

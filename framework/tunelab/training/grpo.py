@@ -136,12 +136,16 @@ def store_logps(
 ) -> None:
     """Compute, before the first update, the log-probs the passes over ``rollouts`` reuse.
 
+    The sampling policy's log-probs need no pass of their own: the first
+    :func:`policy_gradient_pass` runs with the weights that sampled and keeps its log-probs
+    (``keep_old``) for the later ones.
+
     Args:
         rollouts: The step's rollouts; their ``old_logps`` and ``ref_logps`` are set.
         model: The policy.
         output: The policy's chunked output layer (None: whole logits).
-        old: Store the sampling policy's log-probs (``num_iterations`` > 1; otherwise the
-            ratio is taken against the policy's own detached log-probs, which equal them).
+        old: Store the sampling policy's log-probs in a pass of their own (for a caller whose
+            first update comes before the first pass over every rollout).
         reference: A ``ReferenceModel`` or :class:`FrozenReference` (``beta`` > 0), or None;
             its output layer runs chunk by chunk when the policy's does (``output``).
     """
@@ -162,11 +166,20 @@ def policy_gradient_pass(
     output: OutputLayer | None,
     *,
     scale: float,
+    keep_old: bool = False,
 ) -> dict[str, float]:
     """One pass over the rollouts: the clipped policy-gradient loss, backward per micro-batch.
 
     Every rank runs a forward and backward per micro-batch, even one whose rows are all left
     out (FSDP2's collectives need them all).
+
+    A rollout without ``old_logps`` takes the ratio against the policy's own log-probs,
+    detached: in the first pass over a step's rollouts (before its first optimizer step) the
+    policy is the sampling policy, so they are its log-probs, computed in this very forward.
+    ``keep_old`` stores them as the rollout's ``old_logps`` for the next passes
+    (``num_iterations`` > 1), which saves the separate no-grad pass over every rollout that
+    :func:`store_logps` with ``old`` runs (with adapter dropout active, the ratio of the first
+    pass is then exactly 1, as with one iteration).
 
     Args:
         model: The policy.
@@ -176,6 +189,8 @@ def policy_gradient_pass(
         scale: Multiplies each micro-batch's loss sum before backward: ``world_size /
             divisor`` (FSDP2 averages gradients over ranks; the divisor is the step's global
             normalizer).
+        keep_old: Store the detached log-probs as ``old_logps`` where a rollout has none
+            (call it so in the first pass only, before any optimizer step on the rollouts).
 
     Returns:
         This rank's sums: ``loss`` (unscaled), ``clipped`` tokens and ``kl``.
@@ -185,6 +200,8 @@ def policy_gradient_pass(
         logps, mask = completion_logps(model, rollout.batch, output)
         mask = mask & rollout.keep[:, None]
         old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
+        if keep_old:
+            rollout.old_logps = old
         losses, metric_sums = loss_fn.token_losses(
             logps, old, rollout.advantages, mask, rollout.ref_logps
         )

@@ -15,6 +15,7 @@ index), so the tokens do not depend on the batch, the number of processes, or a 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import hold_gathered
+from tunelab.peft import merged_adapters
 from tunelab.training.reference import reshard_all
 
 __all__ = ["ModelRolloutEngine", "RolloutEngine", "SamplingSettings", "sample_tokens"]
@@ -53,21 +55,37 @@ class SamplingSettings:
 
 
 def sample_tokens(
-    logits: torch.Tensor, settings: SamplingSettings, generators: list[torch.Generator]
+    logits: torch.Tensor,
+    settings: SamplingSettings,
+    generators: list[torch.Generator],
+    active: list[bool] | None = None,
 ) -> torch.Tensor:
     """One token per row: temperature, then top-k, then top-p, each row from its generator.
+
+    Each row draws the token ``torch.multinomial(probs[row], 1, generator=generators[row])``
+    draws, batched: for one sample that call is the exponential race, ``argmax(p / q)`` with
+    ``q ~ Exp(1)`` drawn from the generator (Gumbel-max in exponential form, PyTorch's
+    ``multinomial`` fast path), so the draws stay per row and one division and one argmax serve
+    every row. tests/unit/test_grpo_rollout.py checks the tokens against ``torch.multinomial``.
 
     Args:
         logits: ``[rows, vocab]``.
         settings: Temperature, top-k, top-p.
         generators: One CPU generator per row.
+        active: Rows that draw (None: all); the others take their most likely token and
+            leave their generator untouched (a finished completion's token is never used).
 
     Returns:
         ``[rows]`` token ids.
+
+    Raises:
+        ValueError: A row's probabilities are not finite (the policy's logits hold NaN or inf).
     """
     if settings.temperature <= 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / settings.temperature
+    logits = logits.float()
+    if settings.temperature != 1.0:  # x / 1.0 is x: skip the op
+        logits = logits / settings.temperature
     if settings.top_k is not None and settings.top_k < logits.shape[-1]:
         kth = torch.topk(logits, settings.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -79,11 +97,17 @@ def sample_tokens(
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     probs = probs.cpu()
-    picks = [
-        torch.multinomial(probs[row], 1, generator=generator)
-        for row, generator in enumerate(generators)
-    ]
-    return torch.cat(picks).to(logits.device)
+    # A NaN or inf anywhere makes the sum non-finite (probabilities are >= 0): one reduction.
+    if not math.isfinite(float(probs.sum())):
+        raise ValueError(
+            "the sampling probabilities are not finite: the policy's logits hold NaN or inf "
+            "(a diverged update; lower the learning rate or clip gradients)"
+        )
+    noise = torch.ones_like(probs)
+    for row, generator in enumerate(generators):
+        if active is None or active[row]:
+            noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1).to(logits.device)
 
 
 class RolloutEngine(Protocol):
@@ -124,6 +148,13 @@ class ModelRolloutEngine:
     shards block by block, as a training forward does: one all-gather per block per token,
     and only about one block gathered at a time.
 
+    With ``merge_adapters`` (the default) and the weights whole for the call (one process, or
+    ``gather_once``), each LoRA/DoRA layer runs one linear with ``W + scale * B A`` merged on
+    entry into a temporary copy (:func:`~tunelab.peft.merged_adapters`: the live weights are
+    untouched; an NF4 base stays unmerged). The merged forward equals the adapted one up to
+    rounding, so a token may differ from the unmerged path's where two are nearly tied; the
+    choice is deterministic, so a resumed run samples the same tokens.
+
     After each call, ``last_generation_seconds``, ``last_generated_tokens`` and
     ``last_entropy_sum`` (the policy's entropy summed over the sampled positions) describe it.
 
@@ -133,6 +164,7 @@ class ModelRolloutEngine:
         pad_id: Token that fills short prompts (never seen by a query).
         decode: Token ids to text, for ``stop_strings`` (the tokenizer's ``decode``).
         gather_once: Hold the FSDP2-gathered parameters for the whole call (see above).
+        merge_adapters: Merge LoRA adapters into temporary weights for the call (see above).
 
     Raises:
         ValueError: ``stop_strings`` without ``decode``.
@@ -146,6 +178,7 @@ class ModelRolloutEngine:
         pad_id: int,
         decode: Callable[[list[int]], str] | None = None,
         gather_once: bool = True,
+        merge_adapters: bool = True,
     ) -> None:
         if settings.stop_strings and decode is None:
             raise ValueError("stop_strings need the tokenizer's decode")
@@ -154,6 +187,7 @@ class ModelRolloutEngine:
         self.pad_id = pad_id
         self.decode = decode
         self.gather_once = gather_once
+        self.merge_adapters = merge_adapters
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
@@ -172,41 +206,45 @@ class ModelRolloutEngine:
         rows = len(prompts)
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
         width = int(lengths.max())
-        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+            tokens[row, : len(prompt)] = torch.tensor(prompt)
+        tokens = tokens.to(device)
         generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         was_training = model.training
         model.eval()  # no adapter dropout while sampling
         model.setup_caches(rows, width + settings.max_new_tokens, device=device)
         completions: list[list[int]] = [[] for _ in range(rows)]
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        held = hold_gathered(model) if self.gather_once else contextlib.nullcontext()
+        active = [True] * rows
+        held = contextlib.nullcontext()
+        if self.gather_once:
+            held = hold_gathered(model, gather_now=self.merge_adapters)
+        merged = merged_adapters(model) if self.merge_adapters else contextlib.nullcontext()
         try:
-            with held:
+            with held, merged:
                 positions = torch.arange(width, device=device).expand(rows, width)
                 hidden = model(tokens, input_pos=positions, return_hidden=True)
                 last = hidden[torch.arange(rows, device=device), lengths - 1]
                 logits = model.output(last)
                 entropy = torch.zeros((), dtype=torch.float64, device=device)
+                done = torch.zeros(rows, dtype=torch.bool, device=device)
                 for step in range(settings.max_new_tokens):
                     # The policy's entropy at each sampled position (before temperature and
                     # filtering): a collapsing entropy is the first sign of a policy gone greedy.
                     log_probs = torch.log_softmax(logits.float(), dim=-1)
                     row_entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
                     entropy += row_entropy.masked_fill(done, 0.0).double().sum()
-                    next_tokens = sample_tokens(logits, settings, generators)
-                    for row in (~done).nonzero().squeeze(-1).tolist():
-                        completions[row].append(int(next_tokens[row]))
-                    finished = done.tolist()
-                    done |= torch.tensor(
-                        [
-                            was or self._stops(c)
-                            for was, c in zip(finished, completions, strict=True)
-                        ],
-                        device=device,
-                    )
-                    if step == settings.max_new_tokens - 1 or _all_done(done):
+                    next_tokens = sample_tokens(logits, settings, generators, active)
+                    stopped = False
+                    for row, token in enumerate(next_tokens.tolist()):
+                        if active[row]:
+                            completions[row].append(token)
+                            if self._stops(completions[row]):
+                                active[row] = False
+                                stopped = True
+                    if stopped:
+                        done = torch.tensor([not a for a in active], device=device)
+                    if step == settings.max_new_tokens - 1 or _all_done(sum(active)):
                         break
                     hidden = model(
                         next_tokens[:, None],
@@ -238,10 +276,10 @@ class ModelRolloutEngine:
         return any(stop in text for stop in self.settings.stop_strings)
 
 
-def _all_done(done: torch.Tensor) -> bool:
+def _all_done(remaining: int) -> bool:
     # Every rank runs the same number of forwards (FSDP2's all-gathers): stop together.
-    remaining = (~done).sum().to(torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        remaining = remaining.cpu()
-        dist.all_reduce(remaining)
-    return int(remaining) == 0
+        total = torch.tensor(float(remaining), dtype=torch.float64)
+        dist.all_reduce(total)
+        remaining = int(total)
+    return remaining == 0
