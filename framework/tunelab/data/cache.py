@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from tunelab import errors
 from tunelab.data.rows import BadRow, cut_long_text
-from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source
+from tunelab.data.sources import JSON_LINE, JSON_PARSED, JSON_PROBLEM, JSON_TEXT, Source
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import DataError, TunelabError
 
@@ -139,7 +139,10 @@ class TokenizeRows:
         problem = batch[JSON_PROBLEM][position]
         if problem is not None:
             raise BadRow("(whole row)", problem)
-        row = json.loads(batch[JSON_TEXT][position])
+        if JSON_PARSED in batch:  # a stream's row, parsed once when its columns were read
+            row = batch[JSON_PARSED][position]
+        else:
+            row = json.loads(batch[JSON_TEXT][position])
         if not isinstance(row, dict):
             raise BadRow("(whole row)", f"expected an object, got {type(row).__name__}")
         return row
