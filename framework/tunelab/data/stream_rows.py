@@ -55,10 +55,23 @@ class RowRef:
 
 @dataclass
 class DecodeCount:
-    """What a rank decoded: rows, and the bytes of the JSON lines among them."""
+    """What a rank decoded.
+
+    Attributes:
+        rows: Rows decoded (handed to the row function).
+        json_bytes: Bytes of the JSON Lines among them (each JSON-decoded once).
+        table_rows: Rows of the Parquet row groups and Arrow ranges read for them.
+    """
 
     rows: int = 0
     json_bytes: int = 0
+    table_rows: int = 0
+
+    def add(self, other: DecodeCount) -> None:
+        """Add ``other``'s counts to these."""
+        self.rows += other.rows
+        self.json_bytes += other.json_bytes
+        self.table_rows += other.table_rows
 
 
 def _arrow_format(source: Source) -> str | None:
@@ -149,7 +162,7 @@ class _ArrowRows:
         except (OSError, pa.ArrowException) as error:
             raise DataError(f"{self.name}: cannot read as {arrow} ({error})") from error
 
-    def rows(self, first: int, last: int) -> list[dict[str, Any]]:
+    def rows(self, first: int, last: int, count: DecodeCount) -> list[dict[str, Any]]:
         """Rows ``first`` to ``last`` (inclusive) as dicts, reading only what holds them."""
         import pyarrow as pa
 
@@ -163,8 +176,11 @@ class _ArrowRows:
                     for group in range(len(starts) - 1)
                     if starts[group] <= last and starts[group + 1] > first
                 ]
+                count.table_rows += starts[groups[-1] + 1] - starts[groups[0]]
                 table = self._parquet.read_row_groups(groups)
                 table = table.slice(first - starts[groups[0]], last - first + 1)
+            if hasattr(self, "_table"):
+                count.table_rows += last - first + 1
             return table.to_pylist()
         except (OSError, pa.ArrowException) as error:
             raise DataError(f"{self.name}: cannot read rows {first}-{last} ({error})") from error
@@ -202,7 +218,7 @@ def decode(
         first = min(ref.row for _, ref in wanted)
         last = max(ref.row for _, ref in wanted)
         reader = _open(sources[source], _arrow_format(sources[source]) or "")
-        rows = reader.rows(first, last)
+        rows = reader.rows(first, last, count)
         for i, ref in wanted:
             batches[i] = {name: [value] for name, value in rows[ref.row - first].items()}
     for i, ref in enumerate(refs):

@@ -31,6 +31,7 @@ location of the first sample not yet in an item, which is all a checkpoint needs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -72,6 +73,7 @@ class WindowPart:
         samples: Permuted position to that row's samples, for this rank's rows.
         error: ``(position, message)`` of this rank's first malformed row by position.
         decoded: What this rank decoded for it.
+        pid: The process that read and tokenized it.
     """
 
     window: int
@@ -82,6 +84,7 @@ class WindowPart:
     samples: dict[int, list[dict]] = field(default_factory=dict)
     error: tuple[int, str] | None = None
     decoded: DecodeCount = field(default_factory=DecodeCount)
+    pid: int = field(default_factory=os.getpid)
 
 
 def _rank_and_world_size() -> tuple[int, int]:
@@ -240,10 +243,14 @@ class StreamingDataset:
             taken = 0
             window += 1
 
-    def _parts(
+    def parts(
         self, epoch: int, seed: int, location: dict[str, int], num_proc: int
     ) -> Iterator[WindowPart]:
-        """This rank's window parts: read ahead in ``num_proc`` workers, or here with 0."""
+        """This rank's window parts: read ahead in ``num_proc`` workers, or here with 0.
+
+        With workers, each holds up to two windows ahead (``prefetch_factor``) while the
+        training process gathers and trains on the current one.
+        """
         rank, world_size = _rank_and_world_size()
         if num_proc == 0:
             return self.window_parts(epoch, seed, location, rank, world_size)
@@ -290,9 +297,8 @@ class StreamingDataset:
         """``(sample, its location)`` from ``location`` on, then ``(None, end location)``."""
         first = location["sample"]
         num_proc = self.num_proc if num_proc is None else num_proc
-        for part in self._parts(epoch, seed, location, num_proc):
-            self.decoded.rows += part.decoded.rows
-            self.decoded.json_bytes += part.decoded.json_bytes
+        for part in self.parts(epoch, seed, location, num_proc):
+            self.decoded.add(part.decoded)
             start = {"window": part.window, "source": part.source, "row": part.row}
             if part.size == 0:
                 yield None, {**start, "taken": 0, "sample": 0}
