@@ -70,7 +70,9 @@ class WindowPart:
         row: Its first row in that source.
         taken: The first permuted position read (non-zero only in a resumed window).
         size: Rows in the window; 0 past the last window.
-        samples: Permuted position to that row's samples, for this rank's rows.
+        samples: Permuted position to that row's samples, for this rank's rows; their token
+            columns as int32 arrays (pickled as raw bytes to the training process and in the
+            gather, about 4x cheaper than lists of ints), lists again after ``_gather``.
         error: ``(position, message)`` of this rank's first malformed row by position.
         decoded: What this rank decoded for it.
         pid: The process that read and tokenized it.
@@ -203,7 +205,11 @@ class StreamingDataset:
         for position, batch in zip(positions, batches):
             ref = buffer[order[position]]
             try:
-                part.samples[position] = self._tokenize(ref.source, ref.row, batch)
+                samples = self._tokenize(ref.source, ref.row, batch)
+                part.samples[position] = [
+                    {name: np.asarray(values, dtype=np.int32) for name, values in sample.items()}
+                    for sample in samples
+                ]
             except DataError as error:
                 part.error = (position, str(error))
                 return
@@ -280,16 +286,20 @@ class StreamingDataset:
         import torch.distributed as dist
 
         rank, world_size = _rank_and_world_size()
-        if world_size == 1:
-            if part.error is not None:
-                raise DataError(part.error[1])
-            return part.samples
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, (part.samples, part.error))
+        gathered: list[Any] = [(part.samples, part.error)]
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (part.samples, part.error))
         errors = [error for _, error in gathered if error is not None]
         if errors:
             raise DataError(min(errors)[1])
-        return {position: samples for share, _ in gathered for position, samples in share.items()}
+        return {
+            position: [
+                {name: array.tolist() for name, array in sample.items()} for sample in samples
+            ]
+            for share, _ in gathered
+            for position, samples in share.items()
+        }
 
     def _samples(
         self, epoch: int, seed: int, location: dict[str, int], num_proc: int | None = None
