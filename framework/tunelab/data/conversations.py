@@ -147,14 +147,21 @@ def _sharegpt_message(message: dict[str, Any], column: str, index: int) -> dict[
     return {"role": "assistant", "content": "", "tool_calls": _tool_calls(calls, column, index)}
 
 
-def _check_tool_results(messages: list[dict[str, Any]], column: str) -> None:
-    """Every tool message answers a call of the assistant turn before it (no orphans)."""
+def _check_tool_results(messages: list[dict[str, Any]], column: str, start: int = 0) -> None:
+    """Every tool message answers a call of the assistant turn before it (no orphans).
+
+    Only messages from ``start`` on are checked (the earlier ones make calls); errors number
+    them from ``start``, as their column holds them.
+    """
     calls: list[dict[str, Any]] | None = None
-    for index, message in enumerate(messages):
+    for position, message in enumerate(messages):
+        index = position - start
         role = message["role"]
         if role == "assistant":
             calls = message.get("tool_calls")
         elif role == "tool":
+            if index < 0:
+                continue
             if not calls:
                 raise BadRow(
                     column,
@@ -229,22 +236,30 @@ def read_part(value: Any, column: str, default_role: str) -> list[dict[str, Any]
     return messages
 
 
-def check_parts(messages: list[dict[str, Any]], answer_start: int, column: str) -> None:
+def check_parts(
+    messages: list[dict[str, Any]],
+    answer_start: int,
+    prompt_column: str,
+    answer_column: str | None = None,
+) -> None:
     """Check a conversation joined from parts: tool results answer calls; the answer replies.
 
     Args:
-        messages: The whole conversation.
+        messages: The whole conversation: the prompt, then the answer.
         answer_start: Index of the answer's first message (``len(messages)``: no answer, as
             for a GRPO prompt).
-        column: The answer's column (the prompt's for a prompt alone), for errors.
+        prompt_column: The prompt's column, for errors in the prompt.
+        answer_column: The answer's column, for errors in the answer.
 
     Raises:
         BadRow: If a tool message answers no call, or the answer has no assistant turn or an
             empty one (no content and no tool call).
     """
-    _check_tool_results(messages, column)
+    _check_tool_results(messages[:answer_start], prompt_column)
     if answer_start == len(messages):
         return
+    column = answer_column or prompt_column
+    _check_tool_results(messages, column, start=answer_start)
     replies = [m for m in messages[answer_start:] if m["role"] == "assistant"]
     if not replies:
         raise BadRow(column, "no assistant message")
