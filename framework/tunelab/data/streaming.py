@@ -31,20 +31,17 @@ location of the first sample not yet in an item, which is all a checkpoint needs
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, TokenizeRows, malformed_message
 from tunelab.data.packing import pack_samples
 from tunelab.data.rows import IGNORE_INDEX
 from tunelab.data.sources import Source
+from tunelab.data.stream_ranks import WindowPart, gather_window, rank_and_world_size, read_ahead
 from tunelab.data.stream_rows import DecodeCount, RowRef, columns_of, decode, walk
 from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
 from tunelab.errors import ConfigError, DataError
@@ -58,43 +55,6 @@ LOCATION_KEYS = ("window", "source", "row", "taken", "sample")
 def start_location() -> dict[str, int]:
     """The location of an epoch's first sample."""
     return dict.fromkeys(LOCATION_KEYS, 0)
-
-
-@dataclass
-class WindowPart:
-    """What one rank tokenized of one window (or, with ``size`` 0, the end of the stream).
-
-    Attributes:
-        window: The window's index in the epoch.
-        source: The source of its first row.
-        row: Its first row in that source.
-        taken: The first permuted position read (non-zero only in a resumed window).
-        size: Rows in the window; 0 past the last window.
-        samples: Permuted position to that row's samples, for this rank's rows; their token
-            columns as int32 arrays (pickled as raw bytes to the training process and in the
-            gather, about 4x cheaper than lists of ints), lists again after ``_gather``.
-        error: ``(position, message)`` of this rank's first malformed row by position.
-        decoded: What this rank decoded for it.
-        pid: The process that read and tokenized it.
-    """
-
-    window: int
-    source: int
-    row: int
-    taken: int
-    size: int
-    samples: dict[int, list[dict]] = field(default_factory=dict)
-    error: tuple[int, str] | None = None
-    decoded: DecodeCount = field(default_factory=DecodeCount)
-    pid: int = field(default_factory=os.getpid)
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class StreamingDataset:
@@ -252,54 +212,11 @@ class StreamingDataset:
     def parts(
         self, epoch: int, seed: int, location: dict[str, int], num_proc: int
     ) -> Iterator[WindowPart]:
-        """This rank's window parts: read ahead in ``num_proc`` workers, or here with 0.
-
-        With workers, each holds up to two windows ahead (``prefetch_factor``) while the
-        training process gathers and trains on the current one.
-        """
-        rank, world_size = _rank_and_world_size()
+        """This rank's window parts from ``location`` on: ``read_ahead`` of ``window_parts``."""
+        rank, world_size = rank_and_world_size()
         if num_proc == 0:
             return self.window_parts(epoch, seed, location, rank, world_size)
-        parts = _WindowParts(self, epoch, seed, location, rank, world_size)
-        return iter(
-            DataLoader(
-                parts,
-                batch_size=None,
-                num_workers=num_proc,
-                collate_fn=_as_is,
-                prefetch_factor=2,
-                # Forked, not spawned: the builders' row functions are closures, not picklable
-                # (and a fork shares the tokenizer's pages).
-                multiprocessing_context="fork",
-                # Its own generator: a worker's seed is drawn from it, not from the global RNG
-                # (which a resume restores and dropout uses).
-                generator=torch.Generator().manual_seed(0),
-            )
-        )
-
-    def _gather(self, part: WindowPart) -> dict[int, list[dict]]:
-        """Every rank's samples of one window (one ``all_gather_object``), or the first error.
-
-        Every rank walks the same windows, so every rank gathers at the same point. A
-        malformed row raises on every rank, the first one by position.
-        """
-        import torch.distributed as dist
-
-        rank, world_size = _rank_and_world_size()
-        gathered: list[Any] = [(part.samples, part.error)]
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, (part.samples, part.error))
-        errors = [error for _, error in gathered if error is not None]
-        if errors:
-            raise DataError(min(errors)[1])
-        return {
-            position: [
-                {name: array.tolist() for name, array in sample.items()} for sample in samples
-            ]
-            for share, _ in gathered
-            for position, samples in share.items()
-        }
+        return read_ahead(self.window_parts, (epoch, seed, location, rank, world_size), num_proc)
 
     def _samples(
         self, epoch: int, seed: int, location: dict[str, int], num_proc: int | None = None
@@ -313,7 +230,7 @@ class StreamingDataset:
             if part.size == 0:
                 yield None, {**start, "taken": 0, "sample": 0}
                 return
-            window_samples = self._gather(part)
+            window_samples = gather_window(part)
             for position in range(part.taken, part.size):
                 samples = window_samples[position]
                 for number in range(first, len(samples)):
@@ -364,23 +281,6 @@ class StreamingDataset:
             if sample is not None:
                 lists.append(list(sample["tokens"]))
         check_tokens_fit(tokenizer, lists, ", ".join(source.name for source in self.sources))
-
-
-class _WindowParts(IterableDataset):
-    """``StreamingDataset.window_parts`` as a DataLoader's dataset (run in its workers)."""
-
-    def __init__(self, dataset: StreamingDataset, *args: Any) -> None:
-        self.dataset, self.args = dataset, args
-
-    def __iter__(self) -> Iterator[WindowPart]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return self.dataset.window_parts(*self.args, worker, num_workers)
-
-
-def _as_is(part: WindowPart) -> WindowPart:
-    """The DataLoader's collate function: a window part is passed on as it is."""
-    return part
 
 
 def _no_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
