@@ -145,8 +145,9 @@ class StreamingDataset:
             for i in range(len(out["tokens"]))
         ]
 
-    def _tokenize_share(self, part: WindowPart, buffer: list[RowRef], order: np.ndarray,
-                        rank: int, world_size: int) -> None:  # fmt: skip
+    def _tokenize_share(
+        self, part: WindowPart, buffer: list[RowRef], order: np.ndarray, rank: int, world_size: int
+    ) -> None:
         """Decode and tokenize rank ``rank``'s share of a window's unread rows into ``part``.
 
         The unread rows (permuted positions ``taken`` on) are split, in stream order, into
