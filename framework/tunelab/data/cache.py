@@ -168,7 +168,9 @@ class TokenizeRows:
 logger = logging.getLogger(__name__)
 
 # Bump when the table's layout or the tokenizing code changes what a fingerprint stands for.
-CACHE_FORMAT = 2  # 2: one sample per conversation unless a turn is shown otherwise; tool rows
+# 2: one sample per conversation unless a turn is shown otherwise; tool rows. 3: preference
+# rows with tool calls and reasoning (cached as malformed before).
+CACHE_FORMAT = 3
 _MANIFEST = "tunelab_tokenized.json"
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker,
 # tokenizing in the leader itself is faster.
