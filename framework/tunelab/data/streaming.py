@@ -7,7 +7,8 @@ every rank reproduces, so that its position is a few integers, free of the world
 1. **Rows**: the sources in order (a local folder is expanded to its data files, sorted by
    path), each file's rows in order. Rows are found without being decoded
    (``tunelab.data.stream_rows``: JSON Lines by their line ends, Parquet and Arrow by their
-   metadata); JSON documents, CSV, text and hub datasets through ``datasets`` streaming.
+   metadata); a JSON document is parsed whole (with the ``json`` module, as the materialised
+   path reads it), CSV, text and hub datasets go through ``datasets`` streaming.
 2. **Shuffle**: the rows are cut into consecutive windows of ``shuffle_buffer_size`` rows and
    window ``w`` of epoch ``e`` is read in the order ``permutation(seed, e, w)`` (numpy's
    ``default_rng([seed, e, w])``). The buffer's content is a function of its position, so the
