@@ -192,6 +192,7 @@ def ranks_rows(args: argparse.Namespace, root: Path) -> tuple[list[Row], list[st
                 runs.setdefault((name, step_ms), []).append(
                     launch_ranks(data, codes[name], step_ms)
                 )
+    first_shard = (data / "part-00000.jsonl").stat().st_size
     shutil.rmtree(root / "ranks")
 
     def median(name: str, step_ms: float, key: str) -> float:
@@ -223,10 +224,13 @@ def ranks_rows(args: argparse.Namespace, root: Path) -> tuple[list[Row], list[st
                 f"{after:.1f} s", f"{before:.1f} s", f"{after / before:.2f}x", "-", None,
             ))  # fmt: skip
     else:
+        # A rank's half of every line, and its half of the first window once more (the
+        # tokenizer fit check reads it when the dataset is built); a window is one shard here.
+        share = (corpus + first_shard) / 2
         rows.append(Row(
-            f"JSON parsed per rank, 2 ranks over {corpus / MiB:.0f} MB: vs the corpus",
-            f"{parsed / MiB:.1f} MB", f"{corpus / MiB:.1f} MB", f"{parsed / corpus:.2f}x",
-            "<= 0.55x", parsed / corpus <= 0.55,
+            f"JSON parsed per rank, 2 ranks over {corpus / MiB:.0f} MB: vs half the corpus "
+            "and half its first window", f"{parsed / MiB:.2f} MB", f"{share / MiB:.2f} MB",
+            f"{parsed / share:.2f}x", "<= 1.05x", parsed / share <= 1.05,
         ))  # fmt: skip
     notes = [
         f"2-rank passes: {shards} JSONL shards, {runs[('after', 0)][0]['items']} packs; "
