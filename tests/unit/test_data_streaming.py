@@ -182,8 +182,9 @@ def test_mixing_a_stream_is_a_clear_error(tokenizer, shards):
         )  # fmt: skip
 
 
-def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7):
-    """One of 2 gloo ranks: stream ``folder`` whole; write the items, or the error.
+def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7, location=None):
+    """One of 2 gloo ranks: stream ``folder`` from ``location`` (default: the start) to the
+    end; write the items, or the error.
 
     With ``counts``, write what the rank decoded during the pass instead.
     """
@@ -198,9 +199,8 @@ def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7):
             dataset = stream(
                 tokenizer, folder, shuffle_buffer_size=window, allow_unknown_tokens=counts
             )
-            outcome = [
-                item["tokens"] for item, _ in dataset.items(0, 5, dict.fromkeys(LOCATION, 0))
-            ]
+            start = location or dict.fromkeys(LOCATION, 0)
+            outcome = [item["tokens"] for item, _ in dataset.items(0, 5, start)]
             if counts:
                 outcome = dataclasses.asdict(dataset.decoded)
         except DataError as error:
@@ -210,11 +210,12 @@ def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7):
         dist.destroy_process_group()
 
 
-def _run_two_ranks(tmp_path, folder, counts=False, window=7):
+def _run_two_ranks(tmp_path, folder, counts=False, window=7, location=None):
     import torch.multiprocessing as mp
 
     init = str(tmp_path / "init")
-    mp.spawn(_two_ranks, args=(init, folder, tmp_path, counts, window), nprocs=2, join=True)
+    args = (init, folder, tmp_path, counts, window, location)
+    mp.spawn(_two_ranks, args=args, nprocs=2, join=True)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -270,6 +271,14 @@ def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards
         0, 5, dict.fromkeys(LOCATION, 0)
     )]  # fmt: skip
     assert _run_two_ranks(tmp_path, shards) == [single, single]
+
+
+def test_ranks_resumed_mid_window_share_its_unread_rows(tokenizer, shards, tmp_path):
+    # 3 of window 3's 7 rows are read: the ranks split the other 4 and gather the stream.
+    location = {"window": 3, "source": 1, "row": 6, "taken": 3, "sample": 0}
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7, num_proc=0)
+    single = [item["tokens"] for item, _ in dataset.items(0, 5, location)]
+    assert _run_two_ranks(tmp_path, shards, location=location) == [single, single]
 
 
 def test_a_malformed_row_tokenized_by_one_rank_stops_both(shards, tmp_path):
