@@ -365,3 +365,31 @@ def test_arrow_shards_stream_the_same_samples(tokenizer, shards, tmp_path):
     from_json = stream(tokenizer, shards, shuffle_buffer_size=7).items(0, 5, location)
     from_arrow = stream(tokenizer, tmp_path, shuffle_buffer_size=7).items(0, 5, location)
     assert [item for item, _ in from_arrow] == [item for item, _ in from_json]
+
+
+def test_parquet_conversations_stream_as_the_materialised_path_reads_them(tmp_path):
+    # Nested rows (lists of message structs) converted by pyarrow, row groups of 7 rows, read
+    # from inside a group: the samples the materialised path (datasets' Parquet loader) makes.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tunelab.data import chat_dataset
+
+    rows = [json.loads(line) for line in (TINY / "chat.jsonl").read_text().splitlines()[:60]]
+    files = []
+    for part in range(3):
+        files.append(str(tmp_path / f"chat-{part}.parquet"))
+        pq.write_table(
+            pa.Table.from_pylist(rows[part * 20 : (part + 1) * 20]), files[-1], row_group_size=7
+        )
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
+    settings = dict(source="parquet", data_files=files, template="auto", max_seq_len=256)
+    materialised = chat_dataset(tokenizer, **settings, cache_dir=str(tmp_path / "cache"))
+    streamed = chat_dataset(tokenizer, **settings, streaming=True, shuffle_buffer_size=1)
+    whole = list(streamed.items(0, 0, dict.fromkeys(LOCATION, 0)))
+    assert [item for item, _ in whole] == [materialised[i] for i in range(len(materialised))]
+    # Resumed at row 10 of the first file (inside its second row group).
+    location = {"window": 10, "source": 0, "row": 10, "taken": 0, "sample": 0}
+    after = next(k for k, (_, where) in enumerate(whole) if where == location) + 1
+    resumed = [item for item, _ in streamed.items(0, 0, location)]
+    assert resumed == [item for item, _ in whole[after:]] and len(resumed) >= 50
