@@ -38,7 +38,7 @@ BENCHMARKS = {
     "data": ("bench_data.py", False, ["--rows", "200000"], ["--rows", "200000"],
              ["--rows", "2000"]),
     "streaming": ("bench_streaming.py", False, [], ["--full"],
-                  ["--sizes-mb", "2", "6", "--time-mb", "1", "--repeats", "1"]),
+                  ["--sizes-mb", "2", "6", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1"]),
     "qlora": ("bench_qlora.py", True, [], ["--size-mb", "1100", "--dim", "2048"],
               ["--size-mb", "8", "--dim", "256", "--vocab-size", "1024", "--repeats", "1"]),
     "attention": ("bench_attention.py", False, [], [],

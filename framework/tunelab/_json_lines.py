@@ -83,18 +83,43 @@ def json_rows(file: Path, field: str | None) -> Iterator[tuple[str | None, int |
         # Lines end at b"\n" only: a JSON string may hold U+2028 or a form feed unescaped,
         # which str.splitlines would take for line ends.
         for number, raw in enumerate(stream, start=1):
-            text, problem = _decode_line(raw, number)
-            if problem is not None:
-                yield None, number, problem
-                continue
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as error:
-                yield None, number, f"not valid JSON ({json_fault(text, error)})"
-                continue
-            yield text, number, row
+            if is_row_line(raw, number):
+                yield parse_line(raw, number)
+
+
+def is_row_line(raw: bytes, number: int) -> bool:
+    """Whether JSON Lines line ``number`` (1-based) is a row: not blank, without parsing it.
+
+    A line that is not UTF-8 is a (malformed) row, as ``json_rows`` yields it.
+    """
+    if raw[:1] == b"{":  # the common case, decided without decoding
+        return True
+    text, problem = _decode_line(raw, number)
+    return problem is not None or bool(text.strip())
+
+
+def parse_line(raw: bytes, number: int) -> tuple[str | None, int, Any]:
+    """``json_rows``' entry for line ``number`` of a JSON Lines file (a row line).
+
+    Returns:
+        ``(text, number, row)``, or ``(None, number, why)`` for a line that is not JSON.
+    """
+    text, problem = _decode_line(raw, number)
+    if problem is not None:
+        return None, number, problem
+    try:
+        return text, number, json.loads(text)
+    except json.JSONDecodeError as error:
+        return None, number, f"not valid JSON ({json_fault(text, error)})"
+
+
+def json_document(file: Path, field: str | None) -> list[Any] | None:
+    """The rows of a file holding one JSON document (an array, or an object), else None.
+
+    Raises:
+        DataError: If ``field`` is given and the document has no such top-level key.
+    """
+    return _json_document(file, field)
 
 
 def json_fault(row: str, error: json.JSONDecodeError) -> str:

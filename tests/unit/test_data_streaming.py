@@ -182,18 +182,27 @@ def test_mixing_a_stream_is_a_clear_error(tokenizer, shards):
         )  # fmt: skip
 
 
-def _two_ranks(rank, init_file, folder, result_dir):
-    """One of 2 gloo ranks: stream ``folder`` whole; write the items, or the error."""
+def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7, location=None):
+    """One of 2 gloo ranks: stream ``folder`` from ``location`` (default: the start) to the
+    end; write the items, or the error.
+
+    With ``counts``, write what the rank decoded during the pass instead.
+    """
+    import dataclasses
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
         try:  # the first windows are read when the dataset is built (check_tokens_fit)
-            dataset = stream(tokenizer, folder, shuffle_buffer_size=7)
-            outcome = [
-                item["tokens"] for item, _ in dataset.items(0, 5, dict.fromkeys(LOCATION, 0))
-            ]
+            dataset = stream(
+                tokenizer, folder, shuffle_buffer_size=window, allow_unknown_tokens=counts
+            )
+            start = location or dict.fromkeys(LOCATION, 0)
+            outcome = [item["tokens"] for item, _ in dataset.items(0, 5, start)]
+            if counts:
+                outcome = dataclasses.asdict(dataset.decoded)
         except DataError as error:
             outcome = str(error)
         (result_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
@@ -201,11 +210,60 @@ def _two_ranks(rank, init_file, folder, result_dir):
         dist.destroy_process_group()
 
 
-def _run_two_ranks(tmp_path, folder):
+def _run_two_ranks(tmp_path, folder, counts=False, window=7, location=None):
     import torch.multiprocessing as mp
 
-    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), folder, tmp_path), nprocs=2, join=True)
+    init = str(tmp_path / "init")
+    args = (init, folder, tmp_path, counts, window, location)
+    mp.spawn(_two_ranks, args=args, nprocs=2, join=True)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_each_rank_json_decodes_only_its_share_of_the_lines(shards, tmp_path):
+    # Rank r decodes the r-th half of each window's rows: together every row once.
+    lines = [
+        line for path in sorted(shards.iterdir()) for line in path.read_bytes().splitlines(True)
+    ]
+    total_bytes = sum(len(line) for line in lines)
+    decoded = _run_two_ranks(tmp_path, shards, counts=True)
+    # 25 windows of 7 rows (3 + 4) and one of 5 (2 + 3).
+    assert [d["rows"] for d in decoded] == [77, 103]
+    assert sum(d["json_bytes"] for d in decoded) == total_bytes
+    assert all(d["json_bytes"] <= 0.6 * total_bytes for d in decoded)
+
+
+@pytest.fixture(scope="module")
+def parquet_row_groups(tmp_path_factory, shards):
+    """The 180 rows as 3 Parquet files of 60 rows, in row groups of 5 rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path_factory.mktemp("row_groups")
+    rows = [
+        json.loads(line)
+        for path in sorted(shards.iterdir())
+        for line in path.read_text().splitlines()
+    ]
+    for part in range(3):
+        table = pa.Table.from_pylist(rows[part * 60 : (part + 1) * 60])
+        pq.write_table(table, folder / f"part-{part}.parquet", row_group_size=5)
+    return folder
+
+
+def test_each_rank_reads_only_the_parquet_row_groups_of_its_share(
+    tokenizer, shards, parquet_row_groups, tmp_path
+):
+    # Windows of 30 rows: each rank's run of 15 rows is 3 of the window's 6 row groups, and
+    # those are all it reads. The stream is the one the JSON Lines give.
+    decoded = _run_two_ranks(tmp_path, parquet_row_groups, counts=True, window=30)
+    assert [d["rows"] for d in decoded] == [90, 90]
+    assert [d["table_rows"] for d in decoded] == [90, 90]
+    location = dict.fromkeys(LOCATION, 0)
+    from_json = stream(tokenizer, shards, shuffle_buffer_size=30).items(0, 5, location)
+    from_groups = stream(tokenizer, parquet_row_groups, shuffle_buffer_size=30).items(
+        0, 5, location
+    )
+    assert [item for item, _ in from_groups] == [item for item, _ in from_json]
 
 
 def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards, tmp_path):
@@ -213,6 +271,14 @@ def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards
         0, 5, dict.fromkeys(LOCATION, 0)
     )]  # fmt: skip
     assert _run_two_ranks(tmp_path, shards) == [single, single]
+
+
+def test_ranks_resumed_mid_window_share_its_unread_rows(tokenizer, shards, tmp_path):
+    # 3 of window 3's 7 rows are read: the ranks split the other 4 and gather the stream.
+    location = {"window": 3, "source": 1, "row": 6, "taken": 3, "sample": 0}
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7, num_proc=0)
+    single = [item["tokens"] for item, _ in dataset.items(0, 5, location)]
+    assert _run_two_ranks(tmp_path, shards, location=location) == [single, single]
 
 
 def test_a_malformed_row_tokenized_by_one_rank_stops_both(shards, tmp_path):
@@ -271,3 +337,59 @@ def test_settings_check_refuses_a_stream_without_steps_or_a_streamed_validation(
     assert "key 'max_steps_per_epoch': dataset.streaming: true needs it" in message
     assert "key 'val_dataset.streaming': validation data cannot stream" in message
     check_config("tiny/lora", [*stream_settings, "max_steps_per_epoch=4"])  # valid
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_worker_processes_read_ahead_the_same_stream(tokenizer, shards, num_proc):
+    import os
+
+    location = {"window": 3, "source": 1, "row": 6, "taken": 4, "sample": 0}  # mid-window
+    here = stream(tokenizer, shards, shuffle_buffer_size=7, packed=True, num_proc=0)
+    workers = stream(tokenizer, shards, shuffle_buffer_size=7, packed=True, num_proc=num_proc)
+    assert list(workers.items(1, 5, location)) == list(here.items(1, 5, location))
+    pids = {part.pid for part in workers.parts(1, 5, location, num_proc)}
+    assert os.getpid() not in pids and len(pids) == num_proc
+    assert {part.pid for part in here.parts(1, 5, location, 0)} == {os.getpid()}
+
+
+def test_arrow_shards_stream_the_same_samples(tokenizer, shards, tmp_path):
+    import pyarrow as pa
+
+    for path in sorted(shards.iterdir()):  # IPC streams, the format of datasets' cache files
+        table = pa.Table.from_pylist([json.loads(line) for line in path.read_text().splitlines()])
+        with pa.OSFile(str(tmp_path / (path.stem + ".arrow")), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table, max_chunksize=4)
+    # Windows of 7 rows start inside files, so rows are read from an offset.
+    location = dict.fromkeys(LOCATION, 0)
+    from_json = stream(tokenizer, shards, shuffle_buffer_size=7).items(0, 5, location)
+    from_arrow = stream(tokenizer, tmp_path, shuffle_buffer_size=7).items(0, 5, location)
+    assert [item for item, _ in from_arrow] == [item for item, _ in from_json]
+
+
+def test_parquet_conversations_stream_as_the_materialised_path_reads_them(tmp_path):
+    # Nested rows (lists of message structs) converted by pyarrow, row groups of 7 rows, read
+    # from inside a group: the samples the materialised path (datasets' Parquet loader) makes.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tunelab.data import chat_dataset
+
+    rows = [json.loads(line) for line in (TINY / "chat.jsonl").read_text().splitlines()[:60]]
+    files = []
+    for part in range(3):
+        files.append(str(tmp_path / f"chat-{part}.parquet"))
+        pq.write_table(
+            pa.Table.from_pylist(rows[part * 20 : (part + 1) * 20]), files[-1], row_group_size=7
+        )
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
+    settings = dict(source="parquet", data_files=files, template="auto", max_seq_len=256)
+    materialised = chat_dataset(tokenizer, **settings, cache_dir=str(tmp_path / "cache"))
+    streamed = chat_dataset(tokenizer, **settings, streaming=True, shuffle_buffer_size=1)
+    whole = list(streamed.items(0, 0, dict.fromkeys(LOCATION, 0)))
+    assert [item for item, _ in whole] == [materialised[i] for i in range(len(materialised))]
+    # Resumed at row 10 of the first file (inside its second row group).
+    location = {"window": 10, "source": 0, "row": 10, "taken": 0, "sample": 0}
+    after = next(k for k, (_, where) in enumerate(whole) if where == location) + 1
+    resumed = [item for item, _ in streamed.items(0, 0, location)]
+    assert resumed == [item for item, _ in whole[after:]] and len(resumed) >= 50

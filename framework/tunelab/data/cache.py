@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from tunelab import errors
 from tunelab.data.rows import BadRow, cut_long_text
-from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source
+from tunelab.data.sources import JSON_LINE, JSON_PARSED, JSON_PROBLEM, JSON_TEXT, Source
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import DataError, TunelabError
 
@@ -139,7 +139,10 @@ class TokenizeRows:
         problem = batch[JSON_PROBLEM][position]
         if problem is not None:
             raise BadRow("(whole row)", problem)
-        row = json.loads(batch[JSON_TEXT][position])
+        if JSON_PARSED in batch:  # a stream's row, parsed once when its columns were read
+            row = batch[JSON_PARSED][position]
+        else:
+            row = json.loads(batch[JSON_TEXT][position])
         if not isinstance(row, dict):
             raise BadRow("(whole row)", f"expected an object, got {type(row).__name__}")
         return row
@@ -165,7 +168,9 @@ class TokenizeRows:
 logger = logging.getLogger(__name__)
 
 # Bump when the table's layout or the tokenizing code changes what a fingerprint stands for.
-CACHE_FORMAT = 2  # 2: one sample per conversation unless a turn is shown otherwise; tool rows
+# 2: one sample per conversation unless a turn is shown otherwise; tool rows. 3: preference
+# rows with tool calls and reasoning (cached as malformed before).
+CACHE_FORMAT = 3
 _MANIFEST = "tunelab_tokenized.json"
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker,
 # tokenizing in the leader itself is faster.

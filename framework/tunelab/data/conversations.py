@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunelab.data.chat_template import REASONING_KEYS, ChatTemplate
-from tunelab.data.rows import BadRow, Render, conversation_style
+from tunelab.data.rows import BadRow, Render, conversation_style, read_text
 
 # Roles a chat-template conversation may use.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -147,14 +147,21 @@ def _sharegpt_message(message: dict[str, Any], column: str, index: int) -> dict[
     return {"role": "assistant", "content": "", "tool_calls": _tool_calls(calls, column, index)}
 
 
-def _check_tool_results(messages: list[dict[str, Any]], column: str) -> None:
-    """Every tool message answers a call of the assistant turn before it (no orphans)."""
+def _check_tool_results(messages: list[dict[str, Any]], column: str, start: int = 0) -> None:
+    """Every tool message answers a call of the assistant turn before it (no orphans).
+
+    Only messages from ``start`` on are checked (the earlier ones make calls); errors number
+    them from ``start``, as their column holds them.
+    """
     calls: list[dict[str, Any]] | None = None
-    for index, message in enumerate(messages):
+    for position, message in enumerate(messages):
+        index = position - start
         role = message["role"]
         if role == "assistant":
             calls = message.get("tool_calls")
         elif role == "tool":
+            if index < 0:
+                continue
             if not calls:
                 raise BadRow(
                     column,
@@ -205,6 +212,59 @@ def read_conversation(value: Any, column: str, style: str = "auto") -> list[dict
     if any(not m.get("content", "").strip() and not m.get("tool_calls") for m in replies):
         raise BadRow(column, "empty assistant message")
     return messages
+
+
+def read_part(value: Any, column: str, default_role: str) -> list[dict[str, Any]]:
+    """One part of a conversation (a preference pair's prompt or answer, a GRPO prompt).
+
+    A string is one ``default_role`` message; a list is messages in any form
+    ``read_conversation`` takes (tool calls, tool results, reasoning; OpenAI or ShareGPT),
+    each checked. The joined conversation is checked by ``check_parts``.
+
+    Raises:
+        BadRow: If the value is missing or empty, or a message is malformed.
+    """
+    if value is None or isinstance(value, str):
+        return [{"role": default_role, "content": read_text({column: value}, column)}]
+    style = conversation_style(value, column, "auto")
+    read = _sharegpt_message if style == "sharegpt" else _openai_message
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise BadRow(column, f"message {index}: expected a dict, got {type(message).__name__}")
+        messages.append(read(message, column, index))
+    return messages
+
+
+def check_parts(
+    messages: list[dict[str, Any]],
+    answer_start: int,
+    prompt_column: str,
+    answer_column: str | None = None,
+) -> None:
+    """Check a conversation joined from parts: tool results answer calls; the answer replies.
+
+    Args:
+        messages: The whole conversation: the prompt, then the answer.
+        answer_start: Index of the answer's first message (``len(messages)``: no answer, as
+            for a GRPO prompt).
+        prompt_column: The prompt's column, for errors in the prompt.
+        answer_column: The answer's column, for errors in the answer.
+
+    Raises:
+        BadRow: If a tool message answers no call, or the answer has no assistant turn or an
+            empty one (no content and no tool call).
+    """
+    _check_tool_results(messages[:answer_start], prompt_column)
+    if answer_start == len(messages):
+        return
+    column = answer_column or prompt_column
+    _check_tool_results(messages, column, start=answer_start)
+    replies = [m for m in messages[answer_start:] if m["role"] == "assistant"]
+    if not replies:
+        raise BadRow(column, "no assistant message")
+    if any(not m.get("content", "").strip() and not m.get("tool_calls") for m in replies):
+        raise BadRow(column, "empty assistant message")
 
 
 def read_tools(row: dict[str, Any], column: str) -> list[dict[str, Any]] | None:

@@ -18,6 +18,11 @@ would be empty (and whose length-normalised losses would divide by zero).
 
 With ``template: auto`` (the default) both sides are rendered with the tokenizer's own chat
 template and only the answer's assistant turns are trained, as that template renders them.
+Messages may then carry tool calls, tool results and reasoning (``reasoning_content``), as
+``chat_dataset``'s rows do (``tunelab.data.conversations``), and a row's ``tools`` (JSON
+schemas) and ``documents`` columns are passed to the template: an agentic pair's prompt can end
+with a call and its result, and the answers differ in the calls they make. Named formats take
+``(role, content)`` messages only.
 """
 
 from collections.abc import Mapping
@@ -28,11 +33,13 @@ from torch.utils.data import Dataset
 
 from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.data.conversations import check_parts, read_documents, read_part, read_tools
 from tunelab.data.mix import DatasetSpec
 from tunelab.data.rows import (
     IGNORE_INDEX,
     BadRow,
     check_answer,
+    conversation_style,
     read_messages,
     read_text,
     require_columns,
@@ -43,7 +50,7 @@ from tunelab.data.rows import (
 )
 from tunelab.data.sft import resolve_template
 from tunelab.data.sources import resolve_sources
-from tunelab.data.templates import Message, Template, tokenize_messages
+from tunelab.data.templates import Template, tokenize_messages
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import ConfigError
@@ -60,18 +67,24 @@ def _read_turns(row: dict[str, Any], column: str, default_role: str) -> list[tup
 def _tokenize_side(
     tokenizer: Tokenizer,
     template: ChatTemplate,
-    messages: list[Message],
+    messages: list[dict[str, Any]],
     num_prompt: int,
     template_kwargs: Mapping[str, Any] | None,
     column: str,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """One side of a pair with the chat template: only the answer's assistant turns trained."""
-    answer_turns = [i for i, m in enumerate(messages) if i >= num_prompt and m.role == "assistant"]
+    answer_turns = [
+        i for i, m in enumerate(messages) if i >= num_prompt and m["role"] == "assistant"
+    ]
     try:
         samples = tokenize_conversation(
             tokenizer,
             messages,
             trained_turns=answer_turns,
+            tools=tools,
+            documents=documents,
             template_kwargs=template_kwargs,
             template=template,
         )
@@ -86,7 +99,7 @@ def _tokenize_side(
     return samples[0]
 
 
-Pairs = list[tuple[str, str]]
+Pairs = list[Any]  # (role, content) pairs, or message dicts with a chat template
 
 
 def _shared_prefix(chosen: Pairs, rejected: Pairs, column: str) -> tuple[Pairs, Pairs, Pairs]:
@@ -128,8 +141,44 @@ class PreferenceRows:
         """Characters of a text that can reach a sample (``text_bound``)."""
         return text_bound(self.tokenizer.longest_token_chars, self.max_seq_len)
 
+    def _chat_sides(self, row: dict[str, Any]) -> dict[str, tuple[list[int], list[bool]]]:
+        """Both sides with the chat template; messages may carry tool calls and reasoning.
+
+        The prompt and the answers are read as ``chat_dataset`` reads a conversation (tool
+        calls, tool results, ``reasoning_content``), with the row's ``tools`` and
+        ``documents``, and rendered by the template as ``apply_chat_template`` renders them.
+        """
+        chosen_column, rejected_column = self.columns["chosen"], self.columns["rejected"]
+        if self.prompt_column is None:
+            for column in (chosen_column, rejected_column):
+                conversation_style(row.get(column), column, "auto")  # a list of messages
+            prompt, chosen, rejected = _shared_prefix(
+                read_part(row.get(chosen_column), chosen_column, "assistant"),
+                read_part(row.get(rejected_column), rejected_column, "assistant"),
+                chosen_column,
+            )
+        else:
+            prompt = read_part(row.get(self.prompt_column), self.prompt_column, "user")
+            chosen = read_part(row.get(chosen_column), chosen_column, "assistant")
+            rejected = read_part(row.get(rejected_column), rejected_column, "assistant")
+            size = len(prompt)
+            if chosen[:size] == prompt and rejected[:size] == prompt:
+                chosen, rejected = chosen[size:], rejected[size:]
+        tools, documents = read_tools(row, "tools"), read_documents(row, "documents")
+        sides = {}
+        for side, answer in (("chosen", chosen), ("rejected", rejected)):
+            column = self.columns[side]
+            check_parts(prompt + answer, len(prompt), self.prompt_column or column, column)
+            sides[side] = _tokenize_side(
+                self.tokenizer, self.template, prompt + answer, len(prompt),
+                self.template_kwargs, column, tools, documents,
+            )  # fmt: skip
+        return sides
+
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """The pair's item, with ``truncated`` and ``completion``; raises ``BadRow``."""
+        if isinstance(self.template, ChatTemplate):
+            return [self._item(self._chat_sides(row))]
         chosen_column, rejected_column = self.columns["chosen"], self.columns["rejected"]
         if self.prompt_column is None:
             prompt, chosen, rejected = _shared_prefix(
@@ -146,27 +195,23 @@ class PreferenceRows:
                 # Both answers repeat the prompt (UltraFeedback's layout): once is enough.
                 chosen, rejected = chosen[size:], rejected[size:]
         prompt_messages = to_messages(prompt, False)
-        item: dict[str, Any] = {"truncated": False, "completion": True}
+        sides = {}
         for side, answer in (("chosen", chosen), ("rejected", rejected)):
             check_answer(answer, self.columns[side])
             messages = prompt_messages + to_messages(answer, False)
-            if isinstance(self.template, ChatTemplate):
-                tokens, mask = _tokenize_side(
-                    self.tokenizer,
-                    self.template,
-                    messages,
-                    len(prompt_messages),
-                    self.template_kwargs,
-                    self.columns[side],
-                )
-            else:
-                tokens, mask = tokenize_messages(self.tokenizer, messages, self.template)
+            sides[side] = tokenize_messages(self.tokenizer, messages, self.template)
+        return [self._item(sides)]
+
+    def _item(self, sides: dict[str, tuple[list[int], list[bool]]]) -> dict[str, Any]:
+        """The pair's item from both sides' ids and masks, cut to ``max_seq_len``."""
+        item: dict[str, Any] = {"truncated": False, "completion": True}
+        for side, (tokens, mask) in sides.items():
             sample, cut = to_sample(tokens, mask, self.max_seq_len)
             item[f"{side}_tokens"], item[f"{side}_labels"] = sample["tokens"], sample["labels"]
             item["truncated"] = item["truncated"] or cut
             trained = any(label != IGNORE_INDEX for label in sample["labels"])
             item["completion"] = item["completion"] and trained
-        return [item]
+        return item
 
 
 def preference_dataset(

@@ -2,7 +2,9 @@
 
 The prompt is a string (one user message) or a list of chat messages; it is rendered with the
 tokenizer's chat template and ``add_generation_prompt`` (``template: auto``), with a named
-format for a base model, or encoded as raw text (``template: null``). The rows stay as read,
+format for a base model, or encoded as raw text (``template: null``). With the chat template the
+messages may carry tool calls, tool results and reasoning, and a row's ``tools`` and
+``documents`` are passed to it, as ``chat_dataset`` does (``tunelab.data.conversations``). The rows stay as read,
 so a reward can read any column (``answer``, test cases, ...).
 
 Rows are read with the same sources as the SFT and preference datasets (JSON/JSONL, parquet,
@@ -23,6 +25,7 @@ from torch.utils.data import Dataset
 
 from tunelab.data.chat import apply_chat_template
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.data.conversations import check_parts, read_documents, read_part, read_tools
 from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
 from tunelab.data.sources import resolve_sources
@@ -97,7 +100,10 @@ def prompt_dataset(
         data_files: File path(s) for a loader ``source``.
         split: Split to read.
         prompt_column: The column with the prompt: a string (one user message) or a list of
-            ``{"role", "content"}`` messages.
+            messages. With a chat template they may carry tool calls, tool results and
+            reasoning as ``chat_dataset``'s rows do, and the row's ``tools`` (JSON schemas)
+            and ``documents`` columns reach the template; named formats take
+            ``{"role", "content"}`` messages only.
         template: ``auto`` (the tokenizer's chat template, with ``add_generation_prompt``), a
             named format for a base model (``chatml``, ``llama3``, ``instruct``, ``alpaca``),
             or None for the raw text (a string prompt, with BOS).
@@ -142,18 +148,23 @@ def _render(
     value = row[column]
     if template is None:
         return tokenizer.encode(read_text(row, column), add_bos=True)
-    pairs = [("user", read_text(row, column))] if isinstance(value, str) else None
-    pairs = pairs or read_messages(value, column)
-    messages = to_messages(pairs, train_on_input=False)
     if isinstance(template, ChatTemplate):
-        plain = [{"role": m.role, "content": m.content} for m in messages]
+        # Messages as chat_dataset reads them (tool calls, tool results, reasoning), with the
+        # row's tools and documents: the prompt as the model is served it.
+        messages = read_part(value, column, "user")
+        check_parts(messages, len(messages), column)
         return apply_chat_template(
             tokenizer,
-            plain,
+            messages,
             add_generation_prompt=True,
+            tools=read_tools(row, "tools"),
+            documents=read_documents(row, "documents"),
             template_kwargs=template_kwargs,
             template=template,
         )
+    pairs = [("user", read_text(row, column))] if isinstance(value, str) else None
+    pairs = pairs or read_messages(value, column)
+    messages = to_messages(pairs, train_on_input=False)
     ids, _ = tokenize_messages(tokenizer, messages, template, add_generation_prompt=True)
     return ids
 

@@ -115,7 +115,9 @@ def instruct_dataset(
             samples are the tokenizer's unknown or padding token (by default that stops the
             build: the tokenizer does not fit the data).
         num_proc: Processes that tokenize, on local rank 0 only (default ``min(8, cpu
-            count)``; small sources use fewer).
+            count)``; small sources use fewer). With ``streaming``: DataLoader worker
+            processes per rank that read and tokenize the next windows during the training
+            steps (default 1).
         cache_dir: Where tokenized datasets are cached (default: ``tunelab/`` in the
             ``datasets`` cache).
         streaming: Read, tokenize and pack the rows on the fly instead of tokenizing them

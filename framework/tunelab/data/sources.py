@@ -256,6 +256,8 @@ def _loader_of(file: str, loader: str | None) -> str:
 
 # Columns of the table a JSON file is read into.
 JSON_TEXT, JSON_LINE, JSON_PROBLEM = "_json", "_line", "_problem"
+# A stream's JSON batches also carry the row it has parsed already (not stored in a table).
+JSON_PARSED = "_parsed"
 # Rows per Arrow record batch while reading: bounds the reader's memory, not the file's.
 _BATCH_ROWS = 8192
 

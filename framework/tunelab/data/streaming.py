@@ -5,17 +5,21 @@ is tokenized ahead and no Arrow cache is written. The stream is one deterministi
 every rank reproduces, so that its position is a few integers, free of the world size:
 
 1. **Rows**: the sources in order (a local folder is expanded to its data files, sorted by
-   path), each file's rows in order. JSON / JSONL are read with the ``json`` module as the
-   materialised path reads them (``tunelab._json_lines``); Parquet, Arrow, CSV, text and hub
-   datasets through ``datasets.load_dataset(..., streaming=True)``.
+   path), each file's rows in order. Rows are found without being decoded
+   (``tunelab.data.stream_rows``: JSON Lines by their line ends, Parquet and Arrow by their
+   metadata); a JSON document is parsed whole (with the ``json`` module, as the materialised
+   path reads it), CSV, text and hub datasets go through ``datasets`` streaming.
 2. **Shuffle**: the rows are cut into consecutive windows of ``shuffle_buffer_size`` rows and
    window ``w`` of epoch ``e`` is read in the order ``permutation(seed, e, w)`` (numpy's
    ``default_rng([seed, e, w])``). The buffer's content is a function of its position, so the
    position alone restores it: no buffered row is saved.
-3. **Tokenize**: each row goes through the builder's own row function (``cache.TokenizeRows``,
-   the code the materialised path runs): same templates, same masks, same malformed-row errors.
-   The rows of a window are shared out over the ranks by position and the samples gathered,
-   so each rank tokenizes ``1/W`` of the stream.
+3. **Tokenize, by rank**: of the window's rows still to be read, rank ``r`` of ``W`` takes the
+   ``r``-th of ``W`` contiguous runs in stream order (by file and row), decodes only those
+   (JSON-decodes its lines, reads its Parquet row groups and Arrow rows) and tokenizes them
+   with the builder's own row function (``cache.TokenizeRows``, the code the materialised path
+   runs: same templates, masks and malformed-row errors). This happens in ``num_proc``
+   DataLoader worker processes, windows ahead of the training step; the training process
+   gathers each window's samples from every rank (one ``all_gather_object``) and packs.
 4. **Pack** (``packed: true``): greedily in stream order (``pack_samples``' rule). A pack is
    closed by the first sample that does not fit, so restarting the packer at the first sample
    of the open pack rebuilds the same packs: the packing remainder is that sample's location.
@@ -30,16 +34,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tunelab._json_lines import json_rows
 from tunelab.data.cache import SAMPLE_COLUMNS, RowFunction, TokenizeRows, malformed_message
 from tunelab.data.packing import pack_samples
 from tunelab.data.rows import IGNORE_INDEX
-from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source
+from tunelab.data.sources import Source
+from tunelab.data.stream_ranks import WindowPart, gather_window, rank_and_world_size, read_ahead
+from tunelab.data.stream_rows import DecodeCount, RowRef, columns_of, decode, walk
 from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
 from tunelab.errors import ConfigError, DataError
 
@@ -47,46 +51,11 @@ DEFAULT_SHUFFLE_BUFFER = 1000
 """Rows per shuffle window when ``shuffle_buffer_size`` is not set."""
 
 LOCATION_KEYS = ("window", "source", "row", "taken", "sample")
-_JSON_KEYS = "_keys"
 
 
 def start_location() -> dict[str, int]:
     """The location of an epoch's first sample."""
     return dict.fromkeys(LOCATION_KEYS, 0)
-
-
-def _rows_of(source: Source, start: int) -> Iterator[dict[str, list[Any]]]:
-    """The rows of one source from row ``start`` on, each as a one-row ``TokenizeRows`` batch."""
-    if source.kind == "json":
-        rows = json_rows(Path(source.name), source.kwargs.get("field"))
-        for text, line, row in islice(rows, start, None):
-            yield {
-                JSON_TEXT: [text],
-                JSON_LINE: [line],
-                JSON_PROBLEM: [row if text is None else None],
-                # The keys of a row already parsed here (TokenizeRows parses the text itself).
-                _JSON_KEYS: [list(row) if text is not None and isinstance(row, dict) else None],
-            }
-        return
-    import datasets
-
-    if source.kind == "hub":
-        loader, files, split = source.loader, source.data_files, source.split
-    else:
-        loader, files, split = source.loader, source.name, "train"
-    try:
-        stream = datasets.load_dataset(
-            loader, data_files=files, split=split, streaming=True, **source.kwargs
-        )
-    except Exception as error:  # offline, unknown repo, bad file: one message
-        raise DataError(f"{source.name}: cannot stream ({error})") from error
-    for row in stream.skip(start) if start else stream:
-        yield {name: [value] for name, value in row.items()}
-
-
-def _columns(batch: dict[str, list[Any]], json_rows_: bool) -> list[str] | None:
-    """The columns a row shows (its keys), or None for a JSON line that is not an object."""
-    return batch[_JSON_KEYS][0] if json_rows_ else list(batch)
 
 
 class StreamingDataset:
@@ -104,6 +73,11 @@ class StreamingDataset:
         packed: Pack samples into ``max_seq_len`` sequences.
         max_seq_len: The pack length.
         shuffle_buffer_size: Rows per shuffle window (1: read in order).
+        num_proc: DataLoader worker processes per rank that read and tokenize windows ahead
+            of the training step (0: in the calling process, when the items are asked for).
+
+    Attributes:
+        decoded: What this rank has decoded so far (rows; bytes of JSON lines).
     """
 
     def __init__(
@@ -116,29 +90,33 @@ class StreamingDataset:
         packed: bool,
         max_seq_len: int | None,
         shuffle_buffer_size: int,
+        num_proc: int = 1,
     ) -> None:
         if shuffle_buffer_size < 1:
             raise ConfigError(f"shuffle_buffer_size must be at least 1, got {shuffle_buffer_size}")
+        if num_proc < 0:
+            raise ConfigError(f"dataset.num_proc must be at least 0 with streaming, got {num_proc}")
         self.sources = sources
         self.packed = packed
         self.shuffle_buffer_size = shuffle_buffer_size
+        self.num_proc = num_proc
+        self.decoded = DecodeCount()
         self._rows_for = rows_for
         self._skip_malformed = skip_malformed
         self._max_seq_len = max_seq_len
         self._pad_id = tokenizer.pad_id
         self._functions: dict[tuple[int, tuple[str, ...]], TokenizeRows] = {}
 
-    def _rows(self, source: int, row: int) -> Iterator[tuple[int, int, dict[str, list[Any]]]]:
-        """``(source, row, batch)`` for every row of the stream from ``(source, row)`` on."""
+    def _refs(self, source: int, row: int) -> Iterator[RowRef]:
+        """Every row of the stream from ``(source, row)`` on, undecoded."""
         for index in range(source, len(self.sources)):
-            for offset, batch in enumerate(_rows_of(self.sources[index], row)):
-                yield index, row + offset, batch
+            yield from walk(self.sources[index], index, row)
             row = 0
 
     def _tokenize(self, source: int, row: int, batch: dict[str, list[Any]]) -> list[dict]:
-        """The samples of one row (none for a skipped malformed row)."""
+        """The samples of one decoded row (none for a skipped malformed row)."""
         json_rows_ = self.sources[source].kind == "json"
-        columns = _columns(batch, json_rows_)
+        columns = columns_of(batch, json_rows_)
         if columns is None:  # not an object: TokenizeRows reports it without a row function
             function = TokenizeRows(_no_rows, "sft", source, json_rows_)
         else:
@@ -168,65 +146,98 @@ class StreamingDataset:
             for i in range(len(out["tokens"]))
         ]
 
-    def _tokenize_window(
-        self, buffer: list[tuple[int, int, dict]], order: np.ndarray, taken: int
-    ) -> dict[int, list[dict]]:
-        """The samples of the window's rows from permuted position ``taken`` on, by position.
+    def _tokenize_share(
+        self, part: WindowPart, buffer: list[RowRef], order: np.ndarray, rank: int, world_size: int
+    ) -> None:
+        """Decode and tokenize rank ``rank``'s share of a window's unread rows into ``part``.
 
-        Sharded by row: rank ``r`` of ``W`` tokenizes positions ``taken + r``, ``taken + r +
-        W``, ... and one ``all_gather_object`` gives every rank all of them (every rank reads
-        the same stream, so every rank gathers at the same point). A malformed row raises on
-        every rank, the first one by position.
+        The unread rows (permuted positions ``taken`` on) are split, in stream order, into
+        ``world_size`` contiguous runs; the rank's run is tokenized in permuted order up to its
+        first malformed row, so the smallest position any rank reports is the window's first.
         """
-        import torch.distributed as dist
-
-        distributed = dist.is_initialized() and dist.get_world_size() > 1
-        world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-        mine: dict[int, list[dict]] = {}
-        error = None
-        for position in range(taken + rank, len(buffer), world_size):
+        unread = np.sort(order[part.taken :])
+        lo, hi = len(unread) * rank // world_size, len(unread) * (rank + 1) // world_size
+        share = set(unread[lo:hi].tolist())
+        positions = [p for p in range(part.taken, part.size) if order[p] in share]
+        try:
+            batches = decode(self.sources, [buffer[order[p]] for p in positions], part.decoded)
+        except DataError as error:
+            part.error = (positions[0], str(error))
+            return
+        for position, batch in zip(positions, batches):
+            ref = buffer[order[position]]
             try:
-                mine[position] = self._tokenize(*buffer[order[position]])
-            except DataError as raised:
-                error = (position, str(raised))
-                break
-        if not distributed:
-            if error is not None:
-                raise DataError(error[1])
-            return mine
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, (mine, error))
-        errors = [error for _, error in gathered if error is not None]
-        if errors:
-            raise DataError(min(errors)[1])
-        return {position: samples for part, _ in gathered for position, samples in part.items()}
+                samples = self._tokenize(ref.source, ref.row, batch)
+                part.samples[position] = [
+                    {name: np.asarray(values, dtype=np.int32) for name, values in sample.items()}
+                    for sample in samples
+                ]
+            except DataError as error:
+                part.error = (position, str(error))
+                return
+
+    def window_parts(
+        self,
+        epoch: int,
+        seed: int,
+        location: dict[str, int],
+        rank: int,
+        world_size: int,
+        worker: int = 0,
+        num_workers: int = 1,
+    ) -> Iterator[WindowPart]:
+        """Rank ``rank``'s part of every window from ``location`` on, then the end (size 0).
+
+        Touches no process group, so it runs in a DataLoader worker. Worker ``worker`` of
+        ``num_workers`` yields every ``num_workers``-th window (the DataLoader's round-robin
+        puts them back in order); each worker still walks every row, undecoded.
+        """
+        window, taken = location["window"], location["taken"]
+        refs = self._refs(location["source"], location["row"])
+        while True:
+            buffer = list(islice(refs, self.shuffle_buffer_size))
+            mine = (window - location["window"]) % num_workers == worker
+            if not buffer:
+                if mine:
+                    yield WindowPart(window, len(self.sources), 0, 0, 0)
+                return
+            if mine:
+                part = WindowPart(window, buffer[0].source, buffer[0].row, taken, len(buffer))
+                order = np.random.default_rng([seed, epoch, window]).permutation(len(buffer))
+                if self.shuffle_buffer_size == 1:
+                    order = np.arange(len(buffer))
+                self._tokenize_share(part, buffer, order, rank, world_size)
+                yield part
+            taken = 0
+            window += 1
+
+    def parts(
+        self, epoch: int, seed: int, location: dict[str, int], num_proc: int
+    ) -> Iterator[WindowPart]:
+        """This rank's window parts from ``location`` on: ``read_ahead`` of ``window_parts``."""
+        rank, world_size = rank_and_world_size()
+        if num_proc == 0:
+            return self.window_parts(epoch, seed, location, rank, world_size)
+        return read_ahead(self.window_parts, (epoch, seed, location, rank, world_size), num_proc)
 
     def _samples(
-        self, epoch: int, seed: int, location: dict[str, int]
+        self, epoch: int, seed: int, location: dict[str, int], num_proc: int | None = None
     ) -> Iterator[tuple[dict | None, dict[str, int]]]:
         """``(sample, its location)`` from ``location`` on, then ``(None, end location)``."""
-        window, taken, first = location["window"], location["taken"], location["sample"]
-        rows = self._rows(location["source"], location["row"])
-        while True:
-            buffer = list(islice(rows, self.shuffle_buffer_size))
-            if not buffer:
-                break
-            start = {"window": window, "source": buffer[0][0], "row": buffer[0][1]}
-            order = np.random.default_rng([seed, epoch, window]).permutation(len(buffer))
-            if self.shuffle_buffer_size == 1:
-                order = np.arange(len(buffer))
-            window_samples = self._tokenize_window(buffer, order, taken)
-            for position in range(taken, len(buffer)):
+        first = location["sample"]
+        num_proc = self.num_proc if num_proc is None else num_proc
+        for part in self.parts(epoch, seed, location, num_proc):
+            self.decoded.add(part.decoded)
+            start = {"window": part.window, "source": part.source, "row": part.row}
+            if part.size == 0:
+                yield None, {**start, "taken": 0, "sample": 0}
+                return
+            window_samples = gather_window(part)
+            for position in range(part.taken, part.size):
                 samples = window_samples[position]
                 for number in range(first, len(samples)):
                     yield samples[number], {**start, "taken": position, "sample": number}
                 first = 0
-            taken = 0
-            window += 1
-        yield (
-            None,
-            {"window": window, "source": len(self.sources), "row": 0, "taken": 0, "sample": 0},
-        )
 
     def items(
         self, epoch: int, seed: int, location: dict[str, int]
@@ -267,7 +278,8 @@ class StreamingDataset:
     def check_tokens_fit(self, tokenizer: Tokenizer) -> None:
         """``check_tokens_fit`` on the first samples of epoch 0's stream (reads one window)."""
         lists = []
-        for sample, _ in islice(self._samples(0, 0, start_location()), UNKNOWN_CHECK_SAMPLES):
+        first = self._samples(0, 0, start_location(), num_proc=0)
+        for sample, _ in islice(first, UNKNOWN_CHECK_SAMPLES):
             if sample is not None:
                 lists.append(list(sample["tokens"]))
         check_tokens_fit(tokenizer, lists, ", ".join(source.name for source in self.sources))

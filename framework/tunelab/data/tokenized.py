@@ -197,7 +197,8 @@ def build_tokenized(
         kind: ``sft`` or ``preference``.
         packed: Pack samples into ``max_seq_len`` sequences.
         max_seq_len: The samples' cut and pack length.
-        num_proc: Tokenizing processes on local rank 0.
+        num_proc: Tokenizing processes on local rank 0; with ``streaming``, worker processes
+            per rank that read and tokenize ahead (default 1).
         cache_dir: Root of the tokenized cache.
         describe: What a preference error calls the dataset.
         allow_unknown_tokens: Skip ``check_tokens_fit`` (the first samples may be mostly
@@ -215,7 +216,7 @@ def build_tokenized(
     if streaming:
         return _stream(
             tokenizer, rows_for, sources, skip_malformed, kind, packed, max_seq_len,
-            shuffle_buffer_size, allow_unknown_tokens,
+            shuffle_buffer_size, allow_unknown_tokens, num_proc,
         )  # fmt: skip
     if shuffle_buffer_size is not None:
         raise ConfigError(
@@ -258,6 +259,7 @@ def _stream(
     max_seq_len: int | None,
     shuffle_buffer_size: int | None,
     allow_unknown_tokens: bool,
+    num_proc: int | None,
 ) -> Any:
     """The ``StreamingDataset`` of ``build_tokenized(streaming=True)``."""
     if kind != "sft":
@@ -270,6 +272,7 @@ def _stream(
         packed=packed,
         max_seq_len=max_seq_len,
         shuffle_buffer_size=shuffle_buffer_size or DEFAULT_SHUFFLE_BUFFER,
+        num_proc=1 if num_proc is None else num_proc,
     )
     if not allow_unknown_tokens:
         dataset.check_tokens_fit(tokenizer)
