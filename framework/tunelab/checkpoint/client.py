@@ -49,7 +49,6 @@ from tunelab.checkpoint.dcp import (
     WriterFactory,
     as_checkpoint_error,
     load,
-    saved_keys,
 )
 from tunelab.checkpoint.export import export_hf
 from tunelab.checkpoint.state import (
@@ -140,6 +139,7 @@ class CheckpointClient:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
         self._pruning: threading.Thread | None = None
+        self._readers: dict[Path, SafeReader] = {}
         self._prune_error: BaseException | None = None
         self._fingerprint = self._make_fingerprint()
         self._remove_stale()
@@ -271,9 +271,11 @@ class CheckpointClient:
     def load_latest(self) -> ResumeState | None:
         """Verify and restore the newest committed checkpoint into the model and optimizer.
 
-        Every file of the newest committed checkpoint is checked against the checksums in its
-        manifest (the ranks split the files) before anything is loaded. A checkpoint that
-        fails, or whose manifest is unreadable, is named in one warning, moved aside to
+        Every byte of the newest committed checkpoint is checked against the checksums in its
+        manifest, each read once: the small files before anything is loaded (the ranks split
+        them), the tensor data as the load reads it, and any range no rank read right after.
+        A checkpoint that fails, or whose manifest is unreadable, is named in one warning, moved
+        aside to
         ``step_N.corrupt-<time>`` (so reaching step N again commits a new ``step_N``), and the
         next older one is tried.
 
@@ -285,6 +287,12 @@ class CheckpointClient:
                 recipe, cannot be loaded although its checksums match, or every committed
                 checkpoint failed verification.
         """
+        try:
+            return self._load_newest_intact()
+        finally:
+            self._readers = {}  # each resume parses what it reads afresh
+
+    def _load_newest_intact(self) -> ResumeState | None:
         candidates: list[Any] = [None]
         if self.rank == 0:
             committed, unreadable = self.run.scan_checkpoints()
@@ -338,7 +346,7 @@ class CheckpointClient:
             The same on every rank: None, or the first problem (and how many more).
         """
         files = checkpoint.manifest["files"]
-        streamed = _streamed_files(checkpoint.path, files)
+        streamed = _streamed_files(self._reader(checkpoint), files)
         names = sorted(name for name in files if name not in streamed)
         problems = integrity.problems_in(
             checkpoint.path, files, names=names[self.rank :: self.world_size]
@@ -385,13 +393,15 @@ class CheckpointClient:
             ContentMismatch: If one differs from its checksum (on every rank).
         """
         files = checkpoint.manifest["files"]
-        read = set().union(*self._gather(verified))
-        unread = [
+        ranges = [
             (name, offset)
-            for name in sorted(_streamed_files(checkpoint.path, files))
+            for name in sorted(_streamed_files(self._reader(checkpoint), files))
             for offset, _, _ in files[name]["ranges"]
-            if (name, offset) not in read
         ]
+        read = torch.tensor([key in verified for key in ranges], dtype=torch.uint8)
+        if self.world_size > 1:  # read by any rank
+            dist.all_reduce(read, op=dist.ReduceOp.MAX, group=self._saver.process_group)
+        unread = [key for key, done in zip(ranges, read.tolist(), strict=True) if not done]
         problems = []
         for name, offset in unread[self.rank :: self.world_size]:
             problem = integrity.check_file(checkpoint.path / name, files[name], only={offset})
@@ -399,6 +409,14 @@ class CheckpointClient:
         problem = self._first_problem(problems)
         if problem is not None:
             raise ContentMismatch(problem)
+
+    def _reader(self, checkpoint: CommittedCheckpoint) -> SafeReader:
+        """The one reader of ``checkpoint`` during a resume (its metadata parsed once)."""
+        if self._readers.get(checkpoint.path) is None:
+            self._readers = {
+                checkpoint.path: SafeReader(checkpoint.path, checkpoint.manifest["files"])
+            }
+        return self._readers[checkpoint.path]
 
     def _broadcast(self, objects: list[Any]) -> None:
         if self.world_size > 1:
@@ -420,14 +438,16 @@ class CheckpointClient:
     def _load(self, checkpoint: CommittedCheckpoint) -> ResumeState:
         trainer_state = json.loads((checkpoint.path / TRAINER_STATE_NAME).read_text())
         tensors, param_groups = self._tensor_state()
-        missing = {f"model.{key}" for key in tensors["model"]} - saved_keys(checkpoint.path)
+        reader = self._reader(checkpoint)
+        saved = set(reader.read_metadata().state_dict_metadata)
+        missing = {f"model.{key}" for key in tensors["model"]} - saved
         if missing:
             raise CheckpointError(
                 f"{checkpoint.path} does not hold {sorted(missing)[0]} "
                 f"(and {len(missing) - 1} more): it was made for another model or adapter"
             )
         try:
-            verified = load(tensors, checkpoint.path, checkpoint.manifest["files"])
+            verified = load(tensors, checkpoint.path, checkpoint.manifest["files"], reader=reader)
         except CheckpointError:
             raise
         except Exception as error:
@@ -545,20 +565,17 @@ class CheckpointClient:
         }
 
 
-def _streamed_files(path: Path, files: Mapping[str, Any]) -> set[str]:
+def _streamed_files(reader: SafeReader, files: Mapping[str, Any]) -> set[str]:
     """The files of a step checkpoint its load verifies as it reads them (raw tensor files).
 
     Empty for a checkpoint of the ``torch.save`` format or one whose metadata cannot be read
     (its verification then fails on the metadata itself, before anything is loaded).
     """
     try:
-        reader = SafeReader(path)
-        metadata = reader.read_metadata()
+        data_files = reader.data_files()
     except CheckpointError:
         return set()
-    if not reader.raw_records:
-        return set()
-    return {info.relative_path for info in metadata.storage_data.values()} & set(files)
+    return data_files & set(files) if reader.raw_records else set()
 
 
 def _global_shape(param: torch.Tensor) -> torch.Size:

@@ -200,18 +200,22 @@ class SafeReader(dcp.FileSystemReader):
         super().__init__(path)
         self._records = records
         self._threads = threads
-        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        self._metadata: Metadata | None = None
+        self._ranges: dict[str, dict[int, list[Any]]] = {}
         self.raw_records = True
         """Whether the data files hold raw bytes (False: ``torch.save`` records)."""
         self.verified: set[tuple[str, int]] = set()
         """``(file, range offset)`` of every range this rank read and verified."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Parse and validate the JSON metadata.
+        """Parse and validate the JSON metadata (once per reader; later calls reuse it).
 
         Raises:
             CheckpointError: If it is missing, not JSON, or not what tunelab writes.
         """
+        if self._metadata is not None:
+            return self._metadata
         path = Path(self.path) / _dcp_json.METADATA_JSON_NAME
         try:
             data = json.loads(path.read_bytes())
@@ -223,11 +227,26 @@ class SafeReader(dcp.FileSystemReader):
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         self.raw_records = _dcp_json.holds_raw_records(data)
         self._chunks = {
-            MetadataIndex(fqn, chunk.offsets): (chunk.sizes, entry.properties.dtype)
+            (fqn, tuple(chunk.offsets)): (chunk.sizes, entry.properties.dtype)
             for fqn, entry in metadata.state_dict_metadata.items()
             for chunk in entry.chunks  # type: ignore[union-attr]
         }
+        self._metadata = metadata
         return metadata
+
+    def data_files(self) -> set[str]:
+        """The files the metadata's items are in (raw files: verified while loading)."""
+        return {info.relative_path for info in self.read_metadata().storage_data.values()}
+
+    def _range_ending_at(self, name: str, end: int) -> list[Any] | None:
+        """The manifest range of file ``name`` that ends at byte ``end`` (an item's range)."""
+        if name not in self._ranges:
+            record = self._records.get(name) if self._records is not None else None
+            ranges = record["ranges"] if record is not None else []
+            self._ranges[name] = {
+                offset + length: piece for piece in ranges for offset, length, _ in (piece,)
+            }
+        return self._ranges[name].get(end)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         """Read this rank's items (raw files: verified as they arrive)."""
@@ -258,10 +277,8 @@ class SafeReader(dcp.FileSystemReader):
     def _want(self, name: str, requests: list[ReadItem], planner: LoadPlanner) -> Want:
         """What to read for one stored item, and where its bytes go."""
         info = self.storage_data[requests[0].storage_index]
-        sizes, dtype = self._chunks.get(
-            MetadataIndex(requests[0].storage_index.fqn, requests[0].storage_index.offset),
-            (None, None),
-        )
+        index = requests[0].storage_index
+        sizes, dtype = self._chunks.get((index.fqn, tuple(index.offset or ())), (None, None))
         if sizes is None or info.length != math.prod(sizes) * dtype.itemsize:
             raise CheckpointError(
                 f"{Path(self.path) / name}: item {requests[0].storage_index.fqn!r} is "
@@ -271,13 +288,13 @@ class SafeReader(dcp.FileSystemReader):
         record = self._records.get(name) if self._records is not None else None
         if record is not None and info.length > 0:  # an empty item has no bytes to verify
             # The range that ends where the item ends: the item and the padding before it.
-            found = [r for r in record["ranges"] if r[0] <= info.offset < r[0] + r[1]]
-            if not found or found[0][0] + found[0][1] != info.offset + info.length:
+            found = self._range_ending_at(name, info.offset + info.length)
+            if found is None or not found[0] <= info.offset:
                 raise ContentMismatch(
                     f"{Path(self.path) / name}: no checksummed range holds item "
                     f"{requests[0].storage_index.fqn!r}"
                 )
-            start, length, digest = found[0]
+            start, length, digest = found
         # The common case (a resume on the world size that saved): the stored chunk is the
         # whole destination shard, whose memory takes the bytes as they are read.
         into, whole = None, None
@@ -509,7 +526,11 @@ class DCPSaver:
 
 
 def load(
-    state_dict: dict[str, Any], path: Path, records: FileRecords | None = None
+    state_dict: dict[str, Any],
+    path: Path,
+    records: FileRecords | None = None,
+    *,
+    reader: SafeReader | None = None,
 ) -> set[tuple[str, int]]:
     """Load a step checkpoint into ``state_dict`` in place, resharding to this world size.
 
@@ -522,6 +543,7 @@ def load(
         path: The step checkpoint.
         records: The manifest's file records: every range read is verified as it arrives.
             None reads without verifying.
+        reader: A reader of ``path`` with ``records`` whose metadata is parsed already.
 
     Returns:
         ``(file, range offset)`` of every range this rank read and verified; the other ranks'
@@ -533,7 +555,7 @@ def load(
         CheckpointError: If the metadata is not what tunelab writes or a record cannot be
             loaded (a pickle that is not plain tensor data is refused, never run).
     """
-    reader = SafeReader(path, records)
+    reader = reader or SafeReader(path, records)
     reader.read_metadata()  # Its errors, raised here, are one line (DCP wraps them).
     try:
         dcp.load(state_dict, storage_reader=reader, planner=_TensorOnlyLoadPlanner())
