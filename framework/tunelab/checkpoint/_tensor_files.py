@@ -15,9 +15,11 @@ destination tensor where it can take the bytes as they are, each piece hashed ri
 arrives; a range whose digest differs is :class:`ContentMismatch`. The files of a rank are
 written and read in parallel threads (``dcp.WRITE_THREADS``, ``dcp.READ_THREADS``).
 
-Measured here (see docs/benchmarks.md "Checkpoint I/O"): the torch ``FileSystemWriter`` format
-(a ``torch.save`` zip record per tensor, one thread, fsync at the end) wrote at 3.7x the raw
-disk time and read at 1.3-1.6x; these files are within the issue's 1.2x (numbers there).
+Measured here (docs/benchmarks.md, "Checkpoint I/O at the disk's speed"): torch's
+``FileSystemWriter`` format (a ``torch.save`` zip record per tensor, one thread, fsync at the
+end) wrote at 3.7x the raw disk's time for the same bytes and read at 1.3-1.6x; with these
+files a 2 GB model's step save takes 0.63x the raw write and its verified resume 1.34x the raw
+cold read, on 2 ranks and 2 cores.
 """
 
 from __future__ import annotations
