@@ -31,6 +31,18 @@ def _state():
     }
 
 
+def _assert_loads_the_state(path):
+    target = {
+        "model": {"w": torch.zeros(5, 3), "b": torch.zeros(4)},
+        "optimizer": {"step": torch.tensor(0.0), "m": torch.zeros(7)},
+    }
+    load(target, path)
+    expected = _state()
+    for group in expected:
+        for key in expected[group]:
+            assert torch.equal(target[group][key], expected[group][key]), key
+
+
 def _save(path):
     writer = ChecksummedWriter(path)
     dcp.save(_state(), storage_writer=writer, no_dist=True)
@@ -121,15 +133,7 @@ def test_step_checkpoint_is_json_and_tensors_only_and_round_trips(tmp_path):
     assert sorted(records) == names == [".metadata.json", "__0_0.distcp"]
     for name, record in records.items():
         assert integrity.check_file(tmp_path / name, record) is None, name
-    target = {
-        "model": {"w": torch.zeros(5, 3), "b": torch.zeros(4)},
-        "optimizer": {"step": torch.tensor(0.0), "m": torch.zeros(7)},
-    }
-    load(target, tmp_path)
-    expected = _state()
-    for group in expected:
-        for key in expected[group]:
-            assert torch.equal(target[group][key], expected[group][key]), key
+    _assert_loads_the_state(tmp_path)
     assert saved_keys(tmp_path) == {"model.w", "model.b", "optimizer.step", "optimizer.m"}
 
 
@@ -181,15 +185,7 @@ class _TorchSaveWriter(dcp.FileSystemWriter):
 def test_checkpoints_of_the_torch_save_format_still_load(tmp_path):
     # A run saved by tunelab before raw tensor files resumes after an upgrade.
     dcp.save(_state(), storage_writer=_TorchSaveWriter(tmp_path), no_dist=True)
-    target = {
-        "model": {"w": torch.zeros(5, 3), "b": torch.zeros(4)},
-        "optimizer": {"step": torch.tensor(0.0), "m": torch.zeros(7)},
-    }
-    load(target, tmp_path)
-    expected = _state()
-    for group in expected:
-        for key in expected[group]:
-            assert torch.equal(target[group][key], expected[group][key]), key
+    _assert_loads_the_state(tmp_path)
 
 
 def test_raw_records_are_the_tensor_bytes_at_aligned_offsets_one_range_each(tmp_path):

@@ -198,13 +198,7 @@ def read_conversation(value: Any, column: str, style: str = "auto") -> list[dict
             arguments are not a JSON object, a tool message answers no call, or there is no
             assistant turn or an empty one (no content and no tool call).
     """
-    style = conversation_style(value, column, style)
-    read = _sharegpt_message if style == "sharegpt" else _openai_message
-    messages = []
-    for index, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise BadRow(column, f"message {index}: expected a dict, got {type(message).__name__}")
-        messages.append(read(message, column, index))
+    messages = _read_messages(value, column, style)
     _check_tool_results(messages, column)
     replies = [m for m in messages if m["role"] == "assistant"]
     if not replies:
@@ -226,7 +220,12 @@ def read_part(value: Any, column: str, default_role: str) -> list[dict[str, Any]
     """
     if value is None or isinstance(value, str):
         return [{"role": default_role, "content": read_text({column: value}, column)}]
-    style = conversation_style(value, column, "auto")
+    return _read_messages(value, column, "auto")
+
+
+def _read_messages(value: Any, column: str, style: str) -> list[dict[str, Any]]:
+    """Each message of a list in ``style`` (or the one it is, for ``"auto"``), checked."""
+    style = conversation_style(value, column, style)
     read = _sharegpt_message if style == "sharegpt" else _openai_message
     messages = []
     for index, message in enumerate(value):
