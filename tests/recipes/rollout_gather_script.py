@@ -10,6 +10,7 @@ Usage: rollout_gather_script.py
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def main() -> None:
             "per_forward_blocks": blocks_per_forward,
             "equal": first == second,
         }
-    print("GATHERS " + json.dumps({"rank": info.rank, **report}), flush=True)
+    # One write per line (atomic on a pipe): two ranks' print() calls can interleave their
+    # text and newline writes into one line.
+    os.write(1, ("GATHERS " + json.dumps({"rank": info.rank, **report}) + "\n").encode())
     dist.barrier()
     destroy_distributed()
 

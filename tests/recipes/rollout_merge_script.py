@@ -10,6 +10,7 @@ Usage: rollout_merge_script.py
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def main() -> None:
     }
     for rank in range(info.world_size):  # one line at a time
         if rank == info.rank:
-            print("MERGE " + json.dumps(report), flush=True)
+            # One write per line (atomic on a pipe): ranks' print() calls can interleave.
+            os.write(1, ("MERGE " + json.dumps(report) + "\n").encode())
         dist.barrier()
     destroy_distributed()
 
