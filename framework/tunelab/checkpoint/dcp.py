@@ -98,35 +98,30 @@ class ChecksummedWriter(dcp.FileSystemWriter):
             if item.type == WriteItemType.BYTE_IO:
                 raise CheckpointError(f"{item.index.fqn!r} is not a tensor; only tensors are saved")
         prefix = plan.storage_data.prefix
-        buckets = _split_by_size([item for item in plan.items], self.thread_count)
+        buckets = _split_by_size(list(plan.items), self.thread_count)
         jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
 
-        def write(name: str, items: list[WriteItem]) -> tuple[list[WriteResult], FileRecord]:
+        def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            """One file's items, and its checksum record (under ``_RECORD_PREFIX``)."""
             tensors = [_cpu(planner.resolve_data(item)) for item in items]
             places, record = write_tensor_file(
                 Path(self.path) / name, tensors, sync=self.sync_files
             )
-            return [
+            written = [
                 WriteResult(
-                    index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, *place)
+                    index=item.index,
+                    size_in_bytes=length,
+                    storage_data=StorageInfo(name, offset, length),
                 )
-                for item, place in zip(items, places, strict=True)
-                for length in (place[1],)
-            ], record
+                for item, (offset, length) in zip(items, places, strict=True)
+            ]
+            record_index = MetadataIndex(_RECORD_PREFIX + name)
+            return [*written, WriteResult(index=record_index, size_in_bytes=0, storage_data=record)]
 
-        results: list[WriteResult] = []
         with ThreadPoolExecutor(max(1, len(jobs))) as pool:
-            for (name, _), (written, record) in zip(
-                jobs, pool.map(lambda job: write(*job), jobs), strict=True
-            ):
-                results += written
-                results.append(
-                    WriteResult(
-                        index=MetadataIndex(_RECORD_PREFIX + name),
-                        size_in_bytes=0,
-                        storage_data=record,
-                    )
-                )
+            results = [
+                result for file in pool.map(lambda job: write(*job), jobs) for result in file
+            ]
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done
@@ -202,7 +197,6 @@ class SafeReader(dcp.FileSystemReader):
         self._threads = threads
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
         self._metadata: Metadata | None = None
-        self._ranges: dict[str, dict[int, list[Any]]] = {}
         self.raw_records = True
         """Whether the data files hold raw bytes (False: ``torch.save`` records)."""
         self.verified: set[tuple[str, int]] = set()
@@ -238,16 +232,6 @@ class SafeReader(dcp.FileSystemReader):
         """The files the metadata's items are in (raw files: verified while loading)."""
         return {info.relative_path for info in self.read_metadata().storage_data.values()}
 
-    def _range_ending_at(self, name: str, end: int) -> list[Any] | None:
-        """The manifest range of file ``name`` that ends at byte ``end`` (an item's range)."""
-        if name not in self._ranges:
-            record = self._records.get(name) if self._records is not None else None
-            ranges = record["ranges"] if record is not None else []
-            self._ranges[name] = {
-                offset + length: piece for piece in ranges for offset, length, _ in (piece,)
-            }
-        return self._ranges[name].get(end)
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         """Read this rank's items (raw files: verified as they arrive)."""
         if not self.raw_records:
@@ -256,44 +240,47 @@ class SafeReader(dcp.FileSystemReader):
         for request in plan.items:
             info = self.storage_data[request.storage_index]
             per_file.setdefault(info.relative_path, {}).setdefault(info.offset, []).append(request)
-        jobs = [
-            (name, [self._want(name, requests, planner) for requests in items.values()])
-            for name, items in sorted(per_file.items())
-        ]
-
-        def read(name: str, wants: list[Want]) -> None:
+        jobs = []
+        for name, items in sorted(per_file.items()):
+            path = Path(self.path) / name
             record = self._records.get(name) if self._records is not None else None
             if self._records is not None and record is None:
-                raise ContentMismatch(f"{Path(self.path) / name}: not listed in the manifest")
-            size = record["size"] if record else os.stat(Path(self.path) / name).st_size
-            read_wanted(Path(self.path) / name, size, wants)
-
+                raise ContentMismatch(f"{path}: not listed in the manifest")
+            # A chunk's range is the one ending where the chunk ends (its padding before it).
+            ends = None if record is None else {o + n: (o, n, d) for o, n, d in record["ranges"]}
+            wants = [self._want(path, requests, planner, ends) for requests in items.values()]
+            size = record["size"] if record else os.stat(path).st_size
+            jobs.append((path, size, wants))
         with ThreadPoolExecutor(max(1, min(self._threads, len(jobs)))) as pool:
-            list(pool.map(lambda job: read(*job), jobs))
+            list(pool.map(lambda job: read_wanted(*job), jobs))
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
 
-    def _want(self, name: str, requests: list[ReadItem], planner: LoadPlanner) -> Want:
-        """What to read for one stored item, and where its bytes go."""
-        info = self.storage_data[requests[0].storage_index]
+    def _want(
+        self,
+        path: Path,
+        requests: list[ReadItem],
+        planner: LoadPlanner,
+        ends: dict[int, tuple[int, int, str]] | None,
+    ) -> Want:
+        """What to read for one stored item, and where its bytes go.
+
+        ``ends``: the file's checksummed ranges by where they end (None: not verified).
+        """
         index = requests[0].storage_index
+        info = self.storage_data[index]
         sizes, dtype = self._chunks.get((index.fqn, tuple(index.offset or ())), (None, None))
         if sizes is None or info.length != math.prod(sizes) * dtype.itemsize:
             raise CheckpointError(
-                f"{Path(self.path) / name}: item {requests[0].storage_index.fqn!r} is "
-                f"{info.length} bytes, which is not the size its metadata gives"
+                f"{path}: item {index.fqn!r} is {info.length} bytes, which is not the size "
+                "its metadata gives"
             )
         start, length, digest = info.offset, info.length, None
-        record = self._records.get(name) if self._records is not None else None
-        if record is not None and info.length > 0:  # an empty item has no bytes to verify
-            # The range that ends where the item ends: the item and the padding before it.
-            found = self._range_ending_at(name, info.offset + info.length)
+        if ends is not None and info.length > 0:  # an empty item has no bytes to verify
+            found = ends.get(info.offset + info.length)
             if found is None or not found[0] <= info.offset:
-                raise ContentMismatch(
-                    f"{Path(self.path) / name}: no checksummed range holds item "
-                    f"{requests[0].storage_index.fqn!r}"
-                )
+                raise ContentMismatch(f"{path}: no checksummed range holds item {index.fqn!r}")
             start, length, digest = found
         # The common case (a resume on the world size that saved): the stored chunk is the
         # whole destination shard, whose memory takes the bytes as they are read.
@@ -323,7 +310,7 @@ class SafeReader(dcp.FileSystemReader):
                     target.copy_(source)
                     planner.commit_tensor(request, target)
             if digest is not None:
-                self.verified.add((name, start))
+                self.verified.add((path.name, start))
 
         return Want(start, length, digest, info.offset - start, into, done)
 
