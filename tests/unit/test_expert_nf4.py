@@ -268,3 +268,20 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model(tokens).square().mean().backward()
         grads.append({k: p.grad for k, p in get_adapter_params(model).items()})
     assert len(grads[0]) == 12 and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
+def test_nf4_weights_have_a_compile_cache_key_of_their_layout_not_their_values():
+    """``compile: true``: torch's AOT autograd cache names an NF4 input by its layout (shape,
+    strides, block sizes, packed tensors' shapes), never its values (weights are inputs)."""
+    from tunelab.peft.nf4 import _torchao_nf4
+
+    nf4_tensor, _ = _torchao_nf4()  # installs the method once
+    generator = torch.Generator().manual_seed(0)
+    one, other = (to_nf4(torch.randn(128, 256, generator=generator)) for _ in range(2))
+    wider = to_nf4(torch.randn(128, 512, generator=generator))
+    assert isinstance(one, nf4_tensor)
+    assert one._stable_hash_for_caching() == other._stable_hash_for_caching()
+    assert one._stable_hash_for_caching() != wider._stable_hash_for_caching()
+    assert to_nf4(torch.randn(128, 256), block_size=32)._stable_hash_for_caching() != (
+        one._stable_hash_for_caching()
+    )

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from tunelab.errors import ConfigError
 from tunelab.modules.moe import MoEExperts, MoERouter
+from tunelab.peft._nf4_compile import hash_nf4_for_compile_caches
 from tunelab.peft._nf4_fsdp import gather_one_tensor_on_one_rank
 
 NF4_BLOCK_SIZE = 64
@@ -68,6 +69,8 @@ def _torchao_nf4() -> tuple[type, Callable[..., torch.Tensor]]:
             ) from error
     # HSDP with one rank per shard group (replicate x 1) needs one all-gather input.
     gather_one_tensor_on_one_rank(NF4Tensor)
+    # compile: true names NF4 inputs in its caches without a warning per block.
+    hash_nf4_for_compile_caches(NF4Tensor)
     return NF4Tensor, to_nf4
 
 
