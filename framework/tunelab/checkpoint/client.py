@@ -49,6 +49,7 @@ from tunelab.checkpoint.dcp import (
     WriterFactory,
     as_checkpoint_error,
     load,
+    paused_garbage_collection,
 )
 from tunelab.checkpoint.export import export_hf
 from tunelab.checkpoint.state import (
@@ -288,7 +289,8 @@ class CheckpointClient:
                 checkpoint failed verification.
         """
         try:
-            return self._load_newest_intact()
+            with paused_garbage_collection():  # its many small objects: docs in dcp.py
+                return self._load_newest_intact()
         finally:
             self._readers = {}  # each resume parses what it reads afresh
 

@@ -13,12 +13,13 @@ stored chunks each rank reads (resharding to another world size).
 """
 
 import contextlib
+import gc
 import io
 import json
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,10 @@ class SafeReader(dcp.FileSystemReader):
             raise CheckpointError(f"{path} is missing (not a tunelab step checkpoint)") from None
         except (OSError, ValueError) as error:
             raise CheckpointError(f"{path}: unreadable checkpoint metadata ({error})") from None
-        metadata = _dcp_json.from_json(data, str(path))
+        # Thousands of small objects that all live on: a garbage collection triggered midway
+        # walks every object of the trainer process (0.15 s of a 0.2 s parse measured at 2 GB).
+        with paused_garbage_collection():
+            metadata = _dcp_json.from_json(data, str(path))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         self.raw_records = _dcp_json.holds_raw_records(data)
         self._chunks = {
@@ -313,6 +317,25 @@ class SafeReader(dcp.FileSystemReader):
                 self.verified.add((path.name, start))
 
         return Want(start, length, digest, info.offset - start, into, done)
+
+
+@contextlib.contextmanager
+def paused_garbage_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for the block (restored as it was after).
+
+    A load creates tens of thousands of small objects (DCP's read items and plans, the
+    metadata); each collection they trigger walks every object of the trainer process (the
+    model's modules, torch's and the data libraries' state). At 2 GB on 2 ranks, pausing it
+    for the resume took the load from 4.43 s to 4.05 s (median of 4 alternating runs).
+    Garbage made meanwhile is collected by the next automatic collection.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -545,7 +568,8 @@ def load(
     reader = reader or SafeReader(path, records)
     reader.read_metadata()  # Its errors, raised here, are one line (DCP wraps them).
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=_TensorOnlyLoadPlanner())
+        with paused_garbage_collection():
+            dcp.load(state_dict, storage_reader=reader, planner=_TensorOnlyLoadPlanner())
     except CheckpointException as error:
         # The lowest rank's failure first: every rank raises the same one.
         failures = [error.failures[rank][0] for rank in sorted(error.failures)]
