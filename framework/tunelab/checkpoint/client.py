@@ -193,17 +193,23 @@ class CheckpointClient:
             }
         )
         trainer_record = None
+        failure: list[Any] = [None]
         if self.rank == 0:
             # A folder left by a crashed save is written afresh, so the manifest lists only
-            # this save's files. No other rank writes into it before DCP's planning
-            # collective, which rank 0 joins after this.
+            # this save's files.
             try:
                 shutil.rmtree(path, ignore_errors=True)
                 path.mkdir(parents=True, exist_ok=True)
                 layout.write_atomic(path / TRAINER_STATE_NAME, trainer_state)
             except OSError as error:
-                raise as_checkpoint_error(error, path, "writing checkpoint") from error
+                failure = [str(as_checkpoint_error(error, path, "writing checkpoint"))]
             trainer_record = integrity.record_of(trainer_state)
+        # The other ranks touch the folder only after this (DCP's writer creates it on every
+        # rank: a rank creating it while rank 0 cleared it failed one CI run with "step_6:
+        # File exists"), and all raise rank 0's failure instead of waiting in DCP's planning.
+        self._broadcast(failure)
+        if failure[0] is not None:
+            raise CheckpointError(failure[0])
         manifest = {"step": step, "epoch": epoch, **self._manifest_common()}
 
         def commit(records: FileRecords) -> None:
