@@ -10,7 +10,6 @@ missing key) and an adapter that PEFT applies to the base with the logits of our
 """
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -18,7 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.mxfp4_codes import mxfp4_codes
-from tests.recipes.conftest import interrupted_copy, losses_by_step, read_metrics, tunelab_run
+from tests.recipes.moe_runs import (
+    MOE_LORA_RUN,
+    assert_export_is_the_adapted_base,
+    assert_run_resumes_exactly,
+    copy_tiny_tokenizer,
+)
 from tunelab._paths import assets_dir
 
 transformers = pytest.importorskip("transformers")
@@ -27,23 +31,6 @@ if not hasattr(transformers, "GptOssConfig"):
     pytest.skip("this transformers has no gpt-oss", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
-_RUN = (
-    "dataset.packed=true",
-    "~val_dataset",
-    "batch_size=2",
-    "epochs=1",
-    "max_steps_per_epoch=3",
-    "lr_scheduler.num_warmup_steps=0",
-    "checkpoint.save_every_n_steps=2",
-    "checkpoint.enable_async_checkpointing=false",
-    "router_aux_loss_coef=0.01",
-    "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
-)
-_PEFT_LOADS_EXPERTS = (
-    "target_parameters" in getattr(peft.LoraConfig, "__dataclass_fields__", {})
-    and int(transformers.__version__.split(".")[0]) >= 5
-)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _build(plain, quantized):
@@ -78,48 +65,19 @@ def _build(plain, quantized):
     hf_config = json.loads((plain / "config.json").read_text())
     hf_config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
     (quantized / "config.json").write_text(json.dumps(hf_config))
-    for name in _TOKENIZER_FILES:
-        shutil.copy(assets_dir() / "tiny" / name, quantized / name)
-
-
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    copy_tiny_tokenizer(quantized)
 
 
 def test_two_process_gpt_oss_lora_from_mxfp4_resumes_exactly_and_exports(tmp_path):
     plain, base = tmp_path / "plain", tmp_path / "base"
     _build(plain, base)
-    out = tmp_path / "run"
-    run = ("lora_finetune_distributed", "tiny/moe_lora", f"checkpoint_dir={base}", *_RUN)
-    tunelab_run(*run, f"output_dir={out}")
-    losses = losses_by_step(out)
-    assert all(r["router_aux_loss"] > 0 for r in read_metrics(out) if "loss" in r)
-    assert sorted(losses) == [1, 2, 3] and all(
-        map(torch.isfinite, torch.tensor([*losses.values()]))
-    )
-    resumed_dir = interrupted_copy(out, tmp_path / "resumed", after_step=2)
-    tunelab_run(*run, f"output_dir={resumed_dir}", "checkpoint.resume_from_checkpoint=true")
-    resumed = losses_by_step(resumed_dir)
-    assert sorted(resumed) == [3] and resumed[3] == losses[3]
-
+    out = assert_run_resumes_exactly(tmp_path, f"checkpoint_dir={base}", *MOE_LORA_RUN)
     export = out / "epoch_0"
     with safe_open(export / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     assert "model.layers.1.mlp.experts.down_proj" in keys and not any("_blocks" in k for k in keys)
     assert "quantization_config" not in json.loads((export / "config.json").read_text())
-    merged, info = transformers.AutoModelForCausalLM.from_pretrained(
-        export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"]
     with safe_open(export / "adapter" / "adapter_model.safetensors", "pt") as f:
         adapter_keys = set(f.keys())
     assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight" in adapter_keys
-    tokens = torch.randint(0, 810, (2, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = merged.eval()(tokens).logits
-        assert float((_hf(plain)(tokens).logits - expected).abs().max()) > 1e-4
-        if _PEFT_LOADS_EXPERTS:  # older PEFT cannot hold expert LoRA: the merge is checked
-            adapted = peft.PeftModel.from_pretrained(_hf(plain), export / "adapter").eval()
-            assert float((adapted(tokens).logits - expected).abs().max()) <= 1e-4
+    assert_export_is_the_adapted_base(export, plain)

@@ -9,12 +9,16 @@ merged export (where PEFT loads expert LoRA: peft >= 0.17 on transformers 5).
 """
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, read_metrics, tunelab_run
+from tests.recipes.moe_runs import (
+    MOE_LORA_RUN,
+    assert_export_is_the_adapted_base,
+    assert_run_resumes_exactly,
+    copy_tiny_tokenizer,
+)
 from tunelab._paths import assets_dir
 
 transformers = pytest.importorskip("transformers")
@@ -23,23 +27,6 @@ if not hasattr(transformers, "Qwen3MoeConfig"):
     pytest.skip("this transformers has no Qwen3-MoE", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
-_RUN = (
-    "dataset.packed=true",
-    "~val_dataset",
-    "batch_size=2",
-    "epochs=1",
-    "max_steps_per_epoch=3",
-    "lr_scheduler.num_warmup_steps=0",
-    "checkpoint.save_every_n_steps=2",
-    "checkpoint.enable_async_checkpointing=false",
-    "router_aux_loss_coef=0.01",
-    "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
-)
-_PEFT_LOADS_EXPERTS = (
-    "target_parameters" in getattr(peft.LoraConfig, "__dataclass_fields__", {})
-    and int(transformers.__version__.split(".")[0]) >= 5
-)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _build(path):
@@ -54,42 +41,12 @@ def _build(path):
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in _TOKENIZER_FILES:
-        shutil.copy(assets_dir() / "tiny" / name, path / name)
-
-
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    copy_tiny_tokenizer(path)
 
 
 def test_two_process_qwen3_moe_lora_resumes_exactly_and_exports(tmp_path):
     base = tmp_path / "base"
     _build(base)
-    out = tmp_path / "run"
-    run = ("lora_finetune_distributed", "tiny/moe_lora", f"checkpoint_dir={base}", *_RUN)
-    tunelab_run(*run, f"output_dir={out}")
-    losses = losses_by_step(out)
-    assert all(r["router_aux_loss"] > 0 for r in read_metrics(out) if "loss" in r)
-    assert sorted(losses) == [1, 2, 3] and all(
-        map(torch.isfinite, torch.tensor([*losses.values()]))
-    )
-    resumed_dir = interrupted_copy(out, tmp_path / "resumed", after_step=2)
-    tunelab_run(*run, f"output_dir={resumed_dir}", "checkpoint.resume_from_checkpoint=true")
-    resumed = losses_by_step(resumed_dir)
-    assert sorted(resumed) == [3] and resumed[3] == losses[3]
-
-    export = out / "epoch_0"
-    merged, info = transformers.AutoModelForCausalLM.from_pretrained(
-        export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    out = assert_run_resumes_exactly(tmp_path, f"checkpoint_dir={base}", *MOE_LORA_RUN)
+    merged = assert_export_is_the_adapted_base(out / "epoch_0", base)
     assert type(merged.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"  # the dense layer
-    tokens = torch.randint(0, 810, (2, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = merged.eval()(tokens).logits
-        assert float((_hf(base)(tokens).logits - expected).abs().max()) > 1e-4  # trained
-        if _PEFT_LOADS_EXPERTS:  # older PEFT cannot hold expert LoRA: the merge is checked
-            adapted = peft.PeftModel.from_pretrained(_hf(base), export / "adapter").eval()
-            assert float((adapted(tokens).logits - expected).abs().max()) <= 1e-4
