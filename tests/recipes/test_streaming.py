@@ -89,3 +89,18 @@ def _find(record, key):
         if found is not None:
             return found
     return None
+
+
+def test_the_shipped_streaming_config_runs_and_resumes_exactly(tmp_path):
+    """``tiny/stream_lora`` as shipped (streamed, packed, a shuffle window of 50 rows, 6 steps,
+    a checkpoint every 3): killed after step 3 and resumed, its steps 4-6 are the same."""
+    out = tmp_path / "run"
+    tunelab_run("lora_finetune_distributed", "tiny/stream_lora", f"output_dir={out}")
+    losses = losses_by_step(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    resumed = interrupted_copy(out, tmp_path / "resumed", after_step=3)
+    tunelab_run(
+        "lora_finetune_distributed", "tiny/stream_lora", f"output_dir={resumed}",
+        "checkpoint.resume_from_checkpoint=true",
+    )  # fmt: skip
+    assert losses_by_step(resumed) == {step: losses[step] for step in (4, 5, 6)}
