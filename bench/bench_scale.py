@@ -16,8 +16,13 @@ repetition barrier to barrier, fsync on everywhere:
   (verification of every byte, DCP read into the sharded model and optimizer), against each
   rank reading its own files of the same checkpoint cold;
 
-the four of them alternating, at least 5 times per model size, medians printed with each
-rank's own ratio (its time from the barrier to the end of its part) and the load average.
+the four of them alternating, at least 5 times per model size, each pair in both orders in
+turn (tunelab first in odd repeats), every timed write after a ``sync`` and every timed read
+after dropping the files from the page cache. This virtual disk favours the second of two
+back-to-back writes by up to 2x (and reads less), so a pair always run in one order measures
+the order: each side's typical time is the geometric mean of its medians in the two
+positions (an AB/BA crossover), printed with the ratio in each position, each rank's own
+ratio (its time from the barrier to the end of its part) and the load average.
 Targets (issue 31): step save and cold resume load within 1.2x of raw at 2 GB on 2 ranks.
 At the first size only (they are unchanged by issue 31):
 
@@ -32,6 +37,7 @@ back cold): that ratio is what carries over to another machine's disk.
 """
 
 import argparse
+import math
 import os
 import shutil
 import time
@@ -134,18 +140,28 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
     times: dict[str, list[tuple[float, list[float]]]] = {
         key: [] for key in ("raw write", "save", "raw read", "load")
     }
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        # Each pair runs in both orders, alternately, and each timed write starts after the
+        # deletions before it are settled (``settle``): the first write after deleting GBs
+        # measured up to 2x slower than the second, whichever it was.
+        swap = repeat % 2 == 1
         raw_file.unlink(missing_ok=True)
-        times["raw write"].append(timed(lambda: raw_write(raw_file, my_bytes, block)))
-        times["save"].append(timed(lambda: client.save(next(steps), 0, {}, blocking=True)))
-        client.wait()  # untimed: the superseded checkpoint's deletion (a background thread)
+        writes = [
+            ("raw write", lambda: raw_write(raw_file, my_bytes, block)),
+            ("save", lambda: client.save(next(steps), 0, {}, blocking=True)),
+        ]
+        for key, action in reversed(writes) if swap else writes:
+            settle()
+            times[key].append(timed(action))
+            client.wait()  # untimed: the superseded checkpoint's deletion (a background thread)
         latest = client.run.step_dir(max(c.step for c in client.run.scan_checkpoints()[0]))
         everything = files_under(latest)
-        cold(everything + [raw_file])
         mine = rank_files(latest, rank)
-        times["raw read"].append(timed(lambda mine=mine: read_all(mine)))
-        cold(everything)
-        times["load"].append(timed(client.load_latest))
+        reads = [("raw read", lambda mine=mine: read_all(mine)), ("load", client.load_latest)]
+        for key, action in reversed(reads) if swap else reads:
+            settle()
+            cold(everything + [raw_file])
+            times[key].append(timed(action))
     raw_file.unlink(missing_ok=True)
     client.close()
     rows = []
@@ -153,11 +169,12 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
         ("step save (weights + AdamW)", "save", "raw write"),
         ("resume load, cold cache", "load", "raw read"),
     ):
-        t = median(total for total, _ in times[ours])
-        r = median(total for total, _ in times[raw])
+        # tunelab ran first in odd repeats, the raw disk in even ones (see above)
+        t, t_second, t_first = crossover([total for total, _ in times[ours]])
+        r, r_first, r_second = crossover([total for total, _ in times[raw]])
         per_rank = [
-            median(ranks[i] for _, ranks in times[ours])
-            / median(ranks[i] for _, ranks in times[raw])
+            crossover([ranks[i] for _, ranks in times[ours]])[0]
+            / crossover([ranks[i] for _, ranks in times[raw]])[0]
             for i in range(dist.get_world_size())
         ]
         gb = total_bytes / 1e9
@@ -166,11 +183,35 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
             f"{name}, {size_mb:.0f} MB model", seconds(t), seconds(r), f"{t / r:.2f}x raw",
             "<= 1.2x" if at_2gb else "-", (t <= 1.2 * r) if at_2gb else None,
             (f"{total_bytes / GiB:.2f} GiB", ", ".join(f"{x:.2f}x" for x in per_rank),
+             f"{t_first / r_first:.2f}x, {t_second / r_second:.2f}x",
              f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB",
              " ".join(f"{total:.2f}" for total, _ in times[ours]) + " vs "
              + " ".join(f"{total:.2f}" for total, _ in times[raw])),
         ))  # fmt: skip
     return rows
+
+
+def crossover(runs: list[float]) -> tuple[float, float, float]:
+    """Runs alternating between two positions: (their typical time, even runs, odd runs).
+
+    The typical time is the geometric mean of the two positions' medians: each position
+    weighs the same however much the disk favours one (an AB/BA crossover), where the median
+    of all runs would fall between the two positions' clusters.
+    """
+    even, odd = median(runs[0::2]), median(runs[1::2] or runs[0::2])
+    return math.sqrt(even * odd), even, odd
+
+
+def settle() -> None:
+    """Let the file system finish what earlier deletions left (rank 0 ``sync``), then barrier.
+
+    The disk here is mounted with online discard: the blocks of deleted files are discarded
+    at the next journal commit, which the next writer's ``fsync`` would otherwise pay for.
+    A trainer's saves are minutes apart, so the commit happens between them.
+    """
+    if is_main():
+        os.sync()
+    barrier()
 
 
 def cold(files: list[Path]) -> None:
@@ -197,7 +238,7 @@ def measure(name, action, num_bytes, raw, repeats, before=None) -> Row:
     t, r = median(times), median(raw)
     gb = num_bytes / 1e9
     return Row(name, seconds(t), seconds(r), f"{t / r:.2f}x raw", "-", None,
-               (f"{num_bytes / GiB:.2f} GiB", "-", f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB",
+               (f"{num_bytes / GiB:.2f} GiB", "-", "-", f"{t / gb:.2f} s/GB", f"{r / gb:.2f} s/GB",
                 " ".join(f"{x:.2f}" for x in times) + " vs " + " ".join(f"{x:.2f}" for x in raw)))  # fmt: skip
 
 
@@ -243,7 +284,7 @@ def main() -> None:
                 "time over its raw time. s/GB divides by the bytes written or read "
                 "(GB = 1e9 bytes). The last column: every run, tunelab vs raw, in seconds."
             ],
-            extra_columns=["bytes", "per rank", "tunelab s/GB", "raw s/GB", "runs (s)"],
+            extra_columns=["bytes", "per rank", "1st, 2nd", "tunelab s/GB", "raw s/GB", "runs (s)"],
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -137,3 +137,93 @@ def test_pruning_runs_after_the_commit_and_a_wait_joins_it(world_of_one, saved):
     assert (client.output_dir / "step_2" / integrity.MANIFEST_NAME).is_file()
     client.wait()
     assert not (client.output_dir / "step_1").exists()
+
+
+def test_items_larger_than_a_read_piece_are_verified_to_their_last_byte(saved, monkeypatch):
+    from tunelab.checkpoint import _tensor_files
+
+    client, state = saved
+    # The resume reads a large item in pieces (64 MB); at 48 KB this model's largest items
+    # take 11 pieces, the last one short.
+    monkeypatch.setattr(_tensor_files, "_READ_PIECE_BYTES", 48 << 10)
+    _scramble(client)
+    assert client.load_latest().step == 1
+    _assert_restored(client, state)
+
+    _scramble(client)
+    client.save(2, 0, {"note": "two"}, blocking=True)
+    step = client.output_dir / "step_2"
+    manifest = json.loads((step / integrity.MANIFEST_NAME).read_text())
+    name, offset, length = max(
+        ((name, offset, length) for name, record in manifest["files"].items()
+         if name.endswith(".distcp") for offset, length, _ in record["ranges"]),
+        key=lambda found: found[2],
+    )  # fmt: skip
+    assert length > 10 * (48 << 10)
+    with open(step / name, "r+b") as file:  # a byte of the item's last piece
+        file.seek(offset + length - 3)
+        byte = file.read(1)
+        file.seek(offset + length - 3)
+        file.write(bytes([byte[0] ^ 0x01]))
+    assert client.load_latest().step == 1  # step_2 failed its checksum and was moved aside
+    _assert_restored(client, state)
+
+
+def _cached(path, length: int) -> bool:
+    """Whether the first ``length`` bytes of ``path`` are in the page cache.
+
+    Asked with ``mincore`` on a mapping that is never touched: a read (even ``RWF_NOWAIT``)
+    would itself start the kernel's read-ahead.
+    """
+    import ctypes
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    pages = -(-length // mmap.PAGESIZE)
+    with open(path, "rb") as file:
+        address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, file.fileno(), 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            resident = ctypes.create_string_buffer(pages)
+            assert libc.mincore(address, length, resident) == 0, os.strerror(ctypes.get_errno())
+            return all(byte & 1 for byte in resident.raw)
+        finally:
+            libc.munmap(address, length)
+
+
+def test_the_resume_asks_the_disk_for_its_own_files_while_it_plans(saved):
+    import os
+    import time
+
+    from tunelab.checkpoint.dcp import SafeReader
+
+    client, _ = saved
+    step = client.output_dir / "step_1"
+    manifest = json.loads((step / integrity.MANIFEST_NAME).read_text())
+    reader = SafeReader(step, manifest["files"])
+    reader.read_metadata()
+    data_files = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
+    assert data_files
+    # The world size that saved: this rank reads its own files whole. Another world size
+    # reads chunks that only the plan knows: nothing is asked.
+    assert reader.files_to_prefetch(0, 1) == data_files
+    assert reader.files_to_prefetch(0, 2) == []
+    assert reader.prefetch(0, 2) is None
+
+    head = 64 << 10
+    for name in data_files:
+        with open(step / name, "rb") as file:
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if any(_cached(step / name, head) for name in data_files):
+        pytest.skip("this file system keeps the files in memory (tmpfs?): nothing to prefetch")
+    reader.prefetch(0, 1).join()  # the reads are queued; wait for their pages to arrive
+    deadline = time.monotonic() + 60
+    while not all(_cached(step / name, head) for name in data_files):
+        assert time.monotonic() < deadline, "the prefetched heads never reached the page cache"
+        time.sleep(0.01)

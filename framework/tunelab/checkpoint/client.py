@@ -444,9 +444,10 @@ class CheckpointClient:
             raise CheckpointError(failure[0])
 
     def _load(self, checkpoint: CommittedCheckpoint) -> ResumeState:
+        reader = self._reader(checkpoint)
+        reader.prefetch(self.rank, self.world_size)  # the disk reads while the load plans
         trainer_state = json.loads((checkpoint.path / TRAINER_STATE_NAME).read_text())
         tensors, param_groups = self._tensor_state()
-        reader = self._reader(checkpoint)
         saved = set(reader.read_metadata().state_dict_metadata)
         missing = {f"model.{key}" for key in tensors["model"]} - saved
         if missing:

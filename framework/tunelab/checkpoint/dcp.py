@@ -53,7 +53,7 @@ from tunelab.checkpoint._tensor_files import (
     tensor_bytes,
     write_tensor_file,
 )
-from tunelab.checkpoint.integrity import FileRecord, record_of
+from tunelab.checkpoint.integrity import FileRecord, open_regular, record_of
 from tunelab.checkpoint.layout import write_atomic
 from tunelab.distributed import collective_timeout
 from tunelab.errors import CheckpointError, TunelabError, first_line
@@ -67,6 +67,8 @@ WRITE_THREADS = 2
 """Files each rank writes in parallel in a step save (see docs/benchmarks.md, checkpoint I/O)."""
 READ_THREADS = 2
 """Files each rank reads in parallel on resume."""
+PREFETCH_BYTES = 64 << 20
+"""Bytes of each of its files a rank asks the disk for while the load plans (``prefetch``)."""
 _MIN_FILE_BYTES = 64 << 20  # a rank's state is split into files of at least this size
 
 
@@ -235,6 +237,53 @@ class SafeReader(dcp.FileSystemReader):
     def data_files(self) -> set[str]:
         """The files the metadata's items are in (raw files: verified while loading)."""
         return {info.relative_path for info in self.read_metadata().storage_data.values()}
+
+    def files_to_prefetch(self, rank: int, world_size: int) -> list[str]:
+        """The data files ``rank`` will read whole: the ones it wrote, on the same world size.
+
+        A step checkpoint's data files are named by the rank that wrote them
+        (``__<rank>_<n>.distcp``). A resume on the world size that saved shards every tensor
+        as the save did, so each rank reads exactly its own files, each from its start. On
+        another world size the chunks a rank needs are only known once the load is planned:
+        nothing is named.
+        """
+        if not self.raw_records:
+            return []
+        files = self.data_files()
+        writers = {name.split("_")[2] for name in files if name.startswith("__")}
+        if len(writers) != world_size:
+            return []
+        return sorted(name for name in files if name.startswith(f"__{rank}_"))
+
+    def prefetch(self, rank: int, world_size: int) -> threading.Thread | None:
+        """Start the disk reading the head of this rank's data files while the load plans.
+
+        Planning the load (the state dict, DCP's local and global plans) takes 0.1-0.2 s at
+        2 GB, in which the disk would idle. The first ``PREFETCH_BYTES`` of each file in
+        :meth:`files_to_prefetch` are asked of the kernel (``posix_fadvise(WILLNEED)``, from a
+        background thread: the call returns once the reads are queued), and the load's reading
+        threads find them in the page cache. A hint only: each byte still comes from the disk
+        once and is verified as the load reads it; nothing is asked when no file is named or
+        the platform has no ``posix_fadvise``.
+
+        Returns:
+            The thread queueing the reads (None when nothing is prefetched).
+        """
+        mine = self.files_to_prefetch(rank, world_size)
+        if not mine or not hasattr(os, "posix_fadvise"):
+            return None
+
+        def queue_reads() -> None:
+            for name in mine:
+                try:
+                    with open_regular(Path(self.path) / name) as file:
+                        os.posix_fadvise(file.fileno(), 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+                except (OSError, CheckpointError):  # the load itself reports what is wrong
+                    return
+
+        thread = threading.Thread(target=queue_reads, name="tunelab-prefetch", daemon=True)
+        thread.start()
+        return thread
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         """Read this rank's items (raw files: verified as they arrive)."""
