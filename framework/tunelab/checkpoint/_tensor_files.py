@@ -20,8 +20,9 @@ written and read in parallel threads (``dcp.WRITE_THREADS``, ``dcp.READ_THREADS`
 Measured here (docs/benchmarks.md, "Checkpoint I/O at the disk's speed"): torch's
 ``FileSystemWriter`` format (a ``torch.save`` zip record per tensor, one thread, fsync at the
 end) wrote at 3.7x the raw disk's time for the same bytes and read at 1.3-1.6x; with these
-files a 2 GB model's step save takes 0.61-0.63x the raw write and its verified resume 1.21-1.34x the raw
-cold read, on 2 ranks and 2 cores.
+files a 2 GB model's step save takes 1.19-1.30x the raw write and its verified resume
+1.08-1.14x the raw cold read, on 2 ranks and 2 cores, each pair timed in both orders
+(session 10; docs/benchmarks.md).
 """
 
 from __future__ import annotations
