@@ -277,12 +277,16 @@ def main() -> None:
             "Scale: per-GB cost of save, resume, consolidation and merged export vs raw disk",
             rows,
             [
-                "; ".join(notes) + f"; {dist.get_world_size()} ranks, fsync on, medians of "
-                f"{args.repeats} alternating runs; load average {load_before:.1f} before, "
+                "; ".join(notes) + f"; {dist.get_world_size()} ranks, fsync on, "
+                f"{args.repeats} runs; load average {load_before:.1f} before, "
                 f"{os.getloadavg()[0]:.1f} after. The raw column writes (one fsync) or reads "
-                "(cold) the same bytes, each rank its own share; per rank: each rank's own "
-                "time over its raw time. s/GB divides by the bytes written or read "
-                "(GB = 1e9 bytes). The last column: every run, tunelab vs raw, in seconds."
+                "(cold) the same bytes, each rank its own share. Save and resume: each pair "
+                "in both orders in turn (tunelab first in odd runs), each side's time the "
+                "geometric mean of its medians in the two positions; 1st, 2nd: the ratio "
+                "when each ran first and when each ran second; exports: medians. Per rank: "
+                "each rank's own time over its raw time. s/GB divides by the bytes written "
+                "or read (GB = 1e9 bytes). The last column: every run, tunelab vs raw, in "
+                "seconds."
             ],
             extra_columns=["bytes", "per rank", "1st, 2nd", "tunelab s/GB", "raw s/GB", "runs (s)"],
         )
