@@ -14,8 +14,8 @@ final ``fsync`` waits for little. Reading: each wanted item is read straight int
 destination tensor where it can take the bytes as they are, in 64 MB reads (2 MB ones kept the
 piece in the core's cache for its hash but read 5-8% slower from the virtual disk measured
 here), each piece hashed right after it arrives; a range whose digest differs is
-:class:`ContentMismatch`. The files of a rank are
-written and read in parallel threads (``dcp.WRITE_THREADS``, ``dcp.READ_THREADS``).
+:class:`ContentMismatch`. The files of a rank are written and read in parallel threads
+(``dcp.WRITE_THREADS``, ``dcp.READ_THREADS``).
 
 Measured here (docs/benchmarks.md, "Checkpoint I/O at the disk's speed"): torch's
 ``FileSystemWriter`` format (a ``torch.save`` zip record per tensor, one thread, fsync at the
