@@ -18,9 +18,9 @@ repetition barrier to barrier, fsync on everywhere:
 
 the four of them alternating, at least 5 times per model size, each pair in both orders in
 turn (tunelab first in odd repeats), every timed write after a ``sync`` and every timed read
-after dropping the files from the page cache. This virtual disk favours the second of two
-back-to-back writes by up to 2x (and reads less), so a pair always run in one order measures
-the order: each side's typical time is the geometric mean of its medians in the two
+after dropping the files from the page cache. This virtual disk favours one of two
+back-to-back writes by up to 2x (at 2 GB the second, at 512 MB the first; reads less), so a
+pair always run in one order measures the order: each side's typical time is the geometric mean of its medians in the two
 positions (an AB/BA crossover), printed with the ratio in each position, each rank's own
 ratio (its time from the barrier to the end of its part) and the load average.
 Targets (issue 31): step save and cold resume load within 1.2x of raw at 2 GB on 2 ranks.
@@ -141,9 +141,9 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
         key: [] for key in ("raw write", "save", "raw read", "load")
     }
     for repeat in range(repeats):
-        # Each pair runs in both orders, alternately, and each timed write starts after the
-        # deletions before it are settled (``settle``): the first write after deleting GBs
-        # measured up to 2x slower than the second, whichever it was.
+        # Each pair runs in both orders, alternately: at 2 GB the first of two writes measured
+        # up to 2x slower than the second, whichever it was (``settle`` before each timed
+        # operation did not change that; it keeps earlier deletions out of the timed one).
         swap = repeat % 2 == 1
         raw_file.unlink(missing_ok=True)
         writes = [
@@ -206,8 +206,8 @@ def settle() -> None:
     """Let the file system finish what earlier deletions left (rank 0 ``sync``), then barrier.
 
     The disk here is mounted with online discard: the blocks of deleted files are discarded
-    at the next journal commit, which the next writer's ``fsync`` would otherwise pay for.
-    A trainer's saves are minutes apart, so the commit happens between them.
+    at the next journal commit, which the next timed writer's ``fsync`` would otherwise
+    include. A trainer's saves are minutes apart, so the commit happens between them.
     """
     if is_main():
         os.sync()
