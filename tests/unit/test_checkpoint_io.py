@@ -170,7 +170,12 @@ def test_items_larger_than_a_read_piece_are_verified_to_their_last_byte(saved, m
 
 
 def _cached(path, length: int) -> bool:
-    """Whether the first ``length`` bytes of ``path`` are in the page cache.
+    """Whether the first ``length`` bytes of ``path`` are all in the page cache."""
+    return all(_resident(path, length))
+
+
+def _resident(path, length: int) -> list[bool]:
+    """Which pages of the first ``length`` bytes of ``path`` are in the page cache.
 
     Asked with ``mincore`` on a mapping that is never touched: a read (even ``RWF_NOWAIT``)
     would itself start the kernel's read-ahead.
@@ -192,7 +197,7 @@ def _cached(path, length: int) -> bool:
         try:
             resident = ctypes.create_string_buffer(pages)
             assert libc.mincore(address, length, resident) == 0, os.strerror(ctypes.get_errno())
-            return all(byte & 1 for byte in resident.raw)
+            return [bool(byte & 1) for byte in resident.raw]
         finally:
             libc.munmap(address, length)
 
@@ -227,3 +232,88 @@ def test_the_resume_asks_the_disk_for_its_own_files_while_it_plans(saved):
     while not all(_cached(step / name, head) for name in data_files):
         assert time.monotonic() < deadline, "the prefetched heads never reached the page cache"
         time.sleep(0.01)
+
+
+def _direct_io_taken(folder) -> bool:
+    import os
+
+    try:
+        fd = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except (AttributeError, OSError):
+        return False
+    os.close(fd)
+    os.unlink(folder / "probe")
+    return True
+
+
+def _mixed_tensors() -> list[torch.Tensor]:
+    """Items small and large, of several dtypes, whose bytes end off any block boundary."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = [3, 1000, 700_001, 17, 1_300_003, 64, 1, 40_000]
+    tensors = [torch.randn(n, generator=generator) for n in sizes]
+    tensors.insert(2, torch.randint(0, 255, (12_345,), dtype=torch.uint8, generator=generator))
+    tensors.append(torch.randn(33, 7, generator=generator).to(torch.bfloat16))
+    return tensors
+
+
+def test_direct_writes_store_the_buffered_bytes_and_fill_no_page_cache(tmp_path, monkeypatch):
+    """The O_DIRECT writer: the same file and digests as buffered writes, around the cache."""
+    from tunelab.checkpoint import _tensor_files
+
+    if not _direct_io_taken(tmp_path):
+        pytest.skip("this file system does not take O_DIRECT: saves are written buffered")
+    # Chunks of 256 KB: items and 2 MB pieces cross many chunk boundaries.
+    monkeypatch.setattr(_tensor_files, "DIRECT_CHUNK", 256 << 10)
+    tensors = _mixed_tensors()
+    direct = _tensor_files.write_tensor_file(tmp_path / "direct", tensors, sync=True)
+    buffered = _tensor_files.write_tensor_file(
+        tmp_path / "buffered", tensors, sync=True, direct=False
+    )
+    size = (tmp_path / "direct").stat().st_size
+    assert size % _tensor_files.DIRECT_ALIGN  # the padded last chunk was cut to the length
+    # The control shows the probe can see cached pages; the direct file has none.
+    assert all(_resident(tmp_path / "buffered", size))
+    assert not any(_resident(tmp_path / "direct", size))
+    assert direct == buffered
+    assert (tmp_path / "direct").read_bytes() == (tmp_path / "buffered").read_bytes()
+    places, _ = direct
+    for tensor, (offset, length) in zip(tensors, places, strict=True):
+        stored = (tmp_path / "direct").read_bytes()[offset : offset + length]
+        assert stored == bytes(_tensor_files.tensor_bytes(tensor))
+
+
+def test_a_direct_write_the_kernel_refuses_is_written_again_buffered(tmp_path, monkeypatch):
+    """Mid-file EINVAL (an alignment the device does not take): the file starts over."""
+    from tunelab.checkpoint import _tensor_files
+
+    if not _direct_io_taken(tmp_path):
+        pytest.skip("this file system does not take O_DIRECT: saves are written buffered")
+    # Whole 256 KB chunks are accepted; the last one, padded only to 8 bytes, is refused by
+    # the kernel (no device here takes direct writes of less than 512 bytes).
+    monkeypatch.setattr(_tensor_files, "DIRECT_CHUNK", 256 << 10)
+    monkeypatch.setattr(_tensor_files, "DIRECT_ALIGN", 8)
+    buffered_calls = []
+    real = _tensor_files._write_items
+    monkeypatch.setattr(
+        _tensor_files, "_write_items", lambda *args: buffered_calls.append(1) or real(*args)
+    )
+    tensors = _mixed_tensors()
+    written = _tensor_files.write_tensor_file(tmp_path / "retried", tensors, sync=True)
+    assert buffered_calls == [1]
+    monkeypatch.setattr(_tensor_files, "DIRECT_ALIGN", 4096)
+    again = _tensor_files.write_tensor_file(tmp_path / "direct", tensors, sync=True)
+    assert buffered_calls == [1]  # aligned: direct, no second try
+    assert written == again
+    assert (tmp_path / "retried").read_bytes() == (tmp_path / "direct").read_bytes()
+
+
+def test_step_saves_write_around_the_page_cache(saved):
+    """A client's saves take the O_DIRECT writer: no data file's page is cached after one."""
+    client, _ = saved
+    step = client.output_dir / "step_1"
+    if not _direct_io_taken(step):
+        pytest.skip("this file system does not take O_DIRECT: saves are written buffered")
+    data_files = sorted(step.glob("*.distcp"))
+    assert data_files
+    for path in data_files:
+        assert not any(_resident(path, path.stat().st_size)), path.name

@@ -27,8 +27,13 @@ files a 2 GB model's step save takes 1.19-1.30x the raw write and its verified r
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +52,10 @@ _READ_PIECE_BYTES = 64 << 20  # large items are read (then hashed) by pieces of 
 _GATHER_BYTES = 4 << 20  # items smaller than this are gathered into one buffer per write
 _WRITEBACK_BYTES = 64 << 20  # start write-back every this many bytes written
 _PADDING = bytes(ALIGN)
+DIRECT_ALIGN = 4096
+"""``O_DIRECT`` writes start and end at multiples of this (memory address, offset, length)."""
+DIRECT_CHUNK = 8 << 20
+"""Bytes per ``O_DIRECT`` write (a multiple of ``DIRECT_ALIGN``)."""
 
 
 class ContentMismatch(CheckpointError):
@@ -74,7 +83,7 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def write_tensor_file(
-    path: Path, tensors: Sequence[torch.Tensor], *, sync: bool
+    path: Path, tensors: Sequence[torch.Tensor], *, sync: bool, direct: bool = True
 ) -> tuple[list[tuple[int, int]], FileRecord]:
     """Write ``tensors``' bytes into a new file ``path``, each at an ``ALIGN``-ed offset.
 
@@ -82,6 +91,9 @@ def write_tensor_file(
         path: The file (created; it must not exist: a step folder is written afresh).
         tensors: CPU tensors (staged copies, or the live state of a blocking save).
         sync: ``fsync`` the file before returning.
+        direct: Write with ``O_DIRECT`` through an aligned staging buffer where the file
+            system takes it (no page cache is filled); otherwise, or where it refuses,
+            buffered writes with early write-back. The file's bytes are the same.
 
     Returns:
         Each tensor's ``(offset, length)`` in the file, and the file's record: one range per
@@ -92,11 +104,118 @@ def write_tensor_file(
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
+        if direct and _set_direct(fd, on=True):
+            try:
+                return _write_items_direct(fd, tensors, sync)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                # The file system took the flag but not these writes (an alignment larger
+                # than DIRECT_ALIGN): start the file again, buffered.
+                _set_direct(fd, on=False)
+                os.ftruncate(fd, 0)
         return _write_items(fd, tensors, sync)
     except OSError as error:
         raise OSError(error.errno, error.strerror or str(error), str(path)) from None
     finally:
         os.close(fd)
+
+
+def _set_direct(fd: int, *, on: bool) -> bool:
+    """Switch ``O_DIRECT`` on or off for ``fd``; False where the system or file refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+    except OSError:
+        return False
+    return True
+
+
+class _StagingBuffers:
+    """Page-aligned staging buffers, kept for the next save's threads.
+
+    Reusing them spares each save the page faults of fresh memory (and this VM's balloon
+    the work of taking back and giving again what a freed buffer held).
+    """
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def take(self, size: int) -> Iterator[memoryview]:
+        """A buffer's first ``size`` bytes, for the caller alone until the block ends."""
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+        if buffer is None or len(buffer) < size:
+            buffer = mmap.mmap(-1, size)
+        view = memoryview(buffer)[:size]
+        try:
+            yield view
+        finally:
+            view.release()
+            with self._lock:
+                self._free.append(buffer)
+
+
+_STAGING = _StagingBuffers()
+
+
+def _write_items_direct(
+    fd: int, tensors: Sequence[torch.Tensor], sync: bool
+) -> tuple[list[tuple[int, int]], FileRecord]:
+    """The file's bytes copied through one staging buffer, written in ``O_DIRECT`` chunks.
+
+    Each piece is hashed in the buffer right after it is copied there (in the core's cache).
+    The last chunk is padded with zeros to ``DIRECT_ALIGN`` and the file then cut to its
+    length; no page cache is filled, so a save runs at the disk's pace whatever the memory
+    the kernel must otherwise find for it first (docs/benchmarks.md, session 11).
+    """
+    places: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, str]] = []
+    position = 0  # the file offset after the last item
+    chunk = DIRECT_CHUNK
+    with _STAGING.take(chunk) as buffer:
+        filled = 0  # bytes of the buffer not written yet
+        flushed = 0  # the file offset of buffer[0]
+
+        def put(data: memoryview, digest: xxhash.xxh3_128) -> None:
+            nonlocal filled, flushed
+            while data:
+                count = min(len(data), chunk - filled, _PIECE_BYTES)
+                copy = buffer[filled : filled + count]
+                copy[:] = data[:count]
+                digest.update(copy)
+                copy.release()
+                filled += count
+                data = data[count:]
+                if filled == chunk:
+                    _write_all(fd, buffer, flushed)
+                    flushed += chunk
+                    filled = 0
+
+        for tensor in tensors:
+            view = tensor_bytes(tensor)
+            start = position
+            padding = _PADDING[: (-position) % ALIGN]
+            offset = position + len(padding)
+            position = offset + len(view)
+            places.append((offset, len(view)))
+            digest = xxhash.xxh3_128()
+            put(memoryview(padding), digest)
+            put(view, digest)
+            ranges.append((start, position - start, digest.hexdigest()))
+        if filled:
+            tail = filled + (-filled) % DIRECT_ALIGN
+            buffer[filled:tail] = bytes(tail - filled)
+            _write_all(fd, buffer[:tail], flushed)
+    os.ftruncate(fd, position)
+    if sync:
+        os.fsync(fd)
+    return places, record_of_ranges(ranges, position)
 
 
 def _write_items(
