@@ -22,7 +22,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -281,16 +281,33 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 @functools.cache
-def _sync_file_range():
-    """Libc's ``sync_file_range`` (Linux only), or None where there is none."""
+def _libc_function(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """Libc's function ``name`` (Linux only), or None where there is none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        function = libc.sync_file_range
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
+
+
+def preallocate(fd: int, length: int) -> None:
+    """Reserve the first ``length`` bytes' blocks of the file up front, in as few extents as may be.
+
+    Only a hint for the file's layout on disk: files written at once by several threads, each
+    block allocated as its write arrives (``O_DIRECT`` writes are), otherwise interleave
+    their extents, and a later sequential read of one file then seeks between them (measured
+    here: two 384 MB files written together in 8 MB direct writes took 47-48 extents each).
+    Linux ``fallocate``; a no-op where it is missing or the file system refuses it (never
+    glibc's ``posix_fallocate``, whose fallback writes every block).
+    """
+    function = _libc_function(
+        "fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64
+    )
+    if function is not None and length > 0:
+        function(fd, 0, 0, length)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
@@ -301,6 +318,8 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     and fsynced in 0.11-0.16 s instead of 0.17-0.21 s). It guarantees nothing: durability
     still comes from ``fsync``. A no-op where ``sync_file_range`` is missing or fails.
     """
-    function = _sync_file_range()
+    function = _libc_function(
+        "sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+    )
     if function is not None and length > 0:
         function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)

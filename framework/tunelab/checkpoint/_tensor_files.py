@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from tunelab.checkpoint._safetensors_layout import start_writeback
+from tunelab.checkpoint._safetensors_layout import preallocate, start_writeback
 from tunelab.checkpoint.integrity import FileRecord, open_regular, record_of_ranges
 from tunelab.errors import CheckpointError
 
@@ -104,6 +104,8 @@ def write_tensor_file(
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
+        # Blocks reserved up front: files written at once by several threads keep few extents.
+        preallocate(fd, _file_length(tensors))
         if direct and _set_direct(fd, on=True):
             try:
                 return _write_items_direct(fd, tensors, sync)
@@ -114,11 +116,20 @@ def write_tensor_file(
                 # than DIRECT_ALIGN): start the file again, buffered.
                 _set_direct(fd, on=False)
                 os.ftruncate(fd, 0)
+                preallocate(fd, _file_length(tensors))
         return _write_items(fd, tensors, sync)
     except OSError as error:
         raise OSError(error.errno, error.strerror or str(error), str(path)) from None
     finally:
         os.close(fd)
+
+
+def _file_length(tensors: Sequence[torch.Tensor]) -> int:
+    """The length of the file ``tensors`` make: each item's bytes at an ``ALIGN``-ed offset."""
+    position = 0
+    for tensor in tensors:
+        position += (-position) % ALIGN + tensor.numel() * tensor.element_size()
+    return position
 
 
 def _set_direct(fd: int, *, on: bool) -> bool:
