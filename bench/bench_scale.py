@@ -69,7 +69,7 @@ from _models import (
 )
 from _system import drop_from_page_cache, files_under
 from bench_resume import read_all
-from tunelab.checkpoint import CheckpointClient
+from tunelab.checkpoint import CheckpointClient, dcp
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 
@@ -81,6 +81,12 @@ def parse_args() -> argparse.Namespace:
     parser = size_parser(__doc__.splitlines()[0], repeats=5, full=False)
     parser.add_argument(
         "--sizes-mb", default="512,2048", help="fp32 model sizes, MB, comma-separated"
+    )
+    parser.add_argument(
+        "--writes",
+        choices=["direct", "buffered"],
+        default="direct",
+        help="how step saves write their data files (O_DIRECT, the default, or buffered)",
     )
     return parse_size_args(parser)
 
@@ -257,6 +263,7 @@ def main() -> None:
     """Measure the operations and their raw-disk floors; print the table on rank 0."""
     args = parse_args()
     init_distributed("cpu")
+    dcp.DIRECT_WRITES = args.writes == "direct"
     sizes = [float(size) for size in args.sizes_mb.split(",")]
     load_before = os.getloadavg()[0]
     rows, notes = [], []
@@ -278,6 +285,7 @@ def main() -> None:
             rows,
             [
                 "; ".join(notes) + f"; {dist.get_world_size()} ranks, fsync on, "
+                f"{args.writes} step saves, "
                 f"{args.repeats} runs; load average {load_before:.1f} before, "
                 f"{os.getloadavg()[0]:.1f} after. The raw column writes (one fsync) or reads "
                 "(cold) the same bytes, each rank its own share. Save and resume: each pair "
