@@ -85,8 +85,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--writes",
         choices=["direct", "buffered"],
-        default="direct",
-        help="how step saves write their data files (O_DIRECT, the default, or buffered)",
+        default="direct" if dcp.DIRECT_WRITES else "buffered",
+        help="how step saves write their data files",
+    )
+    parser.add_argument(
+        "--reads",
+        choices=["direct", "buffered"],
+        default="direct" if dcp.DIRECT_READS else "buffered",
+        help="how resumes read the data files",
     )
     return parse_size_args(parser)
 
@@ -264,6 +270,7 @@ def main() -> None:
     args = parse_args()
     init_distributed("cpu")
     dcp.DIRECT_WRITES = args.writes == "direct"
+    dcp.DIRECT_READS = args.reads == "direct"
     sizes = [float(size) for size in args.sizes_mb.split(",")]
     load_before = os.getloadavg()[0]
     rows, notes = [], []
@@ -285,7 +292,7 @@ def main() -> None:
             rows,
             [
                 "; ".join(notes) + f"; {dist.get_world_size()} ranks, fsync on, "
-                f"{args.writes} step saves, "
+                f"{args.writes} step saves, {args.reads} resume reads, "
                 f"{args.repeats} runs; load average {load_before:.1f} before, "
                 f"{os.getloadavg()[0]:.1f} after. The raw column writes (one fsync) or reads "
                 "(cold) the same bytes, each rank its own share. Save and resume: each pair "

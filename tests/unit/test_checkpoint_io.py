@@ -349,3 +349,80 @@ def test_a_data_file_has_its_blocks_reserved_before_its_first_write(tmp_path):
         pytest.skip("this file system does not take fallocate: the hint is a no-op")
     assert status.st_size == 8 << 20
     assert status.st_blocks * 512 >= 8 << 20  # reserved, not a sparse hole
+
+
+def _wants_for(tensors, record, chosen, *, into: bool, got: dict):
+    """Wants for the ``chosen`` items of a file written from ``tensors`` (bytes into ``got``)."""
+    from tunelab.checkpoint._tensor_files import Want, tensor_bytes
+
+    wants = []
+    position = 0
+    for number, (start, length, digest) in enumerate(record["ranges"]):
+        size = tensors[number].numel() * tensors[number].element_size()
+        skip = length - size
+        position = start + length
+        if number not in chosen:
+            continue
+        target = tensor_bytes(torch.empty_like(tensors[number])) if into else None
+        wants.append(Want(start, length, digest, skip, target,
+                          lambda data, number=number: got.__setitem__(number, bytes(data))))  # fmt: skip
+    assert position == record["size"]
+    return wants
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_direct_reads_deliver_every_wanted_item_verified(tmp_path, monkeypatch, into):
+    """Whole files and sparse picks (gaps under and over a stream's gap), windows of 256 KB."""
+    from tunelab.checkpoint import _tensor_files
+
+    if not _direct_io_taken(tmp_path):
+        pytest.skip("this file system does not take O_DIRECT: resumes read buffered")
+    monkeypatch.setattr(_tensor_files, "_DIRECT_READ_BYTES", 256 << 10)
+    tensors = _mixed_tensors()
+    _, record = _tensor_files.write_tensor_file(tmp_path / "data", tensors, sync=True)
+    size = record["size"]
+    # All; then every other item (gaps of a few bytes to 2.8 MB: over _DIRECT_GAP_BYTES).
+    for chosen in (set(range(len(tensors))), set(range(0, len(tensors), 2)), {len(tensors) - 1}):
+        got: dict[int, bytes] = {}
+        wants = _wants_for(tensors, record, chosen, into=into, got=got)
+        _tensor_files.read_wanted(tmp_path / "data", size, wants, direct=True)
+        assert sorted(got) == sorted(chosen)
+        for number in chosen:
+            assert got[number] == bytes(_tensor_files.tensor_bytes(tensors[number])), number
+    assert not any(_resident(tmp_path / "data", size))  # read around the page cache
+
+    # A flipped byte in the last piece of the largest item is found on the way.
+    largest = max(range(len(tensors)), key=lambda number: tensors[number].numel())
+    start, length, _ = record["ranges"][largest]
+    with open(tmp_path / "data", "r+b") as file:
+        file.seek(start + length - 5)
+        byte = file.read(1)
+        file.seek(start + length - 5)
+        file.write(bytes([byte[0] ^ 0x04]))
+    got = {}
+    wants = _wants_for(tensors, record, set(range(len(tensors))), into=into, got=got)
+    with pytest.raises(ContentMismatch, match=rf"bytes {start}\.\.{start + length}"):
+        _tensor_files.read_wanted(tmp_path / "data", size, wants, direct=True)
+    assert largest not in got
+
+
+def test_a_direct_read_the_kernel_refuses_is_read_again_buffered(tmp_path, monkeypatch):
+    from tunelab.checkpoint import _tensor_files
+
+    if not _direct_io_taken(tmp_path):
+        pytest.skip("this file system does not take O_DIRECT: resumes read buffered")
+    tensors = _mixed_tensors()
+    _, record = _tensor_files.write_tensor_file(tmp_path / "data", tensors, sync=True)
+    # Windows aligned to 8 bytes only: the kernel refuses the first read of less than a block.
+    monkeypatch.setattr(_tensor_files, "DIRECT_ALIGN", 8)
+    buffered_reads = []
+    real = _tensor_files._read_one
+    monkeypatch.setattr(
+        _tensor_files, "_read_one", lambda *args: buffered_reads.append(1) or real(*args)
+    )
+    got: dict[int, bytes] = {}
+    wants = _wants_for(tensors, record, set(range(1, len(tensors))), into=True, got=got)
+    _tensor_files.read_wanted(tmp_path / "data", record["size"], wants, direct=True)
+    assert len(buffered_reads) == len(wants)
+    for number in range(1, len(tensors)):
+        assert got[number] == bytes(_tensor_files.tensor_bytes(tensors[number])), number

@@ -56,6 +56,8 @@ DIRECT_ALIGN = 4096
 """``O_DIRECT`` writes start and end at multiples of this (memory address, offset, length)."""
 DIRECT_CHUNK = 8 << 20
 """Bytes per ``O_DIRECT`` write (a multiple of ``DIRECT_ALIGN``)."""
+_DIRECT_READ_BYTES = 16 << 20  # bytes per O_DIRECT read (at most)
+_DIRECT_GAP_BYTES = 1 << 20  # wanted items closer than this are read as one stream
 
 
 class ContentMismatch(CheckpointError):
@@ -305,11 +307,19 @@ class Want:
     done: Callable[[memoryview], None]
 
 
-def read_wanted(path: Path, size: int, wants: list[Want]) -> None:
+def read_wanted(path: Path, size: int, wants: list[Want], *, direct: bool = False) -> None:
     """Read ``wants`` from ``path`` in file order, verifying each range as its bytes arrive.
 
-    Each piece (up to 64 MB) is hashed right after it is read, with no second read from the
-    disk; a range's ``done`` runs only once its digest matched.
+    Each piece is hashed right after it is read, with no second read from the disk; a
+    range's ``done`` runs only once its digest matched.
+
+    Args:
+        path: The data file.
+        size: Its length as the manifest records it.
+        wants: The items to read.
+        direct: Read with ``O_DIRECT`` into a staging buffer, then hash and copy each piece
+            to its destination (no page cache filled), where the file system takes it;
+            otherwise, or where it refuses, buffered reads straight into the destinations.
 
     Raises:
         ContentMismatch: If the file's size is not ``size`` or a range's bytes differ from
@@ -322,12 +332,84 @@ def read_wanted(path: Path, size: int, wants: list[Want]) -> None:
         actual = os.fstat(fd).st_size
         if actual != size:
             raise ContentMismatch(f"{path}: has {actual} bytes, the manifest records {size}")
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for want in wants:
             if want.offset + want.length > size:
                 raise ContentMismatch(f"{path}: an item runs past the end of the file")
+        if direct and _set_direct(fd, on=True):
+            try:
+                _read_direct(fd, path, wants)
+                return
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                _set_direct(fd, on=False)  # refused midway: read it all again, buffered
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for want in wants:
             _read_one(fd, path, want)
+
+
+def _read_direct(fd: int, path: Path, wants: list[Want]) -> None:
+    """``wants`` (in file order) read in aligned ``O_DIRECT`` windows of one staging buffer.
+
+    Wants less than ``_DIRECT_GAP_BYTES`` apart are read as one stream (the bytes between
+    them read and dropped); each window is at most the buffer's size and ends at a block
+    boundary past the stream's end. Within a window each want's bytes are hashed and copied
+    to their destination by 2 MB pieces (the copy reads what the hash just brought to cache).
+    """
+    stream_ends = [0] * len(wants)
+    end = 0
+    for number in reversed(range(len(wants))):
+        want = wants[number]
+        if (
+            number + 1 == len(wants)
+            or wants[number + 1].offset - (want.offset + want.length) > _DIRECT_GAP_BYTES
+        ):
+            end = want.offset + want.length
+        stream_ends[number] = end
+    with _STAGING.take(_DIRECT_READ_BYTES) as buffer:
+        window, held = 0, 0  # the file offset of buffer[0], the bytes the buffer holds
+
+        def bytes_at(position: int, stop: int, stream_end: int) -> memoryview:
+            """File bytes from ``position`` (at most up to ``stop``), read in if need be."""
+            nonlocal window, held
+            if not window <= position < window + held:
+                window = position - position % DIRECT_ALIGN
+                want_bytes = stream_end - window
+                length = min(len(buffer), want_bytes + (-want_bytes) % DIRECT_ALIGN)
+                held = 0
+                while held < length:
+                    count = os.preadv(fd, [buffer[held:length]], window + held)
+                    if count == 0:
+                        break
+                    held += count
+                if position >= window + held:
+                    raise ContentMismatch(f"{path}: ends before byte {stop}")
+            return buffer[position - window : min(stop, window + held) - window]
+
+        for want, stream_end in zip(wants, stream_ends, strict=True):
+            length = want.length - want.skip
+            target = want.into if want.into is not None else memoryview(bytearray(length))
+            if len(target) != length:
+                raise CheckpointError(f"{path}: an item of {length} bytes read into {len(target)}")
+            digest = xxhash.xxh3_128()
+            position, stop = want.offset, want.offset + want.length
+            data_start = want.offset + want.skip
+            while position < stop:
+                piece = bytes_at(position, min(stop, position + _PIECE_BYTES), stream_end)
+                digest.update(piece)
+                if position + len(piece) > data_start:
+                    begin = max(position, data_start)
+                    target[begin - data_start : position + len(piece) - data_start] = piece[
+                        begin - position :
+                    ]
+                position += len(piece)
+                piece.release()
+            if want.digest is not None and digest.hexdigest() != want.digest:
+                raise ContentMismatch(
+                    f"{path}: content differs from its checksum (bytes {want.offset}..{stop})"
+                )
+            want.done(target)
 
 
 def _read_one(fd: int, path: Path, want: Want) -> None:

@@ -67,9 +67,15 @@ WRITE_THREADS = 2
 """Files each rank writes in parallel in a step save (see docs/benchmarks.md, checkpoint I/O)."""
 DIRECT_WRITES = True
 """Step saves write their data files with ``O_DIRECT`` (no page cache filled; on this VM's disk
-a steady 0.86x of a buffered write + fsync of the same bytes where buffered saves took 1.0-1.6x:
-docs/benchmarks.md). Files whose system refuses it are written buffered, unchanged."""
+0.68-0.86x of a buffered write + fsync of the same bytes, in 5 runs, where buffered saves took
+1.27-1.33x: docs/benchmarks.md). Files whose system refuses it are written buffered, the same
+bytes."""
 READ_THREADS = 2
+DIRECT_READS = True
+"""Resumes read data files with ``O_DIRECT`` into a staging buffer, each piece hashed and copied
+to its shard (no page cache filled; on this VM's disk a steady 3.7-4.1 s at 2 GB where
+buffered reads took 4.0-6.2 s: docs/benchmarks.md). Files whose system refuses it are read
+buffered, straight into the shards."""
 """Files each rank reads in parallel on resume."""
 PREFETCH_BYTES = 64 << 20
 """Bytes of each of its files a rank asks the disk for while the load plans (``prefetch``)."""
@@ -318,7 +324,7 @@ class SafeReader(dcp.FileSystemReader):
             size = record["size"] if record else os.stat(path).st_size
             jobs.append((path, size, wants))
         with ThreadPoolExecutor(max(1, min(self._threads, len(jobs)))) as pool:
-            list(pool.map(lambda job: read_wanted(*job), jobs))
+            list(pool.map(lambda job: read_wanted(*job, direct=DIRECT_READS), jobs))
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
