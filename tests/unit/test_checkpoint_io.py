@@ -202,11 +202,15 @@ def _resident(path, length: int) -> list[bool]:
             libc.munmap(address, length)
 
 
-def test_the_resume_asks_the_disk_for_its_own_files_while_it_plans(saved):
+def test_the_resume_asks_the_disk_for_its_own_files_while_it_plans(saved, monkeypatch):
     import os
     import time
 
+    from tunelab.checkpoint import dcp
     from tunelab.checkpoint.dcp import SafeReader
+
+    # Direct reads bypass the page cache: a prefetch would bring the heads from disk twice.
+    assert dcp.DIRECT_READS  # the default
 
     client, _ = saved
     step = client.output_dir / "step_1"
@@ -220,6 +224,8 @@ def test_the_resume_asks_the_disk_for_its_own_files_while_it_plans(saved):
     assert reader.files_to_prefetch(0, 1) == data_files
     assert reader.files_to_prefetch(0, 2) == []
     assert reader.prefetch(0, 2) is None
+    assert reader.prefetch(0, 1) is None  # direct reads: nothing asked of the page cache
+    monkeypatch.setattr(dcp, "DIRECT_READS", False)  # buffered reads: the heads are asked
 
     head = 64 << 10
     for name in data_files:

@@ -7,22 +7,28 @@ item is (its tensor, chunk, dtype and shape) is in the checkpoint's JSON metadat
 (the padding before an item belongs to its range), so a reader that needs a few items reads
 and verifies only those, and a reader that needs the whole file reads it once, sequentially.
 
-Writing: each item's bytes go from the staged tensor to the file in 2 MB writes (small items
-gathered in one buffer), each piece hashed just before it is written, while it is in the
-core's cache, and the kernel is asked to start writing back every ``_WRITEBACK_BYTES`` so the
-final ``fsync`` waits for little. Reading: each wanted item is read straight into the
-destination tensor where it can take the bytes as they are, in 64 MB reads (2 MB ones kept the
-piece in the core's cache for its hash but read 5-8% slower from the virtual disk measured
-here), each piece hashed right after it arrives; a range whose digest differs is
-:class:`ContentMismatch`. The files of a rank are written and read in parallel threads
-(``dcp.WRITE_THREADS``, ``dcp.READ_THREADS``).
+Writing: the file's blocks are reserved first (``fallocate``: files written at once by
+several threads keep few extents), then each item's bytes are copied from the staged tensor
+into a reused page-aligned staging buffer, each 2 MB piece hashed right after it is copied
+(while it is in the core's cache), and the buffer is written with ``O_DIRECT`` each time it
+fills (``DIRECT_CHUNK``); the last write is padded to ``DIRECT_ALIGN`` and the file cut to its
+length. No page cache is filled: a save runs at the disk's pace instead of waiting for the
+kernel to find memory for it. Reading: each wanted item's bytes are read with ``O_DIRECT``
+into a staging buffer (nearby items as one stream), each 2 MB piece hashed, then copied to
+the destination tensor; a range whose digest differs is :class:`ContentMismatch`. Where the
+file system does not take ``O_DIRECT`` (or refuses a write or read midway), the same bytes
+are written buffered (2 MB writes, small items gathered, write-back started every
+``_WRITEBACK_BYTES``) and read buffered (64 MB reads straight into the destination). The
+files of a rank are written and read in parallel threads (``dcp.WRITE_THREADS``,
+``dcp.READ_THREADS``).
 
 Measured here (docs/benchmarks.md, "Checkpoint I/O at the disk's speed"): torch's
 ``FileSystemWriter`` format (a ``torch.save`` zip record per tensor, one thread, fsync at the
-end) wrote at 3.7x the raw disk's time for the same bytes and read at 1.3-1.6x; with these
-files a 2 GB model's step save takes 1.19-1.30x the raw write and its verified resume
-1.08-1.14x the raw cold read, on 2 ranks and 2 cores, each pair timed in both orders
-(session 10; docs/benchmarks.md).
+end) wrote at 3.7x the raw disk's time for the same bytes and read at 1.3-1.6x. With these
+files and direct I/O a 2 GB model's step save takes 0.68-0.86x a buffered raw write + fsync
+of the same bytes and its verified resume 0.90x a buffered raw cold read (buffered: save
+1.27-1.33x, resume 1.08-1.20x), on 2 ranks and 2 cores, each pair timed in both orders
+(session 11; docs/benchmarks.md).
 """
 
 from __future__ import annotations

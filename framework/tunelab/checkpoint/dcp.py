@@ -283,13 +283,14 @@ class SafeReader(dcp.FileSystemReader):
         background thread: the call returns once the reads are queued), and the load's reading
         threads find them in the page cache. A hint only: each byte still comes from the disk
         once and is verified as the load reads it; nothing is asked when no file is named or
-        the platform has no ``posix_fadvise``.
+        the platform has no ``posix_fadvise``, nor with ``DIRECT_READS`` (direct reads do not
+        look in the page cache: the head would come from the disk twice).
 
         Returns:
             The thread queueing the reads (None when nothing is prefetched).
         """
         mine = self.files_to_prefetch(rank, world_size)
-        if not mine or not hasattr(os, "posix_fadvise"):
+        if not mine or not hasattr(os, "posix_fadvise") or DIRECT_READS:
             return None
 
         def queue_reads() -> None:
