@@ -38,6 +38,7 @@ back cold): that ratio is what carries over to another machine's disk.
 
 import argparse
 import math
+import mmap
 import os
 import shutil
 import time
@@ -89,6 +90,13 @@ def parse_args() -> argparse.Namespace:
         help="how step saves write their data files",
     )
     parser.add_argument(
+        "--raw",
+        choices=["buffered", "direct"],
+        default="buffered",
+        help="the raw baseline of the save and resume rows: buffered write + fsync and cold "
+        "read (the default), or the same bytes with O_DIRECT",
+    )
+    parser.add_argument(
         "--reads",
         choices=["direct", "buffered"],
         default="direct" if dcp.DIRECT_READS else "buffered",
@@ -114,6 +122,36 @@ def raw_write(path: Path, num_bytes: int, block: memoryview) -> None:
         os.fsync(handle.fileno())
 
 
+_DIRECT_BLOCK = 64 << 20  # the raw direct baseline's write and read size
+
+
+def raw_write_direct(path: Path, num_bytes: int, block: memoryview) -> None:
+    """``num_bytes`` (rounded up to 4 KB) written with ``O_DIRECT`` in 64 MB writes, one fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        offset, end = 0, num_bytes + (-num_bytes) % 4096
+        while offset < end:
+            offset += os.pwrite(fd, block[: min(end - offset, len(block))], offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_all_direct(files: list[Path], block: memoryview) -> int:
+    """Every byte of ``files`` read with ``O_DIRECT`` into one aligned buffer; the byte count."""
+    total = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            offset = 0
+            while count := os.preadv(fd, [block], offset):
+                offset += count
+        finally:
+            os.close(fd)
+        total += offset
+    return total
+
+
 def timed(action) -> tuple[float, list[float]]:
     """``action`` barrier to barrier (the slowest rank), and each rank's own seconds."""
     barrier()
@@ -129,8 +167,13 @@ def rank_files(step_dir: Path, rank: int) -> list[Path]:
     return sorted(step_dir.glob(f"__{rank}_*.distcp"))
 
 
-def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
-    """Step save and cold resume load of a fully fine-tuned model, alternating with raw I/O."""
+def step_rows(base: Path, out: Path, size_mb: float, repeats: int, raw_io: str) -> list[Row]:
+    """Step save and cold resume load of a fully fine-tuned model, alternating with raw I/O.
+
+    ``raw_io``: "buffered" (``write`` + ``fsync``, cold ``read``: the issue's baseline) or
+    "direct" (the same bytes with ``O_DIRECT`` from an aligned 64 MB buffer: the device's
+    pace without the page cache; informational, no target).
+    """
     rank = dist.get_rank()
     model = build_model(base)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -149,6 +192,13 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
     if is_main():
         scratch.mkdir(parents=True, exist_ok=True)
     raw_file = scratch / f"raw-{rank}.bin"
+    aligned = memoryview(mmap.mmap(-1, _DIRECT_BLOCK))
+    aligned[:] = block[:_DIRECT_BLOCK]
+    write_raw = (
+        (lambda: raw_write(raw_file, my_bytes, block))
+        if raw_io == "buffered"
+        else (lambda: raw_write_direct(raw_file, my_bytes, aligned))
+    )
     times: dict[str, list[tuple[float, list[float]]]] = {
         key: [] for key in ("raw write", "save", "raw read", "load")
     }
@@ -159,7 +209,7 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
         swap = repeat % 2 == 1
         raw_file.unlink(missing_ok=True)
         writes = [
-            ("raw write", lambda: raw_write(raw_file, my_bytes, block)),
+            ("raw write", write_raw),
             ("save", lambda: client.save(next(steps), 0, {}, blocking=True)),
         ]
         for key, action in reversed(writes) if swap else writes:
@@ -169,7 +219,12 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
         latest = client.run.step_dir(max(c.step for c in client.run.scan_checkpoints()[0]))
         everything = files_under(latest)
         mine = rank_files(latest, rank)
-        reads = [("raw read", lambda mine=mine: read_all(mine)), ("load", client.load_latest)]
+        read_raw = (
+            (lambda mine=mine: read_all(mine))
+            if raw_io == "buffered"
+            else (lambda mine=mine: read_all_direct(mine, aligned))
+        )
+        reads = [("raw read", read_raw), ("load", client.load_latest)]
         for key, action in reversed(reads) if swap else reads:
             settle()
             cold(everything + [raw_file])
@@ -190,9 +245,9 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int) -> list[Row]:
             for i in range(dist.get_world_size())
         ]
         gb = total_bytes / 1e9
-        at_2gb = size_mb >= 2048
+        at_2gb = size_mb >= 2048 and raw_io == "buffered"  # the target's baseline
         rows.append(Row(
-            f"{name}, {size_mb:.0f} MB model", seconds(t), seconds(r), f"{t / r:.2f}x raw",
+            f"{name}, {size_mb:.0f} MB model" + (", raw O_DIRECT" if raw_io == "direct" else ""), seconds(t), seconds(r), f"{t / r:.2f}x raw",
             "<= 1.2x" if at_2gb else "-", (t <= 1.2 * r) if at_2gb else None,
             (f"{total_bytes / GiB:.2f} GiB", ", ".join(f"{x:.2f}x" for x in per_rank),
              f"{t_first / r_first:.2f}x, {t_second / r_second:.2f}x",
@@ -278,7 +333,7 @@ def main() -> None:
         args.size_mb = size_mb
         workspace = prepare_workspace(args, "tunelab_bench_scale")
         base, out = workspace.base, workspace.out
-        rows += step_rows(base, out, size_mb, args.repeats)
+        rows += step_rows(base, out, size_mb, args.repeats, args.raw)
         notes.append(f"{size_mb:.0f} MB: {workspace.weight_bytes / GiB:.2f} GiB of fp32 weights")
         if number == 0:
             rows += export_rows(base, out, args.repeats)
@@ -292,7 +347,7 @@ def main() -> None:
             rows,
             [
                 "; ".join(notes) + f"; {dist.get_world_size()} ranks, fsync on, "
-                f"{args.writes} step saves, {args.reads} resume reads, "
+                f"{args.writes} step saves, {args.reads} resume reads, {args.raw} raw I/O, "
                 f"{args.repeats} runs; load average {load_before:.1f} before, "
                 f"{os.getloadavg()[0]:.1f} after. The raw column writes (one fsync) or reads "
                 "(cold) the same bytes, each rank its own share. Save and resume: each pair "
