@@ -12,7 +12,8 @@
 # 5. activation offloading (issue 30): its CUDA test (a skip is a failure) and a LoRA run with
 #    offload_activations and selective checkpointing; with two GPUs, context parallelism:
 #    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32);
-# 6. bench_scale.py at 2 GB: checkpoint I/O against that machine's disk (issue 31).
+# 6. bench_scale.py at 2 GB: checkpoint I/O against that machine's disk, buffered and direct
+#    raw baselines (issue 31).
 #
 # Each step prints PASS or FAIL with its log under OUT_DIR; the exit status is the number of
 # failed steps (2 with no CUDA device).
@@ -129,8 +130,12 @@ fi
 
 # 6. issue 31 on another disk: the step save and the cold resume at 2 GB against the raw disk
 #    (2 CPU ranks, each pair in both orders), last: it needs ~25 GB of free disk and minutes.
-#    Its table (the log) answers whether the save's 1.27x on the CPU machine is its disk's.
+#    Against buffered raw I/O (the issue's baseline), then raw O_DIRECT I/O (the device's
+#    pace): whether direct I/O (0.71x / 0.93x buffered, 1.13x / 0.97x direct on the CPU
+#    machine's virtual disk) holds on a real NVMe.
 step bench_scale_2gb "$PY" bench/bench_scale.py --sizes-mb 2048 --repeats 6 --dir "$OUT"
+step bench_scale_2gb_raw_direct "$PY" bench/bench_scale.py --sizes-mb 2048 --repeats 6 \
+    --raw direct --dir "$OUT"
 
 echo "gpu_smoke: $failures failed step(s); logs in $OUT"
 exit "$failures"

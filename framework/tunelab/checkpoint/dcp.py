@@ -67,16 +67,16 @@ WRITE_THREADS = 2
 """Files each rank writes in parallel in a step save (see docs/benchmarks.md, checkpoint I/O)."""
 DIRECT_WRITES = True
 """Step saves write their data files with ``O_DIRECT`` (no page cache filled; on this VM's disk
-0.68-0.86x of a buffered write + fsync of the same bytes, in 5 runs, where buffered saves took
-1.27-1.33x: docs/benchmarks.md). Files whose system refuses it are written buffered, the same
-bytes."""
+0.68-0.87x a buffered write + fsync of the same bytes in 7 runs at 2 GB, 1.13x a raw
+``O_DIRECT`` write, where buffered saves took 1.27-1.33x: docs/benchmarks.md). Files whose
+system refuses it are written buffered, the same bytes."""
 READ_THREADS = 2
+"""Files each rank reads in parallel on resume."""
 DIRECT_READS = True
 """Resumes read data files with ``O_DIRECT`` into a staging buffer, each piece hashed and copied
-to its shard (no page cache filled; on this VM's disk a steady 3.7-4.1 s at 2 GB where
-buffered reads took 4.0-6.2 s: docs/benchmarks.md). Files whose system refuses it are read
-buffered, straight into the shards."""
-"""Files each rank reads in parallel on resume."""
+to its shard (no page cache filled; on this VM's disk loads of 3.7-5.0 s at 2 GB, 0.90-0.93x a
+buffered cold read and 0.97-1.04x a raw ``O_DIRECT`` read, where buffered loads took 4.0-6.2 s:
+docs/benchmarks.md). Files whose system refuses it are read buffered, into the shards."""
 PREFETCH_BYTES = 64 << 20
 """Bytes of each of its files a rank asks the disk for while the load plans (``prefetch``)."""
 _MIN_FILE_BYTES = 64 << 20  # a rank's state is split into files of at least this size
