@@ -132,6 +132,16 @@ def write_tensor_file(
         os.close(fd)
 
 
+def _layout(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int, bytes, memoryview]]:
+    """Each tensor's range in the file: where it starts, the padding before its bytes, them."""
+    position = 0
+    for tensor in tensors:
+        view = tensor_bytes(tensor)
+        padding = _PADDING[: (-position) % ALIGN]
+        yield position, padding, view
+        position += len(padding) + len(view)
+
+
 def _file_length(tensors: Sequence[torch.Tensor]) -> int:
     """The length of the file ``tensors`` make: each item's bytes at an ``ALIGN``-ed offset."""
     position = 0
@@ -216,13 +226,9 @@ def _write_items_direct(
                     flushed += chunk
                     filled = 0
 
-        for tensor in tensors:
-            view = tensor_bytes(tensor)
-            start = position
-            padding = _PADDING[: (-position) % ALIGN]
-            offset = position + len(padding)
-            position = offset + len(view)
-            places.append((offset, len(view)))
+        for start, padding, view in _layout(tensors):
+            position = start + len(padding) + len(view)
+            places.append((start + len(padding), len(view)))
             digest = xxhash.xxh3_128()
             put(memoryview(padding), digest)
             put(view, digest)
@@ -254,11 +260,8 @@ def _write_items(
         gathered_at += len(gathered)
         gathered = bytearray()
 
-    for tensor in tensors:
-        view = tensor_bytes(tensor)
-        start = position
-        padding = _PADDING[: (-position) % ALIGN]
-        offset = position + len(padding)
+    for start, padding, view in _layout(tensors):
+        offset = start + len(padding)
         position = offset + len(view)
         places.append((offset, len(view)))
         if len(view) < _GATHER_BYTES:
