@@ -192,13 +192,20 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int, raw_io: str) 
     if is_main():
         scratch.mkdir(parents=True, exist_ok=True)
     raw_file = scratch / f"raw-{rank}.bin"
-    aligned = memoryview(mmap.mmap(-1, _DIRECT_BLOCK))
-    aligned[:] = block[:_DIRECT_BLOCK]
-    write_raw = (
-        (lambda: raw_write(raw_file, my_bytes, block))
-        if raw_io == "buffered"
-        else (lambda: raw_write_direct(raw_file, my_bytes, aligned))
-    )
+    aligned = None
+    if raw_io == "direct":
+        aligned = memoryview(mmap.mmap(-1, _DIRECT_BLOCK))
+        aligned[:] = block[:_DIRECT_BLOCK]
+
+    def write_raw() -> None:
+        if aligned is None:
+            raw_write(raw_file, my_bytes, block)
+        else:
+            raw_write_direct(raw_file, my_bytes, aligned)
+
+    def read_raw(files: list[Path]) -> int:
+        return read_all(files) if aligned is None else read_all_direct(files, aligned)
+
     times: dict[str, list[tuple[float, list[float]]]] = {
         key: [] for key in ("raw write", "save", "raw read", "load")
     }
@@ -219,12 +226,7 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int, raw_io: str) 
         latest = client.run.step_dir(max(c.step for c in client.run.scan_checkpoints()[0]))
         everything = files_under(latest)
         mine = rank_files(latest, rank)
-        read_raw = (
-            (lambda mine=mine: read_all(mine))
-            if raw_io == "buffered"
-            else (lambda mine=mine: read_all_direct(mine, aligned))
-        )
-        reads = [("raw read", read_raw), ("load", client.load_latest)]
+        reads = [("raw read", lambda mine=mine: read_raw(mine)), ("load", client.load_latest)]
         for key, action in reversed(reads) if swap else reads:
             settle()
             cold(everything + [raw_file])
@@ -246,8 +248,9 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int, raw_io: str) 
         ]
         gb = total_bytes / 1e9
         at_2gb = size_mb >= 2048 and raw_io == "buffered"  # the target's baseline
+        label = f"{name}, {size_mb:.0f} MB model" + (", raw O_DIRECT" if raw_io == "direct" else "")
         rows.append(Row(
-            f"{name}, {size_mb:.0f} MB model" + (", raw O_DIRECT" if raw_io == "direct" else ""), seconds(t), seconds(r), f"{t / r:.2f}x raw",
+            label, seconds(t), seconds(r), f"{t / r:.2f}x raw",
             "<= 1.2x" if at_2gb else "-", (t <= 1.2 * r) if at_2gb else None,
             (f"{total_bytes / GiB:.2f} GiB", ", ".join(f"{x:.2f}x" for x in per_rank),
              f"{t_first / r_first:.2f}x, {t_second / r_second:.2f}x",

@@ -113,7 +113,8 @@ def write_tensor_file(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         # Blocks reserved up front: files written at once by several threads keep few extents.
-        preallocate(fd, _file_length(tensors))
+        length = _file_length(tensors)
+        preallocate(fd, length)
         if direct and _set_direct(fd, on=True):
             try:
                 return _write_items_direct(fd, tensors, sync)
@@ -124,7 +125,7 @@ def write_tensor_file(
                 # than DIRECT_ALIGN): start the file again, buffered.
                 _set_direct(fd, on=False)
                 os.ftruncate(fd, 0)
-                preallocate(fd, _file_length(tensors))
+                preallocate(fd, length)
         return _write_items(fd, tensors, sync)
     except OSError as error:
         raise OSError(error.errno, error.strerror or str(error), str(path)) from None
@@ -315,6 +316,23 @@ class Want:
     into: memoryview | None
     done: Callable[[memoryview], None]
 
+    def destination(self, path: Path) -> memoryview:
+        """Where the item's bytes go: ``into``, or a new buffer of their length."""
+        length = self.length - self.skip
+        target = self.into if self.into is not None else memoryview(bytearray(length))
+        if len(target) != length:
+            raise CheckpointError(f"{path}: an item of {length} bytes read into {len(target)}")
+        return target
+
+    def deliver(self, path: Path, digest: xxhash.xxh3_128, target: memoryview) -> None:
+        """Hand ``target`` to ``done`` once the range's ``digest`` matches the recorded one."""
+        if self.digest is not None and digest.hexdigest() != self.digest:
+            end = self.offset + self.length
+            raise ContentMismatch(
+                f"{path}: content differs from its checksum (bytes {self.offset}..{end})"
+            )
+        self.done(target)
+
 
 def read_wanted(path: Path, size: int, wants: list[Want], *, direct: bool = False) -> None:
     """Read ``wants`` from ``path`` in file order, verifying each range as its bytes arrive.
@@ -397,10 +415,7 @@ def _read_direct(fd: int, path: Path, wants: list[Want]) -> None:
             return buffer[position - window : min(stop, window + held) - window]
 
         for want, stream_end in zip(wants, stream_ends, strict=True):
-            length = want.length - want.skip
-            target = want.into if want.into is not None else memoryview(bytearray(length))
-            if len(target) != length:
-                raise CheckpointError(f"{path}: an item of {length} bytes read into {len(target)}")
+            target = want.destination(path)
             digest = xxhash.xxh3_128()
             position, stop = want.offset, want.offset + want.length
             data_start = want.offset + want.skip
@@ -414,18 +429,12 @@ def _read_direct(fd: int, path: Path, wants: list[Want]) -> None:
                     ]
                 position += len(piece)
                 piece.release()
-            if want.digest is not None and digest.hexdigest() != want.digest:
-                raise ContentMismatch(
-                    f"{path}: content differs from its checksum (bytes {want.offset}..{stop})"
-                )
-            want.done(target)
+            want.deliver(path, digest, target)
 
 
 def _read_one(fd: int, path: Path, want: Want) -> None:
-    length = want.length - want.skip
-    target = want.into if want.into is not None else memoryview(bytearray(length))
-    if len(target) != length:
-        raise CheckpointError(f"{path}: an item of {length} bytes read into {len(target)}")
+    target = want.destination(path)
+    length = len(target)
     digest = xxhash.xxh3_128()
     padding = bytearray(want.skip)
     _read_exact(fd, memoryview(padding), want.offset, path)
@@ -434,12 +443,7 @@ def _read_one(fd: int, path: Path, want: Want) -> None:
         piece = target[begin : begin + _READ_PIECE_BYTES]
         _read_exact(fd, piece, want.offset + want.skip + begin, path)
         digest.update(piece)
-    if want.digest is not None and digest.hexdigest() != want.digest:
-        end = want.offset + want.length
-        raise ContentMismatch(
-            f"{path}: content differs from its checksum (bytes {want.offset}..{end})"
-        )
-    want.done(target)
+    want.deliver(path, digest, target)
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
