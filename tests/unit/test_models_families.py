@@ -242,3 +242,21 @@ def test_all_linear_lora_on_fused_phi3_modules_in_list_form():
     assert sorted({name.rpartition(".")[2] for name in swapped}) == [
         "down_proj", "gate_up_proj", "o_proj", "qkv_proj",
     ]  # fmt: skip
+
+
+def test_an_moe_family_with_sandwich_norms_records_its_router_statistics():
+    # Gemma's four norms per block once sent the MLP no router_stats: an MoE family with them
+    # would have trained without its load-balancing loss, silently.
+    from tunelab.modules.moe import RouterStats
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_dim=16)
+    tokens = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for sandwich in (False, True):
+        model = _model(sandwich_norms=sandwich, **moe)
+        stats = RouterStats()
+        model(tokens, router_stats=stats)
+        assert stats.num_layers == 2
+        losses[sandwich] = stats.loss()
+    # Sandwich norms change what reaches the router, so the two losses differ.
+    assert losses[True].item() > 0 and losses[True].item() != losses[False].item()

@@ -105,12 +105,16 @@ class TransformerBlock(nn.Module):
         if self.sandwich_norms:
             attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
             h = x + self.post_attention_layernorm(attended)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            mlp_out = self._mlp(self.pre_feedforward_layernorm(h), router_stats)
+            return h + self.post_feedforward_layernorm(mlp_out)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
-        normed = self.post_attention_layernorm(h)
+        return h + self._mlp(self.post_attention_layernorm(h), router_stats)
+
+    def _mlp(self, normed: torch.Tensor, router_stats: RouterStats | None) -> torch.Tensor:
+        # Every norm arrangement reaches the MLP here, so an MoE layer always records its routing.
         if isinstance(self.mlp, MoEBlock):
-            return h + self.mlp(normed, router_stats)
-        return h + self.mlp(normed)
+            return self.mlp(normed, router_stats)
+        return self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
