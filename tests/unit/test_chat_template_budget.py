@@ -4,6 +4,7 @@ Each bomb hung, allocated gigabytes or ended in a traceback before (issue 23, fi
 each stops within a few seconds with one ``DataError`` line naming the template.
 """
 
+import json
 import threading
 import time
 
@@ -142,3 +143,46 @@ def test_renders_in_threads_each_have_their_own_budget():
         thread.join(timeout=120)
     assert isinstance(results["slow"], DataError)
     assert all(results[f"quick{i}"] == "hi" for i in range(4)), results
+
+
+@pytest.mark.parametrize("bomb", ["nested loops", "string repetition"])
+def test_the_first_overrun_stops_the_dataset_build_with_one_line(tmp_path, monkeypatch, bomb):
+    # Issue 38, finding 8: each render stopped at its budget, but the build went on to the
+    # next row and the next prefix render (300 rows: more than 30 min). The overrun is the
+    # template's fault, so the first one ends the build.
+    from tunelab._paths import assets_dir
+    from tunelab.data import chat_dataset, load_tokenizer
+
+    monkeypatch.setattr(_render_budget, "RENDER_SECONDS", 0.2)
+    template = tmp_path / "bomb.jinja"
+    template.write_text(SLOW.get(bomb) or LARGE[bomb])
+    tokenizer = load_tokenizer(assets_dir() / "tiny", chat_template=str(template))
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for _ in range(200)))
+    overruns = []
+    original = ChatTemplate._render
+
+    def counted(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except DataError:
+            overruns.append(1)
+            raise
+
+    monkeypatch.setattr(ChatTemplate, "_render", counted)
+    start = time.monotonic()
+    for skip_malformed in (False, True):  # not a malformed row: never skipped either
+        with pytest.raises(DataError) as error:
+            chat_dataset(
+                tokenizer,
+                source=str(data),
+                cache_dir=str(tmp_path / "cache"),
+                skip_malformed=skip_malformed,
+            )
+        message = str(error.value)
+        assert message.startswith(f"chat template {template}:") and "\n" not in message, message
+        assert "render budget" in message and "row" not in message.split(":")[0], message
+    assert len(overruns) == 2, overruns  # one render each: 200 rows x 2 renders before
+    # 200 rows x 2 renders x 0.2 s took 80 s before.
+    assert time.monotonic() - start < 40

@@ -16,7 +16,8 @@ a billion, ``'a' * 10**9``. Each render therefore runs under a budget:
   ``join``, ``tojson`` output) are checked before the allocation.
 
 A render that exceeds either stops with ``RenderBudgetExceeded``; the chat template turns it
-into one ``ChatTemplateError`` line naming the template.
+into one ``RenderBudgetError`` line naming the template, which ends a dataset build at the
+first overrun (the template is at fault, not the row).
 """
 
 from __future__ import annotations

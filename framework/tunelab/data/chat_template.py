@@ -60,6 +60,16 @@ class ChatTemplateError(DataError):
     """
 
 
+class RenderBudgetError(DataError):
+    """A render ran out of its time or size budget: the template's fault, not the row's.
+
+    Not a ``ChatTemplateError``, so no builder takes it for a malformed row: a template that
+    overruns its budget on one row would cost every other row its budget too (a 3 s deadline
+    on each of 300 rows and each of their prefix renders is hours), so the first overrun ends
+    the dataset build, skip_malformed or not.
+    """
+
+
 def _plain(value: Any) -> Any:
     """A copy made of JSON types only, so the template sees no Python object's methods."""
     if value is None or type(value) in (str, int, float, bool):
@@ -186,6 +196,7 @@ class ChatTemplate:
         Raises:
             DataError: If the template does not compile.
             ChatTemplateError: If rendering fails (``raise_exception`` or any other error).
+            RenderBudgetError: If rendering exceeds its time or size budget.
         """
         return self._render(messages, add_generation_prompt, tools, documents, template_kwargs)[0]
 
@@ -249,7 +260,10 @@ class ChatTemplate:
         except _render_budget.RenderBudgetExceeded as error:
             # The template is untrusted code: it may not exhaust the machine.
             message = str(error) or limits.timeout_message()
-            raise ChatTemplateError(f"chat template {self.source}: {message}") from None
+            raise RenderBudgetError(
+                f"chat template {self.source}: {message}; stopped at the first overrun, since "
+                "every row renders with this template: fix or replace it"
+            ) from None
         except Exception as error:  # The template is untrusted code: any failure is its own.
             line = template_line(error)
             where = f" (line {line})" if line is not None else ""
