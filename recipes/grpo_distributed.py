@@ -161,7 +161,7 @@ def main(args: GRPOArgs) -> None:
         gather_once=args.rollout_gather_once,
         merge_adapters=args.rollout_merge_adapters,
     )
-    rewards = Rewards(args.rewards, args.reward_weights)
+    rewards = Rewards(args.rewards, args.reward_weights, timeout_s=args.reward_timeout_s)
     groups = GroupSampler(
         engine,
         rewards,

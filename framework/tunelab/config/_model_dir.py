@@ -195,6 +195,14 @@ def _config_problems(config: Mapping[str, Any], config_file: Path) -> list[str]:
             f"{config_file}: model_type {model_type!r} is not supported "
             f"(supported: {', '.join(sorted(families))})"
         )
+    family = model_type if model_type in MOE_KEYS else None
+    for name, architecture in families.items():
+        if name in MOE_KEYS and isinstance(architectures, list) and architecture in architectures:
+            family = name
+    if family is not None:
+        _, problem = expert_counts(config, family)
+        if problem:
+            problems.append(f"{config_file}: {problem}")
     vocab_size = config.get("vocab_size")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         problems.append(f"{config_file}: vocab_size must be a positive integer, got {vocab_size!r}")
@@ -326,6 +334,23 @@ def model_dir_problems(path: str) -> list[str]:
     elif isinstance(config.get("vocab_size"), int) and config["vocab_size"] > 0:
         problems += tokenizer_problems(tokenizer, config["vocab_size"], config_file)
     return problems
+
+
+def model_context_length(model_dir: str | Path) -> int | None:
+    """The longest sequence a model takes, ``max_position_embeddings`` of its ``config.json``.
+
+    Returns:
+        The length, or None when the file, the key or its value is missing or unreadable (the
+        folder's own check reports a broken folder).
+    """
+    config_file = Path(model_dir).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    config, problem = read_json(config_file)
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if problem or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
 
 
 def tokenizer_fits_model(tokenizer: Path, model_dir: Path) -> list[str]:

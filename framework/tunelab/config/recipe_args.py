@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from tunelab.config._args import Component, RecipeArgs, component
 from tunelab.config._component_rules import Template
-from tunelab.config._model_dir import tokenizer_fits_model
+from tunelab.config._model_dir import model_context_length, tokenizer_fits_model
 from tunelab.config._tasks import task_path_problem
 from tunelab.config.constraints import (
     ExistingPath,
@@ -416,9 +416,9 @@ class GRPOArgs(LoRAFinetuneArgs):
     num_generations: Annotated[int, Range(ge=2)] = 4
     """Completions sampled per prompt (the group size G)."""
     max_new_tokens: AtLeastOne = 32
-    """Tokens a completion has at most (also Dr. GRPO's constant length)."""
+    """Tokens a completion has at most (also Dr. GRPO's constant length); a prompt and its completion must fit the model's max_position_embeddings."""
     temperature: Annotated[float, Finite(), Range(ge=0)] = 1.0
-    """Sampling temperature (0: greedy, which gives a group no variety)."""
+    """Sampling temperature, above 0 (0 is greedy: every completion of a group would be the same, so nothing trains; refused)."""
     top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Nucleus sampling: keep the most likely tokens up to this probability (1: all)."""
     top_k: AtLeastOne | None = None
@@ -443,6 +443,8 @@ class GRPOArgs(LoRAFinetuneArgs):
     """With dynamic_sampling: up to N rounds of batch_size more prompts per process, sampled until the step has as many kept groups as its own prompts (0: no refill, the step trains on the groups left)."""
     rollout_gather_once: bool = True
     """FSDP2: all-gather the sharded weights once per rollout phase and hold them until its last token (each process then holds the whole model while generating); false: gather block by block for every generated token (less memory, one all-gather per block per token)."""
+    reward_timeout_s: Annotated[float, Finite(), Range(gt=0)] | None = 60.0
+    """Seconds one reward call may take to score a micro-batch's completions; past it the run ends with one line naming the reward and the rank (None: no limit, a hung reward then waits out collective_timeout_s)."""
     rollout_merge_adapters: bool = True
     """LoRA/DoRA: the rollout phase runs each adapter merged into a temporary copy of its weight, W + scale * B A (one linear per projection instead of three; the live weights untouched); costs a copy of the adapted weights while generating, and tokens may differ from the unmerged path's by rounding. Not for an NF4 base (QLoRA keeps it unmerged), nor under FSDP2 with rollout_gather_once false (the weights are never whole)."""
 
@@ -470,8 +472,51 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems.append(
                 "key 'dynamic_sampling_refill_rounds': refills replace the groups dynamic sampling leaves out; set dynamic_sampling: true or leave it 0"
             )
+        if not self.rewards:
+            problems.append(
+                "key 'rewards': give at least one reward function (a list of nodes with "
+                "_component_, e.g. tunelab.training.regex_reward)"
+            )
+        problems += self._length_problems()
+        if self.temperature == 0:
+            problems.append(
+                f"key 'temperature': 0 samples greedily, so the num_generations="
+                f"{self.num_generations} completions of a prompt are the same tokens with the "
+                "same reward: every advantage is 0 and every loss and gradient 0.0, nothing "
+                "trains; set temperature > 0 (1.0 samples the policy as it is)"
+            )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards or []):
             problems.append(
                 f"key 'reward_weights': {len(self.reward_weights)} weights for {len(self.rewards or [])} rewards; give one each"
             )
+        return problems
+
+    def _length_problems(self) -> list[str]:
+        """A prompt and its completion must fit the model's context (``max_position_embeddings``).
+
+        Read from the model folder's ``config.json``; nothing to say when it cannot be read
+        (the folder's own check reports that). A prompt takes at least one token, and a
+        ``max_prompt_tokens`` given to a prompt dataset takes its whole length.
+        """
+        context = model_context_length(self.checkpoint_dir)
+        if context is None:
+            return []
+        where = f"max_position_embeddings {context} of {self.checkpoint_dir}/config.json"
+        if self.max_new_tokens >= context:
+            return [
+                f"key 'max_new_tokens': {self.max_new_tokens} tokens leave no room for a prompt "
+                f"in the model's context ({where}); lower max_new_tokens below {context}"
+            ]
+        problems = []
+        for key, node in (("dataset", self.dataset), ("val_dataset", self.val_dataset)):
+            cap = node.get("max_prompt_tokens") if isinstance(node, DictConfig) else None
+            if isinstance(cap, int) and not isinstance(cap, bool):
+                if cap + self.max_new_tokens > context:
+                    problems.append(
+                        f"key '{key}.max_prompt_tokens': {cap} prompt tokens + max_new_tokens "
+                        f"{self.max_new_tokens} = {cap + self.max_new_tokens} exceed the model's "
+                        f"context ({where}); lower one of them (at most "
+                        f"{context - self.max_new_tokens} prompt tokens with this "
+                        "max_new_tokens)"
+                    )
         return problems

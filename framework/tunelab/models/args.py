@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunelab.config._model_dir import expert_counts
 from tunelab.errors import ConfigError
 from tunelab.modules.moe import EXPERT_LAYOUTS
 from tunelab.modules.rotary import rope_type_of
@@ -310,6 +311,29 @@ def args_from_hf_config(config: Mapping[str, Any], family: str, **overrides: Any
     )
     fields.update(overrides)
     return ModelArgs(**fields)
+
+
+def experts_from_hf(config: Mapping[str, Any], family: str) -> tuple[int, int]:
+    """``(num_experts, num_experts_per_tok)`` of a mixture-of-experts ``config.json``.
+
+    The keys, their order and defaults are ``tunelab.config._model_dir.MOE_KEYS``'s, which
+    ``tunelab validate`` reads too, so a run refuses exactly what validate does.
+
+    Args:
+        config: the parsed ``config.json``.
+        family: ``mixtral``, ``qwen3_moe`` or ``gpt_oss``.
+
+    Returns:
+        The number of experts and of experts per token.
+
+    Raises:
+        ConfigError: a count is zero, negative or not an integer (``num_local_experts: 0`` is
+            refused, never read as the default), or top-k exceeds the experts.
+    """
+    counts, problem = expert_counts(config, family)
+    if counts is None:
+        raise ConfigError(f"config.json: {problem}")
+    return counts
 
 
 def partial_rotary_from_hf(config: Mapping[str, Any]) -> float:

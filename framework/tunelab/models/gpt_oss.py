@@ -31,6 +31,7 @@ from tunelab.models.args import (
     ModelArgs,
     args_from_hf_config,
     common_hf_config,
+    experts_from_hf,
     layer_types_from_hf,
 )
 from tunelab.models.state_dict_adapter import StateDictAdapter
@@ -107,6 +108,7 @@ def gpt_oss_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
     # Configs without `layer_types` alternate, starting with a sliding layer (transformers).
     default = [SLIDING if (index + 1) % 2 else FULL for index in range(num_layers)]
     attention_bias = bool(config.get("attention_bias", True))
+    num_experts, num_experts_per_tok = experts_from_hf(config, "gpt_oss")
     swiglu_limit = config.get("swiglu_limit", 7.0)
     return args_from_hf_config(
         config,
@@ -118,8 +120,8 @@ def gpt_oss_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         norm_scale_in_fp32=True,
         sliding_window=window,
         layer_types=layer_types_from_hf(config, window, default),
-        num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 128),
-        num_experts_per_tok=int(config.get("num_experts_per_tok", 4)),
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
         moe_intermediate_dim=int(config["intermediate_size"]),
         norm_topk_prob=True,
         router_bias=True,

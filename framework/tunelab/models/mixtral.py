@@ -13,7 +13,12 @@ from typing import Any, ClassVar
 import torch
 
 from tunelab.errors import ConfigError
-from tunelab.models.args import ModelArgs, args_from_hf_config, common_hf_config
+from tunelab.models.args import (
+    ModelArgs,
+    args_from_hf_config,
+    common_hf_config,
+    experts_from_hf,
+)
 from tunelab.models.mistral import every_layer_slides
 from tunelab.models.state_dict_adapter import MoEStateDictAdapter
 
@@ -62,14 +67,15 @@ def mixtral_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         raise ConfigError(
             f"router_jitter_noise {config['router_jitter_noise']} is not supported; set it to 0.0"
         )
+    num_experts, num_experts_per_tok = experts_from_hf(config, "mixtral")
     window = config.get("sliding_window")
     return args_from_hf_config(
         config,
         "mixtral",
         sliding_window=window,
         layer_types=every_layer_slides(config, window),
-        num_experts=int(config.get("num_local_experts") or config.get("num_experts") or 8),
-        num_experts_per_tok=int(config.get("num_experts_per_tok", 2)),
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
         moe_intermediate_dim=int(config["intermediate_size"]),
         norm_topk_prob=True,
         router_weights_in_fp32=True,

@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from tunelab.models.args import ModelArgs, args_from_hf_config, common_hf_config
+from tunelab.models.args import (
+    ModelArgs,
+    args_from_hf_config,
+    common_hf_config,
+    experts_from_hf,
+)
 from tunelab.models.mistral import every_layer_slides
 from tunelab.models.state_dict_adapter import MoEStateDictAdapter
 
@@ -67,7 +72,7 @@ def qwen3_moe_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
     """
     window = config.get("sliding_window") if config.get("use_sliding_window") else None
     attention_bias = bool(config.get("attention_bias", False))
-    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 128)
+    num_experts, num_experts_per_tok = experts_from_hf(config, "qwen3_moe")
     return args_from_hf_config(
         config,
         "qwen3_moe",
@@ -77,7 +82,7 @@ def qwen3_moe_args_from_hf(config: Mapping[str, Any]) -> ModelArgs:
         sliding_window=window,
         layer_types=every_layer_slides(config, window),
         num_experts=num_experts,
-        num_experts_per_tok=int(config.get("num_experts_per_tok", 8)),
+        num_experts_per_tok=num_experts_per_tok,
         moe_intermediate_dim=int(config.get("moe_intermediate_size", 768)),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         dense_layers=dense_layers_from_hf(config, num_experts),

@@ -12,14 +12,18 @@ names it as a component whose other keys are its settings::
         limit: 40
     reward_weights: [1.0, 0.5]
 
-:class:`Rewards` calls each one, checks what it returned (one finite float per completion),
-and sums them with their weights; each one's mean is logged under ``rewards/<name>``.
+:class:`Rewards` calls each one under a time limit (``reward_timeout_s``), checks what it
+returned (one number per completion, finite and at most :data:`MAX_REWARD` in magnitude; text
+is refused, not converted), and sums them with their weights; each one's mean is logged under
+``rewards/<name>``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,15 +31,26 @@ import torch
 from omegaconf import DictConfig
 
 from tunelab.config import instantiate
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, TrainingError
 
 __all__ = [
+    "MAX_REWARD",
     "Rewards",
     "completion_length_reward",
     "exact_answer_reward",
     "math_verify_reward",
     "regex_reward",
 ]
+
+
+MAX_REWARD = 1e150
+"""The largest reward magnitude taken, for each reward and for their weighted sum.
+
+The step's metrics sum the squares of every completion's reward (``reward_std``) and each group's
+advantages divide by its std: a reward of 1e155 squares to 1e310, past float64's 1.8e308, and
+the statistics become inf or NaN far from the reward that caused it. Up to 1e150 the squares
+stay below 1e300, so even 1e8 completions sum to a finite number.
+"""
 
 
 def _normalise(text: str) -> str:
@@ -178,12 +193,19 @@ class Rewards:
         nodes: The ``rewards`` component nodes, each called with ``prompts``, ``completions``
             and ``rows`` (and its own settings).
         weights: One weight per reward (None: all 1.0).
+        timeout_s: Seconds one reward call may take (None: no limit); see :meth:`__call__`.
 
     Raises:
         ConfigError: No reward, or a number of weights that does not match.
     """
 
-    def __init__(self, nodes: Sequence[Any], weights: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[Any],
+        weights: Sequence[float] | None = None,
+        *,
+        timeout_s: float | None = 60.0,
+    ) -> None:
         if not nodes:
             raise ConfigError("rewards: give at least one reward function")
         weights = list(weights) if weights is not None else [1.0] * len(nodes)
@@ -193,6 +215,7 @@ class Rewards:
             )
         self.nodes = list(nodes)
         self.weights = weights
+        self.timeout_s = timeout_s
         names = [_name_of(node, i) for i, node in enumerate(self.nodes)]
         # Two rewards of one function (with other settings) get their index appended.
         self.names = [
@@ -204,6 +227,12 @@ class Rewards:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score completions with every reward.
 
+        Each reward runs in a thread of its own, waited on for ``timeout_s``: a reward that
+        hangs (a stuck sandbox, a network call) ends the run with one line naming it and the
+        rank, instead of every other rank waiting in the next collective until
+        ``collective_timeout_s``. The thread is a daemon, so the hung call does not keep the
+        process from exiting.
+
         Args:
             prompts: One prompt text per completion.
             completions: The completion texts.
@@ -214,38 +243,117 @@ class Rewards:
             unweighted values by name.
 
         Raises:
-            ConfigError: A reward raised, or did not return one finite number per completion;
-                the message names it.
+            ConfigError: A reward raised, or did not return one number per completion (text
+                is refused), or returned a value that is not finite or larger than
+                :data:`MAX_REWARD`, or the weighted sum is; the message names the reward.
+            TrainingError: A reward did not return within ``timeout_s``.
         """
         each = {}
         for node, name in zip(self.nodes, self.names, strict=True):
-            try:
-                values = instantiate(node, prompts=prompts, completions=completions, rows=rows)
-            except ConfigError:
-                raise
-            except Exception as error:  # a user's function may raise anything: name it
-                raise ConfigError(
-                    f"reward {name} raised {type(error).__name__}: {error}"
-                ) from error
+            values = self._call(node, name, prompts, completions, rows)
             each[name] = _checked(values, len(completions), name)
         total = sum(
             weight * values for weight, values in zip(self.weights, each.values(), strict=True)
         )
+        if not bool((total.abs() <= MAX_REWARD).all()):
+            terms = " + ".join(f"{w:g} x {n}" for w, n in zip(self.weights, each, strict=True))
+            raise ConfigError(
+                f"the weighted reward {terms} reached {_largest(total)}: beyond +-{MAX_REWARD:g} "
+                "its square overflows float64 in reward_std and the advantages; scale the "
+                "rewards or reward_weights down"
+            )
         return total, each
+
+    def _call(
+        self,
+        node: Any,
+        name: str,
+        prompts: list[str],
+        completions: list[str],
+        rows: list[dict[str, Any]],
+    ) -> Any:
+        """Call one reward under the time limit; its exception or its values."""
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["values"] = instantiate(
+                    node, prompts=prompts, completions=completions, rows=rows
+                )
+            except BaseException as error:  # handed to the caller's thread below
+                outcome["error"] = error
+
+        if self.timeout_s is None:
+            target()
+        else:
+            # A daemon thread: a reward that never returns must not hold the process at exit.
+            thread = threading.Thread(target=target, name=f"reward {name}", daemon=True)
+            thread.start()
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                raise TrainingError(
+                    f"reward {name} did not return within reward_timeout_s={self.timeout_s:g} s "
+                    f"on rank {_rank()} (scoring {len(completions)} completions); fix the "
+                    "reward, or raise reward_timeout_s if it is only slow"
+                )
+        error = outcome.get("error")
+        if isinstance(error, ConfigError):
+            raise error
+        if error is not None:  # a user's function may raise anything: name it
+            raise ConfigError(f"reward {name} raised {type(error).__name__}: {error}") from error
+        return outcome.get("values")
+
+
+def _rank() -> int:
+    # The rank torchrun gives this process (0 when started by hand); no collective needed.
+    return int(os.environ.get("RANK", "0"))
+
+
+def _largest(values: torch.Tensor) -> str:
+    finite = values[torch.isfinite(values)]
+    if finite.numel() < values.numel():
+        return str(float(values[~torch.isfinite(values)][0]))
+    return f"{float(finite.abs().max()):g}"
 
 
 def _checked(values: Any, expected: int, name: str) -> torch.Tensor:
-    try:
-        values = [float(value) for value in values]
-    except (TypeError, ValueError) as error:
+    """One float64 tensor of a reward's values, or a ``ConfigError`` naming the reward."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ConfigError(
-            f"reward {name} must return a list of numbers, got {type(values).__name__} ({error})"
-        ) from None
+            f"reward {name} must return a list of numbers, got {type(values).__name__}"
+        )
+    values = list(values)
     if len(values) != expected:
         raise ConfigError(
             f"reward {name} returned {len(values)} values for {expected} completions; "
             "return one per completion"
         )
-    if not all(math.isfinite(value) for value in values):
-        raise ConfigError(f"reward {name} returned a value that is not finite: {values}")
-    return torch.tensor(values, dtype=torch.float64)
+    numbers = []
+    for index, value in enumerate(values):
+        # Text is refused rather than parsed: "1" and "0" from a reward are almost always a
+        # completion or an answer column returned by mistake, not a score.
+        if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+            raise ConfigError(
+                f"reward {name} returned {type(value).__name__} {value!r:.40} for completion "
+                f"{index}; return numbers (float), one per completion"
+            )
+        try:
+            numbers.append(float(value))
+        except (TypeError, ValueError) as error:  # a tensor of several elements, say
+            raise ConfigError(
+                f"reward {name} returned {type(value).__name__} for completion {index}, not one "
+                f"number ({error})"
+            ) from None
+    for index, number in enumerate(numbers):
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"reward {name} returned a value that is not finite ({number} for completion "
+                f"{index})"
+            )
+        if abs(number) > MAX_REWARD:
+            raise ConfigError(
+                f"reward {name} returned {number:g} for completion {index}: beyond "
+                f"+-{MAX_REWARD:g} its square overflows float64 in reward_std and the "
+                "advantages; scale it down (rewards of order 1 train best)"
+            )
+    return torch.tensor(numbers, dtype=torch.float64)
