@@ -182,6 +182,45 @@ def _supported_families() -> dict[str, str]:
     return found
 
 
+# Mixture-of-experts families: the config.json keys that give the number of experts, in the
+# order each family reads them, the top-k key, and the defaults transformers uses when a key
+# is absent. Read here (no torch) by `tunelab validate` and by each family's config parser.
+MOE_KEYS: dict[str, tuple[tuple[str, ...], int, int]] = {
+    "mixtral": (("num_local_experts", "num_experts"), 8, 2),
+    "qwen3_moe": (("num_experts", "num_local_experts"), 128, 8),
+    "gpt_oss": (("num_local_experts", "num_experts"), 128, 4),
+}
+
+
+def expert_counts(config: Mapping[str, Any], family: str) -> tuple[tuple[int, int] | None, str]:
+    """``(num_experts, num_experts_per_tok)`` of an MoE ``config.json``, or ``(None, problem)``.
+
+    A key that is absent (or null) takes the family's default; one that is present is taken as
+    it is: ``num_local_experts: 0`` is zero experts, refused, not the default.
+
+    Args:
+        config: The parsed ``config.json``.
+        family: A ``MOE_KEYS`` family.
+
+    Returns:
+        The counts and "", or None and the problem (naming the key and its value).
+    """
+    keys, default_experts, default_top_k = MOE_KEYS[family]
+    key = next((k for k in keys if config.get(k) is not None), None)
+    experts = config[key] if key is not None else default_experts
+    top_k = config.get("num_experts_per_tok")
+    top_k = default_top_k if top_k is None else top_k
+    for name, value in ((key or keys[0], experts), ("num_experts_per_tok", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None, f"{name} must be a positive integer, got {value!r}"
+    if top_k > experts:
+        return None, (
+            f"num_experts_per_tok {top_k} is more than the {experts} experts "
+            f"({key or keys[0]}): each token can be routed to at most every expert"
+        )
+    return (experts, top_k), ""
+
+
 def _config_problems(config: Mapping[str, Any], config_file: Path) -> list[str]:
     problems = []
     families = _supported_families()
