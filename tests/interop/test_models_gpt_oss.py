@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 from tests.interop.adapter_checks import assert_adapter_and_merge_give_our_logits
 from tests.mxfp4_codes import mxfp4_codes
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
-from tunelab.checkpoint.mxfp4 import dequantize_mxfp4
 from tunelab.config.lora import EXPERT_TARGETS, LoRAArgs
 from tunelab.errors import CheckpointError
+from tunelab.formats.mxfp4 import dequantize_mxfp4
 from tunelab.generation import generate
 from tunelab.models import load_pretrained
 from tunelab.modules import RouterStats

@@ -16,10 +16,10 @@ import tunelab.peft as peft
 from tunelab.checkpoint import CheckpointClient
 from tunelab.checkpoint.dcp import ChecksummedWriter
 from tunelab.checkpoint.dcp import load as load_step
-from tunelab.checkpoint.integrity import MANIFEST_NAME
 from tunelab.config.recipe_args import LoRAArgs
 from tunelab.distributed import init_distributed
 from tunelab.errors import CheckpointError
+from tunelab.formats.integrity import MANIFEST_NAME
 from tunelab.lifecycle import RunFolder
 from tunelab.losses import CrossEntropyLoss
 from tunelab.training import build_model, forward, global_token_count, optimizer_step
@@ -157,8 +157,8 @@ def main():
     assert_unchanged(model, snapshot, "export")
     # The export merges each weight inside the writer, just before writing it; the files are
     # byte-identical to writing an up-front merged state dict.
-    from tunelab.checkpoint.hf import HFCheckpointReader
     from tunelab.checkpoint.hf_sharded import save_hf_sharded
+    from tunelab.formats.hf import HFCheckpointReader
 
     upfront = model.state_dict_adapter.to_hf(peft.merged_state_dict(model))
     save_hf_sharded(

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import tunelab.checkpoint.consolidate as consolidate
-from tunelab.checkpoint.hf import HFCheckpointReader
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.formats.hf import HFCheckpointReader
 
 MODE, BASE, OUT = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 

@@ -23,7 +23,7 @@ from tests.recipes.conftest import (
     run_env,
     tunelab_run,
 )
-from tunelab.checkpoint.layout import temporary_name
+from tunelab.formats.layout import temporary_name
 
 pytestmark = pytest.mark.slow
 COMMON = EVERY_2

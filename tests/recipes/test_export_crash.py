@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.recipes.conftest import run_env
-from tunelab.checkpoint.layout import is_temporary_name
+from tunelab.formats.layout import is_temporary_name
 
 SCRIPT = Path(__file__).with_name("export_crash_script.py")
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def lora_exports(tmp_path_factory):
 def test_a_killed_re_export_leaves_the_old_export_or_the_new_one_whole(
     lora_exports, tmp_path, stall
 ):
-    from tunelab.checkpoint.integrity import verify_folder
+    from tunelab.formats.integrity import verify_folder
     from tunelab.lifecycle import RunFolder
 
     root, payloads = lora_exports

@@ -18,7 +18,7 @@ from tests.recipes.conftest import (
     read_metrics,
     tunelab_run,
 )
-from tunelab.checkpoint import integrity
+from tunelab.formats import integrity
 
 pytestmark = pytest.mark.slow
 COMMON = EVERY_2

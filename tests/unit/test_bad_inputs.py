@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from tunelab import _paths
-from tunelab.checkpoint import integrity, layout
 from tunelab.cli.main import main
 from tunelab.config.recipe_args import LoRAFinetuneArgs
+from tunelab.formats import integrity, layout
 from tunelab.lifecycle import recipe_main
 
 TINY = _paths.assets_dir() / "tiny"

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from tunelab import _paths
-from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint.state import trainer_state_problem
 from tunelab.data import chat_dataset, load_tokenizer, text_dataset
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import CheckpointError
+from tunelab.formats import integrity, layout
 from tunelab.models import from_hf_config
 
 TUNELAB = [sys.executable, "-m", "tunelab.cli"]

@@ -8,9 +8,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tunelab.checkpoint import _dcp_json, integrity, layout
+from tunelab.checkpoint import _dcp_json
 from tunelab.checkpoint.dcp import ChecksummedWriter, load, saved_keys
 from tunelab.errors import CheckpointError
+from tunelab.formats import integrity, layout
 
 
 class _Payload:

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from tunelab.checkpoint import integrity
 from tunelab.checkpoint._tensor_files import ContentMismatch
+from tunelab.formats import integrity
 from tunelab.lifecycle.run_folder import CommittedCheckpoint
 
 

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from tunelab.checkpoint import integrity, layout
 from tunelab.errors import CheckpointError
+from tunelab.formats import integrity, layout
 from tunelab.lifecycle import RunFolder
 
 

@@ -12,10 +12,9 @@ import pytest
 
 import tunelab.config
 from tunelab import _paths
-from tunelab.cli import builtin_recipes, load_recipe_args
+from tunelab.cli import builtin_recipes, load_recipe_args, settings_docs
 from tunelab.cli._check import check_config
 from tunelab.config import RecipeArgs, builtin_configs, field_docs
-from tunelab.config import docs as settings_docs
 from tunelab.errors import ConfigError
 
 
@@ -90,10 +89,12 @@ def test_shipped_config_validates_against_its_recipe(name, tmp_path, monkeypatch
 
 def test_settings_docs_are_generated_from_the_declarations():
     # Fails when a setting, a default, a rule or a docstring changed without the docs:
-    # run `python -m tunelab.config.docs` to regenerate docs/settings.md.
+    # run `python -m tunelab.cli.settings_docs` to regenerate docs/settings.md.
     expected = settings_docs.settings_markdown(settings_docs.builtin_settings())
     path = settings_docs.default_output()
-    assert path.read_text() == expected, "docs/settings.md is stale: python -m tunelab.config.docs"
+    assert path.read_text() == expected, (
+        "docs/settings.md is stale: python -m tunelab.cli.settings_docs"
+    )
     assert settings_docs.main(["--check"]) == 0
 
 

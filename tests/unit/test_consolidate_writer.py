@@ -11,11 +11,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
-from tunelab.checkpoint.layout import temporary_name
 from tunelab.errors import CheckpointError, ConfigError
+from tunelab.formats import integrity, layout
+from tunelab.formats.layout import temporary_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

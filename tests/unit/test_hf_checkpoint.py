@@ -11,8 +11,8 @@ from torch import nn
 
 from tunelab.checkpoint import HFCheckpointReader, copy_model_files, parse_size
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
-from tunelab.checkpoint.integrity import MANIFEST_NAME
 from tunelab.errors import CheckpointError
+from tunelab.formats.integrity import MANIFEST_NAME
 from tunelab.models import ModelArgs, TransformerDecoder, load_hf_into_model, load_pretrained
 
 

@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tunelab.checkpoint.integrity import verify_folder
 from tunelab.config.lora import LoRAArgs
 from tunelab.errors import CheckpointError, ConfigError, TunelabError
+from tunelab.formats.integrity import verify_folder
 from tunelab.peft import (
     adapter_state_dict,
     apply_lora,

@@ -18,11 +18,11 @@ import pytest
 
 from tunelab import _paths
 from tunelab._model_files import model_file, read_model_bytes
-from tunelab.checkpoint.hf import HFCheckpointReader
 from tunelab.checkpoint.hf_write import copy_model_files
 from tunelab.config._model_dir import model_dir_problems
 from tunelab.data import load_tokenizer
 from tunelab.errors import CheckpointError, DataError
+from tunelab.formats.hf import HFCheckpointReader
 from tunelab.models.families import read_hf_config
 
 TINY = _paths.assets_dir() / "tiny"

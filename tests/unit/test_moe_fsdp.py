@@ -145,7 +145,7 @@ def _gpt_oss_worker(rank: int, init_file: str, checkpoint_dir: str, reference_fi
     """Load an MXFP4 base sharded, recording which rows of the blocks and scales are read."""
     from torch.distributed.fsdp import fully_shard
 
-    from tunelab.checkpoint.hf import HFCheckpointReader
+    from tunelab.formats.hf import HFCheckpointReader
 
     reads: list[tuple[str, int, int]] = []
     real_get_rows, real_get = HFCheckpointReader.get_rows, HFCheckpointReader.get

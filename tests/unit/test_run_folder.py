@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from tunelab.checkpoint import integrity, layout
 from tunelab.errors import CheckpointError
+from tunelab.formats import integrity, layout
 from tunelab.lifecycle import RunFolder
 from tunelab.lifecycle.output_lock import _held, lock_output_dir
 from tunelab.lifecycle.run_folder import MARKER_NAME

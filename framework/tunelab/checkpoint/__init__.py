@@ -4,7 +4,7 @@
 Face safetensors checkpoints; ``consolidate`` writes them from sharded state through DCP;
 ``integrity`` checksums and verifies what they write.
 
-Names are imported on first use, so ``tunelab.checkpoint.integrity`` and ``layout`` (which
+Names are imported on first use, so ``tunelab.formats.integrity`` and ``layout`` (which
 need no torch) load without torch: ``tunelab verify`` starts fast.
 """
 
@@ -14,13 +14,13 @@ from typing import Any
 _EXPORTS = {
     "CheckpointClient": "tunelab.checkpoint.client",
     "ResumeState": "tunelab.checkpoint.client",
-    "SAFE_WEIGHTS_INDEX_NAME": "tunelab.checkpoint.hf",
-    "SAFE_WEIGHTS_NAME": "tunelab.checkpoint.hf",
-    "HFCheckpointReader": "tunelab.checkpoint.hf",
-    "read_safetensors_header": "tunelab.checkpoint.hf",
+    "SAFE_WEIGHTS_INDEX_NAME": "tunelab.formats.hf",
+    "SAFE_WEIGHTS_NAME": "tunelab.formats.hf",
+    "HFCheckpointReader": "tunelab.formats.hf",
+    "read_safetensors_header": "tunelab.formats.hf",
     "copy_model_files": "tunelab.checkpoint.hf_write",
     "parse_size": "tunelab.checkpoint.hf_write",
-    "verify_folder": "tunelab.checkpoint.integrity",
+    "verify_folder": "tunelab.formats.integrity",
 }
 
 __all__ = sorted(_EXPORTS)

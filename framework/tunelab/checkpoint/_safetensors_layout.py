@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tunelab.checkpoint.hf import SAFE_WEIGHTS_NAME, SAFETENSORS_DTYPES
-from tunelab.checkpoint.integrity import digest
 from tunelab.errors import CheckpointError
+from tunelab.formats.hf import SAFE_WEIGHTS_NAME, SAFETENSORS_DTYPES
+from tunelab.formats.integrity import digest
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -256,7 +256,7 @@ def write_chunk(
 
     Returns:
         ``(file offset, length, digest)`` of each run written (the pieces of the file's
-        checksum record, ``tunelab.checkpoint.integrity``).
+        checksum record, ``tunelab.formats.integrity``).
     """
     if chunk.numel() == 0:
         return []

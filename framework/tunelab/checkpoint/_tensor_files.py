@@ -47,8 +47,8 @@ import torch
 import xxhash
 
 from tunelab.checkpoint._safetensors_layout import preallocate, start_writeback
-from tunelab.checkpoint.integrity import FileRecord, open_regular, record_of_ranges
 from tunelab.errors import CheckpointError
+from tunelab.formats.integrity import FileRecord, open_regular, record_of_ranges
 
 ALIGN = 64
 """Every item starts at a multiple of this many bytes (a cache line: aligned copies)."""

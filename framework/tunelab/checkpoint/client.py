@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from tunelab._model_files import read_model_bytes
-from tunelab.checkpoint import integrity, layout
 from tunelab.checkpoint._dcp_json import METADATA_JSON_NAME
 from tunelab.checkpoint._tensor_files import ContentMismatch
 from tunelab.checkpoint.dcp import (
@@ -61,6 +60,7 @@ from tunelab.checkpoint.state import (
 )
 from tunelab.config.lora import LoRAArgs
 from tunelab.errors import CheckpointError, first_line
+from tunelab.formats import integrity, layout
 from tunelab.lifecycle.run_folder import CommittedCheckpoint, RunFolder
 from tunelab.peft import lora_target_names
 

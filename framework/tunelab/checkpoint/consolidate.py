@@ -41,11 +41,11 @@ from tunelab.checkpoint._safetensors_layout import (
     start_writeback,
     write_chunk,
 )
-from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from tunelab.checkpoint.hf_write import parse_size
-from tunelab.checkpoint.integrity import FileRecord, digest, record_of, record_of_ranges
-from tunelab.checkpoint.layout import temporary_name
 from tunelab.errors import CheckpointError, ConfigError
+from tunelab.formats.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from tunelab.formats.integrity import FileRecord, digest, record_of, record_of_ranges
+from tunelab.formats.layout import temporary_name
 
 __all__ = ["HFSafetensorsWriter", "temp_name"]
 

@@ -53,10 +53,10 @@ from tunelab.checkpoint._tensor_files import (
     tensor_bytes,
     write_tensor_file,
 )
-from tunelab.checkpoint.integrity import FileRecord, open_regular, record_of
-from tunelab.checkpoint.layout import write_atomic
 from tunelab.distributed import collective_timeout
 from tunelab.errors import CheckpointError, TunelabError, first_line
+from tunelab.formats.integrity import FileRecord, open_regular, record_of
+from tunelab.formats.layout import write_atomic
 
 FileRecords = dict[str, FileRecord]
 WriterFactory = Callable[[Path], StorageWriter]

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 import tunelab.peft as peft
-from tunelab.checkpoint.hf import HFCheckpointReader
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import gather_full_tensors
+from tunelab.formats.hf import HFCheckpointReader
 from tunelab.peft.merge import lazy_merged_state_dict
 
 ADAPTER_DIR_NAME = "adapter"

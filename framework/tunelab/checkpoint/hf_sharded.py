@@ -24,8 +24,8 @@ from tunelab._fs import exchange_paths, fsync_path
 from tunelab.checkpoint.consolidate import DEFAULT_MAX_SHARD_SIZE, HFSafetensorsWriter, temp_name
 from tunelab.checkpoint.dcp import as_checkpoint_error
 from tunelab.checkpoint.hf_write import copy_model_files
-from tunelab.checkpoint.layout import retire_folder, temporary_name, write_manifest
 from tunelab.errors import CheckpointError, TunelabError
+from tunelab.formats.layout import retire_folder, temporary_name, write_manifest
 
 __all__ = ["save_hf_sharded"]
 

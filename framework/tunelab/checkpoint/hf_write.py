@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from tunelab._model_files import read_model_text
-from tunelab.checkpoint.hf import MODEL_FILE_PATTERNS, hf_dtype_name
-from tunelab.checkpoint.integrity import FileRecord, copy_file, write_bytes
 from tunelab.errors import CheckpointError
+from tunelab.formats.hf import MODEL_FILE_PATTERNS, hf_dtype_name
+from tunelab.formats.integrity import FileRecord, copy_file, write_bytes
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip

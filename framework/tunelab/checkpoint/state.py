@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tunelab._rng import rng_state, set_rng_state
-from tunelab.checkpoint.integrity import open_regular
 from tunelab.errors import CheckpointError
+from tunelab.formats.integrity import open_regular
 
 TRAINER_STATE_NAME = "trainer_state.json"
 

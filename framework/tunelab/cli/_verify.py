@@ -6,8 +6,8 @@ import argparse
 import re
 from pathlib import Path
 
-from tunelab.checkpoint.integrity import MANIFEST_NAME, verify_folder
 from tunelab.errors import TunelabError
+from tunelab.formats.integrity import MANIFEST_NAME, verify_folder
 
 _CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+$")
 

@@ -3,7 +3,7 @@
 Which folders exist in an output_dir, and what may be removed from it, is
 ``tunelab.lifecycle.RunFolder``'s business; this module is the file format. A step directory counts only once it is committed: after every rank's files are durable,
 rank 0 writes ``MANIFEST_NAME`` atomically (temp file, fsync, rename, fsync of the folder),
-listing every file of the save with its size and checksums (``tunelab.checkpoint.integrity``).
+listing every file of the save with its size and checksums (``tunelab.formats.integrity``).
 Resume, retention and every "latest" lookup ignore directories without it, so a crash
 mid-save can never leave a half-written checkpoint that looks resumable.
 """
@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from tunelab._fs import fsync_path
-from tunelab.checkpoint.integrity import (
+from tunelab.errors import CheckpointError
+from tunelab.formats.integrity import (
     DIGEST_NAME,
     MANIFEST_NAME,
     MANIFEST_VERSION,
     FileRecord,
     read_manifest_file,
 )
-from tunelab.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunelab.checkpoint import layout
-from tunelab.checkpoint.integrity import MANIFEST_NAME
 from tunelab.errors import CheckpointError
+from tunelab.formats import layout
+from tunelab.formats.integrity import MANIFEST_NAME
 from tunelab.lifecycle.output_lock import LOCK_FILE_NAME, check_output_dir_free, lock_output_dir
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from tunelab._torch_compat import local_shape_and_global_offset
-from tunelab.checkpoint.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, HFCheckpointReader
-from tunelab.checkpoint.mxfp4 import dequantize_mxfp4
 from tunelab.distributed._fqn import clean_fqn
 from tunelab.errors import CheckpointError
+from tunelab.formats.hf import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, HFCheckpointReader
+from tunelab.formats.mxfp4 import dequantize_mxfp4
 from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.models.families import args_from_hf, read_hf_config

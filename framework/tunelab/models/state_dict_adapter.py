@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tunelab._torch_compat import local_shape_and_global_offset
-from tunelab.checkpoint.hf import hf_dtype_name
 from tunelab.errors import CheckpointError
+from tunelab.formats.hf import hf_dtype_name
 from tunelab.models.args import ModelArgs
 
 TIED_HEAD_KEY = "lm_head.weight"
@@ -68,7 +68,7 @@ class StateDictAdapter:
         """The keys of an MXFP4 form of an HF tensor a file may hold instead of it, else None.
 
         gpt-oss's hub checkpoints keep each expert weight ``[E, in, out]`` as
-        ``(key_blocks, key_scales)`` (``tunelab.checkpoint.mxfp4``), quantized along ``in``:
+        ``(key_blocks, key_scales)`` (``tunelab.formats.mxfp4``), quantized along ``in``:
         dequantized they give ``[E, out, in]``, the tensor transposed over its last two
         dimensions. The loader dequantizes them (each rank only its experts).
 

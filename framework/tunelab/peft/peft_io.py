@@ -22,10 +22,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab._fs import fsync_path
 from tunelab._model_files import model_file
-from tunelab.checkpoint.integrity import write_bytes
-from tunelab.checkpoint.layout import temporary_name, write_manifest
 from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs, read_adapter_config
 from tunelab.errors import CheckpointError
+from tunelab.formats.integrity import write_bytes
+from tunelab.formats.layout import temporary_name, write_manifest
 from tunelab.peft.apply import lora_modules
 from tunelab.peft.state import (
     adapter_state_dict,

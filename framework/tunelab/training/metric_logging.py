@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunelab.checkpoint.layout import temporary_name
 from tunelab.errors import ConfigError, first_line
+from tunelab.formats.layout import temporary_name
 
 
 class MetricLogger(Protocol):
