@@ -6,8 +6,15 @@ Mixtral (sparse upcycling, Komatsuzaki et al., 2022, https://arxiv.org/abs/2212.
 same embeddings, attention and norms, and in each layer 4 experts that start as copies of the
 dense MLP (plus noise of 1e-3 of its scale, so they can drift apart) under a random top-2
 router. With the top-2 weights renormalised, it computes about what the tiny Llama computes,
-so LoRA fine-tuning starts from a meaningful base. Saved in bfloat16, in the hub's per-expert
-layout (``block_sparse_moe.experts.N.w1/w2/w3``), beside copies of the tiny tokenizer files.
+so LoRA fine-tuning starts from a meaningful base. Saved in the hub's per-expert layout
+(``block_sparse_moe.experts.N.w1/w2/w3``), beside copies of the tiny tokenizer files.
+
+Stored in float32, the dtype its configs train in (``configs/tiny/moe_lora.yaml``:
+``dtype: fp32``), so ``config.json`` says ``float32`` and transformers loads it so by default:
+the PEFT snippet of the docs then gives the merged export's logits (a bfloat16 base was 0.1
+away). The values are rounded to bfloat16 first, as the asset always held them (every value
+exactly a bfloat16), so loading it in bfloat16 loses nothing and every run on it computes what
+it computed before.
 """
 
 import argparse
@@ -70,7 +77,7 @@ def build(out: Path) -> None:
                 noise = torch.randn(stacked.shape) * (1e-3 * weight.std())
                 stacked.copy_(weight.expand_as(stacked) + noise)
             layer.mlp.gate.weight.normal_(0.0, 0.02)
-    model.to(torch.bfloat16).eval().save_pretrained(out)
+    model.to(torch.bfloat16).to(torch.float32).eval().save_pretrained(out)
     for name in _COPIED:
         shutil.copyfile(SOURCE_DIR / name, out / name)
     (out / "model.safetensors").chmod(0o644)
