@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from collections import Counter
 from itertools import islice
 
 import pytest
@@ -393,3 +394,120 @@ def test_parquet_conversations_stream_as_the_materialised_path_reads_them(tmp_pa
     after = next(k for k, (_, where) in enumerate(whole) if where == location) + 1
     resumed = [item for item, _ in streamed.items(0, 0, location)]
     assert resumed == [item for item, _ in whole[after:]] and len(resumed) >= 50
+
+
+def _rows_of_the_files(tokenizer, shards, tmp_path) -> Counter:
+    """Every row's tokens, counted, read the materialised way (no streaming code)."""
+    files = sorted(str(f) for f in shards.iterdir())
+    materialised = instruct_dataset(
+        tokenizer, source="json", data_files=files, template="instruct", max_seq_len=64,
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    return Counter(tuple(materialised[i]["tokens"]) for i in range(len(materialised)))
+
+
+def _epochs_through_loaders(dataset, world_size, global_batch, num_epochs, rank=None):
+    """Each epoch's items (tokens) as the ranks' loaders give them over a whole epoch.
+
+    ``rank`` None simulates every rank here (items in global order); a rank number gives only
+    that rank's items (a real process group of ``world_size``). The position is saved and
+    restored at each epoch boundary, as a run resumed from its epoch-end checkpoint does.
+    """
+    micro_batch = global_batch // world_size
+    num_steps = NUM_SHARDS * ROWS_PER_SHARD // global_batch
+    ranks = range(world_size) if rank is None else [rank]
+    positions = {
+        r: StreamPosition(num_sources=len(dataset.sources), num_replicas=world_size, seed=5)
+        for r in ranks
+    }
+    epochs = []
+    for epoch in range(num_epochs):
+        loaders = {}
+        for r, position in positions.items():
+            position.set_epoch(epoch)
+            loader = StreamLoader(
+                dataset, position, batch_size=micro_batch, collate_fn=list, rank=r
+            )
+            loaders[r] = iter(loader)
+        items = []
+        for _ in range(num_steps):
+            per_rank = {r: next(loader) for r, loader in loaders.items()}
+            items += [per_rank[r][i]["tokens"] for i in range(micro_batch) for r in ranks]
+            for position in positions.values():
+                position.advance(micro_batch)
+        epochs.append(items)
+        for r, position in positions.items():  # the epoch-end checkpoint, restored
+            state = json.loads(json.dumps(position.state_dict()))
+            positions[r] = StreamPosition(
+                num_sources=len(dataset.sources), num_replicas=world_size, seed=5
+            )
+            positions[r].load_state_dict(state)
+    return epochs
+
+
+def _assert_every_row_once_per_epoch(epochs: list[list], rows: Counter) -> None:
+    for epoch, items in enumerate(epochs):
+        seen = Counter(tuple(tokens) for tokens in items)
+        assert len(items) == sum(rows.values()), epoch
+        missing, repeated = rows - seen, seen - rows
+        assert not missing and not repeated, (epoch, len(missing), len(repeated))
+    # Each epoch has its own shuffle (windows permuted with the epoch's seed).
+    assert all(a != b for a, b in zip(epochs, epochs[1:]))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_row_once_per_epoch_over_every_window_and_epoch(
+    tokenizer, shards, tmp_path, world_size
+):
+    """All 26 shuffle windows of 7 rows (the last one of 5), steps of 12 items that straddle
+    windows, three epochs with a saved and restored position at each boundary."""
+    rows = _rows_of_the_files(tokenizer, shards, tmp_path)
+    assert sum(rows.values()) == NUM_SHARDS * ROWS_PER_SHARD
+    dataset = stream(tokenizer, shards, shuffle_buffer_size=7)
+    epochs = _epochs_through_loaders(dataset, world_size, 12, 3)
+    _assert_every_row_once_per_epoch(epochs, rows)
+    # Every window is shuffled within itself, the last ones too, not only the first.
+    (in_order,) = _epochs_through_loaders(
+        stream(tokenizer, shards, shuffle_buffer_size=1), 1, 12, 1
+    )
+    windows = [slice(start, start + 7) for start in range(0, len(in_order), 7)]
+    for items in epochs:
+        for window in windows:
+            assert sorted(items[window]) == sorted(in_order[window]), window
+        assert sum(items[window] != in_order[window] for window in windows) > len(windows) // 2
+        assert items[windows[-1]] != in_order[windows[-1]]
+
+
+def _coverage_rank(rank, init_file, folder, result_dir):
+    """One of 2 gloo ranks: its items of 2 whole epochs through its own StreamLoader."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
+        dataset = stream(tokenizer, folder, shuffle_buffer_size=7)
+        epochs = _epochs_through_loaders(dataset, 2, 12, 2, rank=rank)
+        (result_dir / f"coverage{rank}.json").write_text(json.dumps(epochs))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_together_train_every_row_once_per_epoch(tokenizer, shards, tmp_path):
+    """Two real gloo ranks (each tokenizes its share of a window and gathers the rest):
+    their micro-batches together hold every row exactly once in each of two epochs."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_coverage_rank, args=(str(tmp_path / "init"), shards, tmp_path), nprocs=2, join=True)
+    per_rank = [json.loads((tmp_path / f"coverage{r}.json").read_text()) for r in range(2)]
+    # Global order: step k's micro-batch item i of rank r is global item 2 * (6k + i) + r.
+    epochs = [
+        [tokens for pair in zip(*(ranks[e] for ranks in per_rank), strict=True) for tokens in pair]
+        for e in range(2)
+    ]
+    rows = _rows_of_the_files(tokenizer, shards, tmp_path)
+    _assert_every_row_once_per_epoch(epochs, rows)
+    # The ranks split each step's items: neither trains the other's.
+    for epoch in range(2):
+        assert not {tuple(t) for t in per_rank[0][epoch]} & {tuple(t) for t in per_rank[1][epoch]}
+    single = _epochs_through_loaders(stream(tokenizer, shards, shuffle_buffer_size=7), 2, 12, 2)
+    assert epochs == single
