@@ -5,6 +5,7 @@ waiting in the next collective for ``collective_timeout_s`` (30 minutes by defau
 line then named neither the reward nor the rank.
 """
 
+import os
 import subprocess
 import textwrap
 import time
@@ -39,19 +40,20 @@ def test_a_hung_reward_stops_the_run_naming_the_reward_and_the_rank(tmp_path):
         "rewards=[{_component_: hanging_reward.hang_on_rank_1}]", "reward_weights=null",
         "reward_timeout_s=2",
     ]  # fmt: skip
+    pythonpath = os.environ.get("PYTHONPATH", "")
     start = time.monotonic()
     result = subprocess.run(
         command,
         capture_output=True,
         text=True,
-        env=run_env(PYTHONPATH=str(tmp_path)),
+        env=run_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), pythonpath]))),
         timeout=RECIPE_TIMEOUT_S,
     )
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-3000:]
     expected = (
         "reward hang_on_rank_1 did not return within reward_timeout_s=2 s on rank 1 "
-        "(scoring 8 completions)"
+        "(scoring 16 completions)"
     )
     lines = [line for line in result.stderr.splitlines() if "tunelab: error:" in line]
     assert len(lines) == 1 and expected in lines[0], result.stderr[-3000:]
