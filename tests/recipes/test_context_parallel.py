@@ -156,9 +156,17 @@ def test_full_finetune_with_cp2_equals_the_unsplit_run(window_model, tmp_path):
 
 
 @pytest.mark.parametrize("scope", ["block", "attention"])
-def test_cp2_with_selective_checkpointing_equals_the_unsplit_run(runs, window_model, tmp_path,
-                                                                 scope):  # fmt: skip
-    # The recomputed forward gathers keys and values again in the backward.
+def test_cp2_with_selective_checkpointing_equals_the_unsplit_run_and_offload_is_a_cpu_no_op(
+    runs, window_model, tmp_path, scope
+):
+    """cp 2 with selective checkpointing trains as the unsplit run (the recomputed forward
+    gathers keys and values again in the backward).
+
+    ``offload_activations=true`` is given only to check that the setting is accepted with cp
+    and checkpointing and that the CPU no-op is said once: on CPU ``ActivationOffload`` does
+    nothing, so this test says nothing about offloading itself. That is
+    tests/unit/test_activation_memory.py's CUDA test, which skips without a GPU (not yet run).
+    """
     whole, _ = runs
     out = tmp_path / "cp2_checkpointed"
     result = _run(
