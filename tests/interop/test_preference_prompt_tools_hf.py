@@ -189,7 +189,10 @@ def test_bad_tool_rows_are_one_error_naming_the_row(pairs, tmp_path):
     ):
         preference_dataset(tok, source=source, cache_dir=str(tmp_path / "cache"))
     source = write_rows(tmp_path / "prompts.jsonl", [{"prompt": bad_arguments}])
-    with pytest.raises(DataError, match=r"row 0: .*arguments: not valid JSON"):
+    with pytest.raises(
+        DataError,
+        match=r"prompts\.jsonl:1: row 0 \(0-based\), column 'prompt': .*arguments: not valid JSON",
+    ):
         prompt_dataset(tok, source=source)
     # A named format (a base model's) takes plain messages only.
     source = write_rows(tmp_path / "tools.jsonl", [{**good, "prompt": PROMPT}])

@@ -189,6 +189,16 @@ RULES: dict[str, ComponentRules] = {
         },  # fmt: skip
         check_data_source,
     ),
+    # GRPO's prompts: the sources and source options of the datasets above.
+    "tunelab.data.prompts.prompt_dataset": ComponentRules(
+        {
+            **{key: _DATASET[key] for key in ("source", "split", "skip_malformed")},
+            "allow_unknown_tokens": bool,
+            "template": Template | None,
+            "prompt_column": Annotated[str, NonEmpty()],
+        },
+        check_data_source,
+    ),
     "tunelab.data.mix.mix_dataset": ComponentRules(
         {
             "weights": list[NonNegativeFloat],

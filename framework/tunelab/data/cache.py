@@ -399,9 +399,29 @@ def _open(folder: Path, kind: str) -> Any:
 def malformed_message(table: Any, row: int, source_names: list[str]) -> str:
     """What a malformed row's error says: ``file:line: row N (0-based), column: why``."""
     record = table[row]
-    name = source_names[record["source"]]
-    where = f"{name}:{record['line']}" if record["line"] is not None else name
+    return describe_malformed(
+        source_names[record["source"]],
+        record["line"],
+        record["row"],
+        record["column"],
+        record["problem"],
+    )
+
+
+def describe_malformed(
+    name: str, line: int | None, row: int, column: str | None, problem: str
+) -> str:
+    """``file:line: row N (0-based), column 'c': why (set skip_malformed: true ...)``.
+
+    Args:
+        name: The source's name (its file, or a hub split).
+        line: The row's 1-based line in a JSON file, or None.
+        row: The row's 0-based position in its source.
+        column: The column at fault (``(whole row)`` when it is the row itself).
+        problem: What is wrong.
+    """
+    where = f"{name}:{line}" if line is not None else name
     return (
-        f"{where}: row {record['row']} (0-based), column {record['column']!r}: "
-        f"{record['problem']} (set skip_malformed: true to skip such rows)"
+        f"{where}: row {row} (0-based), column {column!r}: {problem} "
+        "(set skip_malformed: true to skip such rows)"
     )

@@ -4,33 +4,38 @@ The prompt is a string (one user message) or a list of chat messages; it is rend
 tokenizer's chat template and ``add_generation_prompt`` (``template: auto``), with a named
 format for a base model, or encoded as raw text (``template: null``). With the chat template the
 messages may carry tool calls, tool results and reasoning, and a row's ``tools`` and
-``documents`` are passed to it, as ``chat_dataset`` does (``tunelab.data.conversations``). The rows stay as read,
-so a reward can read any column (``answer``, test cases, ...).
+``documents`` are passed to it, as ``chat_dataset`` does (``tunelab.data.conversations``). The
+rows stay as read, so a reward can read any column (``answer``, test cases, ...).
 
-Rows are read with the same sources as the SFT and preference datasets (JSON/JSONL, parquet,
-csv, Arrow, local folders, the hub). Prompt sets are small next to SFT corpora and each rank
-reads and renders them itself; the tokenized cache the other datasets use is not used here.
+Rows are read with the same sources and source options as the SFT and preference datasets
+(JSON/JSONL, parquet, csv, Arrow, local folders, the hub; ``data_files``, ``split``,
+``skip_malformed``, ``allow_unknown_tokens``), and a malformed row is named as theirs are
+(``file:line: row N (0-based), column 'prompt': why``) or skipped and counted. Prompt sets are
+small next to SFT corpora and each rank reads and renders them itself; the tokenized cache the
+other datasets use is not used here.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from tunelab.data.cache import describe_malformed
 from tunelab.data.chat import apply_chat_template
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.conversations import check_parts, read_documents, read_part, read_tools
 from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
-from tunelab.data.sources import resolve_sources
+from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source, resolve_sources
 from tunelab.data.templates import tokenize_messages
-from tunelab.data.tokenizer import Tokenizer
+from tunelab.data.tokenizer import UNKNOWN_CHECK_SAMPLES, Tokenizer, check_tokens_fit
 from tunelab.errors import DataError
 
 __all__ = ["PromptDataset", "padded_collate_prompts", "prompt_dataset"]
@@ -43,13 +48,20 @@ class PromptDataset(Dataset):
         rows: The rows as read (every column), by index.
         prompts: The rendered prompt texts (what the model sees), by index.
         num_truncated: Prompts cut to ``max_prompt_tokens`` (their start is dropped).
+        num_skipped: Malformed rows skipped (``skip_malformed``); not in ``rows``.
     """
 
     def __init__(
-        self, tokens: list[list[int]], prompts: list[str], rows: list[dict], num_truncated: int
+        self,
+        tokens: list[list[int]],
+        prompts: list[str],
+        rows: list[dict],
+        num_truncated: int,
+        num_skipped: int = 0,
     ) -> None:
         self.tokens, self.prompts, self.rows = tokens, prompts, rows
         self.num_truncated = num_truncated
+        self.num_skipped = num_skipped
 
     def __len__(self) -> int:
         """Number of prompts."""
@@ -60,23 +72,46 @@ class PromptDataset(Dataset):
         return {"prompt_tokens": self.tokens[index], "index": index}
 
 
-def _read_rows(source: str, data_files: Any, split: str, **kwargs: Any) -> list[dict]:
-    rows: list[dict] = []
-    for src in resolve_sources(source, data_files, split, **kwargs):
+@dataclass
+class _Row:
+    """A source row and where it comes from (for ``file:line: row N`` errors)."""
+
+    source: str
+    line: int | None
+    index: int
+    value: dict[str, Any] | None
+    problem: str | None = None
+
+
+def _read_rows(sources: list[Source], column: str) -> Iterator[_Row]:
+    """Every row of ``sources``, in order; a broken JSON line is a row with its ``problem``.
+
+    Raises:
+        DataError: If a source has no ``column`` in any row (a configuration mistake: never
+            skipped), or cannot be read.
+    """
+    for source in sources:
         with tempfile.TemporaryDirectory() as scratch:
-            raw = src.read(Path(scratch) / "rows.arrow")
-            if not raw.json_rows:
-                rows += [dict(row) for row in raw.dataset]
-                continue
-            for record in raw.dataset:
-                where = f"{src.name}:{record['_line']}" if record["_line"] else src.name
-                if record["_problem"]:
-                    raise DataError(f"{where}: {record['_problem']}")
-                row = json.loads(record["_json"])
-                if not isinstance(row, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-    return rows
+            raw = source.read(Path(scratch) / "rows.arrow")
+            if raw.has_objects and len(raw.dataset) and column not in raw.columns:
+                raise DataError(
+                    f"{source.name}: no column {column!r} (columns: "
+                    f"{', '.join(raw.columns) or 'none'}); name it with prompt_column"
+                )
+            for index, record in enumerate(raw.dataset):
+                if not raw.json_rows:
+                    yield _Row(source.name, None, index, dict(record))
+                    continue
+                line = record[JSON_LINE]
+                if record[JSON_PROBLEM] is not None:
+                    yield _Row(source.name, line, index, None, record[JSON_PROBLEM])
+                    continue
+                value = json.loads(record[JSON_TEXT])
+                if isinstance(value, dict):
+                    yield _Row(source.name, line, index, value)
+                else:
+                    problem = f"expected an object, got {type(value).__name__}"
+                    yield _Row(source.name, line, index, None, problem)
 
 
 def prompt_dataset(
@@ -89,16 +124,19 @@ def prompt_dataset(
     template: str | None = "auto",
     template_kwargs: dict[str, Any] | None = None,
     max_prompt_tokens: int | None = None,
+    skip_malformed: bool = False,
+    allow_unknown_tokens: bool = False,
     **load_dataset_kwargs: Any,
 ) -> PromptDataset:
     """Prompts to sample completions for, with their rows for the rewards.
 
     Args:
         tokenizer: The tokenizer (passed by the recipe).
-        source: As ``chat_dataset``'s: ``json`` with ``data_files``, a local file or folder,
-            or a hub dataset id.
-        data_files: File path(s) for a loader ``source``.
-        split: Split to read.
+        source: As ``chat_dataset``'s: ``json`` / ``parquet`` / ``csv`` / ``text`` with
+            ``data_files``, a local file (its suffix decides) or folder, or a hub dataset id.
+        data_files: File path(s) for a loader ``source`` (a string, a list, or a dict of split
+            name to paths).
+        split: Split to read (from a hub dataset, a folder, or a ``data_files`` dict).
         prompt_column: The column with the prompt: a string (one user message) or a list of
             messages. With a chat template they may carry tool calls, tool results and
             reasoning as ``chat_dataset``'s rows do, and the row's ``tools`` (JSON schemas)
@@ -109,31 +147,50 @@ def prompt_dataset(
             or None for the raw text (a string prompt, with BOS).
         template_kwargs: Extra variables for the chat template (``auto`` only).
         max_prompt_tokens: Keep only the last this many prompt tokens (None: no cut).
-        **load_dataset_kwargs: Passed to ``datasets.load_dataset``.
+        skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        allow_unknown_tokens: Build even when more than half of the content tokens of the first
+            prompts are the tokenizer's unknown or padding token (by default that stops the
+            build: the tokenizer does not fit the data).
+        **load_dataset_kwargs: Passed to ``datasets.load_dataset`` (for a JSON file only
+            ``field``, read as the other datasets read it).
 
     Returns:
         The dataset.
 
     Raises:
-        DataError: A missing file or column, a malformed row (file:line, column), or a row
-            the chat template refuses.
+        DataError: A missing file or column, a malformed row (``file:line: row N (0-based),
+            column: why``, unless ``skip_malformed``), a row the chat template refuses, a chat
+            template that overruns its render budget, or a tokenizer that does not fit.
         ConfigError: An unknown template, or ``auto`` with a tokenizer without a template.
     """
-    rows = _read_rows(source, data_files, split, **load_dataset_kwargs)
-    if not rows:
-        raise DataError(f"{source}: no rows")
+    # Settings first: a config mistake is said before any row is read.
     chosen = None if template is None else resolve_template(tokenizer, template, template_kwargs)
-    tokens, prompts, truncated = [], [], 0
-    for number, row in enumerate(rows):
+    sources = resolve_sources(source, data_files, split, **load_dataset_kwargs)
+    tokens, prompts, rows = [], [], []
+    num_truncated = num_skipped = 0
+    for row in _read_rows(sources, prompt_column):
         try:
-            ids = _render(tokenizer, chosen, row, prompt_column, template_kwargs)
-        except (BadRow, ChatTemplateError) as error:
-            raise DataError(f"{source}: row {number}: {error}") from None
+            if row.value is None:
+                raise BadRow("(whole row)", row.problem or "not a row")
+            ids = _render(tokenizer, chosen, row.value, prompt_column, template_kwargs)
+        except BadRow as bad:
+            if skip_malformed:
+                num_skipped += 1
+                continue
+            message = describe_malformed(row.source, row.line, row.index, bad.column, bad.problem)
+            raise DataError(message) from None
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            ids, truncated = ids[-max_prompt_tokens:], truncated + 1
+            ids, num_truncated = ids[-max_prompt_tokens:], num_truncated + 1
         tokens.append(ids)
         prompts.append(tokenizer.decode(ids, skip_special_tokens=False))
-    return PromptDataset(tokens, prompts, rows, truncated)
+        rows.append(row.value)
+    names = ", ".join(source.name for source in sources)
+    if not rows:
+        skipped = f" ({num_skipped} malformed rows skipped)" if num_skipped else ""
+        raise DataError(f"{names}: no usable rows{skipped}")
+    if not allow_unknown_tokens:
+        check_tokens_fit(tokenizer, tokens[:UNKNOWN_CHECK_SAMPLES], names)
+    return PromptDataset(tokens, prompts, rows, num_truncated, num_skipped)
 
 
 def _render(
@@ -143,9 +200,12 @@ def _render(
     column: str,
     template_kwargs: Mapping[str, Any] | None,
 ) -> list[int]:
-    if column not in row:
-        raise BadRow(column, f"missing column (the row has {sorted(row)})")
-    value = row[column]
+    """The prompt's token ids.
+
+    Raises:
+        BadRow: If the prompt is missing, empty or malformed, or the template refuses it.
+    """
+    value = row.get(column)
     if template is None:
         return tokenizer.encode(read_text(row, column), add_bos=True)
     if isinstance(template, ChatTemplate):
@@ -153,15 +213,18 @@ def _render(
         # row's tools and documents: the prompt as the model is served it.
         messages = read_part(value, column, "user")
         check_parts(messages, len(messages), column)
-        return apply_chat_template(
-            tokenizer,
-            messages,
-            add_generation_prompt=True,
-            tools=read_tools(row, "tools"),
-            documents=read_documents(row, "documents"),
-            template_kwargs=template_kwargs,
-            template=template,
-        )
+        try:
+            return apply_chat_template(
+                tokenizer,
+                messages,
+                add_generation_prompt=True,
+                tools=read_tools(row, "tools"),
+                documents=read_documents(row, "documents"),
+                template_kwargs=template_kwargs,
+                template=template,
+            )
+        except ChatTemplateError as error:  # the template refuses this row: a malformed row
+            raise BadRow(column, str(error)) from None
     pairs = [("user", read_text(row, column))] if isinstance(value, str) else None
     pairs = pairs or read_messages(value, column)
     messages = to_messages(pairs, train_on_input=False)
