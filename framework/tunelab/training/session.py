@@ -11,6 +11,7 @@ dataclass calls them unchanged.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from tunelab.training.setup import build_dataloader, build_stream_loader
 
 if TYPE_CHECKING:
     from tunelab.checkpoint import CheckpointClient
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -135,6 +138,7 @@ def build_data(
         "context_parallel_size": context_parallel_size,
     }
     train = instantiate(dataset, tokenizer=tokenizer)
+    log_data_counts("dataset", train)
     if isinstance(train, StreamingDataset):
         return _stream_data(
             train, tokenizer, common, val_dataset, max_steps_per_epoch, index_pairs,
@@ -146,6 +150,7 @@ def build_data(
     val_loader = None
     if val_dataset is not None:
         validation = instantiate(val_dataset, tokenizer=tokenizer)
+        log_data_counts("val_dataset", validation)
         val_loader, _ = build_dataloader(
             validation, **common, shuffle=False, pad_id=tokenizer.pad_id
         )
@@ -165,6 +170,39 @@ def build_data(
     return TrainingData(
         loader, sampler, val_loader, steps_per_epoch, gradient_accumulation_steps, samples_per_step
     )
+
+
+# What a built dataset left out, as its attributes count it, in the start line's words.
+_LEFT_OUT = (
+    ("num_skipped", "malformed rows skipped"),
+    ("num_truncated", "truncated"),
+    ("num_dropped", "dropped"),
+)
+
+
+def log_data_counts(name: str, dataset: Any) -> None:
+    """Say at the start what the dataset left out, in one line.
+
+    ``dataset: 298 items (malformed rows skipped: 2, truncated: 5, dropped: 0)``. A run with
+    ``skip_malformed: true`` otherwise trains on fewer rows than the file holds without a
+    word. Logged at INFO, which only rank 0 shows. A stream (``streaming: true``)
+    skips its malformed rows as it reads them: nothing is counted ahead, nothing said here.
+
+    Args:
+        name: The dataset's setting (``dataset``, ``val_dataset``).
+        dataset: The built dataset; the counts it has (``num_skipped``, ``num_truncated``,
+            ``num_dropped``) are said, each even when 0.
+    """
+    if isinstance(dataset, StreamingDataset) or not hasattr(dataset, "__len__"):
+        return
+    counts = [
+        f"{words}: {getattr(dataset, attribute)}"
+        for attribute, words in _LEFT_OUT
+        if isinstance(getattr(dataset, attribute, None), int)
+    ]
+    said = f" ({', '.join(counts)})" if counts else ""
+    kind = "packs" if getattr(dataset, "packed", False) else "items"
+    logger.info("%s: %d %s%s", name, len(dataset), kind, said)
 
 
 def _stream_data(
