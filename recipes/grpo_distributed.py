@@ -46,6 +46,7 @@ from tunelab.training import (
     SamplingSettings,
     Schedule,
     StepProfiler,
+    bound_prompt_lengths,
     build_checkpoint_client,
     build_data,
     build_model,
@@ -160,6 +161,14 @@ def main(args: GRPOArgs) -> None:
         decode=tokenizer.decode,
         gather_once=args.rollout_gather_once,
         merge_adapters=args.rollout_merge_adapters,
+    )
+    # Every prompt fits the context with its completion (longer ones keep their last tokens,
+    # counted), and a micro-batch's KV cache fits the device: checked before any allocation.
+    prompt_sets = {"dataset": data.loader.dataset}
+    if data.val_loader is not None:
+        prompt_sets["val_dataset"] = data.val_loader.dataset
+    bound_prompt_lengths(
+        engine, prompt_sets, tokenizer, rows=data.loader.batch_size * args.num_generations
     )
     rewards = Rewards(args.rewards, args.reward_weights, timeout_s=args.reward_timeout_s)
     groups = GroupSampler(

@@ -16,7 +16,7 @@ calls, each with one job:
   :func:`rollout_batch`, :func:`completion_logps`, :class:`Rollout`, :func:`global_sums`,
   :func:`write_completions`, :class:`GroupSampler` (sample, score, refill),
   :func:`store_logps`, :func:`policy_gradient_pass`, :func:`step_counts`,
-  :func:`grpo_metrics`, :class:`RolloutValidation`;
+  :func:`grpo_metrics`, :class:`RolloutValidation`, :func:`bound_prompt_lengths`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, benchmarks, export,
   save, stop), with :class:`Schedule`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
   ``tunelab.eval.TrainingEval``), :class:`MetricLoggers`, :class:`ProgressBar`,
@@ -37,6 +37,7 @@ from tunelab.training.grpo import (
     store_logps,
     write_completions,
 )
+from tunelab.training.grpo_lengths import bound_prompt_lengths, cut_prompts
 from tunelab.training.grpo_rollouts import (
     GroupSampler,
     ScoredGroups,
@@ -127,6 +128,8 @@ __all__ = [
     "refill_indices",
     "step_counts",
     "store_logps",
+    "bound_prompt_lengths",
+    "cut_prompts",
     "Rewards",
     "completion_length_reward",
     "exact_answer_reward",

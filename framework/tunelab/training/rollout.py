@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import hold_gathered
+from tunelab.distributed.frozen_base import memory_budget_bytes
+from tunelab.errors import ConfigError
 from tunelab.peft import merged_adapters
 from tunelab.training.reference import reshard_all
 
@@ -166,6 +168,10 @@ class ModelRolloutEngine:
         gather_once: Hold the FSDP2-gathered parameters for the whole call (see above).
         merge_adapters: Merge LoRA adapters into temporary weights for the call (see above).
 
+    Before it allocates anything, each call checks its lengths (:meth:`check_lengths`): the
+    longest prompt plus ``max_new_tokens`` must fit the model's context, and the KV cache must
+    fit the memory free on the device.
+
     Raises:
         ValueError: ``stop_strings`` without ``decode``.
     """
@@ -195,6 +201,57 @@ class ModelRolloutEngine:
     def update_weights(self, model: nn.Module) -> None:
         """Nothing to do: the engine samples from the live model."""
 
+    def kv_cache_bytes(self, rows: int, length: int) -> int:
+        """Bytes of the KV cache :meth:`generate` allocates for ``rows`` sequences of ``length``.
+
+        Every block holds keys and values ``[rows, num_kv_heads, length, head_dim]`` in the
+        embedding's dtype (``TransformerDecoder.setup_caches``).
+        """
+        args = self.model.args
+        element = self.model.model.embed_tokens.weight.element_size()
+        return rows * length * args.num_layers * 2 * args.num_kv_heads * args.head_dim * element
+
+    def check_lengths(self, rows: int, prompt_tokens: int) -> None:
+        """Refuse a generation the model's context or the device's memory cannot take.
+
+        Called before anything is allocated, so ``max_new_tokens=1000000000`` is one line with
+        the number and the settings to change, not an allocation of terabytes.
+
+        Args:
+            rows: Sequences generated together (``batch_size x num_generations`` in training).
+            prompt_tokens: The longest prompt.
+
+        Raises:
+            ConfigError: The prompt and ``max_new_tokens`` exceed ``max_position_embeddings``,
+                or the KV cache is larger than the memory this process may use
+                (:func:`~tunelab.distributed.frozen_base.memory_budget_bytes`, plus what
+                torch's CUDA allocator holds unused).
+        """
+        new_tokens = self.settings.max_new_tokens
+        args = self.model.args
+        length = prompt_tokens + new_tokens
+        if length > args.max_seq_len:
+            raise ConfigError(
+                f"a prompt of {prompt_tokens} tokens + max_new_tokens {new_tokens} = {length} "
+                f"exceed the model's context (max_position_embeddings {args.max_seq_len}); "
+                "lower max_new_tokens or dataset.max_prompt_tokens"
+            )
+        device = self.model.model.embed_tokens.weight.device
+        needed = self.kv_cache_bytes(rows, length)
+        free = memory_budget_bytes(device)
+        if device.type == "cuda":  # blocks torch holds but does not use are free to it
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if needed > free:
+            element = self.model.model.embed_tokens.weight.element_size()
+            raise ConfigError(
+                f"generating needs {needed / 2**30:.1f} GiB for the KV cache ({rows} sequences "
+                f"(batch_size x num_generations) x ({prompt_tokens} prompt + {new_tokens} new "
+                f"tokens) x {args.num_layers} layers x 2 x {args.num_kv_heads} KV heads x "
+                f"{args.head_dim} x {element} bytes), more than the {free / 2**30:.1f} GiB "
+                f"free for this process on {device}; lower max_new_tokens, batch_size or "
+                "num_generations (or dataset.max_prompt_tokens)"
+            )
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         """Sample one completion per prompt (see :class:`RolloutEngine`)."""
@@ -204,8 +261,9 @@ class ModelRolloutEngine:
             raise ValueError("every prompt needs at least one token")
         device = model.model.embed_tokens.weight.device
         rows = len(prompts)
+        width = max(len(prompt) for prompt in prompts)
+        self.check_lengths(rows, width)
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
-        width = int(lengths.max())
         tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = torch.tensor(prompt)
