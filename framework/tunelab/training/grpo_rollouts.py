@@ -110,9 +110,11 @@ class GroupSampler:
         batch = rollout_batch(prompts, completions, self.pad_id, self.device)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         extra = {"round": refill_round} if refill_round else {}
+        # The token ids too: decoded text does not always encode back to them (a byte-level
+        # BPE splits differently, a stop token is not in the text), and the loss is theirs.
         records = [
             {"index": indices[i // group], "sample": i % group, **extra, "completion": text,
-             "reward": float(total[i])}
+             "completion_ids": list(completions[i]), "reward": float(total[i])}
             for i, text in enumerate(texts)
         ]  # fmt: skip
         sums: dict[str, float] = {"num_tokens": float((lengths * keep).sum())}
