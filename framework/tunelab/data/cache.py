@@ -169,8 +169,9 @@ logger = logging.getLogger(__name__)
 
 # Bump when the table's layout or the tokenizing code changes what a fingerprint stands for.
 # 2: one sample per conversation unless a turn is shown otherwise; tool rows. 3: preference
-# rows with tool calls and reasoning (cached as malformed before).
-CACHE_FORMAT = 3
+# rows with tool calls and reasoning (cached as malformed before). 4: tool calls checked
+# against the row's declared tools (cached as samples before).
+CACHE_FORMAT = 4
 _MANIFEST = "tunelab_tokenized.json"
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker,
 # tokenizing in the leader itself is faster.

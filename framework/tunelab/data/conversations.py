@@ -17,6 +17,10 @@ A row's conversation is read into the messages ``transformers``' ``apply_chat_te
 - ShareGPT: ``function_call`` turns (a ``{"name", "arguments"}`` object as JSON text, or a list
   of them) become assistant tool calls, ``observation`` (or ``tool``) turns tool results.
 
+When the row declares ``tools``, each call must name one of them, and its arguments must fit
+that tool's ``parameters`` JSON schema (``tunelab.data._tool_schema``: types, properties,
+required, enum, items, ...); a row without ``tools`` has nothing to check its calls against.
+
 A row that breaks these rules raises ``BadRow`` (a malformed row: one error naming
 ``file:line``, or skipped with ``skip_malformed``).
 """
@@ -27,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tunelab.data._tool_schema import schema_problem
 from tunelab.data.chat_template import REASONING_KEYS, ChatTemplate
 from tunelab.data.rows import BadRow, Render, conversation_style, read_text
 
@@ -181,6 +186,54 @@ def _check_tool_results(messages: list[dict[str, Any]], column: str, start: int 
             calls = None
 
 
+def _declared(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tool name -> its ``parameters`` schema (None when not given).
+
+    Tools in OpenAI's layout (``{"type": "function", "function": {...}}``) and bare function
+    objects (``{"name", "parameters"}``) alike.
+    """
+    declared: dict[str, Any] = {}
+    for tool in tools:
+        function = tool.get("function", tool)
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            declared[function["name"]] = function.get("parameters")
+    return declared
+
+
+def check_tool_calls(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, column: str
+) -> None:
+    """Every tool call names one of the row's declared tools, with arguments its schema takes.
+
+    A row that declares no tools has nothing to check its calls against (datasets that
+    describe their tools in the system message): its calls are left as they are.
+
+    Args:
+        messages: Messages as ``read_conversation`` / ``read_part`` return them (each call's
+            ``arguments`` an object).
+        tools: The row's tools (``read_tools``), or None.
+        column: The messages' column, for errors (they are numbered from 0 in it).
+
+    Raises:
+        BadRow: ``message 2: tool call 0 (get_weather): no tool 'get_weather' among the row's
+            tools (...)``, or ``...: arguments.location: expected string, got integer 3``
+            (``tunelab.data._tool_schema`` says which parts of JSON Schema are checked).
+    """
+    if not tools:
+        return
+    declared = _declared(tools)
+    for index, message in enumerate(messages):
+        for number, call in enumerate(message.get("tool_calls") or ()):
+            name = call["function"]["name"]
+            where = f"message {index}: tool call {number} ({name})"
+            if name not in declared:
+                known = ", ".join(map(repr, declared)) or "none with a name"
+                raise BadRow(column, f"{where}: no tool {name!r} among the row's tools ({known})")
+            problem = schema_problem(call["function"]["arguments"], declared[name])
+            if problem is not None:
+                raise BadRow(column, f"{where}: {problem} (the tool's parameters schema)")
+
+
 def read_conversation(value: Any, column: str, style: str = "auto") -> list[dict[str, Any]]:
     """Read and check a conversation for a chat template.
 
@@ -240,6 +293,7 @@ def check_parts(
     answer_start: int,
     prompt_column: str,
     answer_column: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> None:
     """Check a conversation joined from parts: tool results answer calls; the answer replies.
 
@@ -249,16 +303,21 @@ def check_parts(
             for a GRPO prompt).
         prompt_column: The prompt's column, for errors in the prompt.
         answer_column: The answer's column, for errors in the answer.
+        tools: The row's tools: each call must name one, with arguments its schema takes
+            (``check_tool_calls``).
 
     Raises:
-        BadRow: If a tool message answers no call, or the answer has no assistant turn or an
-            empty one (no content and no tool call).
+        BadRow: If a tool message answers no call, a call names no declared tool or breaks
+            its schema, or the answer has no assistant turn or an empty one (no content and
+            no tool call).
     """
     _check_tool_results(messages[:answer_start], prompt_column)
+    check_tool_calls(messages[:answer_start], tools, prompt_column)
     if answer_start == len(messages):
         return
     column = answer_column or prompt_column
     _check_tool_results(messages, column, start=answer_start)
+    check_tool_calls(messages[answer_start:], tools, column)
     replies = [m for m in messages[answer_start:] if m["role"] == "assistant"]
     if not replies:
         raise BadRow(column, "no assistant message")
@@ -325,6 +384,7 @@ class ChatRows:
         """Samples of one row; raises ``BadRow``."""
         messages = read_conversation(row.get(self.column), self.column, self.style)
         tools = read_tools(row, self.tools_column)
+        check_tool_calls(messages, tools, self.column)
         documents = read_documents(row, self.documents_column)
         if isinstance(self.render.template, ChatTemplate):
             return self.render.conversation(messages, self.column, tools, documents)

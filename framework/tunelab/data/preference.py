@@ -168,7 +168,7 @@ class PreferenceRows:
         sides = {}
         for side, answer in (("chosen", chosen), ("rejected", rejected)):
             column = self.columns[side]
-            check_parts(prompt + answer, len(prompt), self.prompt_column or column, column)
+            check_parts(prompt + answer, len(prompt), self.prompt_column or column, column, tools)
             sides[side] = _tokenize_side(
                 self.tokenizer, self.template, prompt + answer, len(prompt),
                 self.template_kwargs, column, tools, documents,

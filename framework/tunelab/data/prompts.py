@@ -212,13 +212,14 @@ def _render(
         # Messages as chat_dataset reads them (tool calls, tool results, reasoning), with the
         # row's tools and documents: the prompt as the model is served it.
         messages = read_part(value, column, "user")
-        check_parts(messages, len(messages), column)
+        tools = read_tools(row, "tools")
+        check_parts(messages, len(messages), column, tools=tools)
         try:
             return apply_chat_template(
                 tokenizer,
                 messages,
                 add_generation_prompt=True,
-                tools=read_tools(row, "tools"),
+                tools=tools,
                 documents=read_documents(row, "documents"),
                 template_kwargs=template_kwargs,
                 template=template,
