@@ -151,7 +151,7 @@ def test_the_first_overrun_stops_the_dataset_build_with_one_line(tmp_path, monke
     # next row and the next prefix render (300 rows: more than 30 min). The overrun is the
     # template's fault, so the first one ends the build.
     from tunelab._paths import assets_dir
-    from tunelab.data import chat_dataset, load_tokenizer
+    from tunelab.data import chat_dataset, load_tokenizer, prompt_dataset
 
     monkeypatch.setattr(_render_budget, "RENDER_SECONDS", 0.2)
     template = tmp_path / "bomb.jinja"
@@ -183,6 +183,12 @@ def test_the_first_overrun_stops_the_dataset_build_with_one_line(tmp_path, monke
         message = str(error.value)
         assert message.startswith(f"chat template {template}:") and "\n" not in message, message
         assert "render budget" in message and "row" not in message.split(":")[0], message
-    assert len(overruns) == 2, overruns  # one render each: 200 rows x 2 renders before
+    # GRPO's prompts, rendered by every rank itself, stop at the first overrun too.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "hi"}) + "\n" for _ in range(200)))
+    with pytest.raises(DataError) as error:
+        prompt_dataset(tokenizer, source=str(prompts), skip_malformed=True)
+    assert str(error.value).startswith(f"chat template {template}:"), error.value
+    assert len(overruns) == 3, overruns  # one render each: 200 rows x 2 renders before
     # 200 rows x 2 renders x 0.2 s took 80 s before.
     assert time.monotonic() - start < 40
