@@ -239,7 +239,7 @@ def main(args: GRPOArgs) -> None:
                     max_rounds=args.dynamic_sampling_refill_rounds,
                 )
             records = [record for part in scored for record in part.records]
-            write_completions(run.logs_dir / "completions.jsonl", global_step + 1, records)
+            write_completions(run.step_log("completions.jsonl"), global_step + 1, records)
             rollouts = [part.rollout for part in scored]
             counts = step_counts(scored, device)
             train_start = time.perf_counter()

@@ -62,13 +62,19 @@ def tunelab_run(recipe: str, config: str, *overrides: str, nproc: int = 2, check
     return result
 
 
-def interrupted_copy(source: Path, target: Path, *, after_step: int) -> Path:
-    """``source`` as a run killed right after committing step ``after_step`` would leave it."""
+def interrupted_copy(
+    source: Path, target: Path, *, after_step: int, keep_logs: bool = False
+) -> Path:
+    """``source`` as a run killed right after committing step ``after_step`` would leave it.
+
+    ``keep_logs``: keep ``logs/`` whole, with the steps after ``after_step`` (a run killed
+    later leaves some); the resume must trim them. Otherwise ``logs/`` is removed.
+    """
     shutil.copytree(source, target)
     for path in target.iterdir():
         if path.name.startswith("step_") and int(path.name.split("_")[1]) > after_step:
             shutil.rmtree(path)
-        elif path.name.startswith("epoch_") or path.name == "logs":
+        elif path.name.startswith("epoch_") or (path.name == "logs" and not keep_logs):
             shutil.rmtree(path)
     return target
 

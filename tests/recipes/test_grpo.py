@@ -5,17 +5,25 @@ Each run writes every completion to ``logs/completions.jsonl`` and its metrics t
 """
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.recipes.conftest import (
+    RECIPE_TIMEOUT_S,
+    TUNELAB,
     assert_same_exports,
     interrupted_copy,
     read_metrics,
+    run_env,
     torchrun,
     tunelab_run,
+    wait_for,
 )
+from tunelab.lifecycle import STEP_LOGS
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +84,111 @@ def test_two_processes_equal_one(two_processes, tmp_path):
     assert_same_exports(one, two_processes, atol=1e-4)
 
 
-def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path):
-    common = ("max_steps_per_epoch=6", "checkpoint.save_every_n_steps=3")
-    assert_exact_resume(tmp_path, common)
+SIX_STEPS = ("max_steps_per_epoch=6", "checkpoint.save_every_n_steps=3")
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory) -> Path:
+    """An uninterrupted 2-process run of SIX_STEPS: the reference of the resumed runs."""
+    out = tmp_path_factory.mktemp("grpo") / "six_steps"
+    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", *SIX_STEPS)
+    return out
+
+
+def test_kill_and_resume_equals_the_uninterrupted_run(six_steps, tmp_path):
+    assert_exact_resume(tmp_path, SIX_STEPS, full=six_steps)
+
+
+def test_sigkill_of_rank_1_after_a_checkpoint_then_resume_logs_each_step_once(six_steps, tmp_path):
+    """Issue 38: rank 1 SIGKILLed in a step after step_3 committed; the logs hold later steps.
+
+    The resume starts from step_3 and logs steps 4-6 again: every per-step log (completions,
+    metrics) must then hold each step once, as the uninterrupted run's do.
+    """
+    out = tmp_path / "killed"
+    command = [
+        TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config", "tiny/grpo",
+        f"output_dir={out}", "batch_size=2", *SIX_STEPS,
+    ]  # fmt: skip
+    with open(tmp_path / "killed.out", "w+") as printed:
+        run = subprocess.Popen(
+            command, env=run_env(), stdout=printed, stderr=printed, start_new_session=True
+        )
+        try:
+            # Step 4's completions are written as it starts, after step_3 committed.
+            wait_for(
+                lambda: run.poll() is not None or 4 in _completion_steps(out),
+                RECIPE_TIMEOUT_S,
+                "step 4's completions",
+            )
+            rank_1 = [pid for pid in _workers(out) if _rank(pid) == "1"]
+            assert run.poll() is None and len(rank_1) == 1, (tmp_path / "killed.out").read_text()
+            os.kill(rank_1[0], signal.SIGKILL)
+            run.wait(RECIPE_TIMEOUT_S)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+    assert run.returncode != 0
+    committed = sorted(int(p.parent.name[5:]) for p in out.glob("step_*/tunelab_manifest.json"))
+    assert committed == [3]
+    assert max(_completion_steps(out)) > 3  # the logs hold steps past the checkpoint
+    tunelab_run(
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", *SIX_STEPS,
+        "checkpoint.resume_from_checkpoint=true",
+    )  # fmt: skip
+    assert_step_logs_equal(out, six_steps)
+    assert_same_exports(out, six_steps)
+
+
+def _completion_steps(output_dir: Path) -> set[int]:
+    """The steps in ``completions.jsonl`` (a line still being written is skipped)."""
+    path = output_dir / "logs" / "completions.jsonl"
+    steps = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            steps.add(json.loads(line)["step"])
+        except ValueError:
+            continue
+    return steps
+
+
+def _workers(output_dir: Path) -> list[int]:
+    """The processes whose command line names ``output_dir`` (the launcher and its workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(output_dir).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue  # it ended while we looked
+    return pids
+
+
+def _rank(pid: int) -> str | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), None)
+
+
+def assert_step_logs_equal(output_dir: Path, reference: Path) -> None:
+    """Every per-step log holds the reference run's records: each step once, in order.
+
+    ``completions.jsonl`` line for line (the same tokens and rewards); the other logs by step
+    and keys (their timings differ).
+    """
+    logs = [name for name in STEP_LOGS if (reference / "logs" / name).exists()]
+    assert "completions.jsonl" in logs and "metrics.jsonl" in logs
+    for name in logs:
+        ours = (output_dir / "logs" / name).read_text().splitlines()
+        theirs = (reference / "logs" / name).read_text().splitlines()
+        if name == "completions.jsonl":
+            assert ours == theirs, name
+        keys = [(r["step"], sorted(r)) for r in map(json.loads, ours)]
+        assert keys == [(r["step"], sorted(r)) for r in map(json.loads, theirs)], name
 
 
 # Full fine-tuning, with a greedy validation set every 2 steps and dynamic sampling refilled
@@ -111,11 +221,21 @@ def test_full_kill_and_resume_with_validation_and_refills(tmp_path):
     assert not (full / "epoch_0" / "adapter").exists()
 
 
-def assert_exact_resume(tmp_path: Path, overrides: tuple[str, ...], after_step: int = 3) -> Path:
-    """Run; kill after ``after_step``'s checkpoint; resume: the same completions, metrics, exports."""
-    full = tmp_path / "full"
-    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={full}", "batch_size=2", *overrides)
-    resumed = interrupted_copy(full, tmp_path / "resumed", after_step=after_step)
+def assert_exact_resume(
+    tmp_path: Path, overrides: tuple[str, ...], after_step: int = 3, full: Path | None = None
+) -> Path:
+    """Run; kill after ``after_step``'s checkpoint; resume: the same completions, metrics, exports.
+
+    The killed run's logs hold every step of the full run (a kill leaves the steps after its
+    checkpoint logged): the resume trims them, so each per-step log holds every step once.
+    ``full``: the uninterrupted run, if already made with ``overrides``.
+    """
+    if full is None:
+        full = tmp_path / "full"
+        tunelab_run(
+            "grpo_distributed", "tiny/grpo", f"output_dir={full}", "batch_size=2", *overrides
+        )
+    resumed = interrupted_copy(full, tmp_path / "resumed", after_step=after_step, keep_logs=True)
     tunelab_run(
         "grpo_distributed",
         "tiny/grpo",
@@ -124,9 +244,9 @@ def assert_exact_resume(tmp_path: Path, overrides: tuple[str, ...], after_step: 
         *overrides,
         "checkpoint.resume_from_checkpoint=true",
     )
-    expected = {k: v for k, v in completions(full).items() if k[0] > after_step}
-    assert completions(resumed) == expected  # the steps after it only, token for token
-    after = read_metrics(resumed)
+    assert completions(resumed) == completions(full)  # token for token
+    assert_step_logs_equal(resumed, full)
+    after = [m for m in read_metrics(resumed) if m["step"] > after_step]
     before = [m for m in read_metrics(full) if m["step"] > after_step]
     assert [sorted(m) for m in after] == [sorted(m) for m in before]
     for ours, theirs in zip(after, before, strict=True):

@@ -161,3 +161,50 @@ def test_a_manifest_that_is_a_fifo_or_a_link_is_unreadable_not_in_flight(tmp_pat
     # Clean-up leaves them (they hold a manifest entry): resume moves them aside instead.
     RunFolder(out).remove_leftovers()
     assert fifo_step.is_dir() and link_step.is_dir()
+
+
+def _write_steps(path, steps, extra=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f'{{"step": {s}, "value": {s}}}\n' for s in steps) + extra)
+
+
+def _steps(path):
+    import json
+
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_trim_step_logs_keeps_each_per_step_log_up_to_the_resumed_step(tmp_path):
+    from tunelab.lifecycle import STEP_LOGS
+
+    run = RunFolder(tmp_path)
+    assert {"metrics.jsonl", "completions.jsonl"} <= set(STEP_LOGS)
+    for name in STEP_LOGS:  # a kill in step 8 left steps 6-8 and half a line
+        _write_steps(run.step_log(name), [1, 2, 3, 4, 5, 6, 6, 7, 8], extra='{"step": 8, "va')
+    other = run.logs_dir / "notes.jsonl"  # not a per-step log: never touched
+    _write_steps(other, [1, 9])
+    assert run.trim_step_logs(5) == {name: 5 for name in STEP_LOGS}
+    for name in STEP_LOGS:
+        assert _steps(run.step_log(name)) == [1, 2, 3, 4, 5]
+    assert _steps(other) == [1, 9]
+    assert run.trim_step_logs(5) == {}  # nothing left to drop: the files are not rewritten
+    assert not [p for p in run.logs_dir.iterdir() if p.name.startswith(".")]  # no temporaries
+    assert run.trim_step_logs(0) == {name: 5 for name in STEP_LOGS}  # a fresh run
+    with pytest.raises(ValueError, match="not a per-step log"):
+        run.step_log("notes.jsonl")
+
+
+def test_a_metric_logger_built_before_the_trim_writes_into_the_trimmed_log(tmp_path):
+    """A recipe builds its loggers, then trims: the logger's next record must land in the file."""
+    from tunelab.training import JsonlLogger
+
+    run = RunFolder(tmp_path)
+    first = JsonlLogger(str(run.logs_dir))
+    for step in (1, 2, 3, 4):
+        first.log({"loss": float(step)}, step)
+    first.close()
+    resumed = JsonlLogger(str(run.logs_dir))
+    run.trim_step_logs(2)  # rewrites the file: no handle opened before may point at the old one
+    resumed.log({"loss": 30.0}, 3)
+    resumed.close()
+    assert _steps(run.step_log("metrics.jsonl")) == [1, 2, 3]

@@ -30,11 +30,17 @@ from tunelab.lifecycle.preemption import (
     stop_signals_blocked,
 )
 from tunelab.lifecycle.restarts import restart_of_job
-from tunelab.lifecycle.run_folder import CommittedCheckpoint, RunFolder, UnreadableCheckpoint
+from tunelab.lifecycle.run_folder import (
+    STEP_LOGS,
+    CommittedCheckpoint,
+    RunFolder,
+    UnreadableCheckpoint,
+)
 
 __all__ = [
     "LAUNCHER_PID_ENV",
     "LOCK_FILE_NAME",
+    "STEP_LOGS",
     "STOP_SIGNALS",
     "CommittedCheckpoint",
     "Preemption",

@@ -4,7 +4,7 @@ Every path inside ``output_dir`` is named here, and nowhere else::
 
     step_{N}/              resumable DCP checkpoint, committed by its manifest
     epoch_{E}/             Hugging Face export (``adapter/`` inside it for LoRA)
-    logs/                  metrics and each rank's traceback log (rank_{R}.log)
+    logs/                  per-step logs (STEP_LOGS), each rank's traceback log (rank_{R}.log)
     profile/               torch.profiler traces (rank_{R}.json)
     .tunelab.lock          held by the run's rank 0 for its whole life
     .tunelab_run           marks a folder tunelab made (what clean-up may touch)
@@ -13,7 +13,8 @@ Every path inside ``output_dir`` is named here, and nowhere else::
 It also owns what a run does with the folder as a whole, in the order a run needs it
 (:meth:`RunFolder.start`): take the lock first (a second run stops there, whatever the folder
 holds), then check the resume setting against the committed checkpoints, then remove what a
-killed run left. Discovery of committed checkpoints and retention are here too.
+killed run left. Discovery of committed checkpoints and retention are here too, and so is the
+trim of every per-step log when a run starts from a checkpoint (:meth:`RunFolder.trim_step_logs`).
 
 Trust: tunelab never follows a link inside ``output_dir``. A ``step_N`` or ``epoch_E`` entry
 that is a link is not a checkpoint or an export (it is never resumed, pruned or written
@@ -48,6 +49,16 @@ MARKER_NAME = ".tunelab_run"
 """Written when tunelab creates or first takes a folder: its leftovers there are its own."""
 LOGS_DIR_NAME = "logs"
 PROFILE_DIR_NAME = "profile"
+STEP_LOGS: tuple[str, ...] = (
+    "metrics.jsonl",  # JsonlLogger's default: every metric, validation and eval score
+    "completions.jsonl",  # grpo_distributed: every completion with its rewards
+)
+"""Every per-step log in ``logs/``: JSON Lines, one object per line with its ``step``.
+
+A run that starts from a checkpoint trims each to that step (:meth:`RunFolder.trim_step_logs`)
+before it logs the later steps again, so every step is in each file once. A new per-step log
+is one name here, written at :meth:`RunFolder.step_log`.
+"""
 _STEP_PATTERN = re.compile(r"^step_(\d+)$")
 _EPOCH_PATTERN = re.compile(r"^epoch_(\d+)$")
 # What a step folder holds when tunelab wrote it: DCP's files, the trainer state, the manifest
@@ -107,6 +118,46 @@ class RunFolder:
     def logs_dir(self) -> Path:
         """``logs/``: metrics files and the ranks' traceback logs."""
         return self.root / LOGS_DIR_NAME
+
+    def step_log(self, name: str) -> Path:
+        """``logs/{name}``: a per-step log, one of :data:`STEP_LOGS` (trimmed at a resume).
+
+        Raises:
+            ValueError: ``name`` is not in :data:`STEP_LOGS`: a resume would not trim it.
+        """
+        if name not in STEP_LOGS:
+            raise ValueError(f"{name!r} is not a per-step log of tunelab.lifecycle.STEP_LOGS")
+        return self.logs_dir / name
+
+    def trim_step_logs(self, step: int) -> dict[str, int]:
+        """Drop the records past ``step`` from every per-step log (:data:`STEP_LOGS`).
+
+        Called by the rank that writes the logs (rank 0) when a run starts, before it logs:
+        a run resumed from ``step_{step}`` logs the steps after it again, and a fresh run
+        (``step`` 0) starts its logs empty. Lines a kill cut short are dropped too.
+
+        Args:
+            step: The step the run starts from (its checkpoint's; 0 for a fresh run).
+
+        Returns:
+            The number of lines dropped, by log name (only logs that lost lines).
+
+        Raises:
+            CheckpointError: A log cannot be read or rewritten.
+        """
+        dropped = {}
+        for name in STEP_LOGS:
+            path = self.logs_dir / name
+            if path.is_symlink():
+                logger.warning("not trimming %s: a link, which tunelab never follows", path)
+                continue
+            try:
+                count = trim_step_records(path, step)
+            except OSError as error:
+                raise CheckpointError(f"cannot trim {path} to step {step}: {error}") from error
+            if count:
+                dropped[name] = count
+        return dropped
 
     def rank_log(self, rank: int | str) -> Path:
         """``logs/rank_{rank}.log``: where a rank's traceback goes when it fails."""
@@ -371,6 +422,52 @@ class RunFolder:
                 "left in place in %s, not written by tunelab: %s", self.root, "; ".join(kept)
             )
         return deleted
+
+
+def trim_step_records(file: Path, last_step: int) -> int:
+    """Drop the records of a per-step JSON Lines log past ``last_step``, in place.
+
+    A run resumed from the checkpoint of step ``last_step`` logs the later steps again; without
+    this they would be in the file twice. Kept: every record whose ``step`` is at most
+    ``last_step`` (and a record without one). Dropped: records of later steps and lines that
+    are not JSON objects (a line cut short by a kill). The file is rewritten only when something
+    is dropped, through a temporary file renamed over it, so a kill during the trim leaves the
+    old file or the trimmed one; lines are streamed, never held whole (a GRPO run's
+    ``completions.jsonl`` can be large).
+
+    Args:
+        file: The log; nothing is done if it does not exist.
+        last_step: The step of the checkpoint the run resumes from (0: a fresh run).
+
+    Returns:
+        The number of lines dropped.
+    """
+    if not file.is_file():
+        return 0
+    with file.open("rb") as stream:
+        dropped = sum(1 for raw in stream if raw.strip() and not _kept(raw, last_step))
+    if not dropped:
+        return 0
+    temp = file.with_name(layout.temporary_name(file.name, "tmp", os.getpid()))
+    try:
+        with file.open("rb") as stream, temp.open("wb") as out:
+            for raw in stream:
+                if raw.strip() and _kept(raw, last_step):
+                    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+        os.replace(temp, file)
+    finally:
+        temp.unlink(missing_ok=True)
+    return dropped
+
+
+def _kept(raw: bytes, last_step: int) -> bool:
+    """Whether a log line is a JSON object of step ``last_step`` or earlier (or of no step)."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return isinstance(step, int) and step <= last_step
 
 
 def _remove_tree(path: Path) -> None:

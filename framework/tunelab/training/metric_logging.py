@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tunelab.errors import ConfigError, first_line
-from tunelab.formats.layout import temporary_name
+from tunelab.lifecycle.run_folder import trim_step_records
 
 
 class MetricLogger(Protocol):
@@ -39,6 +39,9 @@ class StdoutLogger:
 class JsonlLogger:
     """Appends one JSON object per logged step to ``{log_dir}/metrics.jsonl``.
 
+    The file is opened for each record and closed after it, so no handle outlives a trim of
+    the file at a resume (``RunFolder.trim_step_logs`` rewrites ``logs/metrics.jsonl``).
+
     Args:
         log_dir: Folder for the file (the recipe passes ``{output_dir}/logs``).
         filename: Name of the file inside ``log_dir``.
@@ -47,35 +50,23 @@ class JsonlLogger:
     def __init__(self, log_dir: str, filename: str = "metrics.jsonl") -> None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(log_dir) / filename
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Write ``{"step": step, **metrics}`` as one line and flush it."""
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
+        """Append ``{"step": step, **metrics}`` as one line (written through at once)."""
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step``: a resumed run logs them again.
 
+        The same trim as every per-step log of a run folder's ``logs/`` gets
+        (:func:`tunelab.lifecycle.run_folder.trim_step_records`); here for a file named anywhere.
         Lines that are not JSON records (a line cut short by a crash) are dropped too.
         """
-        self._file.close()
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and record.get("step", 0) <= step:
-                kept.append(line + "\n")
-        temp = self.path.with_name(temporary_name(self.path.name, "tmp", os.getpid()))
-        temp.write_text("".join(kept), encoding="utf-8")
-        os.replace(temp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        trim_step_records(self.path, step)
 
     def close(self) -> None:
-        """Close the file."""
-        self._file.close()
+        """Nothing to release: each record is written and closed as it is logged."""
 
 
 class TensorBoardLogger:

@@ -464,8 +464,9 @@ class AfterStep:
     The step's tokens/s is measured from :meth:`start_step` to the start of this call:
     validation, benchmarks and saves are not in it. Validation and benchmarks are logged
     before the step's checkpoint is saved, so a run resumed from that checkpoint does not
-    repeat them, and one resumed from an earlier checkpoint logs them once more after its
-    loggers dropped the records past that checkpoint (``MetricLoggers.start_at``).
+    repeat them, and one resumed from an earlier checkpoint logs them once more after the
+    per-step logs dropped the records past that checkpoint (``RunFolder.trim_step_logs``, and
+    ``MetricLoggers.start_at`` for a logger's own files).
 
     Args:
         checkpoints: The run's checkpoint client.
@@ -504,6 +505,10 @@ class AfterStep:
             profiler,
             device,
         )
+        if is_main:
+            # Every per-step log (metrics, completions, ...) loses the steps after the one the
+            # run starts from: it logs them again.
+            checkpoints.run.trim_step_logs(global_step)
         loggers.start_at(global_step)
         total = data.steps_per_epoch * schedule.epochs
         self.progress = ProgressBar(total, initial=global_step, enabled=is_main)
