@@ -100,6 +100,7 @@ def main(args: FullFinetuneArgs) -> None:
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         allow_global_batch_change=args.allow_global_batch_change,
         context_parallel_size=context.size,
+        model_context=model.args.max_seq_len,
     )
     trainable = list(model.parameters())
     optimizer, lr_scheduler = build_optimizer(

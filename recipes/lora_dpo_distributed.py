@@ -107,6 +107,7 @@ def main(args: LoRADPOArgs) -> None:
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         allow_global_batch_change=args.allow_global_batch_change,
         index_pairs=True,
+        model_context=model.args.max_seq_len,
     )
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(

@@ -153,6 +153,12 @@ class MixedDataset(Dataset):
         self.num_dropped = sum(getattr(d, "num_dropped", 0) for d in datasets)
         self.kind, self.packed = next(iter(kinds))
 
+    def num_longer_than(self, length: int) -> int:
+        """Rows of the mixed datasets with more than ``length`` tokens, summed."""
+        return sum(
+            d.num_longer_than(length) for d in self.datasets if hasattr(d, "num_longer_than")
+        )
+
     def __len__(self) -> int:
         """Items per epoch: ``num_samples``."""
         return len(self._index)

@@ -142,6 +142,24 @@ class TokenizedDataset(Dataset):
         row = position if self._rows is None else int(self._rows[position])
         return self._table[row]
 
+    def num_longer_than(self, length: int) -> int:
+        """Samples used (preference pairs: either side) with more than ``length`` tokens.
+
+        Read from the table's list lengths, unpacked: a pack of short documents counts none.
+        """
+        import pyarrow.compute as pc
+
+        longer = None
+        for name in SAMPLE_COLUMNS[self.kind]:
+            if not name.endswith("tokens"):
+                continue
+            lengths = pc.list_value_length(self._table.data.column(name)).to_numpy()
+            side = lengths > length
+            longer = side if longer is None else longer | side
+        if longer is None:
+            return 0
+        return int(longer.sum() if self._rows is None else longer[self._rows].sum())
+
     def first_token_lists(self, count: int) -> list[list[int]]:
         """The token ids of the first ``count`` samples (both sides of a pair), unpacked."""
         num_samples = len(self._table) if self._rows is None else len(self._rows)

@@ -96,6 +96,7 @@ def build_data(
     resume_from: RunFolder | None = None,
     allow_global_batch_change: bool = False,
     context_parallel_size: int = 1,
+    model_context: int | None = None,
 ) -> TrainingData:
     """Build the training (and validation) datasets and loaders.
 
@@ -117,6 +118,8 @@ def build_data(
             global batch (the run is then not the uninterrupted one).
         context_parallel_size: Ranks that split each sample's sequence: they share samples,
             so the data-parallel ranks are the processes divided by it.
+        model_context: The model's ``max_position_embeddings``: samples longer than it are
+            counted and logged (:func:`report_past_context`); None: not checked.
 
     Returns:
         The loaders, the sampler and the number of optimizer steps per epoch.
@@ -139,6 +142,7 @@ def build_data(
     }
     train = instantiate(dataset, tokenizer=tokenizer)
     log_data_counts("dataset", train)
+    report_past_context(train, "dataset", model_context)
     if isinstance(train, StreamingDataset):
         return _stream_data(
             train, tokenizer, common, val_dataset, max_steps_per_epoch, index_pairs,
@@ -151,6 +155,7 @@ def build_data(
     if val_dataset is not None:
         validation = instantiate(val_dataset, tokenizer=tokenizer)
         log_data_counts("val_dataset", validation)
+        report_past_context(validation, "val_dataset", model_context)
         val_loader, _ = build_dataloader(
             validation, **common, shuffle=False, pad_id=tokenizer.pad_id
         )
@@ -203,6 +208,35 @@ def log_data_counts(name: str, dataset: Any) -> None:
     said = f" ({', '.join(counts)})" if counts else ""
     kind = "packs" if getattr(dataset, "packed", False) else "items"
     logger.info("%s: %d %s%s", name, len(dataset), kind, said)
+
+
+def report_past_context(dataset: Any, key: str, model_context: int | None) -> int:
+    """Log how many samples are longer than the model's context; return that number.
+
+    Positions past ``max_position_embeddings`` are ones the model never saw in its own
+    training (rotary angles it was not trained on): such samples train, but the run says how
+    many there are and how to cut them (``max_seq_len``). A streamed dataset is not counted
+    ahead.
+
+    Args:
+        dataset: A built dataset; counted when it has ``num_longer_than``.
+        key: Its config key, for the message.
+        model_context: The model's ``max_position_embeddings`` (None: nothing to check).
+
+    Returns:
+        The number of samples past the context (0 when not counted).
+    """
+    if model_context is None or not hasattr(dataset, "num_longer_than"):
+        return 0
+    longer = dataset.num_longer_than(model_context)
+    if longer:
+        logger.info(  # rank 0 only, like the data counts before it
+            "%s: %d samples are longer than the model's context (max_position_embeddings %d) "
+            "and train on positions past it; set %s.max_seq_len (or tokenizer.max_seq_len) "
+            "to %d or less to cut them",
+            key, longer, model_context, key, model_context,
+        )  # fmt: skip
+    return longer
 
 
 def _stream_data(
