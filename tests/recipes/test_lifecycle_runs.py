@@ -37,14 +37,16 @@ COMMON = [
     "checkpoint.keep_last_n_checkpoints=null",
 ]
 BETWEEN_SAVES = "checkpoint.save_every_n_steps=1000"
+STREAM_STEPS = 16  # tiny/stream_lora's data packs into 18 global batches of 16
 STOP_LINE = re.compile(
     r"stopped by (SIGTERM|SIGINT) at step (\d+); checkpoint step_\2 committed; "
     r"resume with checkpoint\.resume_from_checkpoint=true"
 )
 
 
-def _overrides(out: Path, *extra: str, nproc: int = 2) -> list[str]:
-    return [f"output_dir={out}", f"batch_size={16 // nproc}", *COMMON, *extra]
+def _overrides(out: Path, *extra: str, nproc: int = 2, steps: int = STEPS) -> list[str]:
+    common = [arg.replace(f"={STEPS}", f"={steps}") for arg in COMMON]
+    return [f"output_dir={out}", f"batch_size={16 // nproc}", *common, *extra]
 
 
 class _Run:
@@ -162,20 +164,25 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def _assert_exact_resume(out: Path, step: int, reference: Path, *, nproc: int, tol: float | None):
+def _assert_exact_resume(
+    out: Path, step: int, reference: Path, *, nproc: int, tol: float | None,
+    config: str = "tiny/lora", steps: int = STEPS,
+):  # fmt: skip
     """The resumed run's later losses and its export equal the reference run's.
 
     ``tol`` None: bit for bit (the reference's world size); else the largest difference allowed
     in a loss and in an exported weight.
     """
     resumed = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora",
-        *_overrides(out, BETWEEN_SAVES, "checkpoint.resume_from_checkpoint=true", nproc=nproc),
+        "lora_finetune_distributed", config,
+        *_overrides(
+            out, BETWEEN_SAVES, "checkpoint.resume_from_checkpoint=true", nproc=nproc, steps=steps
+        ),
         nproc=nproc,
     )  # fmt: skip
-    assert f"finished at step {STEPS}" in resumed.stdout
+    assert f"finished at step {steps}" in resumed.stdout
     losses, expected = losses_by_step(out), losses_by_step(reference)
-    for later in range(step + 1, STEPS + 1):
+    for later in range(step + 1, steps + 1):
         assert abs(losses[later] - expected[later]) <= (tol or 0), (later, losses[later])
     assert_same_exports(out, reference, atol=tol)
 
@@ -203,6 +210,49 @@ def test_sigterm_between_saves_commits_the_agreed_step_and_resume_is_exact(
     assert max(_logged_steps(out)) == step  # It finished that step and did not start another.
     assert not run.workers()
     _assert_exact_resume(out, step, reference, nproc=2, tol=None)
+
+
+@pytest.fixture(scope="module")
+def stream_reference(tmp_path_factory) -> Path:
+    """``tiny/stream_lora`` uninterrupted on 2 processes (streamed, packed, read-ahead workers)."""
+    out = tmp_path_factory.mktemp("stream_uninterrupted")
+    overrides = _overrides(out, BETWEEN_SAVES, steps=STREAM_STEPS)
+    tunelab_run("lora_finetune_distributed", "tiny/stream_lora", *overrides)
+    assert sorted(losses_by_step(out)) == list(range(1, STREAM_STEPS + 1))
+    return out
+
+
+@pytest.mark.parametrize("target", ["launcher", "every_process"])
+def test_sigterm_to_a_streaming_run_commits_the_agreed_step_and_resume_is_exact(
+    stream_reference, tmp_path, target
+):
+    # Each rank reads ahead in a DataLoader worker process: torchrun's signal to the rank's
+    # process group (and SLURM's to every process) reaches that worker too. It used to die of
+    # it, and the next step failed: "stopped by SIGTERM before a checkpoint was committed
+    # (RuntimeError: DataLoader worker (pid ...) is killed by signal: Terminated.)".
+    out = tmp_path / "run"
+    overrides = _overrides(out, BETWEEN_SAVES, steps=STREAM_STEPS)
+    run = _Run(out, *overrides, config="tiny/stream_lora")
+    try:
+        run.wait_for_steps(3)
+        if target == "every_process":
+            targets = run.workers()
+            assert len(targets) >= 4, targets  # 2 ranks and their read-ahead workers
+        else:
+            targets = []
+        for pid in [run.pid, *targets]:
+            os.kill(pid, signal.SIGTERM)
+        code, stdout, stderr = run.finish()
+    finally:
+        run.kill()
+    step = _assert_stopped(code, stdout, stderr, signal.SIGTERM)
+    assert 3 <= step < STREAM_STEPS and _committed_steps(out) == [step]
+    assert max(_logged_steps(out)) == step
+    assert not run.workers()  # The read-ahead workers ended with their ranks.
+    _assert_exact_resume(
+        out, step, stream_reference, nproc=2, tol=None, config="tiny/stream_lora",
+        steps=STREAM_STEPS,
+    )  # fmt: skip
 
 
 def test_sigterm_to_a_one_process_run(reference, tmp_path):

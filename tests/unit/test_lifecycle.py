@@ -262,6 +262,66 @@ def test_children_started_with_stop_signals_blocked_get_them_when_ready(tmp_path
     assert "Traceback" not in stderr
 
 
+HELPER_OF_A_WORKER = """
+import os, signal, sys, time
+from tunelab.lifecycle.preemption import leave_stop_signals_to_parent, stop_signals_blocked
+
+with stop_signals_blocked():
+    helper = os.fork()
+if helper == 0:  # A DataLoader worker of a recipe's rank, say.
+    leave_stop_signals_to_parent()
+    time.sleep(60)
+    os._exit(3)
+print(helper, flush=True)
+for line in sys.stdin:  # "stop": the parent stops its helper, as DataLoader's shutdown does.
+    os.kill(helper, signal.SIGTERM)
+    _, status = os.waitpid(helper, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_workers_helper_leaves_stop_signals_to_the_worker_but_obeys_it():
+    # torchrun signals a worker's whole process group and SLURM every process: a streaming
+    # rank's read-ahead worker got SIGTERM too and died of it, failing the rank's next step.
+    worker = subprocess.Popen(
+        [sys.executable, "-c", HELPER_OF_A_WORKER], env=ENV, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        helper = int(worker.stdout.readline())
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):  # from another process
+            subprocess.run(["kill", f"-{signum.name.removeprefix('SIG')}", str(helper)], check=True)
+        time.sleep(1)
+        assert _running(helper)  # Not killed, and not a zombie.
+        worker.stdin.write("stop\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline() == "0\n"  # Its parent's SIGTERM ends it at once.
+    finally:
+        worker.kill()
+        worker.communicate()
+
+
+def test_a_workers_helper_exits_when_the_worker_is_gone():
+    code = HELPER_OF_A_WORKER.replace("for line in sys.stdin:", "os._exit(0)\nfor line in []:")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code], env=ENV, text=True, stdout=subprocess.PIPE
+    )
+    helper = int(worker.stdout.readline())
+    worker.wait(30)
+    deadline = time.monotonic() + 10
+    while _running(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(helper)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its new parent to reap it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 # --- recipe_main turns a stop into one line and 128 + signal ---------------------------------
 
 TOY_RECIPE = """

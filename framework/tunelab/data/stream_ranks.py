@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tunelab.data.stream_rows import DecodeCount
 from tunelab.errors import DataError
+from tunelab.lifecycle.preemption import leave_stop_signals_to_parent, stop_signals_blocked
 
 
 @dataclass
@@ -76,21 +77,26 @@ def read_ahead(
     round-robin puts them back in order. Each worker holds up to two windows ahead
     (``prefetch_factor``) while the training process gathers and trains on the current one.
     """
-    return iter(
-        DataLoader(
-            _WindowParts(window_parts, args),
-            batch_size=None,
-            num_workers=num_proc,
-            collate_fn=_as_is,
-            prefetch_factor=2,
-            # Forked, not spawned: the builders' row functions are closures, not picklable
-            # (and a fork shares the tokenizer's pages).
-            multiprocessing_context="fork",
-            # Its own generator: a worker's seed is drawn from it, not from the global RNG
-            # (which a resume restores and dropout uses).
-            generator=torch.Generator().manual_seed(0),
-        )
+    loader = DataLoader(
+        _WindowParts(window_parts, args),
+        batch_size=None,
+        num_workers=num_proc,
+        collate_fn=_as_is,
+        prefetch_factor=2,
+        # Forked, not spawned: the builders' row functions are closures, not picklable
+        # (and a fork shares the tokenizer's pages).
+        multiprocessing_context="fork",
+        # Its own generator: a worker's seed is drawn from it, not from the global RNG
+        # (which a resume restores and dropout uses).
+        generator=torch.Generator().manual_seed(0),
+        # The training process owns SIGTERM and SIGINT: a worker killed by the one torchrun
+        # or SLURM sends every process would fail the step before its checkpoint.
+        worker_init_fn=leave_stop_signals_to_parent,
     )
+    # The workers are forked here: with the stop signals blocked, so they wait for the
+    # worker_init_fn (in the training process they are delivered when the block ends).
+    with stop_signals_blocked():
+        return iter(loader)
 
 
 def gather_window(part: WindowPart) -> dict[int, list[dict]]:

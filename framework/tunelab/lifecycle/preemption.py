@@ -25,6 +25,14 @@ torchrun (whose handlers forward the signal to every worker, wait
 Signals that reach a worker while it is still importing torch are not lost: ``tunelab run``
 starts workers with SIGTERM and SIGINT blocked (:func:`stop_signals_blocked`), so they stay
 pending until :func:`install_stop_handlers` unblocks them.
+
+A worker's own helper processes (a streaming dataset's ``DataLoader`` workers) never act on a
+stop signal: the worker owns it and ends them itself when it exits. They get it all the same:
+torchrun signals each worker's whole process group, SLURM every process of the job. torch's
+handler in a ``DataLoader`` worker dies on a SIGTERM from anyone but its parent, and the
+worker's next batch then fails (``DataLoader worker ... is killed by signal: Terminated``)
+before the step's checkpoint. :func:`leave_stop_signals_to_parent` (their ``worker_init_fn``)
+keeps them running until their parent stops them.
 """
 
 import os
@@ -253,6 +261,47 @@ def stop_signals_blocked(*, keep_receiving: bool = False) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_PARENT_POLL_S = 0.5
+"""How often a helper process checks that its parent is alive."""
+
+
+def leave_stop_signals_to_parent(worker_id: int = 0) -> None:
+    """Make this helper process leave SIGTERM and SIGINT to its parent; a ``worker_init_fn``.
+
+    From now on a stop signal from anyone else (torchrun's signal to the worker's process
+    group, SLURM's to every process, Ctrl-C) is taken and dropped by a thread of this process;
+    a SIGTERM from the parent still ends it at once, as torch's own worker handler does, so
+    ``DataLoader``'s shutdown (which terminates a worker that does not join in time) works.
+    The process also exits when its parent is gone (a worker that ended at once on a second
+    signal leaves its helpers no one to stop them).
+
+    Start the process with the signals blocked (fork it inside :func:`stop_signals_blocked`):
+    one that comes between the fork and this call then waits here instead of killing it.
+
+    Args:
+        worker_id: The ``DataLoader`` worker's index (unused; the ``worker_init_fn`` signature).
+    """
+    if not hasattr(signal, "sigtimedwait"):  # Not on macOS or Windows: ignore them outright.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        return
+    # Blocked in every thread (threads started later inherit the mask), so a stop signal stays
+    # pending until the thread below takes it: torch's C handler never sees it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(
+        target=_take_stop_signals, args=(os.getppid(),), daemon=True, name="tunelab-signals"
+    ).start()
+
+
+def _take_stop_signals(parent: int) -> NoReturn:
+    while True:
+        info = signal.sigtimedwait(STOP_SIGNALS, _PARENT_POLL_S)
+        if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)  # The parent stops its helper: exit at once, as torch's handler does.
+        if os.getppid() != parent:
+            os._exit(0)
 
 
 _receiver: threading.Thread | None = None
