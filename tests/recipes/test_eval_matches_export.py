@@ -53,5 +53,7 @@ def test_scores_during_training_equal_the_eval_recipe_on_the_steps_export(tmp_pa
         for key, value in scores.items()
         if key.endswith(",none") and "_stderr" not in key
     }
+    print(f"perplexity: during training {logged[f'eval/{PERPLEXITY}']!r}, "
+          f"eval recipe {recipe[PERPLEXITY]!r}")  # fmt: skip
     assert logged[f"eval/{LENGTH}"] == recipe[LENGTH]
     assert logged[f"eval/{PERPLEXITY}"] == pytest.approx(recipe[PERPLEXITY], rel=1e-5, abs=0)
