@@ -11,12 +11,13 @@ import json
 import random
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
 
 from tests.conftest import build_tiny_hf_model
-from tests.recipes.conftest import RECIPE_TIMEOUT_S, TUNELAB, run_env
+from tests.recipes.conftest import RECIPE_TIMEOUT_S, TUNELAB, free_port, run_env
 from tunelab import ConfigError, _paths
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -332,3 +333,37 @@ def test_a_missing_task_file_is_one_line_from_the_recipe(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "nope.yaml" in result.stderr and "no such task file" in result.stderr
+
+
+def test_a_hub_task_while_the_hub_cannot_be_reached_fails_at_once_with_one_line(tmp_path):
+    """Issue 38: lm-eval's dataset load retried the hub for about 50 s, a line per retry.
+
+    The hub is an endpoint nothing listens on (as on a machine without network, on any
+    machine); offline mode is not set: tunelab finds out itself.
+    """
+    task = tmp_path / "hub_task.yaml"
+    task.write_text(
+        MC_TASK.replace("t_next_number", "t_from_the_hub")
+        .replace("dataset_path: json", "dataset_path: tunelab-tests/no-such-dataset")
+        .replace("dataset_kwargs:\n  data_files:\n    test: mc.jsonl\n", "")
+    )
+    env = run_env(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    start = time.monotonic()
+    result = subprocess.run(
+        [TUNELAB, "run", "eval", "--config", "tiny/eval", f"output_dir={tmp_path / 'out'}",
+         f"tasks=[{task}]"],
+        capture_output=True, text=True, env=env, timeout=RECIPE_TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "Traceback" not in output and "Retrying" not in output, output[-3000:]
+    # One line about the hub: the error, naming the task, the endpoint and what to do.
+    (line,) = [line for line in output.splitlines() if "127.0.0.1" in line or "error" in line]
+    assert line.startswith("tunelab: error: task 't_from_the_hub': its dataset could not be "
+                           "loaded without the Hugging Face Hub (http://127.0.0.1:"), line  # fmt: skip
+    assert "cannot be reached" in line and "run once with network access" in line, line
+    # The retries alone slept 2 x (1 + 2 + 4 + 8 + 8) s = 46 s; start-up takes 10-20 s here.
+    assert elapsed < 40, elapsed

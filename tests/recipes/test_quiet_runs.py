@@ -3,7 +3,10 @@
 Run as a user would, outside make: without ``TORCHAO_FORCE_SKIP_LOADING_SO_FILES`` (the Makefile
 and the test suite's conftest set it), so the test proves that tunelab sets what it needs
 itself. Any warning line, torchao's ``Failed to load`` or torch's glog-style ``W1203 ...``
-fails it; tunelab's own ``tunelab: warning: ...`` lines are for the user and allowed.
+fails it, and so do lines of the programs and libraries tunelab calls that are not for the
+user (git's ``fatal: not a git repository``, ``datasets``' ``Generating test split`` bars: the
+runs start in a folder outside any git repository); tunelab's own ``tunelab: warning: ...``
+lines are for the user and allowed.
 """
 
 import os
@@ -19,8 +22,12 @@ from tunelab import _paths
 pytestmark = pytest.mark.slow
 
 TINY_CONFIGS = sorted((_paths.configs_dir() / "tiny").glob("*.yaml"))
-# A warning from Python's warnings module, torchao's failed kernel loads, torch's C++/glog lines.
-NOISE = re.compile(r"Warning|Failed to load|^(\[rank\d+\]:)?[WE]\d{4} \d", re.MULTILINE)
+# A warning from Python's warnings module, torchao's failed kernel loads, torch's C++/glog lines,
+# git's complaint outside a repository (lm-eval asks it for a commit), `datasets`' bars.
+NOISE = re.compile(
+    r"Warning|Failed to load|^(\[rank\d+\]:)?[WE]\d{4} \d|^fatal: |Generating \w+ split",
+    re.MULTILINE,
+)
 
 
 def _processes(config_text: str) -> int:
@@ -45,6 +52,8 @@ def test_a_shipped_tiny_config_runs_without_library_warnings(config, tmp_path):
     env.pop("PYTHONWARNINGS", None)
     env.pop("TUNELAB_SHOW_LIBRARY_WARNINGS", None)
     env["OMP_NUM_THREADS"] = "1"  # What `tunelab run` sets for torchrun itself; 2 cores here.
+    # A new user's empty `datasets` cache: what it prints when it first prepares a dataset.
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets_cache")
     command = [TUNELAB, "run", *launcher, recipe, "--config", f"tiny/{config.stem}", *overrides]
     result = subprocess.run(
         command, capture_output=True, text=True, env=env, timeout=RECIPE_TIMEOUT_S, cwd=tmp_path

@@ -8,7 +8,6 @@ when a registry name is asked for.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 from tunelab.config._tasks import task_path_problem
 from tunelab.errors import ConfigError, first_line
 from tunelab.eval import _lm_eval  # the install hint when lm-eval is missing
+from tunelab.eval._hub import offline_unless_hub_answers, unreachable_reason
 
 __all__ = ["evaluate", "resolve_tasks", "results_table"]
 
@@ -188,8 +188,8 @@ def run_resolved(
             (perplexity, ...) in a pool of forked processes; 0: no standard errors and no
             fork (a fork of a training process, with its checkpoint and collective threads,
             can deadlock).
-        quiet: Without lm-eval's progress bars and git's complaint outside a repository
-            (between training steps).
+        quiet: Without lm-eval's progress bars too (between training steps); git's complaint
+            outside a repository and ``datasets``' bars are off either way.
 
     Returns:
         lm-eval's results dict on rank 0; None on the other ranks.
@@ -202,8 +202,9 @@ def run_resolved(
 
     # lm-eval logs a warning per metric of a local task without aggregation settings.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    _check_hub(specs)
     try:
-        with _lm_eval.quiet() if quiet else contextlib.nullcontext():
+        with _lm_eval.quiet() if quiet else _lm_eval.no_stray_output():
             return lm_eval.simple_evaluate(
                 model=lm,
                 tasks=specs,
@@ -234,25 +235,63 @@ def check_datasets(specs: list[str | dict[str, Any]], manager: Any) -> None:
             reached (offline), or cannot be read.
     """
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    _check_hub(specs)
     try:
-        manager.load(specs)
+        with _lm_eval.no_stray_output():
+            manager.load(specs)
     except (ConnectionError, OSError) as error:
         raise _unreachable_dataset(specs, manager, error) from None
+
+
+# `datasets` builders that read local files: a task over one of them needs no hub.
+_LOCAL_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pandas"})
+
+
+def _check_hub(specs: list[str | dict[str, Any]]) -> None:
+    """Before a task that may need the hub loads: offline mode at once if it cannot be reached.
+
+    Without this an unreachable hub costs about 25 s of retries per dataset load, with a line
+    each (``tunelab.eval._hub``). Tasks over local files (a task file whose ``dataset_path`` is
+    a local builder such as ``json``, or a folder) never ask.
+    """
+    if any(not _reads_local_files(spec) for spec in specs):
+        offline_unless_hub_answers()
+
+
+def _reads_local_files(spec: str | dict[str, Any]) -> bool:
+    """Whether a task spec surely loads its data from local files (else: it may need the hub)."""
+    config: Any = spec
+    if isinstance(spec, str):
+        if not Path(spec).is_file():
+            return False  # a registry name
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        try:
+            config = load_yaml(spec, resolve_func=False)
+        except Exception:  # noqa: BLE001 - lm-eval says what is wrong with the file itself
+            return False
+    path = config.get("dataset_path") if isinstance(config, dict) else None
+    if not isinstance(path, str) or "include" in config:
+        return False  # inherited settings: not known here
+    return path in _LOCAL_BUILDERS or Path(path).expanduser().is_dir()
 
 
 def _unreachable_dataset(specs: list[Any], manager: Any, error: Exception) -> Exception:
     """Name the task whose dataset could not be fetched (each task loaded alone to find it)."""
     if not isinstance(error, ConnectionError) and "hub" not in str(error).lower():
         return error
+    # Why the hub could not be had: the check's answer says more than the library's error.
+    why = unreachable_reason()
     for spec in specs:
         try:
-            manager.load([spec])
+            with _lm_eval.no_stray_output():
+                manager.load([spec])
         except (ConnectionError, OSError) as task_error:
             name = spec.get("task") if isinstance(spec, dict) else _task_name(spec)
             return ConfigError(
                 f"task {name!r}: its dataset could "
-                f"not be loaded without the Hugging Face Hub ({first_line(task_error)}); run "
-                "once with network access to cache it, or give a task over local files"
+                f"not be loaded without the Hugging Face Hub ({why or first_line(task_error)}); "
+                "run once with network access to cache it, or give a task over local files"
             )
     return ConfigError(f"a task's dataset could not be loaded: {first_line(error)}")
 
