@@ -3,8 +3,10 @@ generated settings tables in docs/settings.md match the declarations."""
 
 import dataclasses
 import importlib
+import json
 import pkgutil
 import re
+import shutil
 import typing
 from pathlib import Path
 
@@ -81,10 +83,20 @@ def test_shipped_config_validates_against_its_recipe(name, tmp_path, monkeypatch
         assert str(info.value) == (
             f"key 'checkpoint_dir': model folder not found: {folder}; download it with `{download}`"
         )
-        overrides = [f"checkpoint_dir={TINY}"]  # Everything else must validate.
+        # Everything else must validate, against the tiny model with the context of the
+        # model the config is for (its lengths are checked against max_position_embeddings).
+        overrides = [f"checkpoint_dir={_tiny_with_context(tmp_path / 'model', 131072)}"]
     config_path, recipe_path = check_config(name, overrides)
     assert config_path == SHIPPED[name]
     assert recipe_path.is_file()
+
+
+def _tiny_with_context(folder: Path, context: int) -> Path:
+    """A copy of the tiny model whose config.json gives ``max_position_embeddings: context``."""
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    return folder
 
 
 def test_settings_docs_are_generated_from_the_declarations():
