@@ -11,8 +11,8 @@ import pytest
 
 from tunelab._paths import assets_dir
 from tunelab.data import chat_dataset, load_tokenizer, preference_dataset, prompt_dataset
-from tunelab.data._tool_schema import schema_problem
-from tunelab.data.conversations import check_tool_calls, read_conversation
+from tunelab.data._tool_schema import check_tool_calls, schema_problem
+from tunelab.data.conversations import read_conversation
 from tunelab.data.rows import BadRow
 from tunelab.errors import DataError
 

@@ -1,8 +1,9 @@
-"""A tool call's arguments against its tool's JSON schema: the subset tool declarations use.
+"""Tool calls against the row's declared tools and their JSON schemas (the subset tools use).
 
-A row declares its tools as JSON schemas (OpenAI's ``{"type": "function", "function": {"name",
-"parameters"}}``); a call whose arguments do not fit them teaches the model calls its tools
-refuse. ``jsonschema`` is not a dependency of tunelab (nor of the libraries it installs), and
+A row declares its tools as JSON schemas (OpenAI's ``{"type": "function", "function":
+{"name", "parameters"}}``); a call to a tool it does not declare, or whose arguments do not fit
+the tool's ``parameters``, teaches the model calls its tools refuse. ``check_tool_calls``
+refuses both (``schema_problem`` compares the arguments). ``jsonschema`` is not a dependency of tunelab (nor of the libraries it installs), and
 tool declarations use a small part of JSON Schema, so this checks that part itself, with
 messages that name the argument:
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from tunelab.data.rows import BadRow
 
 # JSON type name -> is the (parsed JSON) value of that type.
 _TYPES = {
@@ -121,3 +124,51 @@ def _object_problem(value: dict, schema: Mapping, path: str) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def _declared(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tool name -> its ``parameters`` schema (None when not given).
+
+    Tools in OpenAI's layout (``{"type": "function", "function": {...}}``) and bare function
+    objects (``{"name", "parameters"}``) alike.
+    """
+    declared: dict[str, Any] = {}
+    for tool in tools:
+        function = tool.get("function", tool)
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            declared[function["name"]] = function.get("parameters")
+    return declared
+
+
+def check_tool_calls(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, column: str
+) -> None:
+    """Every tool call names one of the row's declared tools, with arguments its schema takes.
+
+    A row that declares no tools has nothing to check its calls against (datasets that
+    describe their tools in the system message): its calls are left as they are.
+
+    Args:
+        messages: Messages as ``read_conversation`` / ``read_part`` return them (each call's
+            ``arguments`` an object).
+        tools: The row's tools (``read_tools``), or None.
+        column: The messages' column, for errors (they are numbered from 0 in it).
+
+    Raises:
+        BadRow: ``message 2: tool call 0 (get_weather): no tool 'get_weather' among the row's
+            tools (...)``, or ``...: arguments.location: expected string, got integer 3``
+            (``tunelab.data._tool_schema`` says which parts of JSON Schema are checked).
+    """
+    if not tools:
+        return
+    declared = _declared(tools)
+    for index, message in enumerate(messages):
+        for number, call in enumerate(message.get("tool_calls") or ()):
+            name = call["function"]["name"]
+            where = f"message {index}: tool call {number} ({name})"
+            if name not in declared:
+                known = ", ".join(map(repr, declared)) or "none with a name"
+                raise BadRow(column, f"{where}: no tool {name!r} among the row's tools ({known})")
+            problem = schema_problem(call["function"]["arguments"], declared[name])
+            if problem is not None:
+                raise BadRow(column, f"{where}: {problem} (the tool's parameters schema)")
