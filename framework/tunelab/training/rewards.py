@@ -297,7 +297,9 @@ class Rewards:
                     "reward, or raise reward_timeout_s if it is only slow"
                 )
         error = outcome.get("error")
-        if isinstance(error, ConfigError):
+        if isinstance(error, ConfigError) or (
+            error is not None and not isinstance(error, Exception)
+        ):  # a ConfigError names its own problem; Ctrl-C and exits stay what they are
             raise error
         if error is not None:  # a user's function may raise anything: name it
             raise ConfigError(f"reward {name} raised {type(error).__name__}: {error}") from error
