@@ -4,10 +4,15 @@ Benchmarks are not tests: they print one table of figures measured side by side 
 (tunelab's path, the alternative a user would otherwise run, their ratio, the target and
 whether it is met). Absolute times depend on the machine and its load; the ratios are the
 claim.
+
+Every script takes ``--smoke`` (``parse_bench_args`` below): its smallest sizes, so that it runs in
+seconds and prints its table. Smoke figures mean nothing; ``tests/unit/test_bench_smoke.py``
+runs each script so, so that a benchmark that no longer runs fails ``make test``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
@@ -91,6 +96,33 @@ def gather_floats(value: float) -> list[float]:
     values[dist.get_rank()] = value
     dist.all_reduce(values)
     return values.tolist()
+
+
+# -- command line ------------------------------------------------------------------------
+
+SMOKE_HELP = "smallest sizes: checks that the script runs (seconds; the figures mean nothing)"
+
+
+def parse_bench_args(
+    parser: argparse.ArgumentParser, smoke: Sequence[str], argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """Parse the command line, with ``--smoke`` standing for the script's smallest sizes.
+
+    Args:
+        parser: The script's flags (``--smoke`` is added here).
+        smoke: The flags ``--smoke`` stands for. They go before the command line's own, so a
+            flag given explicitly still wins (``--smoke --repeats 3``).
+        argv: The arguments; ``None`` reads ``sys.argv``.
+
+    Returns:
+        The parsed flags, with ``smoke`` set when ``--smoke`` was given.
+    """
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*smoke, *argv])
+    return args
 
 
 # -- timing ------------------------------------------------------------------------------

@@ -168,9 +168,17 @@ def size_parser(
     return parser
 
 
-def parse_size_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Parse the flags; ``--full`` raises the size to the issue's 1.1 GB."""
-    args = parser.parse_args()
+SMOKE_SIZE = ("--size-mb", "8", "--dim", "128", "--vocab-size", "1024", "--repeats", "1")
+"""What ``--smoke`` stands for in the checkpoint benchmarks: an 8 MB model, timed once."""
+
+
+def parse_size_args(
+    parser: argparse.ArgumentParser, smoke: tuple[str, ...] = SMOKE_SIZE
+) -> argparse.Namespace:
+    """Parse the flags; ``--full`` raises the size to the issue's 1.1 GB, ``--smoke`` (``smoke``) lowers it."""
+    from _common import parse_bench_args
+
+    args = parse_bench_args(parser, smoke)
     if getattr(args, "full", False):
         args.size_mb = max(args.size_mb, 1100)
     return args

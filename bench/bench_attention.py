@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from _common import MiB, Row, median, print_table, seconds
+from _common import MiB, Row, median, parse_bench_args, print_table, seconds
 from _system import PeakRSS
 from tunelab.modules import Attention
 from tunelab.modules.attention import resolve_attention_backend
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="unused (run_all.py passes a scratch dir)")
-    return parser.parse_args()
+    return parse_bench_args(parser, smoke=["--seq-len", "256", "--dim", "256", "--repeats", "1"])
 
 
 def document_ids(seq_len: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ from _common import (
     gather_floats,
     is_main,
     median,
+    parse_bench_args,
     print_table,
     relaunch_under_torchrun,
 )
@@ -59,7 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="unused (run_all.py passes a scratch dir)")
-    return parser.parse_args()
+    return parse_bench_args(
+        parser, smoke=["--seq-len", "256", "--dim", "128", "--vocab-size", "512", "--repeats", "1"]
+    )
 
 
 def build_model(args: argparse.Namespace) -> TransformerDecoder:

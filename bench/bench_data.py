@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import MiB, Row, barrier, print_table, torchrun
+from _common import MiB, Row, barrier, parse_bench_args, print_table, torchrun
 from _system import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
 
 MODES = ("before", "after", "warm")
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    return parse_bench_args(parser, smoke=["--rows", "2000"])
 
 
 def write_rows(path: Path, num_rows: int) -> None:
@@ -82,7 +82,8 @@ def prepare_before(tokenizer, path: Path) -> list[dict]:
     uses today, so both modes do the same tokenizing work per row.
     """
     from tunelab.data.chat import chat_template_of
-    from tunelab.data.rows import ChatRows, Render
+    from tunelab.data.conversations import ChatRows
+    from tunelab.data.rows import Render
 
     text = path.read_text(encoding="utf-8")
     try:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from _common import Row, median, print_table
+from _common import Row, median, parse_bench_args, print_table
 from tunelab import _paths
 
 TASKS = (
@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
         "--threads", type=int, default=1, help="torch intra-op threads (the tiny model: 1)"
     )
     parser.add_argument("--dir", default=None, help="unused (run_all.py passes a scratch dir)")
-    return parser.parse_args()
+    return parse_bench_args(parser, smoke=["--repeats", "1", "--sample-seconds", "0.05"])
 
 
 def task_requests(path: Path) -> tuple[str, list]:

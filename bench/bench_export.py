@@ -46,6 +46,7 @@ from _common import (
     time_collective,
 )
 from _models import (
+    SMOKE_SIZE,
     build_model,
     parse_size_args,
     prepare_workspace,
@@ -67,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     """Command-line flags."""
     parser = size_parser(__doc__.splitlines()[0], repeats=7, full=False)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    return parse_size_args(parser)
+    return parse_size_args(parser, smoke=(*SMOKE_SIZE, "--rank", "4"))
 
 
 def gather_merge_save(model, lora: LoRAArgs, base: Path, out: Path) -> None:

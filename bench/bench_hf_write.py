@@ -1,8 +1,8 @@
 """Time HF safetensors exports of FSDP2-sharded state: tunelab's writer vs torch's vs raw disk.
 
-Run with 2 processes (gloo, CPU):
+Run (it relaunches itself under torchrun with 2 processes, gloo, CPU):
 
-    python -m torch.distributed.run --nproc_per_node 2 bench/bench_hf_write.py --size-mb 256
+    python bench/bench_hf_write.py --size-mb 256
 
 Every figure is the median of ``--repeats`` runs of the same sharded state (fp32 ``Shard(0)``
 matrices, some with uneven rows, plus a small replicated vector), two output files mapped
@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
+from _common import Row, parse_bench_args, print_table, relaunch_under_torchrun, seconds
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
 
 COLUMNS = 1024
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sync-files", action="store_true", help="fsync in all three")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
-    args = parser.parse_args()
+    args = parse_bench_args(parser, smoke=["--size-mb", "8", "--repeats", "1"])
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -134,28 +135,26 @@ def main() -> None:
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
         gib = total_bytes / 2**30
-        print(
-            f"\n{gib:.2f} GiB fp32, {dist.get_world_size()} ranks, {len(state)} tensors, "
-            f"2 files, sync_files={args.sync_files}, median of {args.repeats} after one "
-            "untimed warm-up of each path\n"
-        )
         rows = [
-            ("vs torch HF writer (consolidating)", t_tunelab, t_torch, t_torch / t_tunelab,
-             ">= 2x faster", t_torch / t_tunelab >= 2.0),
-            ("vs raw sequential write", t_tunelab, t_raw, t_tunelab / t_raw,
-             "<= 1.3x raw time", t_tunelab / t_raw <= 1.3),
+            Row("vs torch HF writer (consolidating)", seconds(t_tunelab), seconds(t_torch),
+                f"{t_torch / t_tunelab:.2f}x", ">= 2x faster", t_torch / t_tunelab >= 2.0),
+            Row("vs raw sequential write", seconds(t_tunelab), seconds(t_raw),
+                f"{t_tunelab / t_raw:.2f}x", "<= 1.3x raw time", t_tunelab / t_raw <= 1.3),
         ]  # fmt: skip
-        print("| figure | tunelab (s) | alternative (s) | ratio | target | met |")
-        print("|---|---|---|---|---|---|")
-        for figure, ours, theirs, ratio, target, met in rows:
-            print(
-                f"| {figure} | {ours:.3f} | {theirs:.3f} | {ratio:.2f}x | {target} | "
-                f"{'yes' if met else 'no'} |"
-            )
-        print(f"\ntunelab: {gib / t_tunelab:.2f} GiB/s; raw: {gib / t_raw:.2f} GiB/s")
+        print_table(
+            "HF safetensors export of sharded state: tunelab's writer vs torch's vs raw disk",
+            rows,
+            notes=[
+                f"{gib:.2f} GiB fp32, {dist.get_world_size()} ranks, {len(state)} tensors, "
+                f"2 files, sync_files={args.sync_files}, median of {args.repeats} after one "
+                "untimed warm-up of each path",
+                f"tunelab: {gib / t_tunelab:.2f} GiB/s; raw: {gib / t_raw:.2f} GiB/s",
+            ],
+        )
     dist.barrier()  # rank 0 prints first; tear down only once all ranks are done
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    relaunch_under_torchrun(2)
     main()

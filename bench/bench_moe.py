@@ -26,7 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from _common import Row, median, print_table, seconds
+from _common import Row, median, parse_bench_args, print_table, seconds
 from tunelab.models import ModelArgs, TransformerDecoder
 from tunelab.modules import MoEBlock, MoEExperts
 
@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="layers of the tiny model")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=None, help="unused (run_all.py passes a scratch dir)")
-    return parser.parse_args()
+    return parse_bench_args(parser, smoke=["--tokens", "64", "--repeats", "1"])
 
 
 def loop_forward(

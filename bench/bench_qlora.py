@@ -35,7 +35,7 @@ from _common import (
     seconds,
     time_collective,
 )
-from _models import build_model, parse_size_args, prepare_workspace, size_parser
+from _models import SMOKE_SIZE, build_model, parse_size_args, prepare_workspace, size_parser
 from _system import PeakRSS
 from tunelab.checkpoint import CheckpointClient
 from tunelab.config.lora import LoRAArgs
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
-    return parse_size_args(parser)
+    return parse_size_args(parser, smoke=(*SMOKE_SIZE, "--dim", "256"))
 
 
 def measure(args, base, out, name: str) -> dict[str, float]:

@@ -62,6 +62,7 @@ from _common import (
     time_collective,
 )
 from _models import (
+    SMOKE_SIZE,
     build_model,
     init_optimizer_state,
     parse_size_args,
@@ -102,7 +103,7 @@ def parse_args() -> argparse.Namespace:
         default="direct" if dcp.DIRECT_READS else "buffered",
         help="how resumes read the data files",
     )
-    return parse_size_args(parser)
+    return parse_size_args(parser, smoke=(*SMOKE_SIZE, "--sizes-mb", "8"))
 
 
 def folder_bytes(path: Path) -> int:

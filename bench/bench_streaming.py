@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import MiB, Row, launch_env, print_table
+from _common import MiB, Row, launch_env, parse_bench_args, print_table
 from _system import peak_rss_bytes
 
 MAX_SEQ_LEN = 512
@@ -68,7 +68,10 @@ def parse_args() -> argparse.Namespace:
         "--worker", choices=("stream", "materialised", "ranks"), help=argparse.SUPPRESS
     )
     parser.add_argument("--data", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    return parse_bench_args(
+        parser,
+        smoke=["--sizes-mb", "2", "6", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1"],
+    )
 
 
 def write_corpus(folder: Path, size_mb: float) -> tuple[int, int]:

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _common import GiB, Row, gather_floats, is_main, print_table, torchrun
+from _common import GiB, Row, gather_floats, is_main, parse_bench_args, print_table, torchrun
 from _flops import lora_dpo_flops_per_token, lora_sft_flops_per_token, peak_matmul_flops
 from _models import build_model, build_plain_lora_model, llama_config, write_hf_checkpoint
 from _system import peak_rss_bytes, reset_peak_rss
@@ -108,7 +108,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variant", default="after", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    smoke = ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32", "--vocab-dim",
+             "64", "--vocab-size", "4096", "--vocab-seq-len", "64", "--steps", "1", "--nprocs", "2"]  # fmt: skip
+    return parse_bench_args(parser, smoke)
 
 
 def make_batch(recipe: str, batch_size: int, seq_len: int, vocab_size: int, step: int):
@@ -503,7 +505,12 @@ def orchestrate(args: argparse.Namespace) -> None:
             "= after with frozen_base shard; after = frozen_base auto (replicate), "
             "chunked_output, fused AdamW; DDP = our model in DistributedDataParallel, whole "
             "logits, foreach AdamW; TRL = trl's SFTTrainer / DPOTrainer on transformers + "
-            "PEFT, DDP on 2 processes (the peer; rows absent when trl is not installed)."
+            "PEFT, DDP on 2 processes (the peer; rows absent when trl is not installed).",
+            *(
+                []
+                if peer_installed()
+                else ["trl not installed: no TRL rows (make bench installs it)"]
+            ),
         ],
         extra_columns=["old MFU", "tokens/s", "peak RSS/rank", "ref fwd", "fwd", "bwd", "opt"],
     )

@@ -24,36 +24,26 @@ sys.path.insert(0, str(HERE))
 
 from _common import launch_env, torchrun  # noqa: E402
 
-_TINY = ["--size-mb", "8", "--dim", "128", "--vocab-size", "1024", "--repeats", "1"]
-# name -> (script, launched under torchrun by this runner, args at make-bench size,
-#          --full args, --smoke args)
+# name -> (script, launched under torchrun by this runner, args at make-bench size, --full args);
+# --smoke passes each script its own --smoke (its smallest sizes, declared in the script).
 BENCHMARKS = {
-    "async_save": ("bench_async_save.py", True, [], ["--full"], _TINY),
-    "export": ("bench_export.py", True, [], ["--size-mb", "1100"], [*_TINY, "--rank", "4"]),
+    "async_save": ("bench_async_save.py", True, [], ["--full"]),
+    "export": ("bench_export.py", True, [], ["--size-mb", "1100"]),
     "hf_write": ("bench_hf_write.py", True, ["--size-mb", "256", "--repeats", "5"],
-                 ["--size-mb", "1100", "--repeats", "7"], ["--size-mb", "8", "--repeats", "1"]),
-    "resume": ("bench_resume.py", True, [], ["--full"], _TINY),
-    "scale": ("bench_scale.py", True, ["--sizes-mb", "512"], ["--sizes-mb", "512,2048"],
-              ["--sizes-mb", "8", "--dim", "128", "--vocab-size", "1024", "--repeats", "1"]),
-    "checksum": ("bench_checksum.py", True, ["--repeats", "5"], ["--full"], _TINY),
-    "data": ("bench_data.py", False, ["--rows", "200000"], ["--rows", "200000"],
-             ["--rows", "2000"]),
-    "streaming": ("bench_streaming.py", False, [], ["--full"],
-                  ["--sizes-mb", "2", "6", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1"]),
-    "qlora": ("bench_qlora.py", True, [], ["--size-mb", "1100", "--dim", "2048"],
-              ["--size-mb", "8", "--dim", "256", "--vocab-size", "1024", "--repeats", "1"]),
-    "attention": ("bench_attention.py", False, [], [],
-                  ["--seq-len", "256", "--dim", "256", "--repeats", "1"]),
-    "context": ("bench_context.py", True, [], [],
-                ["--seq-len", "256", "--dim", "128", "--vocab-size", "512", "--repeats", "1"]),
-    "moe": ("bench_moe.py", False, [], ["--tokens", "4096"], ["--tokens", "64", "--repeats", "1"]),
+                 ["--size-mb", "1100", "--repeats", "7"]),
+    "resume": ("bench_resume.py", True, [], ["--full"]),
+    "scale": ("bench_scale.py", True, ["--sizes-mb", "512"], ["--sizes-mb", "512,2048"]),
+    "checksum": ("bench_checksum.py", True, ["--repeats", "5"], ["--full"]),
+    "data": ("bench_data.py", False, ["--rows", "200000"], ["--rows", "200000"]),
+    "streaming": ("bench_streaming.py", False, [], ["--full"]),
+    "qlora": ("bench_qlora.py", True, [], ["--size-mb", "1100", "--dim", "2048"]),
+    "attention": ("bench_attention.py", False, [], []),
+    "context": ("bench_context.py", True, [], []),
+    "moe": ("bench_moe.py", False, [], ["--tokens", "4096"]),
     "training": ("bench_training.py", False, [],
-                 ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"],
-                 ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32",
-                  "--vocab-dim", "64", "--vocab-size", "4096", "--vocab-seq-len", "64",
-                  "--steps", "1", "--nprocs", "2"]),
-    "grpo": ("bench_grpo.py", False, [], [], ["--smoke"]),
-    "eval": ("bench_eval.py", False, [], [], ["--repeats", "1", "--sample-seconds", "0.05"]),
+                 ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
+    "grpo": ("bench_grpo.py", False, [], []),
+    "eval": ("bench_eval.py", False, [], []),
 }  # fmt: skip
 
 
@@ -89,8 +79,8 @@ def run(name: str, size: str, scratch: str | None) -> tuple[bool, str, float]:
     Returns:
         Whether it succeeded, its stdout (the table) or the end of its log, and its seconds.
     """
-    script, under_torchrun, bench_args, full_args, smoke_args = BENCHMARKS[name]
-    args = list({"bench": bench_args, "full": full_args, "smoke": smoke_args}[size])
+    script, under_torchrun, bench_args, full_args = BENCHMARKS[name]
+    args = list({"bench": bench_args, "full": full_args, "smoke": ["--smoke"]}[size])
     if scratch is not None:
         args += ["--dir", scratch]
     start = time.perf_counter()
