@@ -98,3 +98,35 @@ def test_preference_items_show_both_sides():
 def test_config_without_dataset_is_one_error():
     with pytest.raises(ConfigError, match="has no dataset to preview"):
         _data.preview("tiny/generate", [], 1, as_json=True, out=io.StringIO())
+
+
+def test_a_hub_dataset_while_the_hub_cannot_be_reached_fails_at_once_with_one_line(tmp_path):
+    """Issue 38: `datasets` retried the hub for about 40 s, a line per retry (5 per request).
+
+    The hub is an endpoint nothing listens on (as on a machine without network, on any
+    machine); offline mode is not set: tunelab finds out itself.
+    """
+    import os
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a port nothing listens on once it is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    start = time.monotonic()
+    result = subprocess.run(
+        [TUNELAB, "data", "preview", "tiny/lora", "dataset.source=tunelab-tests/no-such-dataset",
+         "~dataset.data_files"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Retrying" not in output, output[-3000:]
+    assert output.splitlines() == [result.stderr.strip()], output[-3000:]  # one line
+    assert result.stderr.startswith("tunelab: error: cannot load dataset "), result.stderr
+    assert f"http://127.0.0.1:{port} cannot be reached" in result.stderr, result.stderr
+    # The retries alone slept 1 + 2 + 4 + 8 + 8 = 23 s; start-up takes 5-15 s here.
+    assert elapsed < 23, elapsed

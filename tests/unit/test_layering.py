@@ -30,6 +30,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "tunelab._torch_compat",
             "tunelab._library_noise",
             "tunelab._json_lines",
+            "tunelab._hub",
         ),
     },
     # Settings are read by everything: right above the foundation.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunelab._hub import offline_unless_hub_answers
 from tunelab._json_lines import json_rows
 from tunelab.errors import DataError
 
@@ -138,6 +139,7 @@ class Source:
 
     def _load_hub(self) -> Any:
         if self._loaded is None:
+            why = hub_unreachable(self.loader)
             try:
                 self._loaded = _quiet_load(
                     self.loader, data_files=self.data_files, split=self.split, **self.kwargs
@@ -145,8 +147,20 @@ class Source:
             except Exception as error:  # offline, unknown repo, bad split: one message
                 raise DataError(
                     f"cannot load dataset {self.loader!r} split {self.split!r}: {error}"
+                    + (f" ({why}: run once with network access to cache it)" if why else "")
                 ) from error
         return self._loaded
+
+
+def hub_unreachable(loader: str) -> str | None:
+    """For a hub dataset id: offline mode at once if the hub cannot be reached (and why).
+
+    Without it an unreachable hub costs about 25 s of retries per load, a line each
+    (``tunelab._hub``). A local folder never asks.
+    """
+    if Path(loader).expanduser().is_dir():
+        return None
+    return offline_unless_hub_answers()
 
 
 def _quiet_load(*args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from tunelab._json_lines import is_row_line, json_document, parse_line
-from tunelab.data.sources import JSON_LINE, JSON_PARSED, JSON_PROBLEM, JSON_TEXT, Source
+from tunelab.data.sources import (
+    JSON_LINE,
+    JSON_PARSED,
+    JSON_PROBLEM,
+    JSON_TEXT,
+    Source,
+    hub_unreachable,
+)
 from tunelab.errors import DataError
 
 # What ``walk`` keeps of a row until it is decoded, by how the source is read.
@@ -121,8 +128,10 @@ def _walk_datasets(source: Source, index: int, start: int) -> Iterator[RowRef]:
     """Rows through ``datasets`` streaming: decoded here, on every rank."""
     import datasets
 
+    why = None
     if source.kind == "hub":
         loader, files, split = source.loader, source.data_files, source.split
+        why = hub_unreachable(loader)
     else:
         loader, files, split = source.loader, source.name, "train"
     try:
@@ -130,7 +139,10 @@ def _walk_datasets(source: Source, index: int, start: int) -> Iterator[RowRef]:
             loader, data_files=files, split=split, streaming=True, **source.kwargs
         )
     except Exception as error:  # offline, unknown repo, bad file: one message
-        raise DataError(f"{source.name}: cannot stream ({error})") from error
+        raise DataError(
+            f"{source.name}: cannot stream ({error})"
+            + (f" ({why}: run once with network access to cache it)" if why else "")
+        ) from error
     for offset, row in enumerate(stream.skip(start) if start else stream):
         yield RowRef(index, start + offset, PARSED, row)
 

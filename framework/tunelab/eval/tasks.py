@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tunelab._hub import offline_unless_hub_answers, unreachable_reason
 from tunelab.config._tasks import task_path_problem
 from tunelab.errors import ConfigError, first_line
 from tunelab.eval import _lm_eval  # the install hint when lm-eval is missing
-from tunelab.eval._hub import offline_unless_hub_answers, unreachable_reason
 
 __all__ = ["evaluate", "resolve_tasks", "results_table"]
 
@@ -251,7 +251,7 @@ def _check_hub(specs: list[str | dict[str, Any]]) -> None:
     """Before a task that may need the hub loads: offline mode at once if it cannot be reached.
 
     Without this an unreachable hub costs about 25 s of retries per dataset load, with a line
-    each (``tunelab.eval._hub``). Tasks over local files (a task file whose ``dataset_path`` is
+    each (``tunelab._hub``). Tasks over local files (a task file whose ``dataset_path`` is
     a local builder such as ``json``, or a folder) never ask.
     """
     if any(not _reads_local_files(spec) for spec in specs):
