@@ -35,8 +35,8 @@ def offline_unless_hub_answers(timeout_s: float = CHECK_TIMEOUT_S) -> str | None
 
     Returns:
         None if the hub answered (or offline mode was already on); otherwise why it is taken
-        to be unreachable (``https://huggingface.co cannot be reached (timed out, 3 s limit)``), for the
-        error of a dataset that then cannot be loaded.
+        to be unreachable, for the error of a dataset that then cannot be loaded:
+        ``https://huggingface.co cannot be reached (timed out, 3 s limit)``.
     """
     if _unreachable:
         return _unreachable[0]

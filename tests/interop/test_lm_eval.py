@@ -362,8 +362,11 @@ def test_a_hub_task_while_the_hub_cannot_be_reached_fails_at_once_with_one_line(
     assert "Traceback" not in output and "Retrying" not in output, output[-3000:]
     # One line about the hub: the error, naming the task, the endpoint and what to do.
     (line,) = [line for line in output.splitlines() if "127.0.0.1" in line or "error" in line]
-    assert line.startswith("tunelab: error: task 't_from_the_hub': its dataset could not be "
-                           "loaded without the Hugging Face Hub (http://127.0.0.1:"), line  # fmt: skip
+    expected = (
+        "tunelab: error: task 't_from_the_hub': its dataset could not be loaded without the "
+        "Hugging Face Hub (http://127.0.0.1:"
+    )
+    assert line.startswith(expected), line
     assert "cannot be reached" in line and "run once with network access" in line, line
     # The retries alone slept 2 x (1 + 2 + 4 + 8 + 8) s = 46 s; start-up takes 10-20 s here.
     assert elapsed < 40, elapsed
