@@ -59,6 +59,7 @@ class _Run:
         nproc: int = 2,
         recipe: str = "lora_finetune_distributed",
         config: str = "tiny/lora",
+        env: dict[str, str] | None = None,
     ):
         self.out = out
         launcher = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
@@ -67,9 +68,12 @@ class _Run:
         self._stderr = open(out.parent / f"{out.name}.stderr", "w+")  # noqa: SIM115
         # A session of its own, so a leftover can be killed as a group whatever happens.
         self.process = subprocess.Popen(
-            command, env=run_env(), stdout=self._stdout, stderr=self._stderr,
+            command, env=run_env(**(env or {})), stdout=self._stdout, stderr=self._stderr,
             start_new_session=True,
         )  # fmt: skip
+
+    def stderr_so_far(self) -> str:
+        return Path(self._stderr.name).read_text(errors="replace")
 
     @property
     def pid(self) -> int:
@@ -374,6 +378,95 @@ def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path):
     assert stdout == "stopped by a second signal (SIGTERM): no checkpoint\n"
     assert "Traceback" not in stderr
     assert _committed_steps(out) == []
+
+
+# --- a rank that hangs -------------------------------------------------------------------------
+
+HANG_ON_RANK_1 = """
+import os
+import time
+from pathlib import Path
+
+
+def hang_on_rank_1(prompts, completions, rows):
+    if os.environ["RANK"] == "1":
+        Path(os.environ["HANG_MARKER"]).touch()
+        time.sleep(600)
+    return [0.0] * len(completions)
+"""
+
+
+def _hanging_grpo(tmp_path: Path, collective_timeout_s: int) -> _Run:
+    """GRPO whose reward hangs on rank 1 in step 1: rank 0 waits in the step's next collective."""
+    (tmp_path / "hang_reward.py").write_text(HANG_ON_RANK_1)
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "epochs=1", "max_steps_per_epoch=4", BETWEEN_SAVES,
+        "rewards=[{_component_: hang_reward.hang_on_rank_1}]", "reward_weights=[1.0]",
+        f"collective_timeout_s={collective_timeout_s}",
+    ]  # fmt: skip
+    env = {"PYTHONPATH": str(tmp_path), "HANG_MARKER": str(tmp_path / "hanging")}
+    return _Run(out, *overrides, recipe="grpo_distributed", config="tiny/grpo", env=env)
+
+
+def _wait_for(condition, run: _Run, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert run.process.poll() is None, f"the run ended before {what}:\n{run.finish()}"
+        assert time.monotonic() < deadline, f"no {what} in time:\n{run.stderr_so_far()[-3000:]}"
+        time.sleep(0.05)
+
+
+def test_a_collective_timeout_names_the_rank_that_did_not_arrive(tmp_path):
+    # Rank 1 hangs in its reward; rank 0 times out in the step's next collective. The launcher
+    # used to report rank 1, which it had SIGKILLed itself 30 s later: "recipe grpo_distributed
+    # failed on rank 1 (killed by SIGKILL, signal 9 (out of memory? ...))".
+    run = _hanging_grpo(tmp_path, collective_timeout_s=5)
+    try:
+        code, stdout, stderr = run.finish()
+    finally:
+        run.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith("tunelab: error:")]
+    assert code == 1 and len(errors) == 1, stderr[-3000:]
+    assert re.fullmatch(
+        r"tunelab: error: rank 0: collective \w+ timed out: \w+ \([\w/]+\.py:\d+\) waited "
+        r"5 s \(collective_timeout_s\) for rank 1, which did not arrive "
+        r"\(traceback in .*rank_0\.log\)",
+        errors[0],
+    ), errors[0]
+    assert "SIGKILL" not in stderr and "out of memory" not in stderr
+    assert "Traceback" not in stderr
+
+
+def test_signals_during_a_hang_say_what_they_do_and_the_second_stops_at_once(tmp_path):
+    # Rank 1 hangs in its reward, rank 0 waits in a collective (for 10 minutes): neither can
+    # reach a step boundary, nor run a Python signal handler (rank 0). The first signal used
+    # to print nothing, and the second waited on workers that could not stop.
+    from tunelab.lifecycle.preemption import stopping_notice
+
+    run = _hanging_grpo(tmp_path, collective_timeout_s=600)
+    try:
+        _wait_for((tmp_path / "hanging").exists, run, "hang")
+        workers = run.workers()
+        run.process.send_signal(signal.SIGTERM)
+        _wait_for(lambda: stopping_notice(signal.SIGTERM) in run.stderr_so_far(), run, "notice")
+        time.sleep(2.5)  # Past the window in which a repeat counts as the same signal.
+        start = time.monotonic()
+        run.process.send_signal(signal.SIGINT)
+        code = run.process.wait(60)
+        seconds = time.monotonic() - start
+        while any(_alive(pid) for pid in workers) and time.monotonic() - start < seconds + 5:
+            time.sleep(0.05)
+        left = [pid for pid in workers if _alive(pid)]
+        code, stdout, stderr = run.finish()
+    finally:
+        run.kill()
+    assert code == 130 and seconds < 10, (code, seconds, stderr[-3000:])
+    assert stdout == "stopped by a second signal (SIGINT): no checkpoint\n"
+    assert stderr.count(stopping_notice(signal.SIGTERM)) == 1
+    assert "Traceback" not in stderr
+    assert workers and not left
+    assert _committed_steps(run.out) == []
 
 
 # --- workers die with their launcher -----------------------------------------------------------

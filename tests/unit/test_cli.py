@@ -415,6 +415,70 @@ def test_a_worker_torchrun_sigkilled_after_the_shutdown_timeout_is_not_the_cause
     assert _first_failure(failures)[0] == 0
 
 
+def test_a_hung_worker_torchrun_sigkilled_after_its_close_wait_is_not_the_cause(tmp_path):
+    # After a rank fails, torchrun waits 30 s for the others (not the shutdown timeout) and
+    # SIGKILLs the rest: a rank hung in a reward, whose peer's collective timed out. It was
+    # reported as "failed on rank 1 (killed by SIGKILL ... out of memory?)".
+    from tunelab.cli._run import TORCHRUN_CLOSE_WAIT_S, _exit_status, _first_failure
+
+    failures = {
+        0: _process_failure(tmp_path, 0, 1, MESSAGE.format(0)),
+        1: _process_failure(tmp_path, 1, -9, None),
+    }
+    failures[1].timestamp += TORCHRUN_CLOSE_WAIT_S
+    rank, failure = _first_failure(failures)
+    assert rank == 0 and _exit_status(failure.exitcode) == 1
+
+
+def _timed_out(tmp_path, rank: int, world_size: int):
+    from tunelab.lifecycle.collective_timeout import RECORD_KEY, CollectiveTimeout
+
+    timeout = CollectiveTimeout(
+        rank, world_size, "all_gather_object", "write_completions (tunelab/training/grpo.py:251)",
+        5.0, f"/out/logs/rank_{rank}.log",
+    )  # fmt: skip
+    failure = _process_failure(tmp_path, rank, 1, timeout.line())
+    record = json.loads(Path(failure.error_file).read_text())
+    record[RECORD_KEY] = timeout.to_record()
+    Path(failure.error_file).write_text(json.dumps(record))
+    failure.error_file_data = record
+    return failure
+
+
+def test_a_collective_timeout_names_the_ranks_that_did_not_arrive(tmp_path):
+    # Ranks 0 and 2 waited in the collective and timed out; ranks 1 and 3 never came (hung
+    # elsewhere) and torchrun SIGKILLed them 30 s later.
+    from tunelab.cli._run import (
+        TORCHRUN_CLOSE_WAIT_S,
+        _describe_failure,
+        _first_failure,
+        _recorded_line,
+    )
+
+    failures = {rank: _timed_out(tmp_path, rank, 4) for rank in (0, 2)}
+    for rank in (1, 3):
+        failures[rank] = _process_failure(tmp_path, rank, -9, None)
+        failures[rank].timestamp += TORCHRUN_CLOSE_WAIT_S
+    rank, failure = _first_failure(failures)
+    assert _describe_failure("toy", rank, failure, failures) == (
+        "rank 0: collective all_gather_object timed out: write_completions "
+        "(tunelab/training/grpo.py:251) waited 5 s (collective_timeout_s) for ranks 1 and 3, "
+        "which did not arrive (traceback in /out/logs/rank_0.log)"
+    )
+    # What the rank itself records (no launcher to tell it): with 2 ranks, the other one.
+    assert (
+        _timed_out(tmp_path, 0, 2)
+        .error_file_data["message"]["message"]
+        .endswith(
+            "waited 5 s (collective_timeout_s) for rank 1, which did not arrive "
+            "(traceback in /out/logs/rank_0.log)"
+        )
+    )
+    assert "for a rank that did not arrive" in _recorded_line(
+        _timed_out(tmp_path, 0, 4).error_file_data
+    )
+
+
 @pytest.mark.slow
 def test_run_error_on_every_rank_is_short(project):
     result = tunelab(

@@ -234,10 +234,32 @@ def test_only_rank_0_prints_the_line():
 
 
 def test_a_second_signal_exits_at_once_without_a_checkpoint():
+    from tunelab.lifecycle.preemption import stopping_notice
+
     code, stdout, stderr, seconds = _signal_when_ready("second_signal", signal.SIGINT)
     assert code == 130 and seconds < 5
     assert stdout == "stopped by a second signal (SIGINT): no checkpoint\n"
-    assert stderr == ""
+    # No launcher here (plain torchrun, or by hand): rank 0 said what the first one does.
+    assert stderr == f"\n{stopping_notice(signal.SIGTERM)}\n"
+    assert stopping_notice(signal.SIGTERM) == (
+        "tunelab: SIGTERM: stopping at the next step boundary (with a checkpoint); "
+        "send SIGTERM again or press Ctrl-C to stop at once"
+    )
+
+
+def test_under_tunelab_run_a_worker_leaves_the_signal_lines_to_the_launcher(tmp_path):
+    # tunelab run prints the first signal's notice and the second's line itself (a worker
+    # that hangs cannot); a second signal that reached the workers alone leaves its line in
+    # the stop line file for the launcher to print.
+    stop_line = tmp_path / "stop_line"
+    env = dict(ENV, RANK="0", TUNELAB_LAUNCHER_REPORTS="1", TUNELAB_STOP_LINE_FILE=str(stop_line))
+    process = _python(PREEMPTION, "second_signal", env=env)
+    assert process.stdout.readline() == "ready\n"
+    time.sleep(2.2)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stdout, stderr) == (130, "", "")
+    assert stop_line.read_text() == "stopped by a second signal (SIGINT): no checkpoint"
 
 
 def test_children_started_with_stop_signals_blocked_get_them_when_ready(tmp_path):

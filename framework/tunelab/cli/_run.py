@@ -18,19 +18,17 @@ from pathlib import Path
 
 from tunelab.cli._check import check_config, load_recipe_config
 from tunelab.cli._discovery import builtin_recipes
+from tunelab.cli._launcher_signals import LauncherStop
+from tunelab.errors import shorten
 from tunelab.lifecycle import (
     LAUNCHER_PID_ENV,
     STOP_SIGNALS,
     check_output_dir_free,
     stop_signals_blocked,
 )
-from tunelab.lifecycle.entry import (
-    ERROR_FILE_ENV,
-    REPORTED_BY_LAUNCHER_ENV,
-    STOP_LINE_FILE_ENV,
-    _recipe_parser,
-)
-from tunelab.lifecycle.preemption import signal_name
+from tunelab.lifecycle.collective_timeout import CollectiveTimeout
+from tunelab.lifecycle.entry import ERROR_FILE_ENV, _recipe_parser
+from tunelab.lifecycle.preemption import REPORTED_BY_LAUNCHER_ENV, STOP_LINE_FILE_ENV, signal_name
 
 USAGE = """\
 usage: tunelab run [TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDE ...]
@@ -69,6 +67,10 @@ _TORCHRUN_SIGNALS = tuple(
 # them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torch's default of 30 s is short for a real model's
 # final checkpoint). The environment variable or --shutdown-timeout wins.
 SHUTDOWN_TIMEOUT_S = 300
+# How long torchrun waits for the other workers after one failed before it SIGKILLs them:
+# torch's fixed default (PContext.close), whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT says (that
+# one applies after a signal to the launcher).
+TORCHRUN_CLOSE_WAIT_S = 30
 # torch's switch for the rendezvous store that workers share across restarts (see below).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # A recipe that exits with these stopped on a signal and printed its own line.
@@ -127,16 +129,17 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
     # As under torchrun: the child records its one-line error there and this process prints it.
     error_file = Path(tempfile.mkdtemp(prefix="tunelab-run-")) / "error.json"
     env[ERROR_FILE_ENV] = str(error_file)
+    stop_line = error_file.parent / "stop_line"
+    env[STOP_LINE_FILE_ENV] = str(stop_line)
     # The child starts with the stop signals blocked (pending until its handlers are in), and
-    # this process forwards any it gets (as torchrun does), then keeps waiting: the child
-    # finishes its step, saves and exits with 128 + signal. Signals that came during the
-    # start-up are delivered when the block ends, to the forwarding handlers.
+    # this process says what a stop does and forwards the signal (as torchrun does), then
+    # keeps waiting: the child finishes its step, saves and exits with 128 + signal. Signals
+    # that came during the start-up are delivered when the block ends, to these handlers. A
+    # second signal kills the child at once.
     with stop_signals_blocked():
         child = subprocess.Popen([sys.executable, str(recipe), *child_args], env=env)
-        previous = {
-            signum: signal.signal(signum, lambda signum, frame: child.send_signal(signum))
-            for signum in STOP_SIGNALS
-        }
+        stop = LauncherStop(child.send_signal, lambda: [child.pid], [error_file.parent])
+        previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
         code = child.wait()
     finally:
@@ -146,6 +149,8 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
         recorded = _recorded_line(json.loads(error_file.read_text()))
     except (OSError, ValueError):
         recorded = ""
+    if code in STOPPED_EXIT_CODES:
+        _print_stop_line(stop_line)
     shutil.rmtree(error_file.parent, ignore_errors=True)
     if code != 0 and code not in STOPPED_EXIT_CODES:
         line = recorded or f"recipe {recipe.stem} failed ({_exit_reason(code)})"
@@ -217,25 +222,24 @@ def _first_failure(failures: dict) -> tuple[int, object]:
     A worker killed by a signal no launcher sends (SIGKILL from the out-of-memory killer,
     SIGSEGV, SIGABRT) died on its own: it is the cause, and the errors its peers then record
     ("Connection reset by peer") are its consequence. The one exception is a worker torchrun
-    itself SIGKILLed when it outlived the shutdown timeout after another rank failed.
+    itself SIGKILLed because it still ran :data:`TORCHRUN_CLOSE_WAIT_S` after another rank
+    failed (a hung rank, whose peer's collective timed out).
 
     Otherwise torchrun stops the other workers once one fails: they come back killed by a
     signal, or, when their stop handler ran first, with exit code 128 + signal and no recorded
     line. Those are never the cause while a rank failed on its own. Among the rest, the
     earliest wins (torchrun's timestamps are whole seconds, so ties go to the lowest rank).
     """
-    recorded = [f.timestamp for f in failures.values() if _recorded_line(f.error_file_data)]
-    timeout_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S))
 
     def died_on_its_own(failure: object) -> bool:
         if failure.exitcode >= 0 or -failure.exitcode in _LAUNCHER_SIGNALS:
             return False
-        # SIGKILLed by torchrun after a hang that another rank's failure caused?
-        return not (
-            -failure.exitcode == signal.SIGKILL
-            and recorded
-            and failure.timestamp - min(recorded) >= timeout_s
-        )
+        if -failure.exitcode != signal.SIGKILL:
+            return True
+        # torchrun stamps a worker it SIGKILLed when it reaps it, after the whole wait; one
+        # the OOM killer took is stamped when torchrun finds it, before it stops the others.
+        others = [f.timestamp for f in failures.values() if f is not failure]
+        return not (others and failure.timestamp - min(others) >= TORCHRUN_CLOSE_WAIT_S - 1)
 
     def stopped_by_launcher(failure: object) -> bool:
         return failure.exitcode <= 0 or (
@@ -253,10 +257,23 @@ def _first_failure(failures: dict) -> tuple[int, object]:
     )
 
 
-def _describe_failure(recipe: str, rank: int, failure: object) -> str:
-    """One line for a failed torchrun job: the failing rank's own recorded line."""
+def _describe_failure(recipe: str, rank: int, failure: object, failures: dict | None = None) -> str:
+    """One line for a failed torchrun job: the failing rank's own recorded line.
+
+    When that rank timed out in a collective, the line names the ranks that did not arrive:
+    among ``failures`` (every rank's), those that did not time out in a collective themselves
+    (torchrun stopped them, still elsewhere, after this rank failed).
+    """
     message = _recorded_line(failure.error_file_data)
     if message and failure.exitcode > 0:
+        timeout = CollectiveTimeout.from_record(failure.error_file_data)
+        if timeout is not None and failures:
+            missing = sorted(
+                other
+                for other, record in failures.items()
+                if other != rank and CollectiveTimeout.from_record(record.error_file_data) is None
+            )
+            return shorten(timeout.line(missing or None))
         return message
     return f"recipe {recipe} failed on rank {rank} ({_exit_reason(failure.exitcode)})"
 
@@ -328,12 +345,22 @@ def _launch(launch: argparse.Namespace, recipe: Path, stop_line: Path) -> int:
     from torch.distributed.run import run
 
     handlers = {signum: signal.getsignal(signum) for signum in _TORCHRUN_SIGNALS}
+    # SIGTERM and SIGINT are this process's (LauncherStop): the first says what a stop does and
+    # raises torchrun's SignalException, whose handling forwards it to every worker and waits
+    # for them; a second kills them at once. torchrun keeps the other signals it handles.
+    requested = [name.strip() for name in launch.signals_to_handle.split(",")]
+    ours = [signum for signum in STOP_SIGNALS if signum.name in requested]
+    launch.signals_to_handle = ",".join(
+        name for name in requested if name not in {signum.name for signum in ours}
+    )
+    stop = LauncherStop(_raise_signal_exception, _own_children, [stop_line.parent])
     try:
         try:
+            for signum in ours:
+                signal.signal(signum, stop)
             # torchrun spawns the workers from this thread: they inherit the block, so a
             # stop signal during their start-up waits for their handlers. This process keeps
-            # receiving signals through a helper thread; torchrun's handlers raise
-            # SignalException here, forward the signal to every worker and wait for them.
+            # receiving signals through a helper thread; the handlers run in this thread.
             with stop_signals_blocked(keep_receiving=True):
                 run(launch)
         finally:
@@ -351,9 +378,18 @@ def _launch(launch: argparse.Namespace, recipe: Path, stop_line: Path) -> int:
             _print_stop_line(stop_line)
             return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
         rank, failure = _first_failure(err.failures)
-        print(f"tunelab: error: {_describe_failure(recipe.stem, rank, failure)}", file=sys.stderr)
+        line = _describe_failure(recipe.stem, rank, failure, err.failures)
+        print(f"tunelab: error: {line}", file=sys.stderr)
         return _exit_status(failure.exitcode)
     return 0
+
+
+def _raise_signal_exception(signum: int) -> None:
+    """Hand a stop signal to torchrun as its own handler would: it shuts the workers down."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
 def _check_output_dir(child_args: list[str]) -> None:

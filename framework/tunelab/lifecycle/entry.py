@@ -8,6 +8,7 @@ exit code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -22,8 +23,11 @@ from omegaconf import DictConfig
 from tunelab.config._load import load_config
 from tunelab.config._validate import parse_args
 from tunelab.errors import TunelabError, first_line, shorten
+from tunelab.lifecycle.collective_timeout import RECORD_KEY, CollectiveTimeout, describe_timeout
 from tunelab.lifecycle.parent_death import exit_with_launcher
 from tunelab.lifecycle.preemption import (
+    REPORTED_BY_LAUNCHER_ENV,
+    STOP_LINE_FILE_ENV,
     TrainingStopped,
     install_stop_handlers,
     signal_name,
@@ -78,20 +82,6 @@ the launcher, prints the line: once, after the workers are gone, never glued to 
 """
 
 
-REPORTED_BY_LAUNCHER_ENV = "TUNELAB_LAUNCHER_REPORTS"
-"""Set by ``tunelab run`` for its workers: it prints their recorded error lines itself."""
-
-
-STOP_LINE_FILE_ENV = "TUNELAB_STOP_LINE_FILE"
-"""Set by ``tunelab run``: where rank 0 writes "stopped by SIGTERM before a checkpoint was
-committed (...)" instead of printing it, when a collective broke after a stop signal.
-
-That happens in a real stop (a peer exited on the signal first), and also when a peer died on
-its own (the OOM killer) and torchrun then stopped the others: the launcher knows which, and
-prints the line only for a real stop (the failed rank's own error otherwise).
-"""
-
-
 def _rank() -> str:
     return os.environ.get("RANK", "0")
 
@@ -119,8 +109,13 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
     """
     stack = traceback.format_exc()
     log_path = _write_rank_log(getattr(args, "output_dir", None), stack)
+    timeout = None if isinstance(err, TunelabError) else _collective_timeout(err, log_path)
     if isinstance(err, TunelabError):
         line = str(err)
+    elif timeout is not None:
+        # Not the transport's words ("Timed out waiting 5000ms for send operation"): which
+        # collective, where this rank called it, and which rank it waited for.
+        line = timeout.line()
     else:
         first = first_line(err)
         line = f"rank {_rank()}: {type(err).__name__}: {first}"
@@ -139,6 +134,8 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
                 "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))},
             }
         }
+        if timeout is not None:  # tunelab run names the ranks that did not arrive from it.
+            record[RECORD_KEY] = timeout.to_record()
         try:
             with open(record_path, "w") as file:
                 json.dump(record, file)
@@ -153,6 +150,19 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
         # Plain torchrun or a hand start: no launcher prints the line, so rank 0 does.
         print(f"tunelab: error: {line}", file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def _collective_timeout(err: BaseException, log_path: str | None) -> CollectiveTimeout | None:
+    """``err`` as the timeout of a collective (see ``collective_timeout``), or None."""
+    process_group = sys.modules.get("tunelab.distributed.process_group")
+    timeout = process_group.collective_timeout() if process_group is not None else None
+    found = describe_timeout(
+        err,
+        rank=int(_rank()),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        timeout_s=timeout.total_seconds() if timeout is not None else None,
+    )
+    return dataclasses.replace(found, log_path=log_path) if found is not None else None
 
 
 class _ProgressSafeHandler(logging.Handler):

@@ -51,6 +51,45 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """The signals that stop a run with a checkpoint."""
 REPEAT_WINDOW_S = 2.0
 """A stop signal this soon after the first is the same one, delivered twice."""
+REPORTED_BY_LAUNCHER_ENV = "TUNELAB_LAUNCHER_REPORTS"
+"""Set by ``tunelab run`` for its workers: it prints their recorded error lines, the first stop
+signal's notice and the second's line itself."""
+STOP_LINE_FILE_ENV = "TUNELAB_STOP_LINE_FILE"
+"""Set by ``tunelab run``: where rank 0 writes a stop line the launcher prints for it.
+
+"stopped by SIGTERM before a checkpoint was committed (...)", when a collective broke after a
+stop signal: that happens in a real stop (a peer exited on the signal first), and also when a
+peer died on its own (the OOM killer) and torchrun then stopped the others: the launcher knows
+which, and prints the line only for a real stop (the failed rank's own error otherwise). And
+"stopped by a second signal (...)" when the second signal reached the workers but not the
+launcher (which otherwise prints that line itself).
+"""
+
+
+def stopping_notice(signum: int) -> str:
+    """The line that says what the first stop signal does, printed at once.
+
+    ``tunelab run`` prints it (rank 0 under plain torchrun), even while a rank hangs in a
+    collective or in a reward and no step boundary comes soon.
+    """
+    name = signal_name(signum)
+    again = (
+        "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again or press Ctrl-C"
+    )
+    return (
+        f"tunelab: {name}: stopping at the next step boundary (with a checkpoint); "
+        f"{again} to stop at once"
+    )
+
+
+def second_signal_line(signum: int) -> str:
+    """The line of a run ended by a second stop signal: at once, without a checkpoint."""
+    return f"stopped by a second signal ({signal_name(signum)}): no checkpoint"
+
+
+def launched_by_tunelab_run() -> bool:
+    """Whether ``tunelab run`` started this process (and prints its lines for it)."""
+    return os.environ.get(REPORTED_BY_LAUNCHER_ENV) == "1"
 
 
 class TrainingStopped(BaseException):
@@ -136,14 +175,29 @@ def _handle_stop_signal(signum: int, frame: Any) -> None:
         _state.signum, _state.first_at = signum, now
         if not _state.deferred:
             _exit_now(signum, f"stopped by {signal_name(signum)} before training started")
+        if not launched_by_tunelab_run() and _is_rank_0():
+            # Under plain torchrun no launcher says it; `tunelab run` does, even while a rank hangs.
+            _write_raw(2, f"\n{stopping_notice(signum)}\n")
         return
     if now - _state.first_at < REPEAT_WINDOW_S:
         return  # The first signal again: sent to every process and forwarded by torchrun.
-    # torchrun turns a second signal to the launcher into a SIGTERM to every worker.
-    _exit_now(signum, f"stopped by a second signal ({signal_name(signum)}): no checkpoint")
+    # Under `tunelab run` a second signal to the launcher kills the workers and it prints the
+    # line; one that reached only the workers leaves its line to the launcher too.
+    _exit_now(signum, second_signal_line(signum), via_launcher=launched_by_tunelab_run())
 
 
-def _exit_now(signum: int, line: str) -> NoReturn:
+def _is_rank_0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _write_raw(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode())  # No Python stream lock: the interrupted code may hold it.
+    except OSError:
+        pass
+
+
+def _exit_now(signum: int, line: str, *, via_launcher: bool = False) -> NoReturn:
     # Exits from inside the signal handler: unwinding would run `finally` blocks that may wait
     # in collectives for peers that are exiting too.
     for stream in (sys.stdout, sys.stderr):
@@ -151,11 +205,16 @@ def _exit_now(signum: int, line: str) -> NoReturn:
             stream.flush()
         except Exception:  # noqa: BLE001 - a stream busy in the interrupted code; exit anyway
             pass
-    if os.environ.get("RANK", "0") == "0":
-        try:
-            os.write(1, (line + "\n").encode())  # No Python stream lock: we may hold it.
-        except OSError:
-            pass
+    stop_line_file = os.environ.get(STOP_LINE_FILE_ENV)
+    if _is_rank_0():
+        if via_launcher and stop_line_file:
+            try:
+                with open(stop_line_file, "w") as file:
+                    file.write(line)
+            except OSError:
+                _write_raw(1, line + "\n")
+        else:
+            _write_raw(1, line + "\n")
     os._exit(128 + signum)
 
 
