@@ -14,7 +14,7 @@ mixture of experts, with:
   ``[E, D]``, gated by a clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
 
 The hub's checkpoints store the expert weights in MXFP4 (``gate_up_proj_blocks`` /
-``_scales``, ``tunelab.checkpoint.mxfp4``); they are dequantized on load, each rank reading
+``_scales``, ``tunelab.formats.mxfp4``); they are dequantized on load, each rank reading
 only its own experts. Exports are never quantized: they hold the dequantized weights under
 the plain names, as transformers saves a dequantized gpt-oss, and no ``quantization_config``.
 """
