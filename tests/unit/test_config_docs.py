@@ -3,10 +3,8 @@ generated settings tables in docs/settings.md match the declarations."""
 
 import dataclasses
 import importlib
-import json
 import pkgutil
 import re
-import shutil
 import typing
 from pathlib import Path
 
@@ -69,7 +67,9 @@ TINY = _paths.assets_dir() / "tiny"
 
 @pytest.mark.skipif(not SHIPPED, reason="configs/ holds no YAML files yet")
 @pytest.mark.parametrize("name", sorted(SHIPPED))
-def test_shipped_config_validates_against_its_recipe(name, tmp_path, monkeypatch):
+def test_shipped_config_validates_against_its_recipe(
+    name, tmp_path, monkeypatch, tiny_long_context
+):
     monkeypatch.chdir(tmp_path)  # Relative output_dirs are created under the test's folder.
     text = SHIPPED[name].read_text()
     folder = re.search(r"^checkpoint_dir: (\S+)$", text, re.MULTILINE).group(1)
@@ -85,18 +85,10 @@ def test_shipped_config_validates_against_its_recipe(name, tmp_path, monkeypatch
         )
         # Everything else must validate, against the tiny model with the context of the
         # model the config is for (its lengths are checked against max_position_embeddings).
-        overrides = [f"checkpoint_dir={_tiny_with_context(tmp_path / 'model', 131072)}"]
+        overrides = [f"checkpoint_dir={tiny_long_context}"]
     config_path, recipe_path = check_config(name, overrides)
     assert config_path == SHIPPED[name]
     assert recipe_path.is_file()
-
-
-def _tiny_with_context(folder: Path, context: int) -> Path:
-    """A copy of the tiny model whose config.json gives ``max_position_embeddings: context``."""
-    shutil.copytree(TINY, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
-    return folder
 
 
 def test_settings_docs_are_generated_from_the_declarations():

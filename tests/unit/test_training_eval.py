@@ -179,14 +179,15 @@ def test_the_llama_and_qwen_training_configs_carry_an_eval_block():
 
 
 @pytest.mark.parametrize("path", _configs_with_an_eval_block(), ids=lambda path: path.stem)
-def test_an_uncommented_eval_block_validates(path, tmp_path, monkeypatch):
-    """The block as a user uncomments it (the model folder replaced by the tiny one)."""
+def test_an_uncommented_eval_block_validates(path, tmp_path, monkeypatch, tiny_long_context):
+    """The block as a user uncomments it (the model folder replaced by the tiny one, with the
+    long context of the models these configs are for: their lengths are checked against it)."""
     monkeypatch.chdir(tmp_path)  # relative output_dirs are made under the test's folder
     lines = path.read_text().splitlines()
     start = lines.index("# eval:")
     block = [line.removeprefix("# ") for line in lines[start:] if line.startswith("# ")]
     copy = tmp_path / path.name
     copy.write_text("\n".join([*lines[:start], *block]) + "\n")
-    config = load_config(str(copy), [f"checkpoint_dir={TINY}"])
+    config = load_config(str(copy), [f"checkpoint_dir={tiny_long_context}"])
     assert list(config["eval"]["tasks"])  # the block was read
-    check_config(str(copy), [f"checkpoint_dir={TINY}"])
+    check_config(str(copy), [f"checkpoint_dir={tiny_long_context}"])
