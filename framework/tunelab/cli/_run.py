@@ -197,9 +197,7 @@ def _stop_workers_torchrun_missed(signum: int) -> None:
     stop line. Waits up to the shutdown timeout, then kills what is left.
     """
     children = _own_children()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+    _signal_children(signum)
     timeout_s = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S))
     deadline = time.monotonic() + timeout_s
     for pid in children:
@@ -353,35 +351,49 @@ def _launch(launch: argparse.Namespace, recipe: Path, stop_line: Path) -> int:
     launch.signals_to_handle = ",".join(
         name for name in requested if name not in {signum.name for signum in ours}
     )
-    stop = LauncherStop(_raise_signal_exception, _own_children, [stop_line.parent])
+    in_torchrun = True
+
+    def on_first(signum: int) -> None:
+        if in_torchrun:
+            _raise_signal_exception(signum)
+        _signal_children(signum)  # After torchrun: the workers it missed (see below).
+
+    stop = LauncherStop(on_first, _own_children, [stop_line.parent])
     try:
+        for signum in ours:
+            signal.signal(signum, stop)
         try:
-            for signum in ours:
-                signal.signal(signum, stop)
             # torchrun spawns the workers from this thread: they inherit the block, so a
             # stop signal during their start-up waits for their handlers. This process keeps
             # receiving signals through a helper thread; the handlers run in this thread.
             with stop_signals_blocked(keep_receiving=True):
                 run(launch)
-        finally:
-            for signum, handler in handlers.items():  # torchrun leaves its handlers in place.
-                signal.signal(signum, handler)
-    except SignalException as err:
-        # The workers stopped (rank 0 printed the stop line, or left it here), or a second
-        # signal cut the wait short and they die with this process.
-        _stop_workers_torchrun_missed(int(err.sigval))
-        _print_stop_line(stop_line)
-        return 128 + int(err.sigval)
-    except ChildFailedError as err:
-        codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
-        if codes and all(f.exitcode in STOPPED_EXIT_CODES for f in err.failures.values()):
+        except SignalException as err:
+            # The workers stopped (rank 0 printed the stop line, or left it here). A second
+            # stop signal (here too) kills them and exits at once (LauncherStop).
+            in_torchrun = False
+            _stop_workers_torchrun_missed(int(err.sigval))
             _print_stop_line(stop_line)
-            return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
-        rank, failure = _first_failure(err.failures)
-        line = _describe_failure(recipe.stem, rank, failure, err.failures)
-        print(f"tunelab: error: {line}", file=sys.stderr)
-        return _exit_status(failure.exitcode)
-    return 0
+            return 128 + int(err.sigval)
+        except ChildFailedError as err:
+            codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
+            if codes and all(f.exitcode in STOPPED_EXIT_CODES for f in err.failures.values()):
+                _print_stop_line(stop_line)
+                return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
+            rank, failure = _first_failure(err.failures)
+            line = _describe_failure(recipe.stem, rank, failure, err.failures)
+            print(f"tunelab: error: {line}", file=sys.stderr)
+            return _exit_status(failure.exitcode)
+        return 0
+    finally:
+        for signum, handler in handlers.items():  # torchrun leaves its handlers in place.
+            signal.signal(signum, handler)
+
+
+def _signal_children(signum: int) -> None:
+    for pid in _own_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def _raise_signal_exception(signum: int) -> None:
