@@ -355,11 +355,14 @@ if __name__ == "__main__":
 """
 
 
-def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path, nproc):
+    from tunelab.lifecycle.preemption import stopping_notice
+
     recipe = tmp_path / "slow_stop_save.py"
     recipe.write_text(SLOW_STOP_SAVE)
     out = tmp_path / "run"
-    run = _Run(out, *_overrides(out, BETWEEN_SAVES), recipe=str(recipe))
+    run = _Run(out, *_overrides(out, BETWEEN_SAVES, nproc=nproc), recipe=str(recipe), nproc=nproc)
     try:
         run.wait_for_steps(3)
         run.process.send_signal(signal.SIGTERM)
@@ -376,6 +379,7 @@ def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path):
         run.kill()
     assert code == 143 and seconds < 10, (code, seconds, stderr[-3000:])
     assert stdout == "stopped by a second signal (SIGTERM): no checkpoint\n"
+    assert stderr.count(stopping_notice(signal.SIGTERM)) == 1  # said at the first one
     assert "Traceback" not in stderr
     assert _committed_steps(out) == []
 
