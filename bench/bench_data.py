@@ -3,7 +3,7 @@
 Run (it launches torchrun itself, once per mode, 2 processes each):
 
     python bench/bench_data.py                  # 200k synthetic chat rows
-    python bench/bench_data.py --rows 2000      # a smoke size
+    python bench/bench_data.py --smoke          # its smallest size: checks it runs
 
 The rows are synthetic conversations (1 or 2 user / assistant turns, some with a system
 message) written as JSON Lines into a temporary folder, rendered with the embedded tiny
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    return parse_bench_args(parser, smoke=["--rows", "2000"])
+    return parse_bench_args(parser, smoke=["--rows", "200"])
 
 
 def write_rows(path: Path, num_rows: int) -> None:

@@ -3,7 +3,7 @@
 Run (one process; ``make bench`` installs trl with the ``bench`` extra):
 
     python bench/bench_grpo.py
-    python bench/bench_grpo.py --steps 2 --max-new-tokens 8 --logps-vocab-size 4096 --smoke
+    python bench/bench_grpo.py --smoke    # its smallest sizes: checks it runs
 
 Two measurements, each tunelab's path and TRL's on the same inputs, one after the other:
 
@@ -75,8 +75,8 @@ def parse_args() -> argparse.Namespace:
         "generation rows give the median of the pairs' ratios",
     )
     parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
-    smoke = ["--steps", "1", "--max-new-tokens", "8", "--logps-vocab-size", "4096",
-             "--logps-completion-tokens", "64"]  # fmt: skip
+    smoke = ["--steps", "1", "--prompts", "2", "--num-generations", "2", "--max-new-tokens", "6",
+             "--logps-vocab-size", "1024", "--logps-completion-tokens", "16", "--logps-dim", "64"]  # fmt: skip
     return parse_bench_args(parser, smoke)
 
 

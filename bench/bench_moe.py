@@ -3,7 +3,7 @@
 Run (one process):
 
     python bench/bench_moe.py                      # 1024 tokens, dim 256, experts of 128
-    python bench/bench_moe.py --tokens 64 --repeats 1   # a smoke size
+    python bench/bench_moe.py --smoke                   # its smallest sizes: checks it runs
 
 tunelab's ``MoEBlock`` sorts the (token, expert) pairs by expert once per layer and runs each
 projection as one grouped matmul (``grouped_mm`` where it has a kernel, which on CPU is fp32
@@ -41,7 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="layers of the tiny model")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=None, help="unused (run_all.py passes a scratch dir)")
-    return parse_bench_args(parser, smoke=["--tokens", "64", "--repeats", "1"])
+    smoke = ["--tokens", "32", "--dim", "64", "--expert-dim", "32", "--layers", "1",
+             "--repeats", "1"]  # fmt: skip
+    return parse_bench_args(parser, smoke)
 
 
 def loop_forward(

@@ -5,7 +5,7 @@ Run (each figure in its own process, one after the other):
 
     python bench/bench_streaming.py                   # corpora of 100 MB and 400 MB
     python bench/bench_streaming.py --full            # the 1 GB and 4 GB
-    python bench/bench_streaming.py --sizes-mb 4 16   # a smoke size
+    python bench/bench_streaming.py --smoke           # its smallest sizes: checks it runs
     python bench/bench_streaming.py --only ranks --before OLD/framework  # the 2-rank rows only
 
 The corpus is synthetic plain text (rows of 150 words) in JSON Lines shards of 1000 rows
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     return parse_bench_args(
         parser,
-        smoke=["--sizes-mb", "2", "6", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1"],
+        smoke=["--sizes-mb", "1", "2", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1"],
     )
 
 

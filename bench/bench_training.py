@@ -108,8 +108,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variant", default="after", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    # Smoke: one launch per code path, not per row: the DPO rows (reference forward, DPO loss)
+    # on 2 processes in the new settings, under DDP and as TRL where installed; the SFT loss and
+    # the old settings run in the two 1-process vocabulary rows.
     smoke = ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32", "--vocab-dim",
-             "64", "--vocab-size", "4096", "--vocab-seq-len", "64", "--steps", "1", "--nprocs", "2"]  # fmt: skip
+             "64", "--vocab-size", "4096", "--vocab-seq-len", "64", "--steps", "1", "--nprocs", "2",
+             "--recipes", "dpo", "--variants", f"after,DDP,{PEER}"]  # fmt: skip
     return parse_bench_args(parser, smoke)
 
 

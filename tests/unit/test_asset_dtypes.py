@@ -31,8 +31,12 @@ def training_configs(model: str) -> list[tuple[str, str]]:
     found = []
     for path in sorted(CONFIGS.rglob("*.yaml")):
         config = yaml.safe_load(path.read_text()) or {}
-        if config.get("checkpoint_dir") == f"${{assets:{model}}}" and "dtype" in config:
-            found.append((str(path.relative_to(CONFIGS)), config["dtype"]))
+        # The model folder and dtype: top-level keys, or a ``model`` section's.
+        section = config.get("model") if isinstance(config.get("model"), dict) else {}
+        folder = section.get("path", config.get("checkpoint_dir"))
+        dtype = section.get("dtype", config.get("dtype"))
+        if folder == f"${{assets:{model}}}" and dtype is not None:
+            found.append((str(path.relative_to(CONFIGS)), dtype))
     return found
 
 
