@@ -405,9 +405,11 @@ def _hanging_grpo(tmp_path: Path, collective_timeout_s: int) -> _Run:
     (tmp_path / "hang_reward.py").write_text(HANG_ON_RANK_1)
     out = tmp_path / "run"
     overrides = [
-        f"output_dir={out}", "epochs=1", "max_steps_per_epoch=4", BETWEEN_SAVES,
+        f"output_dir={out}", "schedule.epochs=1", "schedule.max_steps_per_epoch=4", BETWEEN_SAVES,
+        # The old flat keys (rewards.functions=... as an override failed in this tree).
         "rewards=[{_component_: hang_reward.hang_on_rank_1}]", "reward_weights=[1.0]",
-        f"collective_timeout_s={collective_timeout_s}",
+        "reward_timeout_s=null",  # no reward time limit: the hang lasts
+        f"parallelism.collective_timeout_s={collective_timeout_s}",
     ]  # fmt: skip
     env = {"PYTHONPATH": str(tmp_path), "HANG_MARKER": str(tmp_path / "hanging")}
     return _Run(out, *overrides, recipe="grpo_distributed", config="tiny/grpo", env=env)
@@ -434,7 +436,7 @@ def test_a_collective_timeout_names_the_rank_that_did_not_arrive(tmp_path):
     assert code == 1 and len(errors) == 1, stderr[-3000:]
     assert re.fullmatch(
         r"tunelab: error: rank 0: collective \w+ timed out: \w+ \([\w/]+\.py:\d+\) waited "
-        r"5 s \(collective_timeout_s\) for rank 1, which did not arrive "
+        r"5 s \(parallelism\.collective_timeout_s\) for rank 1, which did not arrive "
         r"\(traceback in .*rank_0\.log\)",
         errors[0],
     ), errors[0]

@@ -462,7 +462,7 @@ def test_a_collective_timeout_names_the_ranks_that_did_not_arrive(tmp_path):
     rank, failure = _first_failure(failures)
     assert _describe_failure("toy", rank, failure, failures) == (
         "rank 0: collective all_gather_object timed out: write_completions "
-        "(tunelab/training/grpo.py:251) waited 5 s (collective_timeout_s) for ranks 1 and 3, "
+        "(tunelab/training/grpo.py:251) waited 5 s (parallelism.collective_timeout_s) for ranks 1 and 3, "
         "which did not arrive (traceback in /out/logs/rank_0.log)"
     )
     # What the rank itself records (no launcher to tell it): with 2 ranks, the other one.
@@ -470,7 +470,7 @@ def test_a_collective_timeout_names_the_ranks_that_did_not_arrive(tmp_path):
         _timed_out(tmp_path, 0, 2)
         .error_file_data["message"]["message"]
         .endswith(
-            "waited 5 s (collective_timeout_s) for rank 1, which did not arrive "
+            "waited 5 s (parallelism.collective_timeout_s) for rank 1, which did not arrive "
             "(traceback in /out/logs/rank_0.log)"
         )
     )

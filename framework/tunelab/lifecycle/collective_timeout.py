@@ -1,11 +1,12 @@
 """A collective that timed out: what the waiting rank was doing, and which rank never came.
 
 A rank that hangs (a reward stuck on one rank, a deadlock, a frozen process) shows up on its
-peers: their next collective waits ``collective_timeout_s`` and raises (gloo: ``RuntimeError:
-... Timed out waiting 5000ms for send operation to complete``). That message names neither the
-collective nor the rank it waited for. :func:`describe_timeout` reads both from the exception:
-the collective is the outermost ``torch.distributed`` call in the traceback, the place is the
-innermost frame of the caller's code before it; the rank is the peer in a 2-process run.
+peers: their next collective waits ``parallelism.collective_timeout_s`` and raises (gloo:
+``RuntimeError: ... Timed out waiting 5000ms for send operation to complete``). That message
+names neither the collective nor the rank it waited for. :func:`describe_timeout` reads both
+from the exception: the collective is the outermost ``torch.distributed`` call in the
+traceback, the place is the innermost frame of the caller's code before it; the rank is the
+peer in a 2-process run.
 
 ``recipe_main`` records the result in the rank's error file (:data:`RECORD_KEY`), so that
 ``tunelab run``, which sees how every rank ended, can name the ranks that did not arrive in
@@ -42,7 +43,7 @@ class CollectiveTimeout:
         world_size: The number of ranks.
         operation: The collective (``all_gather_object``, ``all_reduce``, ...).
         caller: Where this rank called it: ``function (tunelab/training/grpo.py:251)``.
-        timeout_s: How long it waited (``collective_timeout_s``), when known.
+        timeout_s: How long it waited (``parallelism.collective_timeout_s``), when known.
         log_path: The rank's log file with the traceback, when written.
     """
 
@@ -82,7 +83,9 @@ class CollectiveTimeout:
             whom = f"rank{'s' if len(missing) > 1 else ''} {names}, which did not arrive"
         else:
             whom = "a rank that did not arrive"
-        waited = f" {self.timeout_s:g} s (collective_timeout_s)" if self.timeout_s else ""
+        waited = (
+            f" {self.timeout_s:g} s (parallelism.collective_timeout_s)" if self.timeout_s else ""
+        )
         where = f" (traceback in {self.log_path})" if self.log_path else ""
         return (
             f"rank {self.rank}: collective {self.operation} timed out: {self.caller} waited"
@@ -99,7 +102,7 @@ def describe_timeout(
         err: The exception the rank failed with (its traceback is read).
         rank: This rank.
         world_size: The number of ranks.
-        timeout_s: The run's collective timeout, if set; else read from the message (``5000ms``).
+        timeout_s: The run's collective timeout, if known; else read from the message (``5000ms``).
 
     Returns:
         The collective and its caller, or None.
