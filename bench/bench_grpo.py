@@ -3,7 +3,7 @@
 Run (one process; ``make bench`` installs trl with the ``bench`` extra):
 
     python bench/bench_grpo.py
-    python bench/bench_grpo.py --smoke    # its smallest sizes: checks it runs
+    python bench/bench_grpo.py --steps 2 --max-new-tokens 8 --logps-vocab-size 4096 --smoke
 
 Two measurements, each tunelab's path and TRL's on the same inputs, one after the other:
 
@@ -75,8 +75,8 @@ def parse_args() -> argparse.Namespace:
         "generation rows give the median of the pairs' ratios",
     )
     parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
-    smoke = ["--steps", "1", "--prompts", "2", "--num-generations", "2", "--max-new-tokens", "6",
-             "--logps-vocab-size", "1024", "--logps-completion-tokens", "16", "--logps-dim", "64"]  # fmt: skip
+    smoke = ["--steps", "1", "--max-new-tokens", "8", "--logps-vocab-size", "4096",
+             "--logps-completion-tokens", "64"]  # fmt: skip
     return parse_bench_args(parser, smoke)
 
 
@@ -167,19 +167,17 @@ def tunelab_steps(args: argparse.Namespace) -> tuple[dict[str, float], Completio
     """
     import tunelab.peft as peft
     from tunelab.data import load_tokenizer, prompt_dataset
-    from tunelab.losses import GRPOLoss, loss_normalizer
-    from tunelab.training import (
+    from tunelab.rl import (
         GroupSampler,
+        GRPOLoss,
         ModelRolloutEngine,
         Rewards,
         SamplingSettings,
-        adamw,
-        build_model,
-        optimizer_step,
-        output_layer,
+        loss_normalizer,
         policy_gradient_pass,
         step_counts,
     )
+    from tunelab.training import adamw, build_model, optimizer_step, output_layer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
@@ -195,7 +193,7 @@ def tunelab_steps(args: argparse.Namespace) -> tuple[dict[str, float], Completio
         max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=frozenset(tokenizer.stop_ids)
     )
     engine = ModelRolloutEngine(model, settings, pad_id=tokenizer.pad_id)
-    pattern = {"_component_": "tunelab.training.regex_reward", "pattern": "[0-9 ]+"}
+    pattern = {"_component_": "tunelab.rl.regex_reward", "pattern": "[0-9 ]+"}
     groups = GroupSampler(
         engine,
         Rewards([pattern]),
@@ -369,7 +367,8 @@ def logps_batch(args: argparse.Namespace) -> tuple[torch.Tensor, int]:
 
 def tunelab_logps_peak(args: argparse.Namespace, base: Path) -> float:
     """Peak RSS growth of tunelab's chunked completion log-prob forward + backward."""
-    from tunelab.training import build_model, completion_logps, output_layer, rollout_batch
+    from tunelab.rl import completion_logps, rollout_batch
+    from tunelab.training import build_model, output_layer
 
     model = build_model(
         str(base), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args()

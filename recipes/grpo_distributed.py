@@ -8,11 +8,11 @@ with the training model (``ModelRolloutEngine``: batched, KV cache, a seed per c
 score them with the configured rewards and turn each group's rewards into advantages
 (``GroupSampler``; with dynamic sampling, groups of equal rewards are left out and may be
 refilled from more prompts); 2. store the reference's log-probs when needed; 3.
-``num_iterations`` optimizer steps over the rollouts with the clipped policy-gradient loss
-(``tunelab.losses.GRPOLoss``), the log-probs computed at completion positions only (the first
+``num_iterations`` optimizer steps over the rollouts with the configured policy loss
+(``loss:``, a ``tunelab.rl.PolicyLoss``: ``GRPOLoss`` by default, or ``GSPOLoss``), the log-probs computed at completion positions only (the first
 pass's, taken before any update, are the sampling policy's: kept for the next passes); 4.
 ``after_step`` logs, validates (greedy completions of ``val_dataset``), exports and saves.
-The reference (``beta`` > 0) is the model with its adapters disabled, or for full fine-tuning
+The reference (``loss.beta`` > 0) is the model with its adapters disabled, or for full fine-tuning
 (``lora: null``) a frozen copy of the base. Sampling seeds derive from the seed, the step and
 the prompt's index, so a resumed run or another number of processes samples the same
 completions.
@@ -32,36 +32,38 @@ from tunelab.distributed import (
 )
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
-from tunelab.losses import GRPOLoss, loss_normalizer
-from tunelab.training import (
-    AfterStep,
+from tunelab.rl import (
     FrozenReference,
     GroupSampler,
-    MetricLoggers,
     ModelRolloutEngine,
-    NonFiniteGuard,
-    ReferenceModel,
     Rewards,
     RolloutValidation,
     SamplingSettings,
+    bound_prompt_lengths,
+    check_policy_loss,
+    global_sums,
+    grpo_metrics,
+    policy_gradient_pass,
+    step_counts,
+    store_logps,
+    write_completions,
+)
+from tunelab.training import (
+    AfterStep,
+    MetricLoggers,
+    NonFiniteGuard,
+    ReferenceModel,
     Schedule,
     StepProfiler,
-    bound_prompt_lengths,
     build_checkpoint_client,
     build_data,
     build_model,
     build_optimizer,
     config_fingerprint,
-    global_sums,
-    grpo_metrics,
     optimizer_step,
     output_layer,
-    policy_gradient_pass,
     resume,
     seed_everything,
-    step_counts,
-    store_logps,
-    write_completions,
 )
 
 ARGS = GRPOArgs
@@ -136,16 +138,18 @@ def main(args: GRPOArgs) -> None:
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
     )
+    # The policy loss (loss: _component_, a PolicyLoss); its beta > 0 needs the reference.
+    loss_fn = check_policy_loss(instantiate(args.loss), "grpo_distributed")
     # The reference (beta > 0): with LoRA the policy itself with its adapters disabled (or the
     # frozen adapter_dir adapter); for full fine-tuning a frozen copy of the base.
     reference = None
-    if args.beta > 0 and args.lora is not None:
+    if loss_fn.beta > 0 and args.lora is not None:
         reference = ReferenceModel(
             model,
             freeze_current_adapter=args.adapter_dir is not None,
             wait_for_staging=checkpoints.wait_for_staging,
         )
-    elif args.beta > 0:
+    elif loss_fn.beta > 0:
         reference = FrozenReference(build(lora=None))
     engine = ModelRolloutEngine(
         model,
@@ -189,12 +193,6 @@ def main(args: GRPOArgs) -> None:
         validate = RolloutValidation(
             engine, rewards, data.val_loader, decode=tokenizer.decode, device=device
         )
-    loss_fn = GRPOLoss(
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-        beta=args.beta,
-        aggregation=args.loss_aggregation,
-    )
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.chunked_output else None
     nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
@@ -246,8 +244,7 @@ def main(args: GRPOArgs) -> None:
             # 2. The reference's log-probs (beta > 0). The sampling policy's are those of the
             # first pass (before the first update): kept there for the next iterations.
             store_logps(rollouts, model, output, old=False, reference=reference)
-            divisor = loss_normalizer(
-                args.loss_aggregation,
+            divisor = loss_fn.normalizer(
                 num_sequences=int(counts["num_sequences"]),
                 num_tokens=int(counts["num_tokens"]),
                 max_new_tokens=args.max_new_tokens,

@@ -22,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from tunelab.config.lora import LoRAArgs
 from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
-from tunelab.training import ModelRolloutEngine, SamplingSettings, build_model, sampling_seeds
+from tunelab.rl import ModelRolloutEngine, SamplingSettings, sampling_seeds
+from tunelab.training import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 MAX_NEW_TOKENS = 6

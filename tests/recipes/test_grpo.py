@@ -32,10 +32,10 @@ TINY_ASSETS = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "a
 # A short run that exercises every path: KL to the reference (a reference forward), stored old
 # log-probs over two iterations, dynamic sampling, GRPO's sequence_mean.
 VARIANTS = (
-    "beta=0.04",
+    "loss.beta=0.04",
     "num_iterations=2",
     "dynamic_sampling=true",
-    "loss_aggregation=sequence_mean",
+    "loss.aggregation=sequence_mean",
     "max_steps_per_epoch=3",
     "checkpoint.save_every_n_steps=null",
     "stop_strings=[You are]",
@@ -283,7 +283,7 @@ def test_qlora_and_full_with_a_kl_to_the_base(tmp_path, name, variant):
     out = tmp_path / name
     tunelab_run(
         "grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", variant,
-        "beta=0.04", "max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
+        "loss.beta=0.04", "max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
         *(["optimizer.lr=1e-4"] if name == "full" else []),
     )  # fmt: skip
     kl = [m["kl"] for m in read_metrics(out)]

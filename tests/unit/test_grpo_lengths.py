@@ -10,15 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import tunelab.training.rollout as rollout_module
+import tunelab.rl.rollout as rollout_module
 from tunelab import ConfigError
 from tunelab.data import load_tokenizer, prompt_dataset
-from tunelab.training import (
-    ModelRolloutEngine,
-    SamplingSettings,
-    bound_prompt_lengths,
-    build_model,
-)
+from tunelab.rl import ModelRolloutEngine, SamplingSettings, bound_prompt_lengths
+from tunelab.training import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 CONTEXT = 512  # the tiny model's max_position_embeddings

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from tunelab.losses import GRPOLoss, group_advantages, loss_normalizer, token_logps
+from tunelab.losses import token_logps
+from tunelab.rl import GRPOLoss, group_advantages, loss_normalizer
 
 
 def reference_advantages(rewards: list[float], group_size: int, scale: bool) -> list[float]:

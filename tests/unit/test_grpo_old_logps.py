@@ -9,17 +9,9 @@ import torch
 from tests.interop.adapter_checks import randomize_lora_b
 from tunelab.config.lora import LoRAArgs
 from tunelab.data import load_tokenizer, prompt_dataset
-from tunelab.losses import GRPOLoss
 from tunelab.peft import get_adapter_params
-from tunelab.training import (
-    Rollout,
-    adamw,
-    build_model,
-    output_layer,
-    policy_gradient_pass,
-    rollout_batch,
-    store_logps,
-)
+from tunelab.rl import GRPOLoss, Rollout, policy_gradient_pass, rollout_batch, store_logps
+from tunelab.training import adamw, build_model, output_layer
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 

@@ -9,17 +9,17 @@ from torch.utils.data import DataLoader
 
 from tunelab.data import load_tokenizer, padded_collate_prompts, prompt_dataset
 from tunelab.generation import generate
-from tunelab.training import (
+from tunelab.rl import (
     GroupSampler,
     ModelRolloutEngine,
     Rewards,
     RolloutValidation,
     SamplingSettings,
-    build_model,
     refill_indices,
     regex_reward,
     sampling_seeds,
 )
+from tunelab.training import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 VARIED = {1, 4, 5, 8}  # prompts whose groups get rewards that differ; the others all 0
@@ -133,12 +133,10 @@ def test_validation_is_greedy_and_draws_no_random_numbers():
         collate_fn=partial(padded_collate_prompts, pad_id=tokenizer.pad_id),
         generator=torch.Generator(),  # as build_dataloader's: iter() draws no global seed
     )
-    pattern = {"_component_": "tunelab.training.regex_reward", "pattern": "[0-9 ]+"}
+    pattern = {"_component_": "tunelab.rl.regex_reward", "pattern": "[0-9 ]+"}
     validate = RolloutValidation(
         engine,
-        Rewards(
-            [pattern, {"_component_": "tunelab.training.completion_length_reward", "max_chars": 4}]
-        ),
+        Rewards([pattern, {"_component_": "tunelab.rl.completion_length_reward", "max_chars": 4}]),
         loader,
         decode=tokenizer.decode,
         device=torch.device("cpu"),

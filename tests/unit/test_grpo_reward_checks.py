@@ -10,7 +10,7 @@ import pytest
 
 from tunelab import ConfigError
 from tunelab.errors import TrainingError
-from tunelab.training import Rewards
+from tunelab.rl import Rewards
 
 RELEASE = threading.Event()
 
@@ -74,7 +74,7 @@ def test_a_weighted_sum_past_the_bound_names_the_rewards_and_weights():
     )
     with pytest.raises(ConfigError, match=r"the weighted reward 1e\+60 x large_0 \+ 0 x large_1"):
         rewards(["p", "p"], ["a", "b"], [{}, {}])
-    from tunelab.training.rewards import MAX_REWARD
+    from tunelab.rl import MAX_REWARD
 
     assert MAX_REWARD**2 * 1e8 < 1.7e308  # the bound's reason: 1e8 squares sum finitely
 
@@ -99,7 +99,7 @@ def test_a_hung_reward_does_not_keep_the_process_from_exiting(tmp_path):
         """
         import time
         from tunelab.errors import TrainingError
-        from tunelab.training import Rewards
+        from tunelab.rl import Rewards
 
         def forever(prompts, completions, rows):
             while True:

@@ -8,11 +8,10 @@ import torch
 from tunelab import ConfigError, DataError
 from tunelab.data import load_tokenizer, padded_collate_prompts, prompt_dataset
 from tunelab.generation import generate
-from tunelab.training import (
+from tunelab.rl import (
     ModelRolloutEngine,
     Rewards,
     SamplingSettings,
-    build_model,
     completion_length_reward,
     completion_logps,
     exact_answer_reward,
@@ -21,6 +20,7 @@ from tunelab.training import (
     sample_tokens,
     sampling_seeds,
 )
+from tunelab.training import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 PROMPTS = TINY / "grpo_prompts.jsonl"
@@ -104,8 +104,8 @@ def test_rollout_batch_labels_completion_tokens_only_and_logps_match_full_logits
 def test_rewards_score_weigh_and_name_each():
     rewards = Rewards(
         [
-            {"_component_": "tunelab.training.exact_answer_reward", "column": "answer"},
-            {"_component_": "tunelab.training.regex_reward", "pattern": "[0-9]+"},
+            {"_component_": "tunelab.rl.exact_answer_reward", "column": "answer"},
+            {"_component_": "tunelab.rl.regex_reward", "pattern": "[0-9]+"},
         ],
         [1.0, 0.5],
     )
@@ -146,7 +146,7 @@ def test_a_failing_reward_is_one_error_naming_it(name, message):
 
 def test_rewards_need_one_weight_each():
     with pytest.raises(ConfigError, match="2 weights for 1 rewards"):
-        Rewards([{"_component_": "tunelab.training.regex_reward"}], [1.0, 2.0])
+        Rewards([{"_component_": "tunelab.rl.regex_reward"}], [1.0, 2.0])
 
 
 def test_prompt_dataset_renders_text_and_messages_and_keeps_columns(tmp_path, tiny):
@@ -174,7 +174,7 @@ def test_prompt_dataset_renders_text_and_messages_and_keeps_columns(tmp_path, ti
 
 def test_math_verify_reward_compares_by_value():
     pytest.importorskip("math_verify")
-    from tunelab.training import math_verify_reward
+    from tunelab.rl import math_verify_reward
 
     rows = [{"answer": "Half of it.\n#### 1/2"}] * 3
     scores = math_verify_reward(

@@ -16,13 +16,8 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.peft import LoRALinear, disable_adapter, merged_adapters
 from tunelab.peft.nf4 import is_nf4
-from tunelab.training import (
-    ModelRolloutEngine,
-    SamplingSettings,
-    build_model,
-    sample_tokens,
-    sampling_seeds,
-)
+from tunelab.rl import ModelRolloutEngine, SamplingSettings, sample_tokens, sampling_seeds
+from tunelab.training import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -52,6 +52,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     },
     {"checkpoint": ("tunelab.checkpoint",)},
     {"training": ("tunelab.training",), "generation": ("tunelab.generation",)},
+    # Online RL (rollouts, rewards, advantages, the policy losses): runs the training forward.
+    {"rl": ("tunelab.rl",)},
     # Benchmarks (lm-eval) on the model: scoring and generation with the training parts.
     {"eval": ("tunelab.eval",)},
     {"cli": ("tunelab.cli",), "assets": ("tunelab.assets",), "recipes": ("recipes",)},

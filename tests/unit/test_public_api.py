@@ -72,6 +72,7 @@ def test_the_public_modules_are_the_documented_ones():
         "tunelab.models",
         "tunelab.modules",
         "tunelab.peft",
+        "tunelab.rl",
         "tunelab.training",
     }
 

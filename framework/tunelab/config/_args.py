@@ -31,16 +31,20 @@ class ComponentSpec:
     call_args: tuple[str, ...] = ()
 
 
-def component(required: bool = True, call_args: tuple[str, ...] = ()) -> Any:
+def component(
+    required: bool = True, call_args: tuple[str, ...] = (), default: str | None = None
+) -> Any:
     """Declare a field whose YAML value is a ``_component_`` node (or a list of them).
 
     Annotate the field ``Component``, ``Component | None`` or ``list[Component]``. A required
     field has no default; an optional one defaults to ``None`` (``parse_args`` turns a missing
-    or null list into ``[]``).
+    or null list into ``[]``). A field with a ``default`` component may be left out of the
+    config (then it is ``{_component_: default}``) but not set to null.
 
     Args:
-        required: Whether the config must give the component.
+        required: Whether the config must give the component (with ``default``: not null).
         call_args: Keyword names the recipe supplies when it calls ``instantiate``.
+        default: Dotted path of the component used when the config leaves the field out.
 
     Returns:
         A ``dataclasses.field`` carrying the component's spec.
@@ -51,6 +55,10 @@ def component(required: bool = True, call_args: tuple[str, ...] = ()) -> Any:
         \"\"\"The optimizer; the recipe passes ``params``.\"\"\"
     """
     metadata = {_COMPONENT_META: ComponentSpec(required, tuple(call_args))}
+    if default is not None:
+        return dataclasses.field(
+            default_factory=lambda: DictConfig({"_component_": default}), metadata=metadata
+        )
     if required:
         return dataclasses.field(metadata=metadata)
     return dataclasses.field(default=None, metadata=metadata)

@@ -1,12 +1,12 @@
 """What values the arguments of the built-in components allow.
 
-The builders live in packages that import torch (``tunelab.training``, ``tunelab.data``), and
-``tunelab validate`` must not import torch, so their rules are kept here, keyed by the defining
-module and name of each builder (what ``_static.resolve_static`` and ``import_component`` both
-report), in the same ``Annotated[type, constraint...]`` language as the recipe settings. A unit
-test checks that every key names a real callable and every argument is in its signature, so the
-table cannot drift from the code. A rule covers only what the config sets; a builder still
-checks its arguments itself when it is called.
+The builders live in packages that import torch (``tunelab.training``, ``tunelab.data``,
+``tunelab.rl``), and ``tunelab validate`` must not import torch, so their rules are kept here,
+keyed by the defining module and name of each builder (what ``_static.resolve_static`` and
+``import_component`` both report), in the same ``Annotated[type, constraint...]`` language as
+the recipe settings. A unit test checks that every key names a real callable and every argument
+is in its signature, so the table cannot drift from the code. A rule covers only what the config
+sets; a builder still checks its arguments itself when it is called.
 """
 
 from __future__ import annotations
@@ -217,6 +217,22 @@ RULES: dict[str, ComponentRules] = {
     "tunelab.losses.preference.HingeLoss": ComponentRules({"beta": PositiveFloat}),
     "tunelab.losses.preference.SimPOLoss": ComponentRules(
         {"beta": PositiveFloat, "gamma": Annotated[float, Finite()]}
+    ),
+    # RL policy losses (grpo_distributed's loss).
+    "tunelab.rl.grpo_loss.GRPOLoss": ComponentRules(
+        {
+            "clip_eps_low": Annotated[float, Finite(), Range(ge=0, lt=1)],
+            "clip_eps_high": NonNegativeFloat,
+            "beta": NonNegativeFloat,
+            "aggregation": Annotated[str, OneOf("sequence_mean", "token_mean", "constant_length")],
+        }
+    ),
+    "tunelab.rl.gspo_loss.GSPOLoss": ComponentRules(
+        {
+            "clip_eps_low": Annotated[float, Finite(), Range(ge=0, lt=1)],
+            "clip_eps_high": NonNegativeFloat,
+            "beta": NonNegativeFloat,
+        }
     ),
     # Metric loggers.
     "tunelab.training.metric_logging.JsonlLogger": ComponentRules(

@@ -400,13 +400,13 @@ class GRPOArgs(LoRAFinetuneArgs):
     """Settings of grpo_distributed: online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO)."""
 
     lora: LoRAArgs | None = field(default_factory=LoRAArgs)
-    """The LoRA adapters (the lora.* keys of lora_finetune_distributed); null: full fine-tuning (every weight trains; with beta > 0 the reference is a frozen copy of the base)."""
+    """The LoRA adapters (the lora.* keys of lora_finetune_distributed); null: full fine-tuning (every weight trains; with loss.beta > 0 the reference is a frozen copy of the base)."""
     dataset: Component = component(call_args=("tokenizer",))
     """The prompt dataset (tunelab.data.prompt_dataset): a prompt per row, other columns for the rewards."""
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
     """An optional prompt dataset (like dataset) scored with greedy completions every run_val_every_n_steps and at epoch ends: val_reward, val_rewards/<name>."""
-    loss: Component | None = component(required=False)
-    """Not used by grpo_distributed: its loss is set by clip_eps_low/high, beta and loss_aggregation (leave it out)."""
+    loss: Component = component(default="tunelab.rl.GRPOLoss")
+    """The policy loss, a tunelab.rl.PolicyLoss: tunelab.rl.GRPOLoss (GRPO, DAPO, Dr. GRPO: clip_eps_low, clip_eps_high, beta, aggregation) or tunelab.rl.GSPOLoss (sequence-level ratio); left out: GRPOLoss's defaults."""
     rewards: list[Component] = component(call_args=("prompts", "completions", "rows"))
     """Reward functions (prompts, completions, rows, **settings) -> list[float], summed with reward_weights."""
     reward_weights: list[Annotated[float, Finite()]] | None = None
@@ -427,16 +427,8 @@ class GRPOArgs(LoRAFinetuneArgs):
     """Texts that end a completion (besides the tokenizer's stop tokens), e.g. ["</answer>"]."""
     num_iterations: AtLeastOne = 1
     """Optimizer steps per batch of rollouts (>1 reuses them with the sampling policy's stored log-probs)."""
-    clip_eps_low: Annotated[float, Finite(), Range(ge=0, lt=1)] = 0.2
-    """The ratio is clipped below at 1 - clip_eps_low."""
-    clip_eps_high: Annotated[float, Finite(), Range(ge=0)] = 0.2
-    """The ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28)."""
-    loss_aggregation: Literal["sequence_mean", "token_mean", "constant_length"] = "sequence_mean"
-    """sequence_mean (GRPO: mean of each completion's token mean), token_mean (DAPO: every token weighs the same), constant_length (Dr. GRPO: token sum / (completions x max_new_tokens))."""
     scale_rewards: bool = True
     """Divide each group's centred rewards by its std (GRPO, DAPO); false for Dr. GRPO."""
-    beta: Annotated[float, Finite(), Range(ge=0)] = 0.0
-    """Weight of the k3 KL to the reference (the base with adapters disabled); 0 skips the reference forward."""
     dynamic_sampling: bool = False
     """Leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling; see dynamic_sampling_refill_rounds)."""
     dynamic_sampling_refill_rounds: Annotated[int, Range(ge=0)] = 0
@@ -464,10 +456,6 @@ class GRPOArgs(LoRAFinetuneArgs):
             problems.append(_NO_OFFLOAD.format(recipe="grpo_distributed"))
         if self.router_z_loss_coef:
             problems.append(_NO_Z_LOSS.format(recipe="grpo_distributed"))
-        if self.loss is not None:
-            problems.append(
-                "key 'loss': grpo_distributed takes no loss component (see beta, clip_eps_low, clip_eps_high, loss_aggregation)"
-            )
         if self.dynamic_sampling_refill_rounds and not self.dynamic_sampling:
             problems.append(
                 "key 'dynamic_sampling_refill_rounds': refills replace the groups dynamic sampling leaves out; set dynamic_sampling: true or leave it 0"
@@ -475,7 +463,7 @@ class GRPOArgs(LoRAFinetuneArgs):
         if not self.rewards:
             problems.append(
                 "key 'rewards': give at least one reward function (a list of nodes with "
-                "_component_, e.g. tunelab.training.regex_reward)"
+                "_component_, e.g. tunelab.rl.regex_reward)"
             )
         problems += self._length_problems()
         if self.temperature == 0:

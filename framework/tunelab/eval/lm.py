@@ -43,7 +43,7 @@ from tunelab.eval._lm_eval import (
     normalize_gen_kwargs,
     postprocess_generated_text,
 )
-from tunelab.training import ModelRolloutEngine, SamplingSettings
+from tunelab.rl import ModelRolloutEngine, SamplingSettings
 
 __all__ = ["TunelabLM"]
 
@@ -358,7 +358,7 @@ class TunelabLM(TemplateLM):
         Greedy unless the task asks ``do_sample`` (then temperature / top-p / top-k sampling,
         seeded per request). Requests with the same generation settings are sorted by length
         and decoded ``batch_size`` at a time with the model's KV cache
-        (:class:`~tunelab.training.ModelRolloutEngine`, no padding seen by any query).
+        (:class:`~tunelab.rl.ModelRolloutEngine`, no padding seen by any query).
 
         Args:
             requests: Instances whose ``args`` is ``(context, gen_kwargs)``.

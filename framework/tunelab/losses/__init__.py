@@ -1,27 +1,25 @@
-"""Losses: memory-lean cross-entropy for SFT, the DPO family for preference tuning, GRPO for RL.
+"""Losses: memory-lean cross-entropy for SFT, the DPO family for preference tuning.
+
+The policy-gradient losses of RL (GRPO, GSPO) live in :mod:`tunelab.rl`.
 
 See docs/losses.md for the normalisation, the formulas and the metric names.
 """
 
 from tunelab.losses._token_logps import OutputLayer
 from tunelab.losses.cross_entropy import CrossEntropyLoss, token_count
-from tunelab.losses.grpo import GRPOLoss, group_advantages, loss_normalizer, token_logps
 from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
 from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
-from tunelab.losses.sequence import sequence_logps
+from tunelab.losses.sequence import sequence_logps, token_logps
 
 __all__ = [
     "CrossEntropyLoss",
     "DPOLoss",
-    "GRPOLoss",
     "HingeLoss",
     "IPOLoss",
     "OutputLayer",
     "PreferenceLoss",
     "SimPOLoss",
     "accumulate_metrics",
-    "group_advantages",
-    "loss_normalizer",
     "preference_metrics",
     "reduce_metrics",
     "sequence_logps",

@@ -1,4 +1,4 @@
-"""Per-sequence log-probabilities of the completion, for the DPO family."""
+"""Log-probabilities of the completion: per sequence (the DPO family) and per token (RL)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tunelab.losses._token_logps import (
     target_logps,
 )
 
-__all__ = ["sequence_logps"]
+__all__ = ["sequence_logps", "token_logps"]
 
 
 def sequence_logps(
@@ -72,3 +72,36 @@ def sequence_logps(
         completion_logit_sums = (logit_sums * mask).sum(dim=-1)
         mean_logits = completion_logit_sums / (num_tokens.clamp(min=1) * vocab_size)
     return logps.sum(dim=-1), num_tokens, mean_logits
+
+
+def token_logps(
+    hidden_or_logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    output: OutputLayer | None = None,
+    ignore_index: int = -100,
+    num_chunks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the completion tokens, the output layer applied chunk by chunk.
+
+    With ``output`` (the model's output layer) the input is the final hidden states and only
+    positions with a label go through the output layer: the ``[batch, seq, vocab]`` logits
+    never exist (see :class:`OutputLayer`).
+
+    Args:
+        hidden_or_logits: ``[batch, seq, dim]`` hidden states with ``output``, else logits.
+        labels: ``[batch, seq]`` aligned with the tokens, ``ignore_index`` where not scored.
+        output: The model's output layer, or None when logits are given.
+        ignore_index: Label of positions that are not completion tokens.
+        num_chunks: Pieces of the fp32 log-softmax (None: by size).
+
+    Returns:
+        ``(logps, mask)``, each ``[batch, seq - 1]``: log-probs in fp32 (0 where not scored,
+        differentiable) and the bool mask of scored positions.
+    """
+    if output is None:
+        return target_logps(hidden_or_logits, labels, ignore_index, num_chunks)
+    logps, mask, _ = hidden_target_logps(
+        hidden_or_logits, output, labels, ignore_index, num_chunks, with_logit_sums=False
+    )
+    return logps, mask

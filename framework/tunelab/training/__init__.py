@@ -11,41 +11,17 @@ calls, each with one job:
   :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
-- online RL (GRPO): :class:`ModelRolloutEngine` (behind :class:`RolloutEngine`),
-  :class:`SamplingSettings`, :func:`sampling_seeds`, :class:`Rewards` and the built-in rewards,
-  :func:`rollout_batch`, :func:`completion_logps`, :class:`Rollout`, :func:`global_sums`,
-  :func:`write_completions`, :class:`GroupSampler` (sample, score, refill),
-  :func:`store_logps`, :func:`policy_gradient_pass`, :func:`step_counts`,
-  :func:`grpo_metrics`, :class:`RolloutValidation`, :func:`bound_prompt_lengths`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, benchmarks, export,
   save, stop), with :class:`Schedule`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
   ``tunelab.eval.TrainingEval``), :class:`MetricLoggers`, :class:`ProgressBar`,
   :class:`StepProfiler`;
   :func:`evaluate`, :func:`evaluate_preference`, :func:`peak_memory_gib`.
 
+Online RL (GRPO, GSPO) has its own package above this one: :mod:`tunelab.rl`.
+
 Components for configs: ``adamw``, the LR schedules and the metric loggers.
 """
 
-from tunelab.training.grpo import (
-    FrozenReference,
-    Rollout,
-    completion_logps,
-    global_sums,
-    policy_gradient_pass,
-    rollout_batch,
-    sampling_seeds,
-    store_logps,
-    write_completions,
-)
-from tunelab.training.grpo_lengths import bound_prompt_lengths, cut_prompts
-from tunelab.training.grpo_rollouts import (
-    GroupSampler,
-    ScoredGroups,
-    grpo_metrics,
-    refill_indices,
-    step_counts,
-)
-from tunelab.training.grpo_validation import RolloutValidation
 from tunelab.training.loop import (
     ActivationOffload,
     NonFiniteGuard,
@@ -85,20 +61,7 @@ from tunelab.training.reference import (
     ReferenceModel,
     policy_forward,
 )
-from tunelab.training.rewards import (
-    Rewards,
-    completion_length_reward,
-    exact_answer_reward,
-    math_verify_reward,
-    regex_reward,
-)
 from tunelab.training.rng import seed_everything
-from tunelab.training.rollout import (
-    ModelRolloutEngine,
-    RolloutEngine,
-    SamplingSettings,
-    sample_tokens,
-)
 from tunelab.training.session import (
     AfterStep,
     MetricLoggers,
@@ -113,32 +76,6 @@ from tunelab.training.session import (
 from tunelab.training.setup import build_model, config_fingerprint
 
 __all__ = [
-    "FrozenReference",
-    "Rollout",
-    "completion_logps",
-    "global_sums",
-    "rollout_batch",
-    "sampling_seeds",
-    "write_completions",
-    "GroupSampler",
-    "RolloutValidation",
-    "ScoredGroups",
-    "grpo_metrics",
-    "policy_gradient_pass",
-    "refill_indices",
-    "step_counts",
-    "store_logps",
-    "bound_prompt_lengths",
-    "cut_prompts",
-    "Rewards",
-    "completion_length_reward",
-    "exact_answer_reward",
-    "math_verify_reward",
-    "regex_reward",
-    "ModelRolloutEngine",
-    "RolloutEngine",
-    "SamplingSettings",
-    "sample_tokens",
     "ActivationOffload",
     "AfterStep",
     "config_fingerprint",

@@ -6,7 +6,7 @@ dataset rows they came from (every column, e.g. ``answer``), one per completion.
 names it as a component whose other keys are its settings::
 
     rewards:
-      - _component_: tunelab.training.exact_answer_reward
+      - _component_: tunelab.rl.exact_answer_reward
         column: answer
       - _component_: my_rewards.brevity      # your own function, on PYTHONPATH
         limit: 40

@@ -6,7 +6,7 @@ prompt longer than ``max_position_embeddings - max_new_tokens`` (the default
 ``prompt_dataset(max_prompt_tokens=...)`` cuts them, and the run says how many were cut. Then
 the rollout engine checks the longest prompt against the context and the KV cache of a
 micro-batch's ``batch_size x num_generations`` sequences against the device's free memory
-(:meth:`~tunelab.training.ModelRolloutEngine.check_lengths`).
+(:meth:`~tunelab.rl.ModelRolloutEngine.check_lengths`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from tunelab.training.rollout import ModelRolloutEngine
+from tunelab.rl.rollout import ModelRolloutEngine
 
 __all__ = ["bound_prompt_lengths", "cut_prompts"]
 

@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from tunelab.errors import DataError
-from tunelab.training.grpo import global_sums
-from tunelab.training.rewards import Rewards
-from tunelab.training.rollout import ModelRolloutEngine
+from tunelab.rl.rewards import Rewards
+from tunelab.rl.rollout import ModelRolloutEngine
+from tunelab.rl.step import global_sums
 
 __all__ = ["RolloutValidation"]
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import all_reduce_sum
-from tunelab.losses import GRPOLoss, OutputLayer, token_logps
+from tunelab.losses import OutputLayer, token_logps
+from tunelab.rl.policy_loss import PolicyLoss
 from tunelab.training.loop import forward, output_layer
 
 __all__ = [
@@ -162,7 +163,7 @@ def store_logps(
 def policy_gradient_pass(
     model: nn.Module,
     rollouts: list[Rollout],
-    loss_fn: GRPOLoss,
+    loss_fn: PolicyLoss,
     output: OutputLayer | None,
     *,
     scale: float,
@@ -184,7 +185,7 @@ def policy_gradient_pass(
     Args:
         model: The policy.
         rollouts: The step's rollouts (``keep`` masks the rows the loss counts).
-        loss_fn: The GRPO loss.
+        loss_fn: The policy loss (GRPOLoss, GSPOLoss, ...).
         output: The chunked output layer (None: whole logits).
         scale: Multiplies each micro-batch's loss sum before backward: ``world_size /
             divisor`` (FSDP2 averages gradients over ranks; the divisor is the step's global

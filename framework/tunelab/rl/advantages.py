@@ -1,5 +1,11 @@
 """The GRPO recipe's rollout phase: sample groups, score them, refill the dropped ones.
 
+:func:`group_advantages` turns each group's rewards into advantages (DeepSeekMath, Shao et al.
+2024, arXiv:2402.03300, eq. 3; Dr. GRPO without the std, Liu et al. 2025, arXiv:2503.20783)::
+
+    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)      scale_rewards=True (GRPO, DAPO)
+    A_i =  r_i - mean(r_1..r_G)                               scale_rewards=False (Dr. GRPO)
+
 :class:`GroupSampler` turns prompt indices into a scored micro-batch of rollouts (G completions
 per prompt, rewards, group advantages, the rows the loss keeps); its ``refill`` is DAPO's
 dynamic sampling with re-sampling. :func:`step_counts` and :func:`grpo_metrics` turn a step's
@@ -15,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from tunelab.distributed import all_reduce_sum
-from tunelab.losses import group_advantages
-from tunelab.training.grpo import Rollout, global_sums, rollout_batch, sampling_seeds
-from tunelab.training.rewards import Rewards
-from tunelab.training.rollout import ModelRolloutEngine
+from tunelab.rl.rewards import Rewards
+from tunelab.rl.rollout import ModelRolloutEngine
+from tunelab.rl.step import Rollout, global_sums, rollout_batch, sampling_seeds
 
 __all__ = [
     "GroupSampler",
+    "group_advantages",
     "ScoredGroups",
     "grpo_metrics",
     "refill_indices",
@@ -29,6 +35,34 @@ __all__ = [
 ]
 
 _MIX = 0x9E3779B97F4A7C15
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale_rewards: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages of consecutive groups of ``group_size`` rewards.
+
+    Args:
+        rewards: ``[num_groups * group_size]``, each group's completions consecutive.
+        group_size: Completions per prompt (``G``, at least 2 for a std).
+        scale_rewards: Divide by the group's std (+ ``eps``); False for Dr. GRPO.
+        eps: Added to the std, so a group of equal rewards gets advantages 0, not NaN.
+
+    Returns:
+        ``[num_groups * group_size]`` advantages in the rewards' dtype.
+
+    Raises:
+        ValueError: If the rewards do not split into whole groups.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards must be [groups * {group_size}], got shape {tuple(rewards.shape)}"
+        )
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
 
 
 @dataclass

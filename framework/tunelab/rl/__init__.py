@@ -1,0 +1,102 @@
+"""Online RL with verifiable rewards: the parts ``recipes/grpo_distributed.py`` calls.
+
+One module per concern, in the order a step uses them:
+
+- rollouts: :class:`RolloutEngine` (the interface an engine implements) and
+  :class:`ModelRolloutEngine` (generates with the training model), :class:`SamplingSettings`,
+  :func:`sample_tokens`, :func:`sampling_seeds` (``rollout.py``, ``step.py``);
+  :func:`bound_prompt_lengths` and :func:`cut_prompts` (``lengths.py``);
+- rewards: :class:`Rewards` and the built-in reward functions (``rewards.py``);
+- advantages: :func:`group_advantages`, :class:`GroupSampler` (sample, score, refill with
+  dynamic sampling), :class:`ScoredGroups`, :func:`refill_indices`, :func:`step_counts`,
+  :func:`grpo_metrics` (``advantages.py``);
+- losses: :class:`PolicyLoss`, the base chosen with ``loss: _component_``
+  (``policy_loss.py``), :class:`GRPOLoss` (GRPO, DAPO, Dr. GRPO; ``grpo_loss.py``) and
+  :class:`GSPOLoss` (``gspo_loss.py``); a new loss is one subclass in one file;
+- the step: :class:`Rollout`, :func:`rollout_batch`, :func:`completion_logps`,
+  :func:`store_logps`, :func:`policy_gradient_pass`, :class:`FrozenReference`,
+  :func:`global_sums`, :func:`write_completions` (``step.py``); :class:`RolloutValidation`
+  (``validation.py``).
+
+Layer: above ``tunelab.training`` (it runs the model's forward and the reference), below
+``tunelab.eval`` (which generates with the rollout engine). See docs/recipes.md (GRPO) and
+docs/losses.md (the policy losses).
+"""
+
+from tunelab.rl.advantages import (
+    GroupSampler,
+    ScoredGroups,
+    group_advantages,
+    grpo_metrics,
+    refill_indices,
+    step_counts,
+)
+from tunelab.rl.grpo_loss import GRPOLoss
+from tunelab.rl.gspo_loss import GSPOLoss
+from tunelab.rl.lengths import bound_prompt_lengths, cut_prompts
+from tunelab.rl.policy_loss import (
+    AGGREGATIONS,
+    PolicyLoss,
+    check_policy_loss,
+    k3_kl,
+    loss_normalizer,
+)
+from tunelab.rl.rewards import (
+    MAX_REWARD,
+    Rewards,
+    completion_length_reward,
+    exact_answer_reward,
+    math_verify_reward,
+    regex_reward,
+)
+from tunelab.rl.rollout import ModelRolloutEngine, RolloutEngine, SamplingSettings, sample_tokens
+from tunelab.rl.step import (
+    FrozenReference,
+    Rollout,
+    completion_logps,
+    global_sums,
+    policy_gradient_pass,
+    rollout_batch,
+    sampling_seeds,
+    store_logps,
+    write_completions,
+)
+from tunelab.rl.validation import RolloutValidation
+
+__all__ = [
+    "AGGREGATIONS",
+    "FrozenReference",
+    "GRPOLoss",
+    "GSPOLoss",
+    "GroupSampler",
+    "MAX_REWARD",
+    "ModelRolloutEngine",
+    "PolicyLoss",
+    "Rewards",
+    "Rollout",
+    "RolloutEngine",
+    "RolloutValidation",
+    "SamplingSettings",
+    "ScoredGroups",
+    "bound_prompt_lengths",
+    "check_policy_loss",
+    "completion_length_reward",
+    "completion_logps",
+    "cut_prompts",
+    "exact_answer_reward",
+    "global_sums",
+    "group_advantages",
+    "grpo_metrics",
+    "k3_kl",
+    "loss_normalizer",
+    "math_verify_reward",
+    "policy_gradient_pass",
+    "refill_indices",
+    "regex_reward",
+    "rollout_batch",
+    "sample_tokens",
+    "sampling_seeds",
+    "step_counts",
+    "store_logps",
+    "write_completions",
+]
