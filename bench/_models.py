@@ -115,7 +115,7 @@ def write_hf_checkpoint(
 
 def build_model(checkpoint_dir: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:
     """The recipes' ``build_model`` (meta build, LoRA, FSDP2, sharded load) on CPU in fp32."""
-    from tunelab.training import build_model as recipe_build_model
+    from tunelab.training import load_model as recipe_build_model
 
     kwargs.setdefault("device", torch.device("cpu"))
     kwargs.setdefault("dtype", torch.float32)

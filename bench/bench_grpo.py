@@ -3,7 +3,7 @@
 Run (one process; ``make bench`` installs trl with the ``bench`` extra):
 
     python bench/bench_grpo.py
-    python bench/bench_grpo.py --steps 2 --max-new-tokens 8 --logps-vocab-size 4096 --smoke
+    python bench/bench_grpo.py --smoke    # its smallest sizes: checks it runs
 
 Two measurements, each tunelab's path and TRL's on the same inputs, one after the other:
 
@@ -75,8 +75,8 @@ def parse_args() -> argparse.Namespace:
         "generation rows give the median of the pairs' ratios",
     )
     parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
-    smoke = ["--steps", "1", "--max-new-tokens", "8", "--logps-vocab-size", "4096",
-             "--logps-completion-tokens", "64"]  # fmt: skip
+    smoke = ["--steps", "1", "--prompts", "2", "--num-generations", "2", "--max-new-tokens", "6",
+             "--logps-vocab-size", "1024", "--logps-completion-tokens", "16", "--logps-dim", "64"]  # fmt: skip
     return parse_bench_args(parser, smoke)
 
 
@@ -177,14 +177,14 @@ def tunelab_steps(args: argparse.Namespace) -> tuple[dict[str, float], Completio
         policy_gradient_pass,
         step_counts,
     )
-    from tunelab.training import adamw, build_model, optimizer_step, output_layer
+    from tunelab.training import adamw, load_model, optimizer_step, output_layer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
     data = prompt_dataset(
         tokenizer, source="json", data_files=str(TINY / "grpo_prompts.jsonl"), template="instruct"
     )
-    model = build_model(
+    model = load_model(
         str(TINY), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args()
     )
     trainable = list(peft.get_adapter_params(model).values())
@@ -368,9 +368,9 @@ def logps_batch(args: argparse.Namespace) -> tuple[torch.Tensor, int]:
 def tunelab_logps_peak(args: argparse.Namespace, base: Path) -> float:
     """Peak RSS growth of tunelab's chunked completion log-prob forward + backward."""
     from tunelab.rl import completion_logps, rollout_batch
-    from tunelab.training import build_model, output_layer
+    from tunelab.training import load_model, output_layer
 
-    model = build_model(
+    model = load_model(
         str(base), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args()
     )
     tokens, prompt = logps_batch(args)

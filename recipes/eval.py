@@ -18,7 +18,7 @@ from tunelab.data import load_tokenizer
 from tunelab.distributed import destroy_distributed, init_distributed, resolve_dtype
 from tunelab.eval import TunelabLM, evaluate, resolve_tasks, results_table
 from tunelab.lifecycle import recipe_main
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 ARGS = EvalArgs
 
@@ -36,7 +36,7 @@ def main(args: EvalArgs) -> None:
     lora = None
     if args.adapter_dir is not None:
         lora = peft.LoRAArgs.from_peft_config(peft.read_adapter_config(args.adapter_dir))
-    model = build_model(
+    model = load_model(
         args.checkpoint_dir,
         device=dist_info.device,
         dtype=resolve_dtype(args.dtype),

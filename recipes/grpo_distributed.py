@@ -3,12 +3,12 @@
 Launch: ``tunelab run --nproc_per_node 2 grpo_distributed --config tiny/grpo``.
 Copy it to customise: ``tunelab cp grpo_distributed my_grpo.py``.
 
-Each step: 1. take this rank's prompts and sample ``num_generations`` completions of each
+Each step: 1. take this rank's prompts and sample ``rollout.num_generations`` completions of each
 with the training model (``ModelRolloutEngine``: batched, KV cache, a seed per completion),
 score them with the configured rewards and turn each group's rewards into advantages
 (``GroupSampler``; with dynamic sampling, groups of equal rewards are left out and may be
 refilled from more prompts); 2. store the reference's log-probs when needed; 3.
-``num_iterations`` optimizer steps over the rollouts with the configured policy loss
+``rollout.num_iterations`` optimizer steps over the rollouts with the configured policy loss
 (``loss:``, a ``tunelab.rl.PolicyLoss``: ``GRPOLoss`` by default, or ``GSPOLoss``), the log-probs computed at completion positions only (the first
 pass's, taken before any update, are the sampling policy's: kept for the next passes); 4.
 ``after_step`` logs, validates (greedy completions of ``val_dataset``), exports and saves.
@@ -28,7 +28,6 @@ from tunelab.distributed import (
     data_parallel_mesh,
     destroy_distributed,
     init_distributed,
-    resolve_dtype,
 )
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
@@ -72,35 +71,19 @@ ARGS = GRPOArgs
 def main(args: GRPOArgs) -> None:
     """Train with GRPO on ``args.dataset``'s prompts (LoRA adapters or every weight) and export."""
     # -- set-up: the process group first, everything else after it -------------------------
-    dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
+    dist_info = init_distributed(
+        args.device, collective_timeout_s=args.parallelism.collective_timeout_s
+    )
     run = RunFolder(args.output_dir)
     run.start(args.checkpoint.resume_from_checkpoint, may_exist=args.output_dir_may_exist)
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
     # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
-    mesh = data_parallel_mesh(
-        device,
-        replicate_size=args.data_parallel_replicate_size,
-        shard_size=args.data_parallel_shard_size,
-    )
+    mesh = data_parallel_mesh(device, args.parallelism)
     # lora: null is full fine-tuning (every weight trains).
-    build = partial(
-        build_model,
-        args.checkpoint_dir,
-        device=device,
-        mesh=mesh,
-        dtype=resolve_dtype(args.dtype),
-        activation_checkpointing=args.enable_activation_checkpointing,
-        activation_checkpointing_every=args.activation_checkpointing_every,
-        activation_checkpointing_scope=args.activation_checkpointing_scope,
-        compile_blocks=args.compile,
-        attention_backend=args.attention_backend,
-        reshard_after_forward=args.reshard_after_forward,
-        mixed_precision=args.mixed_precision,
-        seed=args.seed,
-    )
-    model = build(lora=args.lora, adapter_dir=args.adapter_dir, frozen_base=args.frozen_base)
+    build = partial(build_model, args.model, device=device, mesh=mesh, seed=args.seed)
+    model = build(lora=args.lora, adapter_dir=args.adapter_dir)
     # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
     # checked here, so a bad task stops the run before its first step.
     benchmarks = TrainingEval(args.eval, model, tokenizer)
@@ -109,12 +92,12 @@ def main(args: GRPOArgs) -> None:
         args.dataset,
         tokenizer,
         padded_collate_prompts,
-        batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        batch_size=args.schedule.batch_size,
+        gradient_accumulation_steps=args.schedule.gradient_accumulation_steps,
         seed=args.seed,
-        max_steps_per_epoch=args.max_steps_per_epoch,
+        max_steps_per_epoch=args.schedule.max_steps_per_epoch,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
-        allow_global_batch_change=args.allow_global_batch_change,
+        allow_global_batch_change=args.schedule.allow_global_batch_change,
         val_dataset=args.val_dataset,
     )
     if args.lora is not None:
@@ -125,7 +108,9 @@ def main(args: GRPOArgs) -> None:
         args.optimizer,
         trainable,
         lr_scheduler=args.lr_scheduler,
-        num_training_steps=data.steps_per_epoch * args.epochs * args.num_iterations,
+        num_training_steps=data.steps_per_epoch
+        * args.schedule.epochs
+        * args.rollout.num_iterations,
     )
     checkpoints = build_checkpoint_client(
         run,
@@ -133,7 +118,7 @@ def main(args: GRPOArgs) -> None:
         model=model,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        base_checkpoint_dir=args.checkpoint_dir,
+        base_checkpoint_dir=args.model.path,
         lora=args.lora,
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
@@ -154,17 +139,17 @@ def main(args: GRPOArgs) -> None:
     engine = ModelRolloutEngine(
         model,
         SamplingSettings(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            max_new_tokens=args.rollout.max_new_tokens,
+            temperature=args.rollout.temperature,
+            top_p=args.rollout.top_p,
+            top_k=args.rollout.top_k,
             stop_ids=frozenset(tokenizer.stop_ids),
-            stop_strings=tuple(args.stop_strings or ()),
+            stop_strings=tuple(args.rollout.stop_strings or ()),
         ),
         pad_id=tokenizer.pad_id,
         decode=tokenizer.decode,
-        gather_once=args.rollout_gather_once,
-        merge_adapters=args.rollout_merge_adapters,
+        gather_once=args.rollout.gather_once,
+        merge_adapters=args.rollout.merge_adapters,
     )
     # Every prompt fits the context with its completion (longer ones keep their last tokens,
     # counted), and a micro-batch's KV cache fits the device: checked before any allocation.
@@ -172,19 +157,21 @@ def main(args: GRPOArgs) -> None:
     if data.val_loader is not None:
         prompt_sets["val_dataset"] = data.val_loader.dataset
     bound_prompt_lengths(
-        engine, prompt_sets, tokenizer, rows=data.loader.batch_size * args.num_generations
+        engine, prompt_sets, tokenizer, rows=data.loader.batch_size * args.rollout.num_generations
     )
-    rewards = Rewards(args.rewards, args.reward_weights, timeout_s=args.reward_timeout_s)
+    rewards = Rewards(
+        args.rewards.functions, args.rewards.weights, timeout_s=args.rewards.timeout_s
+    )
     groups = GroupSampler(
         engine,
         rewards,
         data.loader.dataset,
         decode=tokenizer.decode,
         pad_id=tokenizer.pad_id,
-        num_generations=args.num_generations,
+        num_generations=args.rollout.num_generations,
         seed=args.seed,
-        scale_rewards=args.scale_rewards,
-        dynamic_sampling=args.dynamic_sampling,
+        scale_rewards=args.rewards.scale,
+        dynamic_sampling=args.rollout.dynamic_sampling,
         device=device,
     )
     # Greedy completions of val_dataset: no random numbers drawn, so a resume stays exact.
@@ -194,24 +181,19 @@ def main(args: GRPOArgs) -> None:
             engine, rewards, data.val_loader, decode=tokenizer.decode, device=device
         )
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
-    output = output_layer(model) if args.chunked_output else None
-    nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
+    output = output_layer(model) if args.model.chunked_output else None
+    nonfinite = NonFiniteGuard(args.schedule.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
     after_step = AfterStep(
         checkpoints,
         data,
-        Schedule(args.checkpoint, args.epochs, args.log_every_n_steps, args.run_val_every_n_steps),
+        Schedule(args.schedule, args.checkpoint),
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
         validate=validate,
-        profiler=StepProfiler(
-            run.profile_dir,
-            enabled=args.profile,
-            skip_first=args.profile_skip_first,
-            record_steps=args.profile_record_steps,
-        ),
+        profiler=StepProfiler(run.profile_dir, args.profile),
         device=device,
         is_main=dist_info.is_main,
         benchmarks=benchmarks,
@@ -219,7 +201,7 @@ def main(args: GRPOArgs) -> None:
 
     # -- train ----------------------------------------------------------------------------
     model.train()
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(start_epoch, args.schedule.epochs):
         batches = data.epoch(epoch)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
@@ -229,12 +211,12 @@ def main(args: GRPOArgs) -> None:
                 groups.sample(next(batches)["index"].tolist(), global_step)
                 for _ in range(data.gradient_accumulation_steps)
             ]
-            if args.dynamic_sampling_refill_rounds:
+            if args.rollout.dynamic_sampling_refill_rounds:
                 scored += groups.refill(
                     scored,
                     global_step,
                     prompts_per_round=data.loader.batch_size,
-                    max_rounds=args.dynamic_sampling_refill_rounds,
+                    max_rounds=args.rollout.dynamic_sampling_refill_rounds,
                 )
             records = [record for part in scored for record in part.records]
             write_completions(run.step_log("completions.jsonl"), global_step + 1, records)
@@ -247,10 +229,10 @@ def main(args: GRPOArgs) -> None:
             divisor = loss_fn.normalizer(
                 num_sequences=int(counts["num_sequences"]),
                 num_tokens=int(counts["num_tokens"]),
-                max_new_tokens=args.max_new_tokens,
+                max_new_tokens=args.rollout.max_new_tokens,
             )
             # 3. num_iterations optimizer steps over the same rollouts.
-            for iteration in range(args.num_iterations):
+            for iteration in range(args.rollout.num_iterations):
                 # FSDP2 averages gradients over ranks: scale by the world size.
                 step_sums = policy_gradient_pass(
                     model,
@@ -258,13 +240,13 @@ def main(args: GRPOArgs) -> None:
                     loss_fn,
                     output,
                     scale=dist_info.world_size / divisor,
-                    keep_old=iteration == 0 and args.num_iterations > 1,
+                    keep_old=iteration == 0 and args.rollout.num_iterations > 1,
                 )
                 step_totals = global_sums(step_sums, device)
                 metrics = optimizer_step(
                     optimizer,
                     trainable,
-                    clip_grad_norm=args.clip_grad_norm,
+                    clip_grad_norm=args.schedule.clip_grad_norm,
                     lr_scheduler=lr_scheduler,
                     guard=nonfinite,
                     loss=step_totals["loss"] / divisor,
@@ -277,9 +259,9 @@ def main(args: GRPOArgs) -> None:
                 step_totals,
                 divisor=divisor,
                 world_size=dist_info.world_size,
-                num_iterations=args.num_iterations,
+                num_iterations=args.rollout.num_iterations,
                 train_seconds=time.perf_counter() - train_start,
-                refill=args.dynamic_sampling_refill_rounds > 0,
+                refill=args.rollout.dynamic_sampling_refill_rounds > 0,
             )
             after_step(
                 global_step, epoch, step_in_epoch, metrics, num_tokens=counts["completion_tokens"]

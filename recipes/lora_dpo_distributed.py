@@ -21,7 +21,6 @@ from tunelab.distributed import (
     data_parallel_mesh,
     destroy_distributed,
     init_distributed,
-    resolve_dtype,
 )
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
@@ -59,7 +58,9 @@ ARGS = LoRADPOArgs
 def main(args: LoRADPOArgs) -> None:
     """Train LoRA adapters on preference pairs and export adapter and merged model."""
     # -- set-up: the process group first, everything else after it -------------------------
-    dist_info = init_distributed(args.device, collective_timeout_s=args.collective_timeout_s)
+    dist_info = init_distributed(
+        args.device, collective_timeout_s=args.parallelism.collective_timeout_s
+    )
     # One run per output_dir: the lock first, then the resume setting, then the clean-up of a
     # killed run's leftovers; a second run stops here, before loading anything.
     run = RunFolder(args.output_dir)
@@ -69,26 +70,13 @@ def main(args: LoRADPOArgs) -> None:
     tokenizer = instantiate(args.tokenizer)
     loss_fn = check_preference_loss(instantiate(args.loss), "lora_dpo_distributed")
     model = build_model(
-        args.checkpoint_dir,
+        args.model,
         device=device,
-        # HSDP when data_parallel_replicate_size > 1: shard in a node, replicate across nodes.
-        mesh=data_parallel_mesh(
-            device,
-            replicate_size=args.data_parallel_replicate_size,
-            shard_size=args.data_parallel_shard_size,
-        ),
-        dtype=resolve_dtype(args.dtype),
+        # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+        mesh=data_parallel_mesh(device, args.parallelism),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
-        activation_checkpointing=args.enable_activation_checkpointing,
-        activation_checkpointing_every=args.activation_checkpointing_every,
-        activation_checkpointing_scope=args.activation_checkpointing_scope,
-        compile_blocks=args.compile,
-        attention_backend=args.attention_backend,
-        reshard_after_forward=args.reshard_after_forward,
-        mixed_precision=args.mixed_precision,
         seed=args.seed,
-        frozen_base=args.frozen_base,
     )
     # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
     # checked here, so a bad task stops the run before its first step.
@@ -98,14 +86,14 @@ def main(args: LoRADPOArgs) -> None:
         args.dataset,
         tokenizer,
         padded_collate_dpo,
-        batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        batch_size=args.schedule.batch_size,
+        gradient_accumulation_steps=args.schedule.gradient_accumulation_steps,
         seed=args.seed,
         val_dataset=args.val_dataset,
-        max_steps_per_epoch=args.max_steps_per_epoch,
+        max_steps_per_epoch=args.schedule.max_steps_per_epoch,
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
-        allow_global_batch_change=args.allow_global_batch_change,
+        allow_global_batch_change=args.schedule.allow_global_batch_change,
         index_pairs=True,
         model_context=model.args.max_seq_len,
     )
@@ -114,7 +102,7 @@ def main(args: LoRADPOArgs) -> None:
         args.optimizer,
         trainable,
         lr_scheduler=args.lr_scheduler,
-        num_training_steps=data.steps_per_epoch * args.epochs,
+        num_training_steps=data.steps_per_epoch * args.schedule.epochs,
     )
     checkpoints = build_checkpoint_client(
         run,
@@ -122,7 +110,7 @@ def main(args: LoRADPOArgs) -> None:
         model=model,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        base_checkpoint_dir=args.checkpoint_dir,
+        base_checkpoint_dir=args.model.path,
         lora=args.lora,
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
@@ -135,13 +123,13 @@ def main(args: LoRADPOArgs) -> None:
         wait_for_staging=checkpoints.wait_for_staging,
     )
     # The losses apply the output layer chunk by chunk: the logits never exist whole.
-    output = output_layer(model) if args.chunked_output else None
+    output = output_layer(model) if args.model.chunked_output else None
     # reference_logps: precompute: every pair's reference log-probs once, before training. The
     # reference is frozen, so a resumed run recomputes the same table (nothing to save).
     precomputed = None
     if args.reference_logps == "precompute" and loss_fn.needs_reference:
         precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
-    nonfinite = NonFiniteGuard(args.skip_nonfinite_steps)
+    nonfinite = NonFiniteGuard(args.schedule.skip_nonfinite_steps)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -155,16 +143,11 @@ def main(args: LoRADPOArgs) -> None:
     after_step = AfterStep(
         checkpoints,
         data,
-        Schedule(args.checkpoint, args.epochs, args.log_every_n_steps, args.run_val_every_n_steps),
+        Schedule(args.schedule, args.checkpoint),
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
         validate=validate if data.val_loader is not None else None,
-        profiler=StepProfiler(
-            run.profile_dir,
-            enabled=args.profile,
-            skip_first=args.profile_skip_first,
-            record_steps=args.profile_record_steps,
-        ),  # fmt: skip
+        profiler=StepProfiler(run.profile_dir, args.profile),  # fmt: skip
         device=device,
         is_main=dist_info.is_main,
         benchmarks=benchmarks,
@@ -172,7 +155,7 @@ def main(args: LoRADPOArgs) -> None:
 
     # -- train ----------------------------------------------------------------------------
     model.train()
-    for epoch in range(start_epoch, args.epochs):
+    for epoch in range(start_epoch, args.schedule.epochs):
         batches = data.epoch(epoch)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
@@ -197,7 +180,7 @@ def main(args: LoRADPOArgs) -> None:
             metrics = optimizer_step(
                 optimizer,
                 trainable,
-                clip_grad_norm=args.clip_grad_norm,
+                clip_grad_norm=args.schedule.clip_grad_norm,
                 lr_scheduler=lr_scheduler,
                 guard=nonfinite,  # a NaN/inf loss or gradient stops the run before the update
                 loss=step_metrics["loss"],

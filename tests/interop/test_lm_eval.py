@@ -244,7 +244,7 @@ def test_base_plus_adapter_scores_as_the_merged_export(export, tasks, tmp_path):
     import transformers
 
     import tunelab.peft as tunelab_peft
-    from tunelab.training import build_model
+    from tunelab.training import load_model
 
     base = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     config = peft.LoraConfig(
@@ -258,7 +258,7 @@ def test_base_plus_adapter_scores_as_the_merged_export(export, tasks, tmp_path):
         shutil.copy(TINY / name, tmp_path / "merged" / name)
     adapter_dir = str(tmp_path / "adapter")
     lora = tunelab_peft.LoRAArgs.from_peft_config(tunelab_peft.read_adapter_config(adapter_dir))
-    with_adapter = build_model(
+    with_adapter = load_model(
         str(export),
         device=torch.device("cpu"),
         dtype=torch.float32,
@@ -295,7 +295,7 @@ def test_two_processes_give_the_results_of_one(export, tasks, tunelab_lm, tmp_pa
         f"tasks=[{tasks[0]},{tasks[1]}]",
         f"output_dir={tmp_path / 'out'}",
         "num_fewshot=0",
-        "batch_size=2",
+        "schedule.batch_size=2",
         "log_samples=true",
     ]
     result = subprocess.run(

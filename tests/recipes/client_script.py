@@ -22,7 +22,7 @@ from tunelab.errors import CheckpointError
 from tunelab.formats.integrity import MANIFEST_NAME
 from tunelab.lifecycle import RunFolder
 from tunelab.losses import CrossEntropyLoss
-from tunelab.training import build_model, forward, global_token_count, optimizer_step
+from tunelab.training import forward, global_token_count, load_model, optimizer_step
 
 MODE, BASE, OUT = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 LORA = LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
@@ -101,7 +101,7 @@ def main():
             print("ORDER_ERROR", error, flush=True)
         return
     info = init_distributed("cpu")
-    model = build_model(str(BASE), device=info.device, dtype=torch.float32, lora=LORA)
+    model = load_model(str(BASE), device=info.device, dtype=torch.float32, lora=LORA)
     params = list(peft.get_adapter_params(model).values())
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     train(model, optimizer, params, 3, info.rank, info.world_size)
@@ -192,7 +192,7 @@ def main():
         shard = OUT / "step_5" / "__0_0.distcp"
         shard.write_bytes(shard.read_bytes()[:-7])
     dist.barrier()
-    fresh = build_model(str(BASE), device=info.device, dtype=torch.float32, lora=LORA)
+    fresh = load_model(str(BASE), device=info.device, dtype=torch.float32, lora=LORA)
     fresh_params = list(peft.get_adapter_params(fresh).values())
     fresh_optimizer = torch.optim.AdamW(fresh_params, lr=1e-2)
     reader = make_client(fresh, fresh_optimizer)

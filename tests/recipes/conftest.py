@@ -88,10 +88,10 @@ def our_model(base_dir: Path, adapter_dir: Path, **lora):
 
     from tunelab.config.lora import LoRAArgs
     from tunelab.peft import read_adapter_config
-    from tunelab.training import build_model
+    from tunelab.training import load_model
 
     args = LoRAArgs.from_peft_config(read_adapter_config(adapter_dir), **lora)
-    model = build_model(
+    model = load_model(
         str(base_dir), device=torch.device("cpu"), dtype=torch.float32, lora=args,
         adapter_dir=str(adapter_dir),
     )  # fmt: skip
@@ -222,9 +222,9 @@ def wait_for(condition, timeout: float, what: str, nodes: Nodes | None = None):
 # the multi-node, HSDP and restart tests): global batch 16, 2 processes x 8 or 1 process x 16.
 STEPS = 6
 COMMON = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
-    "run_val_every_n_steps=3",
+    "schedule.epochs=1",
+    f"schedule.max_steps_per_epoch={STEPS}",
+    "schedule.run_val_every_n_steps=3",
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=3",
     "checkpoint.keep_last_n_checkpoints=null",
@@ -264,7 +264,7 @@ def launch_output(out: Path) -> Path:
 def lora_2p(tmp_path_factory) -> Path:
     """``tiny/lora`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
     return shared_run(
-        tmp_path_factory, "lora_2p", "lora_finetune_distributed", "tiny/lora", "batch_size=8",
+        tmp_path_factory, "lora_2p", "lora_finetune_distributed", "tiny/lora", "schedule.batch_size=8",
         *COMMON,
     )  # fmt: skip
 
@@ -273,7 +273,7 @@ def lora_2p(tmp_path_factory) -> Path:
 def lora_1p(tmp_path_factory) -> Path:
     """``tiny/lora`` on 1 process of batch 16 (the global batch of ``lora_2p``), COMMON settings."""
     return shared_run(
-        tmp_path_factory, "lora_1p", "lora_finetune_distributed", "tiny/lora", "batch_size=16",
+        tmp_path_factory, "lora_1p", "lora_finetune_distributed", "tiny/lora", "schedule.batch_size=16",
         *COMMON, nproc=1,
     )  # fmt: skip
 
@@ -282,7 +282,7 @@ def lora_1p(tmp_path_factory) -> Path:
 def full_2p(tmp_path_factory) -> Path:
     """``tiny/full`` on one node, 2 processes of batch 8, COMMON settings (read-only: copy it)."""
     return shared_run(
-        tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full", "batch_size=8",
+        tmp_path_factory, "full_2p", "full_finetune_distributed", "tiny/full", "schedule.batch_size=8",
         *COMMON,
     )  # fmt: skip
 
@@ -298,7 +298,7 @@ def dpo_2p(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
     """The tiny/lora_dpo run (read-only) and its training rows of metrics.jsonl by step."""
     out = shared_run(
         tmp_path_factory, "dpo_2p", "lora_dpo_distributed", "tiny/lora_dpo",
-        f"max_steps_per_epoch={DPO_STEPS}", f"checkpoint.save_every_n_steps={DPO_SAVE_AT}",
+        f"schedule.max_steps_per_epoch={DPO_STEPS}", f"checkpoint.save_every_n_steps={DPO_SAVE_AT}",
         "checkpoint.enable_async_checkpointing=true", "checkpoint.keep_last_n_checkpoints=null",
     )  # fmt: skip
     return out, {row["step"]: row for row in read_metrics(out) if "loss" in row}
@@ -307,10 +307,10 @@ def dpo_2p(tmp_path_factory) -> tuple[Path, dict[int, dict]]:
 # The tiny/lora run the checkpoint-trust and forged-field tests damage copies of: 2 processes of
 # batch 8, a committed checkpoint every 2 steps (step_2, step_4, step_6), no validation.
 EVERY_2 = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
-    "batch_size=8",
-    "run_val_every_n_steps=null",
+    "schedule.epochs=1",
+    f"schedule.max_steps_per_epoch={STEPS}",
+    "schedule.batch_size=8",
+    "schedule.run_val_every_n_steps=null",
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=2",
     "checkpoint.keep_last_n_checkpoints=null",

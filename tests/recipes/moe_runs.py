@@ -16,13 +16,13 @@ from tunelab._paths import assets_dir
 MOE_LORA_RUN = (
     "dataset.packed=true",
     "~val_dataset",
-    "batch_size=2",
-    "epochs=1",
-    "max_steps_per_epoch=3",
+    "schedule.batch_size=2",
+    "schedule.epochs=1",
+    "schedule.max_steps_per_epoch=3",
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=2",
     "checkpoint.enable_async_checkpointing=false",
-    "router_aux_loss_coef=0.01",  # the router term in the objective, resumed exactly too
+    "router.aux_loss_coef=0.01",  # the router term in the objective, resumed exactly too
     "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
 )
 """Overrides of ``tiny/moe_lora``: 3 packed steps, a checkpoint at step 2, LoRA on the experts."""

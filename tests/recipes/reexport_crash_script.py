@@ -23,7 +23,7 @@ from tunelab._paths import assets_dir
 from tunelab.checkpoint.export import export_hf
 from tunelab.config.lora import LoRAArgs
 from tunelab.peft import get_adapter_params
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 STALL = sys.argv[3] if len(sys.argv) > 3 else None
@@ -50,7 +50,7 @@ def stall_on(module, name: str, *, at_call: int = 1, when=lambda *a, **k: True) 
 
 
 def main() -> None:
-    model = build_model(
+    model = load_model(
         str(BASE), device=torch.device("cpu"), dtype=torch.float32,
         lora=LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj"]),
     )  # fmt: skip

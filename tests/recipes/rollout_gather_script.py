@@ -23,7 +23,7 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
 from tunelab.rl import ModelRolloutEngine, SamplingSettings, sampling_seeds
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 MAX_NEW_TOKENS = 6
@@ -50,7 +50,7 @@ def main() -> None:
     settings = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0)  # no stop
     report = {}
     for name, lora in (("lora", LoRAArgs(rank=4, alpha=8.0)), ("full", None)):
-        model = build_model(
+        model = load_model(
             str(TINY),
             device=torch.device("cpu"),
             dtype=torch.float32,

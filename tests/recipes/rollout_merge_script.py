@@ -26,7 +26,7 @@ from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
 from tunelab.peft import LoRALinear, get_adapter_params
 from tunelab.rl import ModelRolloutEngine, SamplingSettings, sampling_seeds
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 GATHER = re.compile(r"FSDP::all_gather( \(.*\))?")
@@ -53,7 +53,7 @@ def main() -> None:
         max_new_tokens=12, temperature=1.0, stop_ids=frozenset(tokenizer.stop_ids)
     )
     torch.manual_seed(0)
-    model = build_model(
+    model = load_model(
         str(TINY),
         device=torch.device("cpu"),
         dtype=torch.float32,

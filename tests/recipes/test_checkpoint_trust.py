@@ -136,7 +136,7 @@ def test_files_that_would_run_code_are_never_executed(reference, tmp_path):
     out = tmp_path / "run"
     # Four committed checkpoints; in each, one file resume reads is replaced by a pickle
     # whose loading would create the marker.
-    _run(out, "checkpoint.save_every_n_steps=1", f"max_steps_per_epoch={4}")
+    _run(out, "checkpoint.save_every_n_steps=1", f"schedule.max_steps_per_epoch={4}")
     marker = tmp_path / "marker"
     payload = pickle.dumps(_Payload(marker))
     for step, name in (
@@ -150,7 +150,7 @@ def test_files_that_would_run_code_are_never_executed(reference, tmp_path):
     for name in ("epoch_0", "logs"):
         shutil.rmtree(out / name)
     result = _run(
-        out, "checkpoint.resume_from_checkpoint=true", "max_steps_per_epoch=4", check=False
+        out, "checkpoint.resume_from_checkpoint=true", "schedule.max_steps_per_epoch=4", check=False
     )
     output = result.stdout + result.stderr
     assert not marker.exists()

@@ -30,10 +30,10 @@ SETTINGS = [
     "dataset.packed=true",
     "dataset.max_seq_len=250",
     "tokenizer.max_seq_len=250",
-    "batch_size=4",
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
-    "run_val_every_n_steps=2",
+    "schedule.batch_size=4",
+    "schedule.epochs=1",
+    f"schedule.max_steps_per_epoch={STEPS}",
+    "schedule.run_val_every_n_steps=2",
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=2",
     "checkpoint.keep_last_n_checkpoints=null",
@@ -54,7 +54,7 @@ def window_model(tmp_path_factory):
 def _run(output_dir, model, *overrides, nproc, check=True):
     return tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={output_dir}",
-        f"checkpoint_dir={model}", *SETTINGS, *overrides, nproc=nproc, check=check,
+        f"model.path={model}", *SETTINGS, *overrides, nproc=nproc, check=check,
     )  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def runs(tmp_path_factory, window_model):
     root = tmp_path_factory.mktemp("cp_runs")
     whole, split = root / "whole", root / "cp2"
     _run(whole, window_model, nproc=1)
-    _run(split, window_model, "context_parallel_size=2", nproc=2)
+    _run(split, window_model, "parallelism.context_parallel_size=2", nproc=2)
     return whole, split
 
 
@@ -95,7 +95,7 @@ def test_cp2_losses_equal_the_unsplit_run(runs):
 def test_cp2_resumes_exactly(runs, window_model, tmp_path):
     _, split = runs
     out = interrupted_copy(split, tmp_path / "resumed", after_step=2)
-    _run(out, window_model, "context_parallel_size=2", "checkpoint.resume_from_checkpoint=true",
+    _run(out, window_model, "parallelism.context_parallel_size=2", "checkpoint.resume_from_checkpoint=true",
          nproc=2)  # fmt: skip
     _assert_close(_metric(out, "loss"), _metric(split, "loss"), range(3, STEPS + 1), 0)
     assert_same_exports(out, split)
@@ -120,7 +120,9 @@ def test_cp2_checkpoint_resumes_with_cp1_on_two_processes(runs, window_model, tm
 
 
 def test_cp_larger_than_the_world_is_one_error_naming_the_key(window_model, tmp_path):
-    result = _run(tmp_path / "out", window_model, "context_parallel_size=2", nproc=1, check=False)
+    result = _run(
+        tmp_path / "out", window_model, "parallelism.context_parallel_size=2", nproc=1, check=False
+    )
     assert result.returncode != 0
     assert "context_parallel_size = 1 x 2 does not divide the 1 processes" in result.stderr
     assert "Traceback" not in result.stderr
@@ -130,7 +132,7 @@ def test_cp_larger_than_the_world_is_one_error_naming_the_key(window_model, tmp_
     "mesh",
     [
         # replicate 2 x shard 1 x cp 2: each replica's cp group takes 2 of the step's 4 samples.
-        ["data_parallel_replicate_size=2", "frozen_base=shard"],
+        ["parallelism.data_parallel_replicate_size=2", "model.frozen_base=shard"],
         # plain FSDP over all 4 (shard 2 x cp 2): 2 data-parallel groups of 2 samples.
         [],
     ],
@@ -139,18 +141,25 @@ def test_cp_larger_than_the_world_is_one_error_naming_the_key(window_model, tmp_
 def test_4_processes_with_cp2_equal_the_unsplit_run(runs, window_model, tmp_path, mesh):
     whole, _ = runs
     out = tmp_path / "mesh_cp"
-    _run(out, window_model, "batch_size=2", "context_parallel_size=2", *mesh, nproc=4)
+    _run(
+        out,
+        window_model,
+        "schedule.batch_size=2",
+        "parallelism.context_parallel_size=2",
+        *mesh,
+        nproc=4,
+    )
     _assert_close(_metric(out, "loss"), _metric(whole, "loss"), range(1, STEPS + 1), TOLERANCE)
     assert _metric(out, "num_tokens") == _metric(whole, "num_tokens")
 
 
 def test_full_finetune_with_cp2_equals_the_unsplit_run(window_model, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "cp2"
-    for out, nproc, extra in ((whole, 1, []), (split, 2, ["context_parallel_size=2"])):
+    for out, nproc, extra in ((whole, 1, []), (split, 2, ["parallelism.context_parallel_size=2"])):
         tunelab_run(
             "full_finetune_distributed", "tiny/full", f"output_dir={out}",
-            f"checkpoint_dir={window_model}", *SETTINGS, "max_steps_per_epoch=2",
-            "run_val_every_n_steps=null", *extra, nproc=nproc,
+            f"model.path={window_model}", *SETTINGS, "schedule.max_steps_per_epoch=2",
+            "schedule.run_val_every_n_steps=null", *extra, nproc=nproc,
         )  # fmt: skip
     _assert_close(_metric(split, "loss"), _metric(whole, "loss"), [1, 2], TOLERANCE)
 
@@ -170,9 +179,9 @@ def test_cp2_with_selective_checkpointing_equals_the_unsplit_run_and_offload_is_
     whole, _ = runs
     out = tmp_path / "cp2_checkpointed"
     result = _run(
-        out, window_model, "context_parallel_size=2", "enable_activation_checkpointing=true",
-        "activation_checkpointing_every=2", f"activation_checkpointing_scope={scope}",
-        "offload_activations=true", "max_steps_per_epoch=2", "run_val_every_n_steps=null",
+        out, window_model, "parallelism.context_parallel_size=2", "model.activation_checkpointing=true",
+        "model.activation_checkpointing_every=2", f"model.activation_checkpointing_scope={scope}",
+        "model.offload_activations=true", "schedule.max_steps_per_epoch=2", "schedule.run_val_every_n_steps=null",
         nproc=2,
     )  # fmt: skip
     _assert_close(_metric(out, "loss"), _metric(whole, "loss"), [1, 2], TOLERANCE)
@@ -185,14 +194,14 @@ def test_moe_router_loss_under_cp2_equals_the_unsplit_run(tmp_path):
     # router_aux_loss and router_z_loss and the gradients (hence the later losses) are the
     # unsplit run's.
     runs = {}
-    for nproc, extra in ((1, []), (2, ["context_parallel_size=2"])):
+    for nproc, extra in ((1, []), (2, ["parallelism.context_parallel_size=2"])):
         out = tmp_path / f"moe_{nproc}"
         tunelab_run(
             "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}",
             "dataset.packed=true", "dataset.max_seq_len=250", "tokenizer.max_seq_len=250",
-            "batch_size=2", "epochs=1", "max_steps_per_epoch=3", "~val_dataset",
+            "schedule.batch_size=2", "schedule.epochs=1", "schedule.max_steps_per_epoch=3", "~val_dataset",
             "lr_scheduler.num_warmup_steps=0", "checkpoint.save_every_n_steps=null",
-            "router_aux_loss_coef=0.5", "router_z_loss_coef=0.1", *extra, nproc=nproc,
+            "router.aux_loss_coef=0.5", "router.z_loss_coef=0.1", *extra, nproc=nproc,
         )  # fmt: skip
         runs[nproc] = out
     for key in ("loss", "router_aux_loss", "router_z_loss"):

@@ -43,11 +43,11 @@ ARGS = _own_settings({builtin})
 # compared with, and the settings of that run (DPO: its first 3 of 40 steps, in warm-up).
 RECIPES = [
     ("full_finetune_distributed", "tiny/full", "FullFinetuneArgs", "full_2p",
-     ("batch_size=8", *COMMON)),
+     ("schedule.batch_size=8", *COMMON)),
     ("lora_finetune_distributed", "tiny/lora", "LoRAFinetuneArgs", "lora_2p",
-     ("batch_size=8", *COMMON)),
+     ("schedule.batch_size=8", *COMMON)),
     ("lora_dpo_distributed", "tiny/lora_dpo", "LoRADPOArgs", "dpo_2p",
-     ("max_steps_per_epoch=3", "checkpoint.save_every_n_steps=2")),
+     ("schedule.max_steps_per_epoch=3", "checkpoint.save_every_n_steps=2")),
 ]  # fmt: skip
 
 
@@ -84,6 +84,6 @@ def test_a_copy_with_its_own_settings_dataclass_trains_like_the_builtin(
     assert any(mine.glob("step_*")) and (mine / "epoch_0").is_dir()
     # A setting it dropped is an unknown key for the copy, named as such.
     refused = tunelab_run(
-        str(copy), config, f"output_dir={tmp_path / 'x'}", "compile=true", check=False
+        str(copy), config, f"output_dir={tmp_path / 'x'}", "model.compile=true", check=False
     )
     assert refused.returncode != 0 and "compile" in refused.stderr

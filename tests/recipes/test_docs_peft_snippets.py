@@ -89,8 +89,8 @@ def moe_lora_run(tmp_path_factory) -> Path:
     if peft_loads_experts():
         targets += ",experts.gate_up_proj,experts.down_proj"
     tunelab_run(
-        "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", "epochs=1",
-        "max_steps_per_epoch=2", "~val_dataset", "lr_scheduler.num_warmup_steps=0",
+        "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", "schedule.epochs=1",
+        "schedule.max_steps_per_epoch=2", "~val_dataset", "lr_scheduler.num_warmup_steps=0",
         f"lora.targets=[{targets}]", nproc=1,
     )  # fmt: skip
     return out

@@ -60,7 +60,7 @@ def eval_run(tmp_path_factory):
     """tiny/lora as ``lora_2p`` (COMMON, batch 8), evaluating at step 4 and at the end."""
     out = tmp_path_factory.mktemp("eval_run") / "run"
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8", *COMMON,
         *EVAL,
     )  # fmt: skip
     return out
@@ -92,7 +92,7 @@ def test_kill_after_an_evaluation_and_resume_logs_each_evaluation_once(eval_run,
     (gates / "step_4.hold").touch()
     command = [
         TUNELAB, "run", "--nproc_per_node", "2", str(recipe), "--config", "tiny/lora",
-        f"output_dir={out}", "batch_size=8", *COMMON, *EVAL,
+        f"output_dir={out}", "schedule.batch_size=8", *COMMON, *EVAL,
     ]  # fmt: skip
     process = subprocess.Popen(
         command, env=run_env(TUNELAB_TEST_WRITE_GATES=str(gates)), start_new_session=True,
@@ -110,7 +110,7 @@ def test_kill_after_an_evaluation_and_resume_logs_each_evaluation_once(eval_run,
     assert 4 in killed_evals  # logged before the kill: the resume must not log it twice
 
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8", *COMMON,
         *EVAL, "checkpoint.resume_from_checkpoint=true",
     )  # fmt: skip
     resumed = _evals(out)
@@ -140,7 +140,7 @@ def _logged_eval_steps(out) -> set[int]:
 def test_the_other_training_recipes_log_scores_at_the_end(tmp_path, recipe, config):
     out = tmp_path / "run"
     tunelab_run(
-        recipe, config, f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2",
+        recipe, config, f"output_dir={out}", "schedule.epochs=1", "schedule.max_steps_per_epoch=2",
         "checkpoint.save_every_n_steps=null",
         f"eval.tasks=[{TASKS / 'reverse_words_perplexity.yaml'}]", "eval.limit=2",
     )  # fmt: skip

@@ -31,9 +31,9 @@ SHARED = {"limit": 8, "batch_size": 8, "max_gen_toks": 256, "seed": 0}
 def test_scores_during_training_equal_the_eval_recipe_on_the_steps_export(tmp_path):
     out = tmp_path / "run"
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8",
-        "lora.dropout=0.3", "epochs=1", f"max_steps_per_epoch={STEPS}",
-        "lr_scheduler.num_warmup_steps=0", "run_val_every_n_steps=null",
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8",
+        "lora.dropout=0.3", "schedule.epochs=1", f"schedule.max_steps_per_epoch={STEPS}",
+        "lr_scheduler.num_warmup_steps=0", "schedule.run_val_every_n_steps=null",
         "checkpoint.save_every_n_steps=null", f"eval.tasks={TASK_FILES}", "eval.at_end=true",
         *(f"eval.{key}={value}" for key, value in SHARED.items()),
     )  # fmt: skip

@@ -58,14 +58,14 @@ def test_two_process_lora_adapter_loads_in_peft_like_our_merged_export(tmp_path,
     tunelab_run(
         "lora_finetune_distributed",
         "tiny/lora",
-        f"checkpoint_dir={base}",
+        f"model.path={base}",
         f"output_dir={out}",
         f"lora.targets={TARGETS[family]}",
         "dataset.packed=true",
         "~val_dataset",
-        "batch_size=2",
-        "epochs=1",
-        "max_steps_per_epoch=2",
+        "schedule.batch_size=2",
+        "schedule.epochs=1",
+        "schedule.max_steps_per_epoch=2",
         "lr_scheduler.num_warmup_steps=0",
         "checkpoint.save_every_n_steps=null",
         "checkpoint.enable_async_checkpointing=false",
@@ -75,7 +75,7 @@ def test_two_process_lora_adapter_loads_in_peft_like_our_merged_export(tmp_path,
     # Step 1 is the base model's forward: transformers (eager attention), each packed document
     # on its own, on the same 4 samples.
     expected = sft_step_one_loss(
-        "tiny/lora", f"checkpoint_dir={base}", "dataset.packed=true", global_batch=4
+        "tiny/lora", f"model.path={base}", "dataset.packed=true", global_batch=4
     )
     assert abs(losses[1] - expected) <= STEP_ONE_TOLERANCE, (losses[1], expected)
     export = out / "epoch_0"

@@ -25,8 +25,8 @@ def test_replicated_frozen_base_equals_sharded(tmp_path, lora_2p):
     assert "frozen_base: auto picked replicate" in launch_output(lora_2p).read_text()
     sharded = tmp_path / "shard"
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={sharded}", "frozen_base=shard",
-        "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={sharded}", "model.frozen_base=shard",
+        "schedule.batch_size=8", *COMMON,
     )  # fmt: skip
     assert losses_by_step(lora_2p) == losses_by_step(sharded)  # bit for bit
     assert sorted(losses_by_step(sharded)) == list(range(1, STEPS + 1))
@@ -40,8 +40,8 @@ def test_chunked_output_equals_whole_logits_in_full_finetuning(tmp_path, full_2p
     # full_2p ran with chunked_output: true (the default).
     out = tmp_path / "whole"
     tunelab_run(
-        "full_finetune_distributed", "tiny/full", f"output_dir={out}", "chunked_output=false",
-        "checkpoint.export_every_n_epochs=2", "batch_size=8", *COMMON,
+        "full_finetune_distributed", "tiny/full", f"output_dir={out}", "model.chunked_output=false",
+        "checkpoint.export_every_n_epochs=2", "schedule.batch_size=8", *COMMON,
     )  # fmt: skip
     losses = {"true": losses_by_step(full_2p), "false": losses_by_step(out)}
     assert sorted(losses["true"]) == list(range(1, STEPS + 1))

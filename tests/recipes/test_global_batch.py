@@ -38,7 +38,7 @@ def test_a_2_process_checkpoint_resumed_on_1_keeps_the_global_batch(lora_2p, tmp
     # The same settings as the 2-process run (batch_size=8 per process): on 1 process that
     # would be 8 samples per step instead of 16.
     result = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8", *COMMON,
         RESUME, nproc=1,
     )  # fmt: skip
     assert (
@@ -54,7 +54,7 @@ def test_a_1_process_checkpoint_resumed_on_2_keeps_the_global_batch(lora_1p, lor
     out = interrupted_copy(lora_1p, tmp_path / "run", after_step=3)
     # batch_size=16 per process on 2 processes would be 32 samples per step.
     result = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=16", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=16", *COMMON,
         RESUME,
     )  # fmt: skip
     assert "global batch of 16 on 2 process(es): batch_size 8, gradient_accumulation_steps 1" in (
@@ -67,7 +67,7 @@ def test_a_1_process_checkpoint_resumed_on_2_keeps_the_global_batch(lora_1p, lor
 def test_a_global_batch_that_cannot_be_kept_is_one_clear_error(lora_2p, tmp_path):
     out = interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
     result = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8", *COMMON,
         RESUME, nproc=3, check=False,
     )  # fmt: skip
     assert result.returncode != 0
@@ -78,8 +78,8 @@ def test_a_global_batch_that_cannot_be_kept_is_one_clear_error(lora_2p, tmp_path
     # 1 process of 24, cheaper than 3 of 8 here): the 48 samples of steps 1-3 are 2 such
     # steps, so the epoch goes on at its step 3 of 6 and the run ends at global step 3 + 4.
     allowed = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=24", *COMMON,
-        RESUME, "allow_global_batch_change=true", nproc=1,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=24", *COMMON,
+        RESUME, "schedule.allow_global_batch_change=true", nproc=1,
     )  # fmt: skip
     assert "keeping" not in allowed.stdout and "finished at step 7" in allowed.stdout
     assert losses_by_step(out)[4] != losses_by_step(lora_2p)[4]  # another batch: another run
@@ -89,8 +89,8 @@ def test_a_2_process_checkpoint_resumed_on_4_with_hsdp_keeps_the_global_batch(lo
     out = interrupted_copy(lora_2p, tmp_path / "run", after_step=3)
     # 2 replicas x 2 shards; batch_size=8 per process would be 32 samples per step on 4.
     result = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
-        RESUME, "data_parallel_replicate_size=2", "data_parallel_shard_size=2", nproc=4,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8", *COMMON,
+        RESUME, "parallelism.data_parallel_replicate_size=2", "parallelism.data_parallel_shard_size=2", nproc=4,
     )  # fmt: skip
     assert "global batch of 16 on 4 process(es): batch_size 4, gradient_accumulation_steps 1" in (
         result.stdout

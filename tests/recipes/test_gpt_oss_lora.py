@@ -71,7 +71,7 @@ def _build(plain, quantized):
 def test_two_process_gpt_oss_lora_from_mxfp4_resumes_exactly_and_exports(tmp_path):
     plain, base = tmp_path / "plain", tmp_path / "base"
     _build(plain, base)
-    out = assert_run_resumes_exactly(tmp_path, f"checkpoint_dir={base}", *MOE_LORA_RUN)
+    out = assert_run_resumes_exactly(tmp_path, f"model.path={base}", *MOE_LORA_RUN)
     export = out / "epoch_0"
     with safe_open(export / "model.safetensors", "pt") as f:
         keys = set(f.keys())

@@ -33,12 +33,12 @@ TINY_ASSETS = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "a
 # log-probs over two iterations, dynamic sampling, GRPO's sequence_mean.
 VARIANTS = (
     "loss.beta=0.04",
-    "num_iterations=2",
-    "dynamic_sampling=true",
+    "rollout.num_iterations=2",
+    "rollout.dynamic_sampling=true",
     "loss.aggregation=sequence_mean",
-    "max_steps_per_epoch=3",
+    "schedule.max_steps_per_epoch=3",
     "checkpoint.save_every_n_steps=null",
-    "stop_strings=[You are]",
+    "rollout.stop_strings=[You are]",
 )
 
 
@@ -58,14 +58,21 @@ def completions(output_dir: Path) -> dict[tuple[int, int, int, int], tuple[str, 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo") / "two"
-    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", *VARIANTS)
+    tunelab_run(
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2", *VARIANTS
+    )
     return out
 
 
 def test_two_processes_equal_one(two_processes, tmp_path):
     one = tmp_path / "one"
     tunelab_run(
-        "grpo_distributed", "tiny/grpo", f"output_dir={one}", "batch_size=4", *VARIANTS, nproc=1
+        "grpo_distributed",
+        "tiny/grpo",
+        f"output_dir={one}",
+        "schedule.batch_size=4",
+        *VARIANTS,
+        nproc=1,
     )
     # The same prompts per step, the same seeds per completion: the same tokens and rewards.
     assert completions(one) == completions(two_processes)
@@ -84,14 +91,16 @@ def test_two_processes_equal_one(two_processes, tmp_path):
     assert_same_exports(one, two_processes, atol=1e-4)
 
 
-SIX_STEPS = ("max_steps_per_epoch=6", "checkpoint.save_every_n_steps=3")
+SIX_STEPS = ("schedule.max_steps_per_epoch=6", "checkpoint.save_every_n_steps=3")
 
 
 @pytest.fixture(scope="module")
 def six_steps(tmp_path_factory) -> Path:
     """An uninterrupted 2-process run of SIX_STEPS: the reference of the resumed runs."""
     out = tmp_path_factory.mktemp("grpo") / "six_steps"
-    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", *SIX_STEPS)
+    tunelab_run(
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2", *SIX_STEPS
+    )
     return out
 
 
@@ -108,7 +117,7 @@ def test_sigkill_of_rank_1_after_a_checkpoint_then_resume_logs_each_step_once(si
     out = tmp_path / "killed"
     command = [
         TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config", "tiny/grpo",
-        f"output_dir={out}", "batch_size=2", *SIX_STEPS,
+        f"output_dir={out}", "schedule.batch_size=2", *SIX_STEPS,
     ]  # fmt: skip
     with open(tmp_path / "killed.out", "w+") as printed:
         run = subprocess.Popen(
@@ -134,7 +143,7 @@ def test_sigkill_of_rank_1_after_a_checkpoint_then_resume_logs_each_step_once(si
     assert committed == [3]
     assert max(_completion_steps(out)) > 3  # the logs hold steps past the checkpoint
     tunelab_run(
-        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", *SIX_STEPS,
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2", *SIX_STEPS,
         "checkpoint.resume_from_checkpoint=true",
     )  # fmt: skip
     assert_step_logs_equal(out, six_steps)
@@ -196,11 +205,11 @@ def assert_step_logs_equal(output_dir: Path, reference: Path) -> None:
 FULL = (
     "lora=null",
     "optimizer.lr=1e-4",
-    "max_steps_per_epoch=4",
+    "schedule.max_steps_per_epoch=4",
     "checkpoint.save_every_n_steps=2",
-    "dynamic_sampling=true",
-    "dynamic_sampling_refill_rounds=2",
-    "run_val_every_n_steps=2",
+    "rollout.dynamic_sampling=true",
+    "rollout.dynamic_sampling_refill_rounds=2",
+    "schedule.run_val_every_n_steps=2",
 )
 
 
@@ -233,14 +242,18 @@ def assert_exact_resume(
     if full is None:
         full = tmp_path / "full"
         tunelab_run(
-            "grpo_distributed", "tiny/grpo", f"output_dir={full}", "batch_size=2", *overrides
+            "grpo_distributed",
+            "tiny/grpo",
+            f"output_dir={full}",
+            "schedule.batch_size=2",
+            *overrides,
         )
     resumed = interrupted_copy(full, tmp_path / "resumed", after_step=after_step, keep_logs=True)
     tunelab_run(
         "grpo_distributed",
         "tiny/grpo",
         f"output_dir={resumed}",
-        "batch_size=2",
+        "schedule.batch_size=2",
         *overrides,
         "checkpoint.resume_from_checkpoint=true",
     )
@@ -260,7 +273,7 @@ def test_reward_rises_and_not_with_a_vanishing_learning_rate(tmp_path):
     def rewards(lr: str) -> list[float]:
         out = tmp_path / f"lr_{lr}"
         tunelab_run(
-            "grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2",
+            "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2",
             f"optimizer.lr={lr}", "checkpoint.save_every_n_steps=null",
         )  # fmt: skip
         return [m["rewards/regex_reward"] for m in read_metrics(out)]
@@ -282,8 +295,8 @@ def test_reward_rises_and_not_with_a_vanishing_learning_rate(tmp_path):
 def test_qlora_and_full_with_a_kl_to_the_base(tmp_path, name, variant):
     out = tmp_path / name
     tunelab_run(
-        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "batch_size=2", variant,
-        "loss.beta=0.04", "max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2", variant,
+        "loss.beta=0.04", "schedule.max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
         *(["optimizer.lr=1e-4"] if name == "full" else []),
     )  # fmt: skip
     kl = [m["kl"] for m in read_metrics(out)]

@@ -28,7 +28,7 @@ def test_an_empty_prompt_stops_the_launch_and_skip_malformed_trains_without_it(t
     path, num_rows = _prompts(tmp_path)
     common = [
         f"dataset.data_files={path}",
-        "max_steps_per_epoch=1",
+        "schedule.max_steps_per_epoch=1",
         "checkpoint.save_every_n_steps=null",
     ]
     refused = tunelab_run(

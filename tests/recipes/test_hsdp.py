@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.recipes.conftest import COMMON, STEPS, interrupted_copy, losses_by_step, tunelab_run
+from tunelab.config.sections import ParallelismArgs
 from tunelab.distributed import data_parallel_mesh
 from tunelab.errors import ConfigError
 
@@ -26,11 +27,20 @@ TOLERANCE = 1e-6
 )
 def test_mesh_sizes_must_multiply_to_the_world_size(replicate, shard, message):
     with pytest.raises(ConfigError, match=message):
-        data_parallel_mesh(torch.device("cpu"), replicate_size=replicate, shard_size=shard)
+        data_parallel_mesh(
+            torch.device("cpu"),
+            ParallelismArgs(data_parallel_replicate_size=replicate, data_parallel_shard_size=shard),
+        )
 
 
 def test_one_replica_is_plain_fsdp():
-    assert data_parallel_mesh(torch.device("cpu"), replicate_size=1, shard_size=1) is None
+    assert (
+        data_parallel_mesh(
+            torch.device("cpu"),
+            ParallelismArgs(data_parallel_replicate_size=1, data_parallel_shard_size=1),
+        )
+        is None
+    )
 
 
 def _assert_losses(output_dir, reference_dir, steps):
@@ -44,9 +54,9 @@ def _assert_losses(output_dir, reference_dir, steps):
 def test_hsdp_2x2_matches_and_resumes_on_another_mesh(tmp_path, lora_2p):
     out = tmp_path / "hsdp"
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=4", *COMMON,
-        "data_parallel_replicate_size=2", "data_parallel_shard_size=2",
-        "frozen_base=shard",  # as the 70B configs (auto keeps the tiny base gathered)
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=4", *COMMON,
+        "parallelism.data_parallel_replicate_size=2", "parallelism.data_parallel_shard_size=2",
+        "model.frozen_base=shard",  # as the 70B configs (auto keeps the tiny base gathered)
         nproc=4,
     )  # fmt: skip
     _assert_losses(out, lora_2p, range(1, STEPS + 1))
@@ -63,7 +73,7 @@ def test_hsdp_2x2_matches_and_resumes_on_another_mesh(tmp_path, lora_2p):
     # Resume on another mesh shape: 1 x 2 (plain FSDP, 2 processes of 8).
     other = interrupted_copy(out, tmp_path / "fsdp_1x2", after_step=3)
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={other}", "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={other}", "schedule.batch_size=8", *COMMON,
         "checkpoint.resume_from_checkpoint=true",
     )  # fmt: skip
     _assert_losses(other, lora_2p, range(4, STEPS + 1))

@@ -33,7 +33,7 @@ def test_the_documented_generate_example_runs(tmp_path):
 def test_an_output_dir_with_a_hash_is_that_folder(tmp_path):
     result = _run(
         "lora_finetune_distributed", "--config", "tiny/lora", "output_dir=runs/exp #3",
-        "checkpoint.resume_from_checkpoint=auto", "epochs=1", "max_steps_per_epoch=2",
+        "checkpoint.resume_from_checkpoint=auto", "schedule.epochs=1", "schedule.max_steps_per_epoch=2",
         cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

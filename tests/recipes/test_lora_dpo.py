@@ -317,7 +317,7 @@ def test_exact_resume_after_async_intermediate_save(full_run, tmp_path):
     shutil.copytree(source / f"step_{SAVE_AT}", tmp_path / f"step_{SAVE_AT}")
     resumed = _launch(
         tmp_path,
-        f"max_steps_per_epoch={STEPS}",
+        f"schedule.max_steps_per_epoch={STEPS}",
         f"checkpoint.save_every_n_steps={SAVE_AT}",
         "checkpoint.resume_from_checkpoint=true",
     )
@@ -337,10 +337,10 @@ def test_start_from_sft_adapter_uses_it_as_frozen_reference(full_run, tmp_path):
     rows = _launch(
         tmp_path,
         f"adapter_dir={adapter_dir}",
-        "max_steps_per_epoch=3",
+        "schedule.max_steps_per_epoch=3",
         "checkpoint.save_every_n_steps=null",
         # The hard case of the swap: FSDP2 keeps gathered parameters after no_grad forwards.
-        "reshard_after_forward=false",
+        "model.reshard_after_forward=false",
     )
     assert rows[0]["loss"] == pytest.approx(LN2, abs=1e-6)
     assert rows[0]["rewards/chosen"] == 0.0 and rows[0]["rewards/rejected"] == 0.0
@@ -365,7 +365,7 @@ def test_precomputed_reference_gives_the_live_losses(full_run, tmp_path):
     rows, stdout = _run(
         tmp_path,
         "reference_logps=precompute",
-        "max_steps_per_epoch=3",
+        "schedule.max_steps_per_epoch=3",
         "checkpoint.save_every_n_steps=null",
     )
     assert "reference log-probs of 400 pairs precomputed" in stdout, stdout

@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow
-_RUN = (*MOE_LORA_RUN, "router_z_loss_coef=0.001")
+_RUN = (*MOE_LORA_RUN, "router.z_loss_coef=0.001")
 
 
 def test_two_process_moe_lora_resumes_exactly_and_exports_the_hub_layout(tmp_path):
@@ -62,8 +62,8 @@ def qlora_2p(tmp_path_factory):
 
 _ONE_PROCESS = (
     *_QLORA,
-    "batch_size=4",
-    "max_steps_per_epoch=2",
+    "schedule.batch_size=4",
+    "schedule.max_steps_per_epoch=2",
     "checkpoint.save_every_n_steps=null",
 )
 
@@ -155,7 +155,7 @@ def test_moe_qlora_compiles_to_the_same_losses_without_library_noise(qlora_1p, t
     pickle the stacked experts' key with a traceback: peft/_nf4_compile.py)."""
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={tmp_path}", *_ONE_PROCESS,
-        "compile=true", nproc=1,
+        "model.compile=true", nproc=1,
     )  # fmt: skip
     _assert_close_losses(losses_by_step(tmp_path), qlora_1p, [1, 2], 1e-5)
     lines = [line.strip() for line in result.stderr.replace("\r", "\n").splitlines()]
@@ -176,8 +176,8 @@ def test_hsdp_moe_qlora_matches_fsdp_and_resumes_on_fsdp(qlora_2p, tmp_path):
     out = tmp_path / "hsdp"
     tunelab_run(
         "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", *_QLORA,
-        "batch_size=1", "data_parallel_replicate_size=2", "data_parallel_shard_size=2",
-        "frozen_base=shard", nproc=4,
+        "schedule.batch_size=1", "parallelism.data_parallel_replicate_size=2", "parallelism.data_parallel_shard_size=2",
+        "model.frozen_base=shard", nproc=4,
     )  # fmt: skip
     _assert_close_losses(losses_by_step(out), reference, [1, 2, 3], 1e-6)
     resumed = interrupted_copy(out, tmp_path / "on_fsdp", after_step=2)
@@ -204,7 +204,7 @@ def test_hsdp_of_whole_replicas_holds_the_nf4_experts_as_one_process(qlora_1p, t
     for linears; the quantization and the losses are the 1-process run's."""
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={tmp_path}", *_ONE_PROCESS,
-        "batch_size=2", "data_parallel_replicate_size=2", "data_parallel_shard_size=1",
+        "schedule.batch_size=2", "parallelism.data_parallel_replicate_size=2", "parallelism.data_parallel_shard_size=1",
     )  # fmt: skip
     notice = next(line for line in result.stderr.splitlines() if "quantize_base nf4" in line)
     assert "12 weights in NF4" in notice, notice  # 1 process: experts and the larger linears

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 BATCH = 4
 _RUN = (
     "~val_dataset",
-    f"batch_size={BATCH}",
-    "epochs=1",
-    "max_steps_per_epoch=1",
+    f"schedule.batch_size={BATCH}",
+    "schedule.epochs=1",
+    "schedule.max_steps_per_epoch=1",
     "checkpoint.save_every_n_steps=null",
     "checkpoint.export_every_n_epochs=2",
 )
@@ -32,7 +32,7 @@ def _first_step(out, *overrides):
 
 
 def test_router_loss_equals_transformers_and_reaches_the_gradient(tmp_path):
-    row = _first_step(tmp_path / "with", "router_aux_loss_coef=0.5")
+    row = _first_step(tmp_path / "with", "router.aux_loss_coef=0.5")
     expected = moe_step_one_router_loss("tiny/moe_lora", global_batch=BATCH)
     assert abs(row["router_aux_loss"] - expected) <= 1e-5, (row, expected)
     # The logged loss stays the token loss (LoRA's B is 0 at step 1: the base's loss).

@@ -50,7 +50,9 @@ def _assert_same_tensors(left, right):
 
 def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path, lora_2p):
     out = tmp_path / "two_nodes"
-    _two_nodes(tmp_path, "lora_finetune_distributed", "tiny/lora", out, "batch_size=8", *COMMON)
+    _two_nodes(
+        tmp_path, "lora_finetune_distributed", "tiny/lora", out, "schedule.batch_size=8", *COMMON
+    )
     _assert_losses(out, lora_2p, range(1, STEPS + 1))
 
     # One commit per step, of both nodes' shards.
@@ -65,7 +67,7 @@ def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path, lora_2p)
     # The two-node checkpoint resumes exactly on one node with two processes.
     one_node = interrupted_copy(out, tmp_path / "one_node", after_step=3)
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={one_node}", "batch_size=8",
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={one_node}", "schedule.batch_size=8",
         *COMMON, "checkpoint.resume_from_checkpoint=true",
     )  # fmt: skip
     _assert_losses(one_node, lora_2p, range(4, STEPS + 1))
@@ -78,7 +80,9 @@ def test_lora_two_nodes_match_one_node_and_resume_on_one_node(tmp_path, lora_2p)
 
 def test_full_finetune_two_nodes_match_one_node(tmp_path, full_2p):
     out = tmp_path / "two_nodes"
-    _two_nodes(tmp_path, "full_finetune_distributed", "tiny/full", out, "batch_size=8", *COMMON)
+    _two_nodes(
+        tmp_path, "full_finetune_distributed", "tiny/full", out, "schedule.batch_size=8", *COMMON
+    )
     _assert_losses(out, full_2p, range(1, STEPS + 1))
     _assert_same_tensors(
         out / "epoch_0" / "model.safetensors", full_2p / "epoch_0" / "model.safetensors"
@@ -89,5 +93,7 @@ def test_dpo_two_nodes_match_one_node(tmp_path, dpo_2p):
     # dpo_2p: tiny/lora_dpo on one node; its steps 1-4 are in warm-up, so a 4-step run's
     # learning rates are its own.
     out = tmp_path / "two_nodes"
-    _two_nodes(tmp_path, "lora_dpo_distributed", "tiny/lora_dpo", out, "max_steps_per_epoch=4")
+    _two_nodes(
+        tmp_path, "lora_dpo_distributed", "tiny/lora_dpo", out, "schedule.max_steps_per_epoch=4"
+    )
     _assert_losses(out, dpo_2p[0], range(1, 5))

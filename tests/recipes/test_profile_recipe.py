@@ -12,9 +12,9 @@ pytestmark = pytest.mark.slow
 def test_profile_writes_one_trace_per_rank_and_says_where(tmp_path):
     out = tmp_path / "run"
     result = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "epochs=1",
-        "max_steps_per_epoch=4", "profile=true", "profile_skip_first=1",
-        "profile_record_steps=2",
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.epochs=1",
+        "schedule.max_steps_per_epoch=4", "profile=true", "profile.skip_first=1",
+        "profile.record_steps=2",
     )  # fmt: skip
     assert sorted(losses_by_step(out)) == [1, 2, 3, 4]
     for rank in (0, 1):

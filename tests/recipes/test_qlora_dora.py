@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
 STEPS = 4
 COMMON = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
+    "schedule.epochs=1",
+    f"schedule.max_steps_per_epoch={STEPS}",
     "~val_dataset",
     "lr_scheduler.num_warmup_steps=0",
     "checkpoint.save_every_n_steps=2",
@@ -65,7 +65,7 @@ def nf4_model_dir(tmp_path_factory):
 
 
 def _run(config, out, *extra, nproc=2):
-    batch = "batch_size=4" if nproc == 2 else "batch_size=8"
+    batch = "schedule.batch_size=4" if nproc == 2 else "schedule.batch_size=8"
     return tunelab_run(
         "lora_finetune_distributed", config, f"output_dir={out}", batch, *COMMON, *extra,
         nproc=nproc,
@@ -75,7 +75,7 @@ def _run(config, out, *extra, nproc=2):
 @pytest.fixture(scope="module")
 def qlora_2p(tmp_path_factory, nf4_model_dir):
     out = tmp_path_factory.mktemp("qlora_2p")
-    result = _run("tiny/qlora", out, f"checkpoint_dir={nf4_model_dir}")
+    result = _run("tiny/qlora", out, f"model.path={nf4_model_dir}")
     # Every linear weight but lm_head is quantized: no "kept in the training dtype" notice.
     assert "kept in the training dtype" not in result.stdout + result.stderr
     return out
@@ -90,13 +90,13 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
     losses = losses_by_step(qlora_2p)
     assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] < losses[1]
     one = tmp_path / "one"
-    _run("tiny/qlora", one, f"checkpoint_dir={nf4_model_dir}", nproc=1)
+    _run("tiny/qlora", one, f"model.path={nf4_model_dir}", nproc=1)
     for step, loss in losses_by_step(one).items():
         assert abs(loss - losses[step]) <= 1e-5, (step, loss, losses[step])
 
     # Killed after step 2: the resumed run re-quantizes the base and continues exactly.
     resumed = interrupted_copy(qlora_2p, tmp_path / "resumed", after_step=2)
-    _run("tiny/qlora", resumed, f"checkpoint_dir={nf4_model_dir}",
+    _run("tiny/qlora", resumed, f"model.path={nf4_model_dir}",
          "checkpoint.resume_from_checkpoint=true")  # fmt: skip
     assert losses_by_step(resumed) == {step: losses[step] for step in (3, 4)}
 
@@ -132,9 +132,9 @@ def test_qlora_1_and_2_processes_resume_and_export(qlora_2p, nf4_model_dir, tmp_
 )
 def test_qlora_hsdp_matches_fsdp(qlora_2p, nf4_model_dir, tmp_path, replicate, shard, nproc):
     out = tmp_path / "hsdp"
-    _run("tiny/qlora", out, f"checkpoint_dir={nf4_model_dir}",
-         f"data_parallel_replicate_size={replicate}", f"data_parallel_shard_size={shard}",
-         f"batch_size={8 // nproc}", nproc=nproc)  # fmt: skip
+    _run("tiny/qlora", out, f"model.path={nf4_model_dir}",
+         f"parallelism.data_parallel_replicate_size={replicate}", f"parallelism.data_parallel_shard_size={shard}",
+         f"schedule.batch_size={8 // nproc}", nproc=nproc)  # fmt: skip
     losses, reference = losses_by_step(out), losses_by_step(qlora_2p)
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     for step in losses:
@@ -167,12 +167,12 @@ def test_qlora_dora_dpo_adapter_loads_in_peft_with_our_logits_and_the_merged_exp
     out = tmp_path / "dpo"
     tunelab_run(
         "lora_dpo_distributed", "qwen2_5/1.5B_qlora_dpo", f"output_dir={out}",
-        f"checkpoint_dir={nf4_model_dir}", "dtype=fp32", "lora.use_dora=true",
+        f"model.path={nf4_model_dir}", "model.dtype=fp32", "lora.use_dora=true",
         "tokenizer.max_seq_len=128", "dataset.source=json", "~dataset.split",
         "~dataset.column_map", f"dataset.data_files={TINY}/preference.jsonl",
-        "dataset.template=instruct", "dataset.max_seq_len=128", "batch_size=2",
-        "gradient_accumulation_steps=1", "max_steps_per_epoch=3", "optimizer.lr=1e-2",
-        "enable_activation_checkpointing=false", "lr_scheduler.num_warmup_steps=0",
+        "dataset.template=instruct", "dataset.max_seq_len=128", "schedule.batch_size=2",
+        "schedule.gradient_accumulation_steps=1", "schedule.max_steps_per_epoch=3", "optimizer.lr=1e-2",
+        "model.activation_checkpointing=false", "lr_scheduler.num_warmup_steps=0",
         "checkpoint.save_every_n_steps=null", "checkpoint.enable_async_checkpointing=false",
     )  # fmt: skip
     losses = losses_by_step(out)

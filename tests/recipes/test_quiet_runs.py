@@ -45,7 +45,11 @@ def test_a_shipped_tiny_config_runs_without_library_warnings(config, tmp_path):
     elif recipe == "eval":
         overrides = [f"output_dir={tmp_path / 'out'}", "limit=2"]
     else:  # One short epoch still validates, saves, exports and finishes like a full run.
-        overrides = [f"output_dir={tmp_path / 'out'}", "epochs=1", "max_steps_per_epoch=2"]
+        overrides = [
+            f"output_dir={tmp_path / 'out'}",
+            "schedule.epochs=1",
+            "schedule.max_steps_per_epoch=2",
+        ]
     nproc = _processes(text)
     launcher = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
     env = {key: value for key, value in os.environ.items() if not key.startswith("TORCHAO_")}

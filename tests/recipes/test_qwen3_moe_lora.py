@@ -47,6 +47,6 @@ def _build(path):
 def test_two_process_qwen3_moe_lora_resumes_exactly_and_exports(tmp_path):
     base = tmp_path / "base"
     _build(base)
-    out = assert_run_resumes_exactly(tmp_path, f"checkpoint_dir={base}", *MOE_LORA_RUN)
+    out = assert_run_resumes_exactly(tmp_path, f"model.path={base}", *MOE_LORA_RUN)
     merged = assert_export_is_the_adapted_base(out / "epoch_0", base)
     assert type(merged.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"  # the dense layer

@@ -40,10 +40,10 @@ def _resumes(nodes) -> list[tuple[int, int]]:
 def test_killed_and_hung_workers_restart_and_resume(tmp_path, lora_2p):
     out = tmp_path / "out"
     nodes = Nodes(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *COMMON,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "schedule.batch_size=8", *COMMON,
         # A synchronous save after every step: each step is a point to resume from.
         "checkpoint.save_every_n_steps=1", "checkpoint.enable_async_checkpointing=false",
-        "checkpoint.resume_from_checkpoint=auto", f"collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+        "checkpoint.resume_from_checkpoint=auto", f"parallelism.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
         log_dir=tmp_path, launcher=("--max-restarts", "2"),
     )  # fmt: skip
     deadline = time.monotonic() + TIMEOUT_S  # one hard limit for the whole test

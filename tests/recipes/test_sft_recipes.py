@@ -49,7 +49,7 @@ EXPORT_ATOL = 1e-5
 
 
 def _run(recipe, config, out, *extra, nproc=2):
-    batch = "batch_size=8" if nproc == 2 else "batch_size=16"
+    batch = "schedule.batch_size=8" if nproc == 2 else "schedule.batch_size=16"
     return tunelab_run(recipe, config, f"output_dir={out}", batch, *COMMON, *extra, nproc=nproc)
 
 
@@ -234,7 +234,7 @@ def test_async_saves_let_training_go_on_and_sigkill_leaves_a_held_write_uncommit
         (gates / f"step_{step}.hold").touch()
     command = [
         TUNELAB, "run", "--nproc_per_node", "2", str(recipe), "--config", "tiny/lora",
-        f"output_dir={out}", "batch_size=8", *COMMON, "checkpoint.save_every_n_steps=2",
+        f"output_dir={out}", "schedule.batch_size=8", *COMMON, "checkpoint.save_every_n_steps=2",
         "checkpoint.enable_async_checkpointing=true",
     ]  # fmt: skip
     process = subprocess.Popen(
@@ -297,8 +297,8 @@ def test_full_finetune_exact_resume(full_2p, tmp_path):
 def test_compile_on_cpu_gives_the_same_losses(tmp_path, lora_expected):
     # torch.compile of each block (inductor's C++ backend on CPU), 1 process, global batch 16.
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "compile=true",
-        "batch_size=16", "epochs=1", "max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "model.compile=true",
+        "schedule.batch_size=16", "schedule.epochs=1", "schedule.max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
         "~val_dataset", "checkpoint.save_every_n_steps=null", nproc=1,
     )  # fmt: skip
     _assert_same_losses(losses_by_step(tmp_path), lora_expected, [1, 2], 1e-5)
@@ -310,9 +310,9 @@ def test_gradient_accumulation_and_activation_checkpointing_keep_the_losses(
     # Global batch 16 as 2 processes x 4 samples x 2 micro-batches, blocks recomputed in
     # backward and kept gathered after forward: the same losses as the plain 2 x 8 run.
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "batch_size=4",
-        "gradient_accumulation_steps=2", "enable_activation_checkpointing=true",
-        "reshard_after_forward=false", "epochs=1", f"max_steps_per_epoch={STEPS}",
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "schedule.batch_size=4",
+        "schedule.gradient_accumulation_steps=2", "model.activation_checkpointing=true",
+        "model.reshard_after_forward=false", "schedule.epochs=1", f"schedule.max_steps_per_epoch={STEPS}",
         "lr_scheduler.num_warmup_steps=0", "~val_dataset", "checkpoint.save_every_n_steps=null",
     )  # fmt: skip
     _assert_same_losses(losses_by_step(tmp_path), lora_expected, range(1, STEPS + 1), 1e-5)
@@ -321,7 +321,7 @@ def test_gradient_accumulation_and_activation_checkpointing_keep_the_losses(
 # bf16 keeps 8 significant bits: a value rounded once is within 2**-8 of itself, relatively.
 BF16_UNIT_ROUNDOFF = 2.0**-8
 BF16 = [
-    "mixed_precision=true", "epochs=1", "max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
+    "model.mixed_precision=true", "schedule.epochs=1", "schedule.max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
     "~val_dataset", "checkpoint.save_every_n_steps=null",
 ]  # fmt: skip
 
@@ -330,7 +330,11 @@ BF16 = [
 def bf16_2p(tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16_2p")
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", "batch_size=8", *BF16
+        "lora_finetune_distributed",
+        "tiny/lora",
+        f"output_dir={out}",
+        "schedule.batch_size=8",
+        *BF16,
     )
     return out
 
@@ -352,8 +356,8 @@ def test_bf16_mixed_precision_on_one_process_follows_two(bf16_2p, tmp_path):
     # assertion sees it, since bf16 moves the step-2 loss 1.2e-2 to 1.4e-2 off the fp32 golden
     # value, more than ten times fp32's own spread across CPUs (below 1e-5).
     tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "batch_size=8",
-        "gradient_accumulation_steps=2", *BF16, nproc=1,
+        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path}", "schedule.batch_size=8",
+        "schedule.gradient_accumulation_steps=2", *BF16, nproc=1,
     )  # fmt: skip
     losses = losses_by_step(tmp_path)
     expected = losses_by_step(bf16_2p)

@@ -33,7 +33,7 @@ def stream_2p(tmp_path_factory):
         lines = rows[shard * ROWS_PER_SHARD : (shard + 1) * ROWS_PER_SHARD]
         (shards / f"part-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
     out = root / "run"
-    _run(out, shards, "batch_size=4")
+    _run(out, shards, "schedule.batch_size=4")
     return out, shards
 
 
@@ -68,10 +68,10 @@ def test_streaming_without_max_steps_per_epoch_is_a_clear_error(stream_2p, tmp_p
     _, shards = stream_2p
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path / 'run'}",
-        f"dataset.source={shards}", *STREAM, "max_steps_per_epoch=null", nproc=1, check=False,
+        f"dataset.source={shards}", *STREAM, "schedule.max_steps_per_epoch=null", nproc=1, check=False,
     )  # fmt: skip
     assert result.returncode != 0
-    assert "key 'max_steps_per_epoch': dataset.streaming: true needs it" in result.stderr
+    assert "key 'schedule.max_steps_per_epoch': dataset.streaming: true needs it" in result.stderr
 
 
 def _find(record, key):

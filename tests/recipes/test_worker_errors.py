@@ -74,7 +74,12 @@ def test_a_diverging_run_stops_at_the_first_non_finite_step_with_one_line(tmp_pa
     # An update of 1e30 per weight overflows fp32 activations on any IEEE machine. (With 1e6 an
     # AMD EPYC's kernels overflowed at step 3, a Sapphire Rapids' saturated the logits into a
     # finite uniform distribution, loss ln(vocab), and the run never went non-finite.)
-    diverge = ["optimizer.lr=1e30", "clip_grad_norm=null", "epochs=1", "max_steps_per_epoch=6"]
+    diverge = [
+        "optimizer.lr=1e30",
+        "schedule.clip_grad_norm=null",
+        "schedule.epochs=1",
+        "schedule.max_steps_per_epoch=6",
+    ]
     result = tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={out}", *diverge, check=False
     )
@@ -89,7 +94,7 @@ def test_a_diverging_run_stops_at_the_first_non_finite_step_with_one_line(tmp_pa
     # finite weights.
     skipping = tunelab_run(
         "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path / 'skip'}", *diverge,
-        "skip_nonfinite_steps=6",
+        "schedule.skip_nonfinite_steps=6",
     )  # fmt: skip
     assert "skipped (1 of 6 allowed)" in skipping.stderr
     records = read_metrics(tmp_path / "skip")

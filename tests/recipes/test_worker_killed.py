@@ -52,7 +52,7 @@ def test_a_worker_killed_mid_training_is_named_with_its_signal_and_a_distinct_ex
     real = _paths.recipes_dir() / "lora_finetune_distributed.py"
     result = subprocess.run(
         [TUNELAB, "run", "--nproc_per_node", "2", str(recipe), "--config", "tiny/lora",
-         f"output_dir={out}", "epochs=1", "max_steps_per_epoch=8"],
+         f"output_dir={out}", "schedule.epochs=1", "schedule.max_steps_per_epoch=8"],
         capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S,
         env=run_env(KILLED_RANK="1", REAL_RECIPE=str(real)),
     )  # fmt: skip

@@ -76,13 +76,13 @@ def test_selective_checkpointing_errors():
 def test_selective_keys_need_checkpointing_on():
     tunelab = Path(sys.executable).with_name("tunelab")
     result = subprocess.run(
-        [str(tunelab), "validate", "tiny/lora", "activation_checkpointing_every=2"],
+        [str(tunelab), "validate", "tiny/lora", "model.activation_checkpointing_every=2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip() == (
-        "tunelab: error: key 'activation_checkpointing_every': it selects what activation "
-        "checkpointing recomputes; set enable_activation_checkpointing: true"
+        "tunelab: error: key 'model.activation_checkpointing_every': it selects what activation "
+        "checkpointing recomputes; set model.activation_checkpointing: true"
     )
 
 

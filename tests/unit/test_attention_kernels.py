@@ -193,13 +193,13 @@ def test_build_model_resolves_the_setting_and_refuses_flex_training_on_cpu(
     tiny_hf_model_dir, caplog
 ):
     from tunelab.errors import ConfigError
-    from tunelab.training import build_model
+    from tunelab.training import load_model
 
     path = str(tiny_hf_model_dir("llama3_2"))
     cpu = dict(device=torch.device("cpu"), dtype=torch.float32)
     with caplog.at_level(logging.INFO, logger="tunelab"):
-        assert build_model(path, **cpu).attention_backend == "sdpa"
+        assert load_model(path, **cpu).attention_backend == "sdpa"
     assert "attention_backend auto: sdpa on cpu" in caplog.text
-    assert build_model(path, **cpu, attention_backend="dense").attention_backend == "dense"
+    assert load_model(path, **cpu, attention_backend="dense").attention_backend == "dense"
     with pytest.raises(ConfigError, match="attention_backend: flex cannot train on cpu"):
-        build_model(path, **cpu, attention_backend="flex")
+        load_model(path, **cpu, attention_backend="flex")

@@ -57,7 +57,7 @@ def recipe(*overrides: str) -> tuple[str, ...]:
 
 
 def model(name: str) -> tuple[str, ...]:
-    return lora(f"checkpoint_dir={{models}}/{name}")
+    return lora(f"model.path={{models}}/{name}")
 
 
 CASES = [
@@ -73,7 +73,11 @@ CASES = [
         ("resume_from_checkpoint=true but {tmp}/empty holds no committed checkpoint", "auto"),
     ),
     # --- config values: ranges, types, sets ---------------------------------------------------
-    Case("batch_size=0", lora("batch_size=0"), ("key 'batch_size'", "expected int >= 1, got 0")),
+    Case(
+        "schedule.batch_size=0",
+        lora("schedule.batch_size=0"),
+        ("key 'schedule.batch_size'", "expected int >= 1, got 0"),
+    ),
     Case("lora.rank=0", lora("lora.rank=0"), ("key 'lora.rank'", "int >= 1", "got 0")),
     Case(
         "keep_last_n=0",
@@ -82,8 +86,8 @@ CASES = [
     ),
     Case(
         "grad_accum=0",
-        lora("gradient_accumulation_steps=0"),
-        ("key 'gradient_accumulation_steps'", ">= 1", "got 0"),
+        lora("schedule.gradient_accumulation_steps=0"),
+        ("key 'schedule.gradient_accumulation_steps'", ">= 1", "got 0"),
     ),
     Case(
         "lr=fast",
@@ -94,25 +98,45 @@ CASES = [
     Case("lr=nan", lora("optimizer.lr=nan"), ("key 'optimizer.lr'", "finite float > 0", "nan")),
     Case("lr=.nan", lora("optimizer.lr=.nan"), ("key 'optimizer.lr'", "finite", "got nan")),
     Case("lr=.inf", lora("optimizer.lr=.inf"), ("key 'optimizer.lr'", "finite", "got inf")),
-    Case("clip=-1", lora("clip_grad_norm=-1"), ("key 'clip_grad_norm'", "> 0", "got -1")),
+    Case(
+        "clip=-1",
+        lora("schedule.clip_grad_norm=-1"),
+        ("key 'schedule.clip_grad_norm'", "> 0", "got -1"),
+    ),
     Case(
         "save_every=-5",
         lora("checkpoint.save_every_n_steps=-5"),
         ("key 'checkpoint.save_every_n_steps'", ">= 1", "got -5"),
     ),
-    Case("log_every=0", lora("log_every_n_steps=0"), ("key 'log_every_n_steps'", ">= 1", "got 0")),
+    Case(
+        "log_every=0",
+        lora("schedule.log_every_n_steps=0"),
+        ("key 'schedule.log_every_n_steps'", ">= 1", "got 0"),
+    ),
     Case("output_dir=", lora("output_dir="), ("key 'output_dir'", "non-empty str", "got ''")),
-    Case("epochs=0", lora("epochs=0"), ("key 'epochs'", "expected int >= 1, got 0")),
-    Case("epochs=two", lora("epochs=two"), ("key 'epochs'", "int >= 1", "str 'two'")),
+    Case(
+        "schedule.epochs=0",
+        lora("schedule.epochs=0"),
+        ("key 'schedule.epochs'", "expected int >= 1, got 0"),
+    ),
+    Case(
+        "schedule.epochs=two",
+        lora("schedule.epochs=two"),
+        ("key 'schedule.epochs'", "int >= 1", "str 'two'"),
+    ),
     Case(
         "max_steps=0",
-        lora("max_steps_per_epoch=0"),
-        ("key 'max_steps_per_epoch'", ">= 1", "got 0"),
+        lora("schedule.max_steps_per_epoch=0"),
+        ("key 'schedule.max_steps_per_epoch'", ">= 1", "got 0"),
     ),
     Case("dropout=1.5", lora("lora.dropout=1.5"), ("key 'lora.dropout'", "in [0, 1)", "got 1.5")),
     Case("alpha=0", lora("lora.alpha=0"), ("key 'lora.alpha'", "> 0", "got 0")),
     Case("targets=[]", lora("lora.targets=[]"), ("key 'lora.targets'", "non-empty", "got []")),
-    Case("dtype=fp16", lora("dtype=fp16"), ("key 'dtype'", "'fp32' | 'bf16'", "'fp16'")),
+    Case(
+        "model.dtype=fp16",
+        lora("model.dtype=fp16"),
+        ("key 'model.dtype'", "'fp32' | 'bf16'", "'fp16'"),
+    ),
     Case(
         "export_every=0",
         lora("checkpoint.export_every_n_epochs=0"),
@@ -120,8 +144,8 @@ CASES = [
     ),
     Case(
         "run_val_every=0",
-        lora("run_val_every_n_steps=0"),
-        ("key 'run_val_every_n_steps'", ">= 1", "got 0"),
+        lora("schedule.run_val_every_n_steps=0"),
+        ("key 'schedule.run_val_every_n_steps'", ">= 1", "got 0"),
     ),
     Case(
         "betas",
@@ -196,27 +220,27 @@ CASES = [
     # --- paths -----------------------------------------------------------------------------------
     Case(
         "model folder missing",
-        lora("checkpoint_dir={tmp}/nowhere/Llama-3.2-1B"),
+        lora("model.path={tmp}/nowhere/Llama-3.2-1B"),
         (
-            "key 'checkpoint_dir'",
+            "key 'model.path'",
             "model folder not found: {tmp}/nowhere/Llama-3.2-1B",
             "tunelab download meta-llama/Llama-3.2-1B --output-dir {tmp}/nowhere/Llama-3.2-1B",
         ),
     ),
     Case(
         "model folder unknown name",
-        lora("checkpoint_dir={tmp}/nowhere/my-model"),
-        ("key 'checkpoint_dir'", "not found", "tunelab download <org>/<model>"),
+        lora("model.path={tmp}/nowhere/my-model"),
+        ("key 'model.path'", "not found", "tunelab download <org>/<model>"),
     ),
     Case(
         "model folder typo",
-        lora("checkpoint_dir={assets}/tinny"),
-        ("key 'checkpoint_dir'", "not found", "did you mean '{assets}/tiny'? If not, download"),
+        lora("model.path={assets}/tinny"),
+        ("key 'model.path'", "not found", "did you mean '{assets}/tiny'? If not, download"),
     ),
     Case(
         "model folder is a file",
-        lora("checkpoint_dir={file}"),
-        ("key 'checkpoint_dir'", "{file} is a file"),
+        lora("model.path={file}"),
+        ("key 'model.path'", "{file} is a file"),
     ),
     Case(
         "dataset file typo",
@@ -267,67 +291,67 @@ CASES = [
     Case(
         "no weights",
         model("no_weights"),
-        ("key 'checkpoint_dir'", "no_weights has no *.safetensors weights", "tunelab download"),
+        ("key 'model.path'", "no_weights has no *.safetensors weights", "tunelab download"),
     ),
     Case(
         "pickled weights only",
         model("bin_only"),
-        ("key 'checkpoint_dir'", "only pickled weights (pytorch_model.bin)", "safetensors"),
+        ("key 'model.path'", "only pickled weights (pytorch_model.bin)", "safetensors"),
     ),
     Case(
         "unsupported model_type",
         model("gpt2"),
-        ("key 'checkpoint_dir'", "config.json", "model_type 'gpt2' is not supported", "llama"),
+        ("key 'model.path'", "config.json", "model_type 'gpt2' is not supported", "llama"),
     ),
     Case(
         "config.json not JSON",
         model("bad_json"),
-        ("key 'checkpoint_dir'", "bad_json/config.json is not valid JSON", "line 1"),
+        ("key 'model.path'", "bad_json/config.json is not valid JSON", "line 1"),
     ),
     Case(
         "no config.json",
         model("no_config"),
-        ("key 'checkpoint_dir'", "no_config has no config.json"),
+        ("key 'model.path'", "no_config has no config.json"),
     ),
     Case(
         "no tokenizer.json",
         model("no_tokenizer"),
-        ("key 'checkpoint_dir'", "no_tokenizer has no tokenizer.json"),
+        ("key 'model.path'", "no_tokenizer has no tokenizer.json"),
     ),
     Case(
         "truncated weights",
         model("truncated"),
-        ("key 'checkpoint_dir'", "truncated/model.safetensors is truncated"),
+        ("key 'model.path'", "truncated/model.safetensors is truncated"),
     ),
     Case(
         "index names a missing shard",
         model("missing_shard"),
-        ("key 'checkpoint_dir'", "model.safetensors.index.json", "model-00002-of-00002"),
+        ("key 'model.path'", "model.safetensors.index.json", "model-00002-of-00002"),
     ),
     Case(
         "token ids >= vocab_size",
         model("small_vocab"),
-        ("key 'checkpoint_dir'", "tokenizer.json does not fit", "vocab_size 500", "largest: 809"),
+        ("key 'model.path'", "tokenizer.json does not fit", "vocab_size 500", "largest: 809"),
     ),
     Case(
         "vocab_size missing",
         model("no_vocab_size"),
-        ("key 'checkpoint_dir'", "vocab_size must be a positive integer", "None"),
+        ("key 'model.path'", "vocab_size must be a positive integer", "None"),
     ),
     Case(
         "eos id beyond vocab",
         model("eos_id"),
-        ("key 'checkpoint_dir'", "eos_token_id 5000 is not below vocab_size 810"),
+        ("key 'model.path'", "eos_token_id 5000 is not below vocab_size 810"),
     ),
     Case(
         "special token not in vocab",
         model("bad_special"),
-        ("key 'checkpoint_dir'", "tokenizer_config.json", "eos_token '<|eos|>' is not in"),
+        ("key 'model.path'", "tokenizer_config.json", "eos_token '<|eos|>' is not in"),
     ),
     Case(
         "tokenizer.json not JSON",
         model("bad_tokenizer"),
-        ("key 'checkpoint_dir'", "bad_tokenizer/tokenizer.json is not valid JSON"),
+        ("key 'model.path'", "bad_tokenizer/tokenizer.json is not valid JSON"),
     ),
     Case(
         "tokenizer elsewhere too large",
@@ -355,11 +379,15 @@ CASES = [
         ("key 'checkpoint_dir'", "model_type 'gpt2' is not supported"),
     ),
     # --- the recipe's own command line (recipe_main -> parse_args) ------------------------------
-    Case("recipe batch_size=0", recipe("batch_size=0"), ("key 'batch_size'", "got 0")),
+    Case(
+        "recipe batch_size=0",
+        recipe("schedule.batch_size=0"),
+        ("key 'schedule.batch_size'", "got 0"),
+    ),
     Case(
         "recipe model folder",
-        recipe("checkpoint_dir={models}/bin_only"),
-        ("key 'checkpoint_dir'", "only pickled weights"),
+        recipe("model.path={models}/bin_only"),
+        ("key 'model.path'", "only pickled weights"),
     ),
     # --- command-line arguments --------------------------------------------------------------
     Case(
@@ -419,9 +447,9 @@ CASES = [
             "--config",
             "tiny/lora",
             "output_dir={tmp}/o",
-            "epochs=0",
+            "schedule.epochs=0",
         ),
-        ("key 'epochs'", "got 0"),
+        ("key 'schedule.epochs'", "got 0"),
     ),
     Case("override without =", lora("batch_size"), ("bad override 'batch_size'",)),
     Case("delete missing key", lora("~no_such_key"), ("'~no_such_key'", "no key 'no_such_key'")),
@@ -583,8 +611,8 @@ def test_bad_input_gets_one_clear_error(case, workspace, capsys, monkeypatch):
 
 
 SUBPROCESS_CASES = [
-    ("validate", "tiny/lora", "batch_size=0"),
-    ("validate", "tiny/lora", "checkpoint_dir=/nonexistent/Qwen2.5-7B"),
+    ("validate", "tiny/lora", "schedule.batch_size=0"),
+    ("validate", "tiny/lora", "model.path=/nonexistent/Qwen2.5-7B"),
     ("run", "lora_finetune_distributed", "--config", "tiny/lora", "lora.rank=0"),
 ]
 

@@ -25,7 +25,7 @@ def saved(world_of_one, tmp_path):
     """A client with a committed step_1 of a full fine-tune; the state it saved."""
     transformers = pytest.importorskip("transformers")
     from tunelab.checkpoint import CheckpointClient
-    from tunelab.training import build_model
+    from tunelab.training import load_model
 
     config = transformers.LlamaConfig(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -33,7 +33,7 @@ def saved(world_of_one, tmp_path):
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    model = build_model(str(tmp_path / "base"), device=torch.device("cpu"), dtype=torch.float32)
+    model = load_model(str(tmp_path / "base"), device=torch.device("cpu"), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.tensor([[1, 2, 3, 4]])).square().mean().backward()
     optimizer.step()

@@ -72,7 +72,12 @@ def test_shipped_config_validates_against_its_recipe(
 ):
     monkeypatch.chdir(tmp_path)  # Relative output_dirs are created under the test's folder.
     text = SHIPPED[name].read_text()
-    folder = re.search(r"^checkpoint_dir: (\S+)$", text, re.MULTILINE).group(1)
+    # The base model: model.path in the training recipes, checkpoint_dir in eval and generate.
+    found = re.search(r"^model:\n(?:  .*\n)*?  path: (\S+)$", text, re.MULTILINE)
+    key = "model.path"
+    if found is None:
+        found, key = re.search(r"^checkpoint_dir: (\S+)$", text, re.MULTILINE), "checkpoint_dir"
+    folder = found.group(1)
     overrides = []
     if not folder.startswith("${") and not Path(folder).exists():
         # A real model the machine has not downloaded: the only problem is the missing folder,
@@ -81,11 +86,11 @@ def test_shipped_config_validates_against_its_recipe(
             check_config(name, [])
         download = re.search(r"tunelab download \S+ --output-dir \S+", text).group(0)
         assert str(info.value) == (
-            f"key 'checkpoint_dir': model folder not found: {folder}; download it with `{download}`"
+            f"key '{key}': model folder not found: {folder}; download it with `{download}`"
         )
         # Everything else must validate, against the tiny model with the context of the
         # model the config is for (its lengths are checked against max_position_embeddings).
-        overrides = [f"checkpoint_dir={tiny_long_context}"]
+        overrides = [f"{key}={tiny_long_context}"]
     config_path, recipe_path = check_config(name, overrides)
     assert config_path == SHIPPED[name]
     assert recipe_path.is_file()
@@ -114,7 +119,7 @@ def test_settings_docs_check_detects_a_stale_file(tmp_path, capsys):
 def test_settings_docs_name_every_key_and_rule():
     text = settings_docs.default_output().read_text()
     for key in (
-        "`batch_size` | `int` | `2` | >= 1 |",
+        "`schedule.batch_size` | `int` | `2` | >= 1 |",
         "`lora.dropout` | `float` | `0.0` | in [0, 1)",
     ):
         assert key in text

@@ -185,19 +185,19 @@ def test_other_settings_keep_yaml_and_null_still_means_none_where_allowed():
     cfg = load_config(
         "tiny/lora",
         [
-            "epochs=2",
+            "schedule.epochs=2",
             "lora.targets=[q_proj, v_proj]",
             "checkpoint.resume_from_checkpoint=true",  # bool | 'auto': not text
-            "clip_grad_norm=null",
+            "schedule.clip_grad_norm=null",
             "lora.quantize_base=null",  # Literal['nf4'] | None
             "optimizer.lr=1e-3",
             "output_dir=null",  # a text setting that allows no None gets the word
         ],
         LoRAFinetuneArgs,
     )
-    assert cfg.epochs == 2 and list(cfg.lora.targets) == ["q_proj", "v_proj"]
+    assert cfg.schedule.epochs == 2 and list(cfg.lora.targets) == ["q_proj", "v_proj"]
     assert cfg.checkpoint.resume_from_checkpoint is True
-    assert cfg.clip_grad_norm is None and cfg.lora.quantize_base is None
+    assert cfg.schedule.clip_grad_norm is None and cfg.lora.quantize_base is None
     assert cfg.optimizer.lr == pytest.approx(1e-3)
     assert cfg.output_dir == "null"
     generate = load_config("tiny/generate", ["template=null", "input=~"], GenerateArgs)
@@ -209,8 +209,8 @@ def test_without_settings_the_recipe_key_names_them():
     # the settings class from the config's recipe, so an override means the same everywhere.
     from tunelab.cli._check import load_recipe_config
 
-    cfg, _, _ = load_recipe_config("tiny/lora", ["output_dir=runs/exp #3", "epochs=2"])
-    assert cfg.output_dir == "runs/exp #3" and cfg.epochs == 2
+    cfg, _, _ = load_recipe_config("tiny/lora", ["output_dir=runs/exp #3", "schedule.epochs=2"])
+    assert cfg.output_dir == "runs/exp #3" and cfg.schedule.epochs == 2
 
 
 def test_without_a_known_recipe_every_value_is_yaml(config_file):

@@ -254,7 +254,7 @@ def test_field_docs_omits_undocumented_fields():
     [
         ("resume=auto", "checkpoint.resume_from_checkpoint"),
         ("checkpoint.resume=auto", "checkpoint.resume_from_checkpoint"),
-        ("accumulation=2", "gradient_accumulation_steps"),
+        ("accumulation=2", "schedule.gradient_accumulation_steps"),
         ("save_every=3", "checkpoint.save_every_n_steps"),
     ],
 )

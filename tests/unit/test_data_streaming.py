@@ -300,7 +300,7 @@ def test_preview_shows_the_first_items_of_a_stream(shards):
     from tunelab.cli import _data
 
     overrides = [f"dataset.source={shards}", "dataset.data_files=null", "dataset.streaming=true",
-                 "max_steps_per_epoch=4"]  # fmt: skip
+                 "schedule.max_steps_per_epoch=4"]  # fmt: skip
     out = io.StringIO()
     _data.preview("tiny/lora", overrides, 3, as_json=True, out=out)
     records = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -335,9 +335,9 @@ def test_settings_check_refuses_a_stream_without_steps_or_a_streamed_validation(
     with pytest.raises(ConfigError) as info:
         check_config("tiny/lora", [*stream_settings, "val_dataset.streaming=true"])
     message = str(info.value)
-    assert "key 'max_steps_per_epoch': dataset.streaming: true needs it" in message
+    assert "key 'schedule.max_steps_per_epoch': dataset.streaming: true needs it" in message
     assert "key 'val_dataset.streaming': validation data cannot stream" in message
-    check_config("tiny/lora", [*stream_settings, "max_steps_per_epoch=4"])  # valid
+    check_config("tiny/lora", [*stream_settings, "schedule.max_steps_per_epoch=4"])  # valid
 
 
 @pytest.mark.parametrize("num_proc", [1, 2])

@@ -1,6 +1,6 @@
 """QLoRA on MoE experts under FSDP2 on 2 processes, against one process.
 
-The model is built the recipe's way (``tunelab.training.build_model`` with ``quantize_base:
+The model is built the recipe's way (``tunelab.training.load_model`` with ``quantize_base:
 nf4`` and LoRA on attention and both stacked expert weights) from a base with 4 experts, so
 each rank holds 2 whole experts of every stacked weight, packed NF4. Each rank's NF4 shard is
 its rows of torchao's quantization of the whole (packed) weight, bit for bit; the logits and
@@ -58,9 +58,9 @@ _ARGS = {
 
 
 def _build(checkpoint_dir: str):
-    from tunelab.training import build_model
+    from tunelab.training import load_model
 
-    return build_model(
+    return load_model(
         checkpoint_dir, device=torch.device("cpu"), dtype=torch.float32, lora=_LORA
     ).train()
 

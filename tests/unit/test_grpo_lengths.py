@@ -14,7 +14,7 @@ import tunelab.rl.rollout as rollout_module
 from tunelab import ConfigError
 from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.rl import ModelRolloutEngine, SamplingSettings, bound_prompt_lengths
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 CONTEXT = 512  # the tiny model's max_position_embeddings
@@ -23,7 +23,7 @@ CONTEXT = 512  # the tiny model's max_position_embeddings
 @pytest.fixture(scope="module")
 def tiny():
     tokenizer = load_tokenizer(str(TINY))
-    model = build_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
+    model = load_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
     assert model.args.max_seq_len == CONTEXT
     return tokenizer, model
 

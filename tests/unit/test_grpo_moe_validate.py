@@ -39,20 +39,20 @@ def in_tmp(tmp_path, monkeypatch):
     ("override", "expect"),
     [
         (
-            "max_new_tokens=1000000000",
-            "key 'max_new_tokens': 1000000000 tokens leave no room for a prompt in the model's "
+            "rollout.max_new_tokens=1000000000",
+            "key 'rollout.max_new_tokens': 1000000000 tokens leave no room for a prompt in the model's "
             "context (max_position_embeddings 512 of",
         ),
-        ("max_new_tokens=512", "lower max_new_tokens below 512"),
+        ("rollout.max_new_tokens=512", "lower rollout.max_new_tokens below 512"),
         (
             "dataset.max_prompt_tokens=501",
-            "key 'dataset.max_prompt_tokens': 501 prompt tokens + max_new_tokens 12 = 513 exceed "
+            "key 'dataset.max_prompt_tokens': 501 prompt tokens + rollout.max_new_tokens 12 = 513 exceed "
             "the model's context",
         ),
-        ("rewards=[]", "key 'rewards': give at least one reward function"),
+        ("rewards.functions=[]", "key 'rewards.functions': give at least one reward function"),
         (
-            "temperature=0",
-            "key 'temperature': 0 samples greedily, so the num_generations=4 completions of a "
+            "rollout.temperature=0",
+            "key 'rollout.temperature': 0 samples greedily, so the rollout.num_generations=4 completions of a "
             "prompt are the same tokens with the same reward: every advantage is 0",
         ),
     ],
@@ -93,7 +93,7 @@ def _moe_folder(tmp_path: Path, **changes) -> Path:
 def test_validate_refuses_expert_counts_the_model_cannot_have(in_tmp, capsys, changes, expect):
     folder = _moe_folder(in_tmp, **changes)
     code, err = validate(
-        capsys, "tiny/moe_lora", f"output_dir={in_tmp}/out", f"checkpoint_dir={folder}"
+        capsys, "tiny/moe_lora", f"output_dir={in_tmp}/out", f"model.path={folder}"
     )
     assert code == 1 and f"{folder}/config.json: {expect}" in err, err
 

@@ -11,7 +11,7 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.peft import get_adapter_params
 from tunelab.rl import GRPOLoss, Rollout, policy_gradient_pass, rollout_batch, store_logps
-from tunelab.training import adamw, build_model, output_layer
+from tunelab.training import adamw, load_model, output_layer
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 
@@ -23,7 +23,7 @@ def model_and_rollouts():
         tokenizer, source="json", data_files=str(TINY / "grpo_prompts.jsonl"), template="instruct"
     )
     torch.manual_seed(0)
-    model = build_model(
+    model = load_model(
         str(TINY), device=torch.device("cpu"), dtype=torch.float32, lora=LoRAArgs(rank=4, alpha=8)
     )
     randomize_lora_b(model)

@@ -19,7 +19,7 @@ from tunelab.rl import (
     regex_reward,
     sampling_seeds,
 )
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 VARIED = {1, 4, 5, 8}  # prompts whose groups get rewards that differ; the others all 0
@@ -120,7 +120,7 @@ def test_refill_stops_after_max_rounds_or_when_full():
 def test_validation_is_greedy_and_draws_no_random_numbers():
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
-    model = build_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
+    model = load_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
     data = prompt_dataset(
         tokenizer, source="json", data_files=str(TINY / "grpo_prompts.jsonl"), template="instruct"
     )
@@ -164,8 +164,10 @@ def test_refill_rounds_need_dynamic_sampling_and_val_dataset_validates(tmp_path,
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="dynamic_sampling_refill_rounds"):
-        check_config("tiny/grpo", ["dynamic_sampling_refill_rounds=2"])
-    check_config("tiny/grpo", ["dynamic_sampling=true", "dynamic_sampling_refill_rounds=2"])
+        check_config("tiny/grpo", ["rollout.dynamic_sampling_refill_rounds=2"])
+    check_config(
+        "tiny/grpo", ["rollout.dynamic_sampling=true", "rollout.dynamic_sampling_refill_rounds=2"]
+    )
     val = f"data_files: {TINY / 'grpo_prompts.jsonl'}, template: instruct"
     node = f"val_dataset={{_component_: tunelab.data.prompt_dataset, source: json, {val}}}"
-    check_config("tiny/grpo", [node, "run_val_every_n_steps=5"])
+    check_config("tiny/grpo", [node, "schedule.run_val_every_n_steps=5"])

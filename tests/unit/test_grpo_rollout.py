@@ -20,7 +20,7 @@ from tunelab.rl import (
     sample_tokens,
     sampling_seeds,
 )
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 PROMPTS = TINY / "grpo_prompts.jsonl"
@@ -30,7 +30,7 @@ PROMPTS = TINY / "grpo_prompts.jsonl"
 def tiny():
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
-    model = build_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
+    model = load_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
     dataset = prompt_dataset(tokenizer, source="json", data_files=str(PROMPTS), template="instruct")
     return tokenizer, model, dataset
 

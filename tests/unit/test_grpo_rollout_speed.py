@@ -17,7 +17,7 @@ from tunelab.data import load_tokenizer, prompt_dataset
 from tunelab.peft import LoRALinear, disable_adapter, merged_adapters
 from tunelab.peft.nf4 import is_nf4
 from tunelab.rl import ModelRolloutEngine, SamplingSettings, sample_tokens, sampling_seeds
-from tunelab.training import build_model
+from tunelab.training import load_model
 
 TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -39,7 +39,7 @@ def adapted_model(**lora_options) -> torch.nn.Module:
     """The tiny model with LoRA on every projection, lora_B random (a fresh B would be zero)."""
     torch.manual_seed(0)
     lora = LoRAArgs(rank=8, alpha=16.0, targets=TARGETS, **lora_options)
-    model = build_model(str(TINY), device=torch.device("cpu"), dtype=torch.float32, lora=lora)
+    model = load_model(str(TINY), device=torch.device("cpu"), dtype=torch.float32, lora=lora)
     randomize_lora_b(model)
     return model
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from tunelab.config.sections import ProfileArgs
 from tunelab.errors import ConfigError
 from tunelab.training.profiler import StepProfiler
 
@@ -41,7 +42,9 @@ def _step_numbers(trace: dict) -> set[int]:
 
 
 def test_records_the_steps_after_skip_first_into_a_chrome_trace(tmp_path, log):
-    profiler = StepProfiler(tmp_path / "profile", enabled=True, skip_first=2, record_steps=2)
+    profiler = StepProfiler(
+        tmp_path / "profile", ProfileArgs(enabled=True, skip_first=2, record_steps=2)
+    )
     _train(profiler, 6)
     assert not profiler.enabled  # stopped once written: later steps cost nothing
     profiler.close()
@@ -54,21 +57,25 @@ def test_records_the_steps_after_skip_first_into_a_chrome_trace(tmp_path, log):
 
 
 def test_a_run_shorter_than_the_recording_still_writes_its_steps(tmp_path):
-    with StepProfiler(tmp_path, skip_first=1, record_steps=5) as profiler:
+    with StepProfiler(
+        tmp_path, ProfileArgs(enabled=True, skip_first=1, record_steps=5)
+    ) as profiler:
         _train(profiler, 3)
     trace = json.loads(profiler.trace_path.read_text())
     assert {1, 2} <= _step_numbers(trace)
 
 
 def test_a_run_that_ends_before_recording_says_so(tmp_path, log):
-    with StepProfiler(tmp_path, skip_first=4, record_steps=1) as profiler:
+    with StepProfiler(
+        tmp_path, ProfileArgs(enabled=True, skip_first=4, record_steps=1)
+    ) as profiler:
         _train(profiler, 2)
     assert not (tmp_path / "profile").exists()
     assert "training ended after 2 step(s), before step 5" in log.text
 
 
 def test_disabled_profiler_does_nothing(tmp_path):
-    profiler = StepProfiler(tmp_path, enabled=False)
+    profiler = StepProfiler(tmp_path, ProfileArgs(enabled=False))
     _train(profiler, 3)
     profiler.close()
     assert not profiler.enabled and not (tmp_path / "profile").exists()
@@ -80,4 +87,4 @@ def test_disabled_profiler_does_nothing(tmp_path):
 )
 def test_bad_settings_are_config_errors(tmp_path, kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        StepProfiler(tmp_path, **kwargs)
+        StepProfiler(tmp_path, ProfileArgs(enabled=True, **kwargs))

@@ -162,7 +162,7 @@ def test_save_and_export_leave_live_weights_unchanged(world_of_one, tmp_path):
     from tunelab.checkpoint import CheckpointClient
     from tunelab.config.recipe_args import LoRAArgs
     from tunelab.peft import get_adapter_params, lora_target_names
-    from tunelab.training import build_model
+    from tunelab.training import load_model
 
     config = transformers.LlamaConfig(
         hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
@@ -172,7 +172,7 @@ def test_save_and_export_leave_live_weights_unchanged(world_of_one, tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
     lora = LoRAArgs(rank=2, alpha=4.0, targets=["q_proj", "down_proj"], use_dora=True)
     lora.quantize_base = "nf4"
-    model = build_model(
+    model = load_model(
         str(tmp_path / "base"), device=torch.device("cpu"), dtype=torch.float32, lora=lora
     )
     params = list(get_adapter_params(model).values())

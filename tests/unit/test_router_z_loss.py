@@ -1,11 +1,12 @@
 """The router z-loss (ST-MoE eq. 5): ``RouterStats.z_loss`` against an fp64 reference, its
-place in ``RouterLoss``'s objective and metrics, and the ``router_z_loss_coef`` setting."""
+place in ``RouterLoss``'s objective and metrics, and the ``router.z_loss_coef`` setting."""
 
 import pytest
 import torch
 
 from tunelab import ConfigError
 from tunelab.cli._check import check_config
+from tunelab.config.sections import RouterArgs
 from tunelab.models import ModelArgs, TransformerDecoder
 from tunelab.modules import RouterStats
 from tunelab.training import RouterLoss
@@ -68,7 +69,7 @@ def test_router_loss_adds_the_z_term_and_logs_it_apart():
     model = _model()
     tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     batch = {"token_mask": torch.ones_like(tokens, dtype=torch.bool)}
-    router_loss = RouterLoss(model, 0.1, 0.01)
+    router_loss = RouterLoss(model, RouterArgs(aux_loss_coef=0.1, z_loss_coef=0.01))
     stats = router_loss.stats(batch)
     model(tokens, router_stats=stats)
     term = router_loss.term(stats, num_micro_batches=2)
@@ -79,19 +80,20 @@ def test_router_loss_adds_the_z_term_and_logs_it_apart():
         {"router_aux_loss": stats.loss().item(), "router_z_loss": stats.z_loss().item()}
     )
     # Only the z-loss: the aux loss is neither added nor logged.
-    z_only = RouterLoss(model, 0.0, 0.5)
+    z_only = RouterLoss(model, RouterArgs(aux_loss_coef=0.0, z_loss_coef=0.5))
     assert z_only.enabled
     stats = z_only.stats(batch)
     model(tokens, router_stats=stats)
     assert abs(z_only.term(stats, 1).item() - 0.5 * stats.z_loss().item()) <= 1e-6
     assert set(z_only.step_metrics()) == {"router_z_loss"}
-    assert not RouterLoss(model, 0.0, 0.0).enabled
+    assert not RouterLoss(model, RouterArgs(aux_loss_coef=0.0, z_loss_coef=0.0)).enabled
 
 
 def test_router_z_loss_coef_setting(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    check_config("tiny/moe_lora", ["router_z_loss_coef=0.001"])
-    with pytest.raises(ConfigError, match="router_z_loss_coef"):
-        check_config("tiny/moe_lora", ["router_z_loss_coef=-1"])
-    with pytest.raises(ConfigError, match="lora_dpo_distributed does not add a router z-loss"):
-        check_config("tiny/lora_dpo", ["router_z_loss_coef=0.001"])
+    check_config("tiny/moe_lora", ["router.z_loss_coef=0.001"])
+    with pytest.raises(ConfigError, match="router.z_loss_coef"):
+        check_config("tiny/moe_lora", ["router.z_loss_coef=-1"])
+    # DPO has no router section: the key is unknown there.
+    with pytest.raises(ConfigError, match="unknown key 'router' in config"):
+        check_config("tiny/lora_dpo", ["router.z_loss_coef=0.001"])

@@ -1,10 +1,12 @@
 from tunelab.config.recipe_args import CheckpointArgs
+from tunelab.config.sections import ScheduleArgs
 from tunelab.training.session import Schedule
 
 
 def _args(**checkpoint):
     return Schedule(
-        CheckpointArgs(**checkpoint), epochs=3, log_every_n_steps=2, run_val_every_n_steps=5
+        ScheduleArgs(epochs=3, log_every_n_steps=2, run_val_every_n_steps=5),
+        CheckpointArgs(**checkpoint),
     )
 
 

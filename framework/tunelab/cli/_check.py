@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,8 +11,12 @@ from omegaconf import DictConfig
 from tunelab.cli._data_check import check_json_rows
 from tunelab.cli._discovery import load_recipe_args, resolve_recipe
 from tunelab.config import load_config, parse_args, resolve_config_path
+from tunelab.config._renamed import rename_notice
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.lifecycle import RunFolder
+
+_SAID: set[tuple[str, str]] = set()
+"""The old flat keys this process has already named (``tunelab: old -> new``)."""
 
 
 def recipe_of_config(cfg: DictConfig, config_path: Path) -> Path:
@@ -51,6 +56,9 @@ def load_recipe_config(
         recipe: The recipe (name or path); None takes the config's ``recipe`` key (or a
             ``recipe=`` override).
 
+    Old flat keys (``batch_size``) move to their sections (``schedule.batch_size``), each said
+    once on stderr in one line.
+
     Returns:
         The config, its file, and the recipe script (None when the config names none that
         exists: validation then says so).
@@ -69,7 +77,15 @@ def load_recipe_config(
             args_cls = load_recipe_args(recipe_path)
         except TunelabError:
             recipe_path = args_cls = None  # check_config names the problem with the recipe.
-    return load_config(str(config_path), overrides, args_cls), config_path, recipe_path
+    renamed: list[tuple[str, str]] = []
+    cfg = load_config(str(config_path), overrides, args_cls, renamed)
+    for old, new in renamed:
+        # One line per old key, once per command (run loads the config more than once), here
+        # in the launcher only: the workers map the same keys silently.
+        if (old, new) not in _SAID:
+            _SAID.add((old, new))
+            print(rename_notice(old, new), file=sys.stderr, flush=True)
+    return cfg, config_path, recipe_path
 
 
 def check_config(

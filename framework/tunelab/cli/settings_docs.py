@@ -23,6 +23,7 @@ from tunelab import _paths
 from tunelab.cli._discovery import builtin_recipes, load_recipe_args
 from tunelab.config._args import component_spec, field_docs
 from tunelab.config._component_rules import RULES
+from tunelab.config._renamed import MOVED_COMPONENTS, RENAMED
 from tunelab.config._types import split_annotated, type_name
 from tunelab.config._validate import _is_list
 from tunelab.errors import ConfigError
@@ -36,10 +37,14 @@ HEADER = """\
      run it again (a unit test fails when this file is stale). -->
 
 Every setting of the built-in recipes, with its type, its default and the values it allows.
+A recipe's settings are a few top-level keys and sections, one per concern (`model:`,
+`parallelism:`, `schedule:`, `profile:`, `checkpoint:`, `eval:`, and per recipe `lora:`,
+`router:`, `rollout:`, `rewards:`), each handed whole to the code that owns it (see
+[architecture](architecture.md#settings-sections)); a recipe has only the sections it uses.
 `tunelab validate`, `tunelab run` (before it starts a process) and the recipe itself refuse a
 value outside these rules with one message naming the key, the value and what is allowed; see
 [configs](configs.md#validation). A key set in the wrong section is found: `save_every_n_steps=3`
-suggests `checkpoint.save_every_n_steps`.
+suggests `checkpoint.save_every_n_steps`. The old flat keys are listed at the end.
 """
 
 
@@ -135,6 +140,12 @@ def settings_rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str,
     return rows
 
 
+def _section_class(args_cls: type, section: str) -> type:
+    """The settings dataclass of a section field (``schedule`` -> ``ScheduleArgs``)."""
+    hint = typing.get_type_hints(args_cls, include_extras=True)[section]
+    return split_annotated(hint)[0]
+
+
 def _public_name(name: str) -> str:
     """The shortest dotted path that names the same callable (``tunelab.training.adamw``)."""
     from tunelab.config._instantiate import inspect_component
@@ -160,20 +171,43 @@ def settings_markdown(recipes: Mapping[str, type]) -> str:
         The Markdown document.
     """
     lines = [HEADER]
+    table = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for recipe, args_cls in recipes.items():
         lines += [
             f"## `{recipe}`",
             "",
             f"`ARGS = {args_cls.__name__}` ({args_cls.__module__}).",
             "",
-            "| key | type | default | allowed | meaning |",
-            "|---|---|---|---|---|",
         ]
+        # The top-level keys first, then one table per section (`schedule.batch_size` rows).
+        sections: dict[str, list[str]] = {"": []}
         for key, kind, default, rule, meaning in settings_rows(args_cls):
-            lines.append(
+            section = key.partition(".")[0] if "." in key else ""
+            sections.setdefault(section, []).append(
                 f"| `{key}` | {_code(kind)} | {default} | {_cell(rule)} | {_cell(meaning)} |"
             )
-        lines.append("")
+        for section, rows in sections.items():
+            if section:
+                nested = _section_class(args_cls, section)
+                lines += [f"### `{recipe}`: `{section}:` ({nested.__name__})", ""]
+                doc = (nested.__doc__ or "").strip().splitlines()
+                lines += [doc[0], ""] if doc else []
+            lines += [*table, *rows, ""]
+    lines += [
+        "## Old flat keys",
+        "",
+        "A config written before the settings had sections still runs for one release:",
+        "`tunelab validate` and `tunelab run` map each old key to its new one and say so in one",
+        "line (`tunelab: batch_size -> schedule.batch_size (old flat key; ...)`). A config giving",
+        "both is refused. `profile: true` maps to `profile.enabled`, a `rewards:` list to",
+        "`rewards.functions`.",
+        "",
+        "| old key | new key |",
+        "|---|---|",
+        *(f"| `{old}` | `{new}` |" for old, new in RENAMED.items()),
+        *(f"| `{old}` (component) | `{new}` |" for old, new in MOVED_COMPONENTS.items()),
+        "",
+    ]
     lines += [
         "## Component arguments",
         "",

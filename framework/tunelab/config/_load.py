@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tunelab import _paths
 from tunelab._paths import builtin_configs, suggest_path
+from tunelab.config._renamed import rename_old_keys, rename_override
 from tunelab.config._text_settings import NULL_WORDS, is_optional, is_text, setting_type
 from tunelab.errors import ConfigError, first_line
 
@@ -181,7 +182,10 @@ def apply_overrides(
 
 
 def load_config(
-    config: str, overrides: Sequence[str] = (), args_cls: type | None = None
+    config: str,
+    overrides: Sequence[str] = (),
+    args_cls: type | None = None,
+    renamed: list[tuple[str, str]] | None = None,
 ) -> DictConfig:
     """Load a config by built-in name or path and apply overrides.
 
@@ -194,14 +198,26 @@ def load_config(
     Args:
         config: A path to a YAML file, or a built-in config name such as ``tiny/lora``.
         overrides: ``key=value`` / ``~key`` strings, applied in order.
-        args_cls: The recipe's settings dataclass (None: every value is parsed as YAML).
+        args_cls: The recipe's settings dataclass (None: every value is parsed as YAML, and
+            no old flat key is mapped).
+        renamed: Receives the ``(old, new)`` pair of every old flat key that was mapped to its
+            section (``batch_size`` -> ``schedule.batch_size``; see ``_renamed``), for the
+            caller to say so once.
 
     Returns:
-        The config.
+        The config, its old flat keys (file and overrides) moved to their sections.
 
     Raises:
         ConfigError: If the config is not found, is not valid YAML, or an override is bad.
     """
     path = resolve_config_path(config)
-    cfg = _read_yaml(path)
-    return apply_overrides(cfg, overrides, args_cls)
+    cfg, moved = rename_old_keys(_read_yaml(path), args_cls, str(path))
+    mapped = []
+    for override in overrides:
+        override, pair = rename_override(override, args_cls)
+        mapped.append(override)
+        if pair is not None:
+            moved.append(pair)
+    if renamed is not None:
+        renamed.extend(pair for pair in moved if pair not in renamed)
+    return apply_overrides(cfg, mapped, args_cls)

@@ -28,9 +28,21 @@ from tunelab.config.constraints import (
     Range,
 )
 from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs
+from tunelab.config.sections import (
+    AtLeastOne,
+    LoRAModelSetupArgs,
+    LoRASFTModelSetupArgs,
+    ModelSetupArgs,
+    ParallelismArgs,
+    ProfileArgs,
+    RewardArgs,
+    RolloutArgs,
+    RouterArgs,
+    ScheduleArgs,
+    SFTModelSetupArgs,
+    SFTParallelismArgs,
+)
 
-AtLeastOne = Annotated[int, Range(ge=1)]
-"""A count or interval that must be 1 or more."""
 AdapterDir = Annotated[
     str, ExistingPath("dir", contains=("adapter_config.json", "adapter_model.safetensors"))
 ]
@@ -51,12 +63,6 @@ class CheckpointArgs:
     """true: continue from the newest committed step checkpoint (an error if none); auto: resume if there is one, else start fresh."""
     export_every_n_epochs: AtLeastOne = 1
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
-
-
-_NEEDS_CHECKPOINTING = (
-    "key '{key}': it selects what activation checkpointing recomputes; set "
-    "enable_activation_checkpointing: true"
-)
 
 
 @dataclass(kw_only=True)
@@ -111,28 +117,24 @@ class TrainingEvalArgs:
 
 @dataclass(kw_only=True)
 class FinetuneArgs(RecipeArgs):
-    """Settings shared by the supervised fine-tuning recipes."""
+    """Settings shared by the training recipes: the top-level keys and the common sections."""
 
     output_dir: Annotated[str, NonEmpty(), OutputDir()]
     """Folder for checkpoints (step_N/), exports (epoch_E/) and logs (logs/)."""
     output_dir_may_exist: bool = False
     """Let a first run write into a non-empty output_dir that tunelab did not make (tunelab never deletes or moves what it did not write there)."""
-    checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
-    """The base model: a Hugging Face folder (config.json, safetensors, tokenizer files)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
     device: Literal["cpu", "cuda"] | None = None
     """Device to train on (None: CUDA when available)."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Parameter dtype."""
-    mixed_precision: bool = False
-    """Compute in bf16 with fp32 parameters and gradient reduction (FSDP2 MixedPrecisionPolicy)."""
+    model: ModelSetupArgs
+    """The model: its folder, dtype, attention, compile, activation checkpointing, sharding."""
     tokenizer: Component = component()
     """The tokenizer (tunelab.data.load_tokenizer)."""
     dataset: Component = component(call_args=("tokenizer",))
     """The training dataset; the recipe passes the tokenizer."""
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
-    """An optional validation dataset, evaluated every run_val_every_n_steps and at epoch ends."""
+    """An optional validation dataset, evaluated every schedule.run_val_every_n_steps and at epoch ends."""
     optimizer: Component = component(call_args=("params",))
     """The optimizer; the recipe passes the trainable parameters."""
     lr_scheduler: Component | None = component(
@@ -143,82 +145,33 @@ class FinetuneArgs(RecipeArgs):
     """The loss: returns the summed token loss and the number of target tokens."""
     metric_loggers: list[Component] | None = component(required=False)
     """Where per-step metrics go (stdout, JSONL, TensorBoard, W&B)."""
-    batch_size: AtLeastOne = 2
-    """Samples per micro-batch per process."""
-    gradient_accumulation_steps: AtLeastOne = 1
-    """Micro-batches per optimizer step."""
-    allow_global_batch_change: bool = False
-    """On resume with another number of processes, keep batch_size and gradient_accumulation_steps as configured even though the global batch (batch_size x gradient_accumulation_steps x processes) then differs from the checkpoint's; by default tunelab keeps the checkpoint's global batch, so the run is the uninterrupted one."""
-    epochs: AtLeastOne = 1
-    """Passes over the training data."""
-    max_steps_per_epoch: AtLeastOne | None = None
-    """Cap on optimizer steps per epoch (None: the whole dataset)."""
-    clip_grad_norm: Annotated[float, Finite(), Range(gt=0)] | None = 1.0
-    """Clip the global gradient norm to this value (None: no clipping)."""
-    profile: bool = False
-    """Record a few training steps with torch.profiler: one Chrome trace per rank in output_dir/profile/."""
-    profile_skip_first: Annotated[int, Range(ge=0)] = 1
-    """With profile: steps to run before recording (start-up and warm-up distort them)."""
-    profile_record_steps: AtLeastOne = 3
-    """With profile: steps to record."""
-    skip_nonfinite_steps: Annotated[int, Range(ge=0)] = 0
-    """Skip up to N steps whose loss or gradient norm is NaN/inf (no update); the next one stops the run."""
-    log_every_n_steps: AtLeastOne = 1
-    """Log metrics every N optimizer steps."""
-    run_val_every_n_steps: AtLeastOne | None = None
-    """Evaluate val_dataset every N optimizer steps (it is always evaluated at epoch ends)."""
-    enable_activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward to save memory."""
-    activation_checkpointing_every: AtLeastOne = 1
-    """With enable_activation_checkpointing: checkpoint one block in this many (1: every block; k: about 1/k of them, less recompute and more memory)."""
-    activation_checkpointing_scope: Literal["block", "attention"] = "block"
-    """With enable_activation_checkpointing: recompute the whole block (keeps only its input) or only its attention (projections, rotary, attention; the feed-forward keeps its activations)."""
-    offload_activations: bool = False
-    """Keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu), copied back in backward: less GPU memory, more host traffic; CUDA only (on CPU a no-op, said in one line)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after each block's forward."""
-    data_parallel_replicate_size: AtLeastOne = 1
-    """HSDP: replicas of the model (across nodes); parameters are sharded within each (1: plain FSDP over all processes)."""
-    data_parallel_shard_size: AtLeastOne | None = None
-    """HSDP: processes each parameter is sharded over, usually the GPUs of one node (None: processes / data_parallel_replicate_size)."""
-    context_parallel_size: AtLeastOne = 1
-    """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size, and FSDP shards parameters over shard x context ranks (1: off)."""
-    collective_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 1800.0
-    """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
-    compile: bool = False
-    """Compile each transformer block with torch.compile (measured on CPU, fp32, LoRA: 0.96-1.03x the uncompiled step after a long first step, so off by default; see docs/benchmarks.md)."""
-    attention_backend: Literal["auto", "sdpa", "flex", "dense"] = "auto"
-    """Attention kernel: sdpa (scaled_dot_product_attention, is_causal for unpacked rows, a mask for packed ones, GQA without repeating K/V), flex (flex_attention with a block mask built from the packed documents, no [seq, seq] tensor; CUDA only for training), dense (a [batch, seq, seq] mask and repeated K/V: the former path) or auto (flex on CUDA, sdpa on CPU)."""
-    chunked_output: bool = True
-    """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), and only at scored positions (no logits for prompts or padding), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
-    router_aux_loss_coef: Annotated[float, Finite(), Range(ge=0)] | None = None
-    """Mixture-of-experts models: weight of the router's load-balancing loss in the training loss (logged as router_aux_loss); null: the model's router_aux_loss_coef when its config.json sets output_router_logits: true (as transformers does), else 0. Dense models ignore it."""
-    router_z_loss_coef: Annotated[float, Finite(), Range(ge=0)] = 0.0
-    """Mixture-of-experts models: weight of the router z-loss, the mean over MoE layers and tokens of logsumexp(router logits)^2 (ST-MoE), in the training loss (logged as router_z_loss); 0: none. Dense models ignore it."""
+    parallelism: ParallelismArgs = field(default_factory=ParallelismArgs)
+    """How the processes split the work (HSDP sizes, collective timeout)."""
+    schedule: ScheduleArgs = field(default_factory=ScheduleArgs)
+    """Epochs, batches, accumulation, clipping, and the log and validation intervals."""
+    profile: ProfileArgs = field(default_factory=ProfileArgs)
+    """torch.profiler traces of a few steps."""
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     """Intermediate checkpoints, resume and exports."""
     eval: TrainingEvalArgs = field(default_factory=TrainingEvalArgs)
     """lm-evaluation-harness tasks scored during training (scores logged as eval/<task>/<metric>)."""
 
     def check_settings(self) -> list[str]:
-        """Check the eval schedule, checkpointing keys, streaming, and another tokenizer.
+        """Check the eval schedule, the model section, streaming, and another tokenizer.
 
-        The selective activation-checkpointing keys need checkpointing on; a streamed dataset
-        needs max_steps_per_epoch; a tokenizer read from another folder must fit the model's
-        vocabulary.
+        A streamed dataset needs schedule.max_steps_per_epoch; a tokenizer read from another
+        folder must fit the model's vocabulary.
         """
         problems = super().check_settings() + self.eval.check_settings()
-        if not self.enable_activation_checkpointing:
-            if self.activation_checkpointing_every != 1:
-                problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_every"))
-            if self.activation_checkpointing_scope != "block":
-                problems.append(_NEEDS_CHECKPOINTING.format(key="activation_checkpointing_scope"))
-        problems += _streaming_problems(self.dataset, self.val_dataset, self.max_steps_per_epoch)
+        problems += self.model.check_settings()
+        problems += _streaming_problems(
+            self.dataset, self.val_dataset, self.schedule.max_steps_per_epoch
+        )
         path = self.tokenizer.get("path") if isinstance(self.tokenizer, DictConfig) else None
         if isinstance(path, str) and path:
             problems += [
                 f"key 'tokenizer.path': {problem}"
-                for problem in tokenizer_fits_model(Path(path), Path(self.checkpoint_dir))
+                for problem in tokenizer_fits_model(Path(path), Path(self.model.path))
             ]
         return problems
 
@@ -232,7 +185,7 @@ def _streaming_problems(dataset: Any, val_dataset: Any, max_steps_per_epoch: int
     problems = []
     if streams(dataset) and max_steps_per_epoch is None:
         problems.append(
-            "key 'max_steps_per_epoch': dataset.streaming: true needs it (a stream's length is "
+            "key 'schedule.max_steps_per_epoch': dataset.streaming: true needs it (a stream's length is "
             "unknown, and the schedule and progress need the number of steps)"
         )
     if streams(val_dataset):
@@ -244,17 +197,24 @@ def _streaming_problems(dataset: Any, val_dataset: Any, max_steps_per_epoch: int
 class FullFinetuneArgs(FinetuneArgs):
     """Settings of full_finetune_distributed."""
 
+    model: SFTModelSetupArgs
+    """The model: its folder, dtype, attention, compile, activation checkpointing and offloading, sharding."""
+    parallelism: SFTParallelismArgs = field(default_factory=SFTParallelismArgs)
+    """How the processes split the work (HSDP sizes, context parallelism, collective timeout)."""
+    router: RouterArgs = field(default_factory=RouterArgs)
+    """Mixture-of-experts router losses (dense models ignore them)."""
+
 
 @dataclass(kw_only=True)
-class LoRAFinetuneArgs(FinetuneArgs):
-    """Settings of lora_finetune_distributed."""
+class LoRARecipeArgs(FinetuneArgs):
+    """Settings shared by the LoRA recipes: the adapters, where they start, and a frozen base."""
 
     lora: LoRAArgs = field(default_factory=LoRAArgs)
     """The LoRA adapters."""
     adapter_dir: AdapterDir | None = None
     """Start from an existing PEFT adapter folder instead of a fresh adapter."""
-    frozen_base: Literal["auto", "replicate", "shard"] = "auto"
-    """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
+    model: LoRAModelSetupArgs
+    """The model: its folder, dtype, attention, compile, activation checkpointing, sharding, the frozen base."""
 
     def check_settings(self) -> list[str]:
         """The adapter's settings fill ``lora``; expert targets take no dropout nor DoRA.
@@ -263,6 +223,10 @@ class LoRAFinetuneArgs(FinetuneArgs):
         conflicting field is a problem.
         """
         problems = super().check_settings()
+        if self.lora is None:  # a recipe that allows full fine-tuning (GRPO's lora: null)
+            if self.adapter_dir is not None:
+                problems.append("key 'adapter_dir': an adapter needs lora settings (lora is null)")
+            return problems
         # A folder without the file is already reported by adapter_dir's own check.
         if (
             self.adapter_dir is not None
@@ -270,6 +234,18 @@ class LoRAFinetuneArgs(FinetuneArgs):
         ):
             problems += self.lora.reconcile_with_adapter(self.adapter_dir)
         return problems + self.lora.expert_target_problems()
+
+
+@dataclass(kw_only=True)
+class LoRAFinetuneArgs(LoRARecipeArgs):
+    """Settings of lora_finetune_distributed."""
+
+    model: LoRASFTModelSetupArgs
+    """The model: its folder, dtype, attention, compile, activation checkpointing and offloading, sharding, the frozen base."""
+    parallelism: SFTParallelismArgs = field(default_factory=SFTParallelismArgs)
+    """How the processes split the work (HSDP sizes, context parallelism, collective timeout)."""
+    router: RouterArgs = field(default_factory=RouterArgs)
+    """Mixture-of-experts router losses (dense models ignore them)."""
 
 
 @dataclass(kw_only=True)
@@ -343,29 +319,8 @@ class EvalArgs(RecipeArgs):
         ]
 
 
-_NO_ROUTER_LOSS = (
-    "key 'router_aux_loss_coef': {recipe} does not add a router load-balancing loss yet "
-    "(the SFT recipes do): leave it null or 0"
-)
-_NO_Z_LOSS = (
-    "key 'router_z_loss_coef': {recipe} does not add a router z-loss yet (the SFT recipes do): "
-    "leave it 0"
-)
-
-
-_NO_CONTEXT_PARALLEL = (
-    "key 'context_parallel_size': {recipe} does not split sequences yet (the SFT recipes "
-    "do): leave it 1"
-)
-
-_NO_OFFLOAD = (
-    "key 'offload_activations': {recipe} does not offload activations yet (the SFT recipes "
-    "do): leave it false"
-)
-
-
 @dataclass(kw_only=True)
-class LoRADPOArgs(LoRAFinetuneArgs):
+class LoRADPOArgs(LoRARecipeArgs):
     """Settings of lora_dpo_distributed: LoRA preference tuning with the DPO family of losses."""
 
     dataset: Component = component(call_args=("tokenizer",))
@@ -374,110 +329,34 @@ class LoRADPOArgs(LoRAFinetuneArgs):
     """An optional preference dataset whose loss and rewards are logged with a val_ prefix."""
     loss: Component = component()
     """The preference loss (tunelab.losses.DPOLoss, IPOLoss, HingeLoss, SimPOLoss)."""
-    batch_size: AtLeastOne = 2
-    """Preference pairs per micro-batch per process (the forward sees twice as many rows)."""
     adapter_dir: AdapterDir | None = None
     """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
     reference_logps: Literal["live", "precompute"] = "live"
     """live: a reference forward per step; precompute: one pass over the dataset up front, none in steps."""
 
-    def check_settings(self) -> list[str]:
-        """The adapter checks, and no router loss weight (this recipe does not add it yet)."""
-        problems = super().check_settings()
-        if self.router_aux_loss_coef:
-            problems.append(_NO_ROUTER_LOSS.format(recipe="lora_dpo_distributed"))
-        if self.context_parallel_size != 1:
-            problems.append(_NO_CONTEXT_PARALLEL.format(recipe="lora_dpo_distributed"))
-        if self.offload_activations:
-            problems.append(_NO_OFFLOAD.format(recipe="lora_dpo_distributed"))
-        if self.router_z_loss_coef:
-            problems.append(_NO_Z_LOSS.format(recipe="lora_dpo_distributed"))
-        return problems
-
 
 @dataclass(kw_only=True)
-class GRPOArgs(LoRAFinetuneArgs):
-    """Settings of grpo_distributed: online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO)."""
+class GRPOArgs(LoRARecipeArgs):
+    """Settings of grpo_distributed: online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO, GSPO)."""
 
     lora: LoRAArgs | None = field(default_factory=LoRAArgs)
     """The LoRA adapters (the lora.* keys of lora_finetune_distributed); null: full fine-tuning (every weight trains; with loss.beta > 0 the reference is a frozen copy of the base)."""
     dataset: Component = component(call_args=("tokenizer",))
     """The prompt dataset (tunelab.data.prompt_dataset): a prompt per row, other columns for the rewards."""
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
-    """An optional prompt dataset (like dataset) scored with greedy completions every run_val_every_n_steps and at epoch ends: val_reward, val_rewards/<name>."""
+    """An optional prompt dataset (like dataset) scored with greedy completions every schedule.run_val_every_n_steps and at epoch ends: val_reward, val_rewards/<name>."""
     loss: Component = component(default="tunelab.rl.GRPOLoss")
     """The policy loss, a tunelab.rl.PolicyLoss: tunelab.rl.GRPOLoss (GRPO, DAPO, Dr. GRPO: clip_eps_low, clip_eps_high, beta, aggregation) or tunelab.rl.GSPOLoss (sequence-level ratio); left out: GRPOLoss's defaults."""
-    rewards: list[Component] = component(call_args=("prompts", "completions", "rows"))
-    """Reward functions (prompts, completions, rows, **settings) -> list[float], summed with reward_weights."""
-    reward_weights: list[Annotated[float, Finite()]] | None = None
-    """One weight per reward (None: all 1.0)."""
-    batch_size: AtLeastOne = 2
-    """Prompts per micro-batch per process (each sampled num_generations times)."""
-    num_generations: Annotated[int, Range(ge=2)] = 4
-    """Completions sampled per prompt (the group size G)."""
-    max_new_tokens: AtLeastOne = 32
-    """Tokens a completion has at most (also Dr. GRPO's constant length); a prompt and its completion must fit the model's max_position_embeddings."""
-    temperature: Annotated[float, Finite(), Range(ge=0)] = 1.0
-    """Sampling temperature, above 0 (0 is greedy: every completion of a group would be the same, so nothing trains; refused)."""
-    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
-    """Nucleus sampling: keep the most likely tokens up to this probability (1: all)."""
-    top_k: AtLeastOne | None = None
-    """Sample only among the k most likely tokens (None: all)."""
-    stop_strings: list[Annotated[str, NonEmpty()]] | None = None
-    """Texts that end a completion (besides the tokenizer's stop tokens), e.g. ["</answer>"]."""
-    num_iterations: AtLeastOne = 1
-    """Optimizer steps per batch of rollouts (>1 reuses them with the sampling policy's stored log-probs)."""
-    scale_rewards: bool = True
-    """Divide each group's centred rewards by its std (GRPO, DAPO); false for Dr. GRPO."""
-    dynamic_sampling: bool = False
-    """Leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling; see dynamic_sampling_refill_rounds)."""
-    dynamic_sampling_refill_rounds: Annotated[int, Range(ge=0)] = 0
-    """With dynamic_sampling: up to N rounds of batch_size more prompts per process, sampled until the step has as many kept groups as its own prompts (0: no refill, the step trains on the groups left)."""
-    rollout_gather_once: bool = True
-    """FSDP2: all-gather the sharded weights once per rollout phase and hold them until its last token (each process then holds the whole model while generating); false: gather block by block for every generated token (less memory, one all-gather per block per token)."""
-    reward_timeout_s: Annotated[float, Finite(), Range(gt=0)] | None = 60.0
-    """Seconds one reward call may take to score a micro-batch's completions; past it the run ends with one line naming the reward and the rank (None: no limit, a hung reward then waits out collective_timeout_s)."""
-    rollout_merge_adapters: bool = True
-    """LoRA/DoRA: the rollout phase runs each adapter merged into a temporary copy of its weight, W + scale * B A (one linear per projection instead of three; the live weights untouched); costs a copy of the adapted weights while generating, and tokens may differ from the unmerged path's by rounding. Not for an NF4 base (QLoRA keeps it unmerged), nor under FSDP2 with rollout_gather_once false (the weights are never whole)."""
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    """The rollout phase: rollout.num_generations completions per prompt (the group), their lengths and sampling."""
+    rewards: RewardArgs
+    """The reward functions, their weights, time limit and scaling."""
 
     def check_settings(self) -> list[str]:
-        """The settings grpo_distributed does not use must be left out."""
-        if self.lora is None:  # full fine-tuning: no adapter to reconcile
-            problems = FinetuneArgs.check_settings(self)
-            if self.adapter_dir is not None:
-                problems.append("key 'adapter_dir': an adapter needs lora settings (lora is null)")
-        else:
-            problems = super().check_settings()
-        if self.router_aux_loss_coef:
-            problems.append(_NO_ROUTER_LOSS.format(recipe="grpo_distributed"))
-        if self.context_parallel_size != 1:
-            problems.append(_NO_CONTEXT_PARALLEL.format(recipe="grpo_distributed"))
-        if self.offload_activations:
-            problems.append(_NO_OFFLOAD.format(recipe="grpo_distributed"))
-        if self.router_z_loss_coef:
-            problems.append(_NO_Z_LOSS.format(recipe="grpo_distributed"))
-        if self.dynamic_sampling_refill_rounds and not self.dynamic_sampling:
-            problems.append(
-                "key 'dynamic_sampling_refill_rounds': refills replace the groups dynamic sampling leaves out; set dynamic_sampling: true or leave it 0"
-            )
-        if not self.rewards:
-            problems.append(
-                "key 'rewards': give at least one reward function (a list of nodes with "
-                "_component_, e.g. tunelab.rl.regex_reward)"
-            )
-        problems += self._length_problems()
-        if self.temperature == 0:
-            problems.append(
-                f"key 'temperature': 0 samples greedily, so the num_generations="
-                f"{self.num_generations} completions of a prompt are the same tokens with the "
-                "same reward: every advantage is 0 and every loss and gradient 0.0, nothing "
-                "trains; set temperature > 0 (1.0 samples the policy as it is)"
-            )
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards or []):
-            problems.append(
-                f"key 'reward_weights': {len(self.reward_weights)} weights for {len(self.rewards or [])} rewards; give one each"
-            )
-        return problems
+        """The rollout and reward sections' checks, and prompt + completion within the context."""
+        problems = super().check_settings()
+        problems += self.rollout.check_settings() + self.rewards.check_settings()
+        return problems + self._length_problems()
 
     def _length_problems(self) -> list[str]:
         """A prompt and its completion must fit the model's context (``max_position_embeddings``).
@@ -486,25 +365,25 @@ class GRPOArgs(LoRAFinetuneArgs):
         (the folder's own check reports that). A prompt takes at least one token, and a
         ``max_prompt_tokens`` given to a prompt dataset takes its whole length.
         """
-        context = model_context_length(self.checkpoint_dir)
+        context = model_context_length(self.model.path)
         if context is None:
             return []
-        where = f"max_position_embeddings {context} of {self.checkpoint_dir}/config.json"
-        if self.max_new_tokens >= context:
+        where = f"max_position_embeddings {context} of {self.model.path}/config.json"
+        if self.rollout.max_new_tokens >= context:
             return [
-                f"key 'max_new_tokens': {self.max_new_tokens} tokens leave no room for a prompt "
-                f"in the model's context ({where}); lower max_new_tokens below {context}"
+                f"key 'rollout.max_new_tokens': {self.rollout.max_new_tokens} tokens leave no room for a prompt "
+                f"in the model's context ({where}); lower rollout.max_new_tokens below {context}"
             ]
         problems = []
         for key, node in (("dataset", self.dataset), ("val_dataset", self.val_dataset)):
             cap = node.get("max_prompt_tokens") if isinstance(node, DictConfig) else None
             if isinstance(cap, int) and not isinstance(cap, bool):
-                if cap + self.max_new_tokens > context:
+                if cap + self.rollout.max_new_tokens > context:
                     problems.append(
-                        f"key '{key}.max_prompt_tokens': {cap} prompt tokens + max_new_tokens "
-                        f"{self.max_new_tokens} = {cap + self.max_new_tokens} exceed the model's "
+                        f"key '{key}.max_prompt_tokens': {cap} prompt tokens + rollout.max_new_tokens "
+                        f"{self.rollout.max_new_tokens} = {cap + self.rollout.max_new_tokens} exceed the model's "
                         f"context ({where}); lower one of them (at most "
-                        f"{context - self.max_new_tokens} prompt tokens with this "
+                        f"{context - self.rollout.max_new_tokens} prompt tokens with this "
                         "max_new_tokens)"
                     )
         return problems

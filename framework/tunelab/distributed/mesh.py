@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tunelab.config.sections import ParallelismArgs
 from tunelab.errors import ConfigError
 
 REPLICATE_DIM = "replicate"
@@ -27,11 +28,7 @@ SHARD_DIM = "shard"
 
 
 def data_parallel_mesh(
-    device: torch.device,
-    *,
-    replicate_size: int = 1,
-    shard_size: int | None = None,
-    context_parallel_size: int = 1,
+    device: torch.device, parallelism: ParallelismArgs | None = None
 ) -> DeviceMesh | None:
     """The mesh ``shard_model`` shards over, from the data- and context-parallel sizes.
 
@@ -44,11 +41,11 @@ def data_parallel_mesh(
 
     Args:
         device: This process's device (its type names the mesh's device type).
-        replicate_size: Number of replicas (``data_parallel_replicate_size``).
-        shard_size: Data-parallel ranks each parameter is sharded over
-            (``data_parallel_shard_size``); None: the world size divided by ``replicate_size``
-            and ``context_parallel_size``.
-        context_parallel_size: Ranks that split each sequence (``context_parallel_size``).
+        parallelism: The ``parallelism`` settings, taken whole: ``data_parallel_replicate_size``
+            (replicas), ``data_parallel_shard_size`` (ranks each parameter is sharded over;
+            None: the world size divided by the replicas and ``context_parallel_size``) and
+            ``context_parallel_size`` (ranks that split each sequence; 1 in the recipes whose
+            section has no such setting). None: the defaults (plain FSDP).
 
     Returns:
         None for plain FSDP over every rank (``replicate_size`` 1, the default: FSDP2 builds
@@ -58,8 +55,11 @@ def data_parallel_mesh(
     Raises:
         ConfigError: The sizes do not multiply to the world size.
     """
+    parallelism = parallelism if parallelism is not None else ParallelismArgs()
+    replicate_size = parallelism.data_parallel_replicate_size
+    shard_size = parallelism.data_parallel_shard_size
+    cp = parallelism.context_parallel_size
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    cp = context_parallel_size
     if shard_size is None:
         if world_size % (replicate_size * cp):
             what = (

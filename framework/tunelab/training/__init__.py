@@ -73,7 +73,7 @@ from tunelab.training.session import (
     build_optimizer,
     resume,
 )
-from tunelab.training.setup import build_model, config_fingerprint
+from tunelab.training.setup import build_model, config_fingerprint, load_model
 
 __all__ = [
     "ActivationOffload",
@@ -101,6 +101,7 @@ __all__ = [
     "build_checkpoint_client",
     "build_data",
     "build_model",
+    "load_model",
     "build_optimizer",
     "constant_schedule_with_warmup",
     "cosine_schedule_with_warmup",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tunelab.config.sections import RouterArgs
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
@@ -132,10 +133,10 @@ class RouterLoss:
 
     Args:
         model: The decoder (sharded or not).
-        coefficient: The load-balancing weight; None takes the model's
-            ``router_aux_loss_coef`` when its ``config.json`` sets ``output_router_logits:
-            true`` (when transformers adds it to the loss), else 0.
-        z_coefficient: The z-loss weight (0: none).
+        router: The ``router`` settings: ``aux_loss_coef``, the load-balancing weight (None
+            takes the model's ``router_aux_loss_coef`` when its ``config.json`` sets
+            ``output_router_logits: true``, when transformers adds it to the loss, else 0),
+            and ``z_loss_coef``, the z-loss weight (0: none).
         context: Context parallelism: the statistics are summed over the ranks that split
             the rows, so each rank's losses are those of the whole rows (and their logged
             values the unsplit ones), and the term is scaled by the group size, since FSDP2
@@ -145,10 +146,10 @@ class RouterLoss:
     def __init__(
         self,
         model: nn.Module,
-        coefficient: float | None,
-        z_coefficient: float = 0.0,
+        router: RouterArgs,
         context: ContextParallel | None = None,
     ) -> None:
+        coefficient, z_coefficient = router.aux_loss_coef, router.z_loss_coef
         args = getattr(model, "args", None)
         is_moe = args is not None and getattr(args, "num_experts", 0) > 0
         if coefficient is None:

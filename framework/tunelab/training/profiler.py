@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, schedule
+import torch.profiler
+from torch.profiler import ProfilerActivity, schedule
 
+from tunelab.config.sections import ProfileArgs
 from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -39,10 +41,9 @@ class StepProfiler:
 
     Args:
         directory: Where the traces go (``RunFolder.profile_dir``: ``{output_dir}/profile/``).
-        enabled: Whether to profile at all; when False every call is a no-op.
-        skip_first: Steps to run before recording (at least 1 is advised: the profiler warms
-            up during the last skipped step).
-        record_steps: Steps to record.
+        profile: The ``profile`` settings: ``enabled`` (when False every call is a no-op),
+            ``skip_first`` (steps to run before recording; at least 1 is advised: the
+            profiler warms up during the last skipped step), ``record_steps``.
 
     Raises:
         ConfigError: ``skip_first`` is negative or ``record_steps`` is not positive.
@@ -51,11 +52,13 @@ class StepProfiler:
     def __init__(
         self,
         directory: str | os.PathLike,
-        *,
-        enabled: bool = True,
-        skip_first: int = 1,
-        record_steps: int = 3,
+        profile: ProfileArgs,
     ) -> None:
+        enabled, skip_first, record_steps = (
+            profile.enabled,
+            profile.skip_first,
+            profile.record_steps,
+        )
         if skip_first < 0:
             raise ConfigError(f"profiler skip_first must be 0 or more, got {skip_first}")
         if record_steps < 1:
@@ -68,14 +71,14 @@ class StepProfiler:
         """Where this rank's trace goes."""
         self._num_steps = 0
         self._written = False
-        self._profiler: profile | None = None
+        self._profiler: torch.profiler.profile | None = None
         if enabled:
             # The last skipped step is the profiler's warm-up: it runs but is not recorded.
             warmup = min(skip_first, 1)
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
-            self._profiler = profile(
+            self._profiler = torch.profiler.profile(
                 activities=activities,
                 schedule=schedule(
                     skip_first=skip_first - warmup,

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from tunelab.config import instantiate
 from tunelab.config.lora import LoRAArgs
 from tunelab.config.recipe_args import CheckpointArgs
+from tunelab.config.sections import ScheduleArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.data.preference import IndexedPairs
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
@@ -442,20 +443,21 @@ class Schedule:
     """When to log, validate, export and save.
 
     Args:
+        schedule: The ``schedule`` settings (epochs, log and validation intervals).
         checkpoint: The ``checkpoint`` settings (save and export intervals).
-        epochs: Epochs in the run.
-        log_every_n_steps: Log metrics every N optimizer steps.
-        run_val_every_n_steps: Validate every N steps (always at epoch ends); None: only there.
     """
 
+    schedule: ScheduleArgs
     checkpoint: CheckpointArgs
-    epochs: int
-    log_every_n_steps: int = 1
-    run_val_every_n_steps: int | None = None
+
+    @property
+    def epochs(self) -> int:
+        """Epochs in the run."""
+        return self.schedule.epochs
 
     def validate(self, global_step: int, epoch_done: bool) -> bool:
         """Every ``run_val_every_n_steps`` and at each epoch end."""
-        return epoch_done or _every(global_step, self.run_val_every_n_steps)
+        return epoch_done or _every(global_step, self.schedule.run_val_every_n_steps)
 
     def export(self, epoch: int, epoch_done: bool) -> bool:
         """At epoch ends, every ``export_every_n_epochs`` and always the last."""
@@ -470,7 +472,7 @@ class Schedule:
 
     def log(self, global_step: int) -> bool:
         """Every ``log_every_n_steps``."""
-        return _every(global_step, self.log_every_n_steps)
+        return _every(global_step, self.schedule.log_every_n_steps)
 
     def is_last(self, epoch: int, epoch_done: bool) -> bool:
         """Whether this step ends the run (its save has nothing left to overlap with)."""

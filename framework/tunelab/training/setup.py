@@ -18,10 +18,11 @@ from torch.utils.data import DataLoader, Dataset
 
 import tunelab.peft as peft
 from tunelab.config.lora import LoRAArgs
+from tunelab.config.sections import LoRAModelSetupArgs, ModelSetupArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
 from tunelab.data.streaming import StreamingDataset
-from tunelab.distributed import apply_activation_checkpointing, shard_model
+from tunelab.distributed import apply_activation_checkpointing, resolve_dtype, shard_model
 from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.errors import ConfigError
 from tunelab.models import from_hf_config, load_hf_into_model
@@ -32,6 +33,51 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(
+    model: ModelSetupArgs,
+    *,
+    device: torch.device,
+    mesh: DeviceMesh | None = None,
+    lora: LoRAArgs | None = None,
+    adapter_dir: str | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """Build, shard and load the model a recipe's ``model`` section describes.
+
+    Args:
+        model: The ``model`` settings, taken whole: the folder (``path``), ``dtype``,
+            ``mixed_precision``, ``attention_backend``, ``compile``, activation checkpointing,
+            ``reshard_after_forward`` and, in the LoRA recipes, ``frozen_base``.
+        device: Where the parameters live.
+        mesh: The data-parallel mesh (``data_parallel_mesh``): 2-D for HSDP, None to shard
+            over every rank.
+        lora: Adapter settings; only adapter parameters train when given.
+        adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
+        seed: Seed of the fresh adapter's initialisation.
+
+    Returns:
+        The ready model, sharded with FSDP2 when the world size is above 1.
+    """
+    return load_model(
+        model.path,
+        device=device,
+        dtype=resolve_dtype(model.dtype),
+        lora=lora,
+        adapter_dir=adapter_dir,
+        activation_checkpointing=model.activation_checkpointing,
+        activation_checkpointing_every=model.activation_checkpointing_every,
+        activation_checkpointing_scope=model.activation_checkpointing_scope,
+        compile_blocks=model.compile,
+        reshard_after_forward=model.reshard_after_forward,
+        mixed_precision=model.mixed_precision,
+        seed=seed,
+        mesh=mesh,
+        # Only the LoRA recipes' section has it; a full fine-tune has no frozen base.
+        frozen_base=model.frozen_base if isinstance(model, LoRAModelSetupArgs) else "shard",
+        attention_backend=model.attention_backend,
+    )
+
+
+def load_model(
     checkpoint_dir: str,
     *,
     device: torch.device,
@@ -49,7 +95,10 @@ def build_model(
     frozen_base: Literal["auto", "replicate", "shard"] = "shard",
     attention_backend: str = "auto",
 ) -> nn.Module:
-    """Build, shard and load a model from a Hugging Face folder.
+    """Build, shard and load a model from a Hugging Face folder, every option spelled out.
+
+    What :func:`build_model` calls with a ``model`` section; scripts, tests and benchmarks
+    that build a model without a config call it directly.
 
     Args:
         checkpoint_dir: The base model's Hugging Face folder.
