@@ -125,3 +125,12 @@ def test_the_documented_new_loss_is_one_file_and_a_config_line(tmp_path, monkeyp
     mask = torch.tensor([[True, False]])
     losses, _ = loss_fn.token_losses(logps, logps.detach(), torch.tensor([2.0]), mask)
     assert loss_fn.loss_sum(losses, mask).item() == -2.0  # -rho A, rho 1, one token
+
+
+def test_grpo_loss_is_the_default_and_null_is_refused():
+    # A GRPO config without a loss node trains with GRPOLoss's defaults ...
+    args = parse_args(load_config("tiny/grpo", ["~loss"]), GRPOArgs)
+    assert instantiate(args.loss) == GRPOLoss()
+    # ... and one that sets it to null is told what it needs.
+    with pytest.raises(ConfigError, match="key 'loss' is required"):
+        parse_args(load_config("tiny/grpo", ["loss=null"]), GRPOArgs)
