@@ -285,20 +285,27 @@ def test_children_started_with_stop_signals_blocked_get_them_when_ready(tmp_path
 
 
 HELPER_OF_A_WORKER = """
-import os, signal, sys, time
+import multiprocessing, os, signal, sys, time
 from tunelab.lifecycle.preemption import leave_stop_signals_to_parent, stop_signals_blocked
 
-with stop_signals_blocked():
-    helper = os.fork()
-if helper == 0:  # A DataLoader worker of a recipe's rank, say.
+
+def helper():  # A DataLoader worker of a recipe's rank, say: a forked multiprocessing child.
     leave_stop_signals_to_parent()
     time.sleep(60)
     os._exit(3)
-print(helper, flush=True)
-for line in sys.stdin:  # "stop": the parent stops its helper, as DataLoader's shutdown does.
-    os.kill(helper, signal.SIGTERM)
-    _, status = os.waitpid(helper, 0)
-    print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+if __name__ == "__main__":
+    with stop_signals_blocked():
+        process = multiprocessing.get_context("fork").Process(target=helper, daemon=True)
+        process.start()
+    print(process.pid, flush=True)
+    if sys.argv[1] == "exit":
+        os._exit(0)  # At once: maybe before the helper has even looked for its parent.
+    for line in sys.stdin:  # "stop": the parent stops its helper, as DataLoader's shutdown does.
+        process.terminate()  # SIGTERM
+        process.join()
+        print(process.exitcode, flush=True)
 """
 
 
@@ -306,7 +313,7 @@ def test_a_workers_helper_leaves_stop_signals_to_the_worker_but_obeys_it():
     # torchrun signals a worker's whole process group and SLURM every process: a streaming
     # rank's read-ahead worker got SIGTERM too and died of it, failing the rank's next step.
     worker = subprocess.Popen(
-        [sys.executable, "-c", HELPER_OF_A_WORKER], env=ENV, text=True,
+        [sys.executable, "-c", HELPER_OF_A_WORKER, "stop"], env=ENV, text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -324,10 +331,10 @@ def test_a_workers_helper_leaves_stop_signals_to_the_worker_but_obeys_it():
 
 
 def test_a_workers_helper_exits_when_the_worker_is_gone():
-    code = HELPER_OF_A_WORKER.replace("for line in sys.stdin:", "os._exit(0)\nfor line in []:")
     worker = subprocess.Popen(
-        [sys.executable, "-c", code], env=ENV, text=True, stdout=subprocess.PIPE
-    )
+        [sys.executable, "-c", HELPER_OF_A_WORKER, "exit"], env=ENV, text=True,
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
     helper = int(worker.stdout.readline())
     worker.wait(30)
     deadline = time.monotonic() + 10

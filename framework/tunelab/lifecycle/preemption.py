@@ -35,6 +35,7 @@ before the step's checkpoint. :func:`leave_stop_signals_to_parent` (their ``work
 keeps them running until their parent stops them.
 """
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -349,8 +350,12 @@ def leave_stop_signals_to_parent(worker_id: int = 0) -> None:
     # Blocked in every thread (threads started later inherit the mask), so a stop signal stays
     # pending until the thread below takes it: torch's C handler never sees it.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # The parent as multiprocessing recorded it before the fork (DataLoader workers are its
+    # processes): os.getppid() would already name init if the parent died since.
+    recorded = multiprocessing.parent_process()
+    parent = recorded.pid if recorded is not None and recorded.pid else os.getppid()
     threading.Thread(
-        target=_take_stop_signals, args=(os.getppid(),), daemon=True, name="tunelab-signals"
+        target=_take_stop_signals, args=(parent,), daemon=True, name="tunelab-signals"
     ).start()
 
 
