@@ -21,7 +21,7 @@ def test_gspo_trains_through_the_recipe_from_one_config_line(tmp_path):
     tunelab_run(
         "grpo_distributed", "tiny/grpo", f"output_dir={out}",
         "loss._component_=tunelab.rl.GSPOLoss", "~loss.aggregation",
-        "batch_size=2", "num_iterations=2", "max_steps_per_epoch=2",
+        "schedule.batch_size=2", "rollout.num_iterations=2", "schedule.max_steps_per_epoch=2",
         "checkpoint.save_every_n_steps=null",
     )  # fmt: skip
     metrics = read_metrics(out)
