@@ -24,7 +24,7 @@ ARGS = EvalArgs
 
 
 def main(args: EvalArgs) -> None:
-    """Evaluate ``args.checkpoint_dir`` (+ ``args.adapter_dir``) on ``args.tasks``."""
+    """Evaluate ``args.model.path`` (+ ``args.adapter_dir``) on ``args.tasks``."""
     dist_info = init_distributed(args.device)
     if args.limit is not None and args.limit < dist_info.world_size:
         raise ConfigError(
@@ -32,14 +32,14 @@ def main(args: EvalArgs) -> None:
             "needs at least one document of each task"
         )
     resolve_tasks(args.tasks)  # an unknown task fails before the model loads
-    tokenizer = load_tokenizer(args.checkpoint_dir)
+    tokenizer = load_tokenizer(args.model.path)
     lora = None
     if args.adapter_dir is not None:
         lora = peft.LoRAArgs.from_peft_config(peft.read_adapter_config(args.adapter_dir))
     model = load_model(
-        args.checkpoint_dir,
+        args.model.path,
         device=dist_info.device,
-        dtype=resolve_dtype(args.dtype),
+        dtype=resolve_dtype(args.model.dtype),
         lora=lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,
@@ -51,7 +51,7 @@ def main(args: EvalArgs) -> None:
         batch_size=args.batch_size,
         max_length=args.max_length,
         max_gen_toks=args.max_gen_toks,
-        name=args.checkpoint_dir,
+        name=args.model.path,
         seed=args.seed,
     )
     results = evaluate(
@@ -68,7 +68,7 @@ def main(args: EvalArgs) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         samples = results.pop("samples", None) or {}
         results["tunelab"] = {
-            "checkpoint_dir": args.checkpoint_dir,
+            "model_path": args.model.path,
             "adapter_dir": args.adapter_dir,
         }
         with open(output_dir / "results.json", "w") as file:

@@ -21,9 +21,9 @@ ARGS = GenerateArgs
 def main(args: GenerateArgs) -> None:
     """Print the model's completion of ``args.prompt``."""
     dist_info = init_distributed(args.device)
-    tokenizer = load_tokenizer(args.checkpoint_dir)
+    tokenizer = load_tokenizer(args.model.path)
     model = load_pretrained(
-        args.checkpoint_dir, dtype=resolve_dtype(args.dtype), device=dist_info.device
+        args.model.path, dtype=resolve_dtype(args.model.dtype), device=dist_info.device
     )
     if args.adapter_dir is not None:
         peft.apply_lora(

@@ -147,7 +147,7 @@ def main(args: LoRADPOArgs) -> None:
         loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
         global_step=global_step,
         validate=validate if data.val_loader is not None else None,
-        profiler=StepProfiler(run.profile_dir, args.profile),  # fmt: skip
+        profiler=StepProfiler(run.profile_dir, args.profile),
         device=device,
         is_main=dist_info.is_main,
         benchmarks=benchmarks,

@@ -291,7 +291,7 @@ def test_two_processes_give_the_results_of_one(export, tasks, tunelab_lm, tmp_pa
     one = evaluate(tunelab_lm, tasks, num_fewshot=0, log_samples=True)
     command = [TUNELAB, "run", "--nproc_per_node", "2", "eval", "--config", "tiny/eval"]
     overrides = [
-        f"checkpoint_dir={export}",
+        f"model.path={export}",
         f"tasks=[{tasks[0]},{tasks[1]}]",
         f"output_dir={tmp_path / 'out'}",
         "num_fewshot=0",

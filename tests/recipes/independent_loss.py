@@ -64,7 +64,7 @@ def sft_step_one_loss(config: str, *overrides: str, global_batch: int) -> float:
 
     cfg = load_config(config, overrides)
     dataset = instantiate(cfg.dataset, instantiate(cfg.tokenizer))
-    model = _hf_model(cfg.checkpoint_dir)
+    model = _hf_model(cfg.model.path)
     total, count = 0.0, 0
     for index in _first_indices(len(dataset), global_batch, cfg.seed):
         for tokens, labels in _documents(dataset[index]):
@@ -88,7 +88,7 @@ def dpo_step_one_logps(config: str, *overrides: str, global_batch: int) -> tuple
 
     cfg = load_config(config, overrides)
     dataset = instantiate(cfg.dataset, instantiate(cfg.tokenizer))
-    model = _hf_model(cfg.checkpoint_dir)
+    model = _hf_model(cfg.model.path)
     sums = {"chosen": 0.0, "rejected": 0.0}
     indices = _first_indices(len(dataset), global_batch, cfg.seed)
     for index in indices:
@@ -121,7 +121,5 @@ def moe_step_one_router_loss(config: str, *overrides: str, global_batch: int) ->
         tokens[row, : len(ids)] = torch.as_tensor(ids)
         mask[row, : len(ids)] = 1
     with torch.no_grad():
-        outputs = _hf_model(cfg.checkpoint_dir)(
-            tokens, attention_mask=mask, output_router_logits=True
-        )
+        outputs = _hf_model(cfg.model.path)(tokens, attention_mask=mask, output_router_logits=True)
     return float(outputs.aux_loss)

@@ -2,7 +2,7 @@
 
 Each training recipe is copied with the real ``tunelab cp`` and edited the way a user would:
 it declares its own settings dataclass (not a subclass of the built-in settings) that drops a
-setting the copy no longer uses (``compile``: the copy never compiles) and adds one of its
+setting the copy no longer uses (the ``profile`` section: the copy never profiles) and adds one of its
 own (``greeting``, printed at start). The copy then runs through the real ``tunelab run`` on 2
 processes, and must train exactly like the built-in recipe with the same config: the same
 losses, step for step, as the shared 2-process runs of the built-in recipes (``lora_2p``,
@@ -23,9 +23,9 @@ from tunelab.config import RecipeArgs
 
 
 def _own_settings(builtin):
-    """A dataclass of its own: the built-in fields minus ``compile``, plus ``greeting``."""
+    """A dataclass of its own: the built-in fields minus ``profile``, plus ``greeting``."""
     kept = [
-        (f.name, f.type, f) for f in dataclasses.fields(builtin) if f.name not in ("compile",)
+        (f.name, f.type, f) for f in dataclasses.fields(builtin) if f.name not in ("profile",)
     ]
     greeting = ("greeting", str, dataclasses.field(default="hello from my copy"))
     # The fields with defaults come after the required ones, as a dataclass needs.
@@ -54,10 +54,14 @@ RECIPES = [
 def _copy(recipe: str, builtin: str, path) -> None:
     subprocess.run([TUNELAB, "cp", recipe, str(path)], check=True, env=run_env())
     text = path.read_text()
-    assert f"\nARGS = {builtin}\n" in text and "compile_blocks=args.compile," in text
+    profiler = "StepProfiler(run.profile_dir, args.profile)"
+    assert f"\nARGS = {builtin}\n" in text and profiler in text
     text = text.replace(f"\nARGS = {builtin}\n", _OWN_SETTINGS.format(builtin=builtin))
-    # The copy drops `compile` and uses its own `greeting`.
-    text = text.replace("compile_blocks=args.compile,", "compile_blocks=False,")
+    # The copy drops the `profile` section (it never profiles) and uses its own `greeting`.
+    text = text.replace(profiler, "StepProfiler(run.profile_dir, ProfileArgs())")
+    anchor = "\nfrom tunelab.config import "
+    assert anchor in text
+    text = text.replace(anchor, "\nfrom tunelab.config.sections import ProfileArgs" + anchor, 1)
     start = "    device = dist_info.device\n"
     assert start in text
     text = text.replace(start, start + "    print(args.greeting, flush=True)\n")
@@ -84,6 +88,6 @@ def test_a_copy_with_its_own_settings_dataclass_trains_like_the_builtin(
     assert any(mine.glob("step_*")) and (mine / "epoch_0").is_dir()
     # A setting it dropped is an unknown key for the copy, named as such.
     refused = tunelab_run(
-        str(copy), config, f"output_dir={tmp_path / 'x'}", "model.compile=true", check=False
+        str(copy), config, f"output_dir={tmp_path / 'x'}", "profile.enabled=true", check=False
     )
-    assert refused.returncode != 0 and "compile" in refused.stderr
+    assert refused.returncode != 0 and "unknown key 'profile'" in refused.stderr

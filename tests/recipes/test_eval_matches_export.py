@@ -42,7 +42,7 @@ def test_scores_during_training_equal_the_eval_recipe_on_the_steps_export(tmp_pa
 
     scored = tmp_path / "eval"
     tunelab_run(
-        "eval", "tiny/eval", f"checkpoint_dir={out / 'epoch_0'}", f"output_dir={scored}",
+        "eval", "tiny/eval", f"model.path={out / 'epoch_0'}", f"output_dir={scored}",
         f"tasks={TASK_FILES}", "num_fewshot=null",
         *(f"{key}={value}" for key, value in SHARED.items()),
     )  # fmt: skip

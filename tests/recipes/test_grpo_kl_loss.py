@@ -88,7 +88,7 @@ def test_loss_with_a_kl_term_equals_the_fp64_reference(tmp_path):
     advantages = reference_advantages([r["reward"] for r in records], NUM_GENERATIONS, True)
     expected = reference_loss(
         logps, logps, ref_logps, advantages, lengths,
-        cfg.loss.clip_eps_low, cfg.loss.clip_eps_high, BETA, "token_mean", cfg.max_new_tokens,
+        cfg.loss.clip_eps_low, cfg.loss.clip_eps_high, BETA, "token_mean", cfg.rollout.max_new_tokens,
     )  # fmt: skip
     # The k3 estimate of KL(policy || reference), per token: e^d - d - 1 with d = ref - policy.
     kl = sum(

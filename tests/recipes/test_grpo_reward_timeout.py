@@ -1,6 +1,6 @@
 """A hung reward ends a real GRPO run with one line naming it and its rank (issue 38, finding 3).
 
-Before ``reward_timeout_s``, a reward that never returned on one rank left the other ranks
+Before ``rewards.timeout_s``, a reward that never returned on one rank left the other ranks
 waiting in the next collective for ``collective_timeout_s`` (30 minutes by default), and the
 line then named neither the reward nor the rank.
 """
@@ -52,7 +52,7 @@ def test_a_hung_reward_stops_the_run_naming_the_reward_and_the_rank(tmp_path):
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-3000:]
     expected = (
-        "reward hang_on_rank_1 did not return within reward_timeout_s=2 s on rank 1 "
+        "reward hang_on_rank_1 did not return within rewards.timeout_s=2 s on rank 1 "
         "(scoring 16 completions)"
     )
     lines = [line for line in result.stderr.splitlines() if "tunelab: error:" in line]

@@ -111,7 +111,7 @@ def _reverse_words_scores(checkpoint_dir: Path, output_dir: Path, *launcher: str
     tasks = _paths.assets_dir() / "tiny_eval"
     command = [
         str(BIN_DIR / "tunelab"), "eval", *launcher, "--config", "tiny/eval",
-        f"checkpoint_dir={checkpoint_dir}", f"output_dir={output_dir}",
+        f"model.path={checkpoint_dir}", f"output_dir={output_dir}",
         f"tasks=[{tasks / 'reverse_words.yaml'},{tasks / 'reverse_words_length.yaml'}]",
     ]  # fmt: skip
     result = subprocess.run(

@@ -378,9 +378,9 @@ def test_generate_base_plus_adapter_equals_merged_export_and_transformers(lora_2
     from tunelab.data import Message, get_template, load_tokenizer, tokenize_messages
 
     export = lora_2p / "epoch_0"
-    merged_text = _generate(f"checkpoint_dir={export}")
-    adapter_text = _generate(f"checkpoint_dir={TINY}", f"adapter_dir={export / 'adapter'}")
-    base_text = _generate(f"checkpoint_dir={TINY}")
+    merged_text = _generate(f"model.path={export}")
+    adapter_text = _generate(f"model.path={TINY}", f"adapter_dir={export / 'adapter'}")
+    base_text = _generate(f"model.path={TINY}")
     assert merged_text == adapter_text
     assert merged_text != base_text  # the adapter changes what the model says
 

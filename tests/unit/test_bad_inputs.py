@@ -360,23 +360,23 @@ CASES = [
     ),
     Case(
         "an output_dir as model",
-        generate("checkpoint_dir={models}/run"),
-        ("key 'checkpoint_dir'", "run has no config.json", "exports epoch_0, epoch_1"),
+        generate("model.path={models}/run"),
+        ("key 'model.path'", "run has no config.json", "exports epoch_0, epoch_1"),
     ),
     Case(
         "a step checkpoint as model",
-        generate("checkpoint_dir={models}/run/step_4"),
-        ("key 'checkpoint_dir'", "step_4 has no config.json", "resumable step checkpoint"),
+        generate("model.path={models}/run/step_4"),
+        ("key 'model.path'", "step_4 has no config.json", "resumable step checkpoint"),
     ),
     Case(
         "an adapter as model",
-        generate("checkpoint_dir={models}/run/epoch_1/adapter"),
-        ("key 'checkpoint_dir'", "adapter has no config.json", "pass it as adapter_dir"),
+        generate("model.path={models}/run/epoch_1/adapter"),
+        ("key 'model.path'", "adapter has no config.json", "pass it as adapter_dir"),
     ),
     Case(
         "generate on a gpt2 folder",
-        generate("checkpoint_dir={models}/gpt2"),
-        ("key 'checkpoint_dir'", "model_type 'gpt2' is not supported"),
+        generate("model.path={models}/gpt2"),
+        ("key 'model.path'", "model_type 'gpt2' is not supported"),
     ),
     # --- the recipe's own command line (recipe_main -> parse_args) ------------------------------
     Case(

@@ -72,12 +72,9 @@ def test_shipped_config_validates_against_its_recipe(
 ):
     monkeypatch.chdir(tmp_path)  # Relative output_dirs are created under the test's folder.
     text = SHIPPED[name].read_text()
-    # The base model: model.path in the training recipes, checkpoint_dir in eval and generate.
-    found = re.search(r"^model:\n(?:  .*\n)*?  path: (\S+)$", text, re.MULTILINE)
+    # The base model: every recipe's model.path.
+    folder = re.search(r"^model:\n(?:  .*\n)*?  path: (\S+)$", text, re.MULTILINE).group(1)
     key = "model.path"
-    if found is None:
-        found, key = re.search(r"^checkpoint_dir: (\S+)$", text, re.MULTILINE), "checkpoint_dir"
-    folder = found.group(1)
     overrides = []
     if not folder.startswith("${") and not Path(folder).exists():
         # A real model the machine has not downloaded: the only problem is the missing folder,

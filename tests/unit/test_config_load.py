@@ -154,12 +154,12 @@ TEXTS = {
 
 
 @pytest.mark.parametrize("text", TEXTS.values(), ids=TEXTS.keys())
-@pytest.mark.parametrize("key", ["prompt", "checkpoint_dir", "input"])
+@pytest.mark.parametrize("key", ["prompt", "model.path", "input"])
 def test_a_text_setting_takes_the_value_as_typed(key, text):
     from tunelab.config import GenerateArgs
 
     cfg = load_config("tiny/generate", [f"{key}={text}"], GenerateArgs)
-    assert cfg[key] == text
+    assert OmegaConf.select(cfg, key) == text
 
 
 @pytest.mark.parametrize("text", TEXTS.values(), ids=TEXTS.keys())

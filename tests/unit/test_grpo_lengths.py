@@ -74,7 +74,7 @@ def test_the_kv_cache_estimate_is_what_generate_allocates_and_is_checked(tiny, m
         f"(40 prompt + 12 new tokens) x {args.num_layers} layers x 2 x {args.num_kv_heads} KV "
         f"heads x {args.head_dim} x 4 bytes), more than the 0.0 GiB free" in message
     )
-    assert "lower max_new_tokens, batch_size or num_generations" in message
+    assert "lower rollout.max_new_tokens, schedule.batch_size or rollout.num_generations" in message
     monkeypatch.setattr(rollout_module, "memory_budget_bytes", lambda device: allocated)
     engine.check_lengths(16, 40)
 

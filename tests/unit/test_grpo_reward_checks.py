@@ -86,7 +86,7 @@ def test_a_hung_reward_ends_after_the_time_limit_naming_it_and_the_rank(monkeypa
     try:
         with pytest.raises(
             TrainingError,
-            match=r"reward hangs did not return within reward_timeout_s=0.5 s on rank 3",
+            match=r"reward hangs did not return within rewards\.timeout_s=0.5 s on rank 3",
         ):
             _rewards("hangs", timeout_s=0.5)(["p", "p"], ["a", "b"], [{}, {}])
         assert time.perf_counter() - start < 10

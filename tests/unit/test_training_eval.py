@@ -188,6 +188,6 @@ def test_an_uncommented_eval_block_validates(path, tmp_path, monkeypatch, tiny_l
     block = [line.removeprefix("# ") for line in lines[start:] if line.startswith("# ")]
     copy = tmp_path / path.name
     copy.write_text("\n".join([*lines[:start], *block]) + "\n")
-    config = load_config(str(copy), [f"checkpoint_dir={tiny_long_context}"])
+    config = load_config(str(copy), [f"model.path={tiny_long_context}"])
     assert list(config["eval"]["tasks"])  # the block was read
-    check_config(str(copy), [f"checkpoint_dir={tiny_long_context}"])
+    check_config(str(copy), [f"model.path={tiny_long_context}"])

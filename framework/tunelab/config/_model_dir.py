@@ -317,14 +317,14 @@ def _weight_problems(folder: Path, path: str) -> list[str]:
 def _instead(folder: Path) -> str:
     """What to do about a folder without config.json: tunelab's own outputs are common here."""
     if (folder / "adapter_config.json").is_file():
-        return "it is a PEFT adapter: pass it as adapter_dir and the base model as checkpoint_dir"
+        return "it is a PEFT adapter: pass it as adapter_dir and the base model as model.path"
     if (folder / ".metadata").is_file() or re.fullmatch(r"step_\d+", folder.name):
         return (
             "it is a resumable step checkpoint: use an epoch_E export (or resume_from_checkpoint)"
         )
     exports = sorted(p.name for p in folder.glob("epoch_*") if (p / "config.json").is_file())
     if exports:
-        return f"it holds the exports {', '.join(exports)}: point checkpoint_dir at one of them"
+        return f"it holds the exports {', '.join(exports)}: point model.path at one of them"
     return download_hint(str(folder))
 
 

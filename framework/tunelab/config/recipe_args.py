@@ -22,7 +22,6 @@ from tunelab.config._tasks import task_path_problem
 from tunelab.config.constraints import (
     ExistingPath,
     Finite,
-    ModelDir,
     NonEmpty,
     OutputDir,
     Range,
@@ -32,6 +31,7 @@ from tunelab.config.sections import (
     AtLeastOne,
     LoRAModelSetupArgs,
     LoRASFTModelSetupArgs,
+    ModelFolderArgs,
     ModelSetupArgs,
     ParallelismArgs,
     ProfileArgs,
@@ -252,8 +252,8 @@ class LoRAFinetuneArgs(LoRARecipeArgs):
 class GenerateArgs(RecipeArgs):
     """Settings of the generate recipe."""
 
-    checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
-    """A Hugging Face model folder (a base model or an epoch_E export)."""
+    model: ModelFolderArgs
+    """The model: a Hugging Face folder (a base model or an epoch_E export) and its dtype."""
     adapter_dir: AdapterDir | None = None
     """A PEFT adapter folder to apply on top of the model."""
     prompt: str = "Hello"
@@ -272,16 +272,14 @@ class GenerateArgs(RecipeArgs):
     """Seed for sampling."""
     device: Literal["cpu", "cuda"] | None = None
     """Device (None: CUDA when available)."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Model dtype."""
 
 
 @dataclass(kw_only=True)
 class EvalArgs(RecipeArgs):
     """Settings of the eval recipe: lm-evaluation-harness tasks on a model folder."""
 
-    checkpoint_dir: Annotated[str, NonEmpty(), ModelDir()]
-    """A Hugging Face model folder (a base model or an epoch_E export)."""
+    model: ModelFolderArgs
+    """The model: a Hugging Face folder (a base model or an epoch_E export) and its dtype."""
     adapter_dir: AdapterDir | None = None
     """A PEFT adapter folder to apply on top of the model."""
     output_dir: Annotated[str, NonEmpty(), OutputDir()]
@@ -306,8 +304,6 @@ class EvalArgs(RecipeArgs):
     """Seed of lm-eval's few-shot sampling and of sampled generations."""
     device: Literal["cpu", "cuda"] | None = None
     """Device (None: CUDA when available)."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Model dtype."""
 
     def check_settings(self) -> list[str]:
         """A task given as a path must be a task YAML file or a folder."""

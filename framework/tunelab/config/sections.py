@@ -21,13 +21,19 @@ AtLeastOne = Annotated[int, Range(ge=1)]
 
 
 @dataclass(kw_only=True)
-class ModelSetupArgs:
-    """The model: where it comes from, and how it is built, placed and run."""
+class ModelFolderArgs:
+    """The model a recipe loads: its Hugging Face folder and parameter dtype."""
 
     path: Annotated[str, NonEmpty(), ModelDir()]
-    """The base model: a Hugging Face folder (config.json, safetensors, tokenizer files)."""
+    """The base model: a Hugging Face folder (config.json, safetensors, tokenizer files), or an epoch_E export."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter dtype."""
+
+
+@dataclass(kw_only=True)
+class ModelSetupArgs(ModelFolderArgs):
+    """The model: where it comes from, and how it is built, placed and run."""
+
     mixed_precision: bool = False
     """Compute in bf16 with fp32 parameters and gradient reduction (FSDP2 MixedPrecisionPolicy)."""
     attention_backend: Literal["auto", "sdpa", "flex", "dense"] = "auto"

@@ -38,27 +38,27 @@ _MIX = 0x9E3779B97F4A7C15
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale_rewards: bool = True, eps: float = 1e-4
+    rewards: torch.Tensor, num_generations: int, *, scale_rewards: bool = True, eps: float = 1e-4
 ) -> torch.Tensor:
-    """Group-relative advantages of consecutive groups of ``group_size`` rewards.
+    """Group-relative advantages of consecutive groups of ``num_generations`` rewards.
 
     Args:
-        rewards: ``[num_groups * group_size]``, each group's completions consecutive.
-        group_size: Completions per prompt (``G``, at least 2 for a std).
+        rewards: ``[num_groups * num_generations]``, each group's completions consecutive.
+        num_generations: Completions per prompt (``G``, at least 2 for a std).
         scale_rewards: Divide by the group's std (+ ``eps``); False for Dr. GRPO.
         eps: Added to the std, so a group of equal rewards gets advantages 0, not NaN.
 
     Returns:
-        ``[num_groups * group_size]`` advantages in the rewards' dtype.
+        ``[num_groups * num_generations]`` advantages in the rewards' dtype.
 
     Raises:
         ValueError: If the rewards do not split into whole groups.
     """
-    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+    if rewards.dim() != 1 or rewards.numel() % num_generations != 0:
         raise ValueError(
-            f"rewards must be [groups * {group_size}], got shape {tuple(rewards.shape)}"
+            f"rewards must be [groups * {num_generations}], got shape {tuple(rewards.shape)}"
         )
-    groups = rewards.view(-1, group_size)
+    groups = rewards.view(-1, num_generations)
     centred = groups - groups.mean(dim=1, keepdim=True)
     if scale_rewards:
         centred = centred / (groups.std(dim=1, keepdim=True) + eps)
@@ -112,7 +112,7 @@ class GroupSampler:
         device: torch.device,
     ) -> None:
         self.engine, self.rewards, self.prompts = engine, rewards, prompts
-        self.decode, self.pad_id, self.group = decode, pad_id, num_generations
+        self.decode, self.pad_id, self.num_generations = decode, pad_id, num_generations
         self.seed, self.scale_rewards, self.dynamic_sampling = seed, scale_rewards, dynamic_sampling
         self.device = device
 
@@ -128,7 +128,7 @@ class GroupSampler:
         Returns:
             The scored micro-batch.
         """
-        group, data = self.group, self.prompts
+        group, data = self.num_generations, self.prompts
         repeated = [index for index in indices for _ in range(group)]
         prompts = [data.tokens[index] for index in repeated]
         seeds = sampling_seeds(self.seed, step, indices, group, refill_round=refill_round)
@@ -193,7 +193,7 @@ class GroupSampler:
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        group = self.group
+        group = self.num_generations
         counts = global_sums(
             {
                 "target": sum(s.rollout.keep.numel() for s in scored) / group,

@@ -12,7 +12,7 @@ names it as a component whose other keys are its settings::
         limit: 40
     reward_weights: [1.0, 0.5]
 
-:class:`Rewards` calls each one under a time limit (``reward_timeout_s``), checks what it
+:class:`Rewards` calls each one under a time limit (``rewards.timeout_s``), checks what it
 returned (one number per completion, finite and at most :data:`MAX_REWARD` in magnitude; text
 is refused, not converted), and sums them with their weights; each one's mean is logged under
 ``rewards/<name>``.
@@ -292,9 +292,9 @@ class Rewards:
             thread.join(self.timeout_s)
             if thread.is_alive():
                 raise TrainingError(
-                    f"reward {name} did not return within reward_timeout_s={self.timeout_s:g} s "
+                    f"reward {name} did not return within rewards.timeout_s={self.timeout_s:g} s "
                     f"on rank {_rank()} (scoring {len(completions)} completions); fix the "
-                    "reward, or raise reward_timeout_s if it is only slow"
+                    "reward, or raise rewards.timeout_s if it is only slow"
                 )
         error = outcome.get("error")
         if isinstance(error, ConfigError) or (

@@ -245,11 +245,11 @@ class ModelRolloutEngine:
             element = self.model.model.embed_tokens.weight.element_size()
             raise ConfigError(
                 f"generating needs {needed / 2**30:.1f} GiB for the KV cache ({rows} sequences "
-                f"(batch_size x num_generations) x ({prompt_tokens} prompt + {new_tokens} new "
+                f"(schedule.batch_size x rollout.num_generations) x ({prompt_tokens} prompt + {new_tokens} new "
                 f"tokens) x {args.num_layers} layers x 2 x {args.num_kv_heads} KV heads x "
                 f"{args.head_dim} x {element} bytes), more than the {free / 2**30:.1f} GiB "
-                f"free for this process on {device}; lower max_new_tokens, batch_size or "
-                "num_generations (or dataset.max_prompt_tokens)"
+                f"free for this process on {device}; lower rollout.max_new_tokens, "
+                "schedule.batch_size or rollout.num_generations (or dataset.max_prompt_tokens)"
             )
 
     @torch.no_grad()

@@ -31,6 +31,9 @@ from tunelab.peft.nf4 import copy_rows_nf4_, quantize_base_nf4
 
 logger = logging.getLogger(__name__)
 
+# The parameter dtypes a model section names (``model.dtype``), for ``load_model``.
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
 
 def build_model(
     model: ModelSetupArgs,
@@ -57,24 +60,54 @@ def build_model(
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
-    return load_model(
-        model.path,
-        device=device,
-        dtype=resolve_dtype(model.dtype),
-        lora=lora,
-        adapter_dir=adapter_dir,
-        activation_checkpointing=model.activation_checkpointing,
-        activation_checkpointing_every=model.activation_checkpointing_every,
-        activation_checkpointing_scope=model.activation_checkpointing_scope,
-        compile_blocks=model.compile,
+    dtype = resolve_dtype(model.dtype)
+    backend = _attention_backend(model.attention_backend, device)
+    with torch.device("meta"):
+        decoder = from_hf_config(model.path)
+        decoder.attention_backend = backend
+        decoder.to(dtype)
+        if lora is not None:
+            if decoder.args.tie_embeddings and "lm_head" in lora.targets:
+                # The merged lm_head would differ from the embedding it is tied to, and an
+                # export of the tied model has no lm_head.weight to carry the update.
+                raise ConfigError(
+                    f"lora.targets: lm_head cannot be adapted in {model.path}, whose "
+                    "config ties it to the input embeddings (tie_word_embeddings: true)"
+                )
+            peft.apply_lora(decoder, lora)
+    quantized = lora is not None and lora.quantize_base == "nf4"
+    if quantized:
+        _quantize_base_nf4(decoder, device, mesh)
+    if model.activation_checkpointing:
+        apply_activation_checkpointing(
+            decoder,
+            every=model.activation_checkpointing_every,
+            scope=model.activation_checkpointing_scope,
+        )
+    if model.compile:
+        for block in decoder.layers:
+            block.compile()
+    # Only the LoRA recipes' section has frozen_base; without adapters nothing is frozen.
+    frozen_base = model.frozen_base if isinstance(model, LoRAModelSetupArgs) else "shard"
+    shard_model(
+        decoder,
         reshard_after_forward=model.reshard_after_forward,
         mixed_precision=model.mixed_precision,
-        seed=seed,
         mesh=mesh,
-        # Only the LoRA recipes' section has it; a full fine-tune has no frozen base.
-        frozen_base=model.frozen_base if isinstance(model, LoRAModelSetupArgs) else "shard",
-        attention_backend=model.attention_backend,
+        frozen_base=choose_frozen_base(
+            frozen_base, decoder, device, mixed_precision=model.mixed_precision
+        ),
     )
+    decoder.to_empty(device=device)
+    decoder.tie_weights()
+    # QLoRA: each rank quantizes its rows as they load (one small all-gather per weight).
+    load_hf_into_model(decoder, model.path, copy_rows=copy_rows_nf4_ if quantized else None)
+    if lora is not None:
+        torch.manual_seed(seed)
+        peft.init_lora_parameters(decoder)
+        if adapter_dir is not None:
+            peft.load_peft_adapter(decoder, adapter_dir)
+    return decoder
 
 
 def load_model(
@@ -97,8 +130,8 @@ def load_model(
 ) -> nn.Module:
     """Build, shard and load a model from a Hugging Face folder, every option spelled out.
 
-    What :func:`build_model` calls with a ``model`` section; scripts, tests and benchmarks
-    that build a model without a config call it directly.
+    For scripts, tests and benchmarks that build a model without a config: the options become
+    a ``model`` section for :func:`build_model`.
 
     Args:
         checkpoint_dir: The base model's Hugging Face folder.
@@ -126,47 +159,23 @@ def load_model(
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
-    backend = _attention_backend(attention_backend, device)
-    with torch.device("meta"):
-        model = from_hf_config(checkpoint_dir)
-        model.attention_backend = backend
-        model.to(dtype)
-        if lora is not None:
-            if model.args.tie_embeddings and "lm_head" in lora.targets:
-                # The merged lm_head would differ from the embedding it is tied to, and an
-                # export of the tied model has no lm_head.weight to carry the update.
-                raise ConfigError(
-                    f"lora.targets: lm_head cannot be adapted in {checkpoint_dir}, whose "
-                    "config ties it to the input embeddings (tie_word_embeddings: true)"
-                )
-            peft.apply_lora(model, lora)
-    quantized = lora is not None and lora.quantize_base == "nf4"
-    if quantized:
-        _quantize_base_nf4(model, device, mesh)
-    if activation_checkpointing:
-        apply_activation_checkpointing(
-            model, every=activation_checkpointing_every, scope=activation_checkpointing_scope
-        )
-    if compile_blocks:
-        for block in model.layers:
-            block.compile()
-    shard_model(
-        model,
-        reshard_after_forward=reshard_after_forward,
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} is not one the model section allows: {list(_DTYPE_NAMES)}")
+    settings = LoRAModelSetupArgs(
+        path=str(checkpoint_dir),
+        dtype=_DTYPE_NAMES[dtype],
         mixed_precision=mixed_precision,
-        mesh=mesh,
-        frozen_base=choose_frozen_base(frozen_base, model, device, mixed_precision=mixed_precision),
+        attention_backend=attention_backend,
+        compile=compile_blocks,
+        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_every=activation_checkpointing_every,
+        activation_checkpointing_scope=activation_checkpointing_scope,
+        reshard_after_forward=reshard_after_forward,
+        frozen_base=frozen_base,
     )
-    model.to_empty(device=device)
-    model.tie_weights()
-    # QLoRA: each rank quantizes its rows as they load (one small all-gather per weight).
-    load_hf_into_model(model, checkpoint_dir, copy_rows=copy_rows_nf4_ if quantized else None)
-    if lora is not None:
-        torch.manual_seed(seed)
-        peft.init_lora_parameters(model)
-        if adapter_dir is not None:
-            peft.load_peft_adapter(model, adapter_dir)
-    return model
+    return build_model(
+        settings, device=device, mesh=mesh, lora=lora, adapter_dir=adapter_dir, seed=seed
+    )
 
 
 def _attention_backend(backend: str, device: torch.device) -> str:
