@@ -184,9 +184,7 @@ def tunelab_steps(args: argparse.Namespace) -> tuple[dict[str, float], Completio
     data = prompt_dataset(
         tokenizer, source="json", data_files=str(TINY / "grpo_prompts.jsonl"), template="instruct"
     )
-    model = load_model(
-        str(TINY), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args()
-    )
+    model = load_model(str(TINY), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args())
     trainable = list(peft.get_adapter_params(model).values())
     optimizer = adamw(trainable, lr=1e-4, weight_decay=0.0)
     settings = SamplingSettings(
@@ -370,9 +368,7 @@ def tunelab_logps_peak(args: argparse.Namespace, base: Path) -> float:
     from tunelab.rl import completion_logps, rollout_batch
     from tunelab.training import load_model, output_layer
 
-    model = load_model(
-        str(base), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args()
-    )
+    model = load_model(str(base), device=torch.device("cpu"), dtype=torch.float32, lora=lora_args())
     tokens, prompt = logps_batch(args)
     row = tokens[0].tolist()
     batch = rollout_batch([row[:prompt]], [row[prompt:]], 0, torch.device("cpu"))
