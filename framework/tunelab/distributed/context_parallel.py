@@ -207,22 +207,24 @@ class ContextParallel:
         return local
 
 
-def build_context_parallel(size: int) -> ContextParallel:
-    """The cp group of this rank: ranks ``k * size .. k * size + size - 1`` (collective).
+def build_context_parallel(context_parallel_size: int) -> ContextParallel:
+    """The cp group of this rank: ranks ``k * N .. k * N + N - 1`` for N ranks (collective).
 
     Args:
-        size: ``context_parallel_size``; must divide the world size (``data_parallel_mesh``
-            checks the whole mesh).
+        context_parallel_size: ``parallelism.context_parallel_size``, N; must divide the world
+            size (``data_parallel_mesh`` checks the whole mesh).
 
     Raises:
-        ConfigError: ``size`` above 1 without a process group, or not dividing the world.
+        ConfigError: N above 1 without a process group, or not dividing the world.
     """
+    size = context_parallel_size
     if size == 1:
         return ContextParallel()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size % size:
         raise ConfigError(
-            f"context_parallel_size: {size} does not divide the {world_size} processes of this run"
+            f"parallelism.context_parallel_size: {size} does not divide the {world_size} "
+            "processes of this run"
         )
     group, _ = dist.new_subgroups(group_size=size, timeout=collective_timeout())
     return ContextParallel(size, group)

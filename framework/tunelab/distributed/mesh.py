@@ -63,20 +63,21 @@ def data_parallel_mesh(
     if shard_size is None:
         if world_size % (replicate_size * cp):
             what = (
-                f"data_parallel_replicate_size: {replicate_size}"
+                f"parallelism.data_parallel_replicate_size: {replicate_size}"
                 if cp == 1
-                else f"data_parallel_replicate_size x context_parallel_size = "
+                else f"parallelism.data_parallel_replicate_size x parallelism.context_parallel_size = "
                 f"{replicate_size} x {cp}"
             )
             raise ConfigError(f"{what} does not divide the {world_size} processes of this run")
         shard_size = world_size // (replicate_size * cp)
     if replicate_size * shard_size * cp != world_size:
         sizes = (
-            f"data_parallel_replicate_size x data_parallel_shard_size = {replicate_size} x "
+            f"parallelism.data_parallel_replicate_size x parallelism.data_parallel_shard_size = "
+            f"{replicate_size} x "
             f"{shard_size} = {replicate_size * shard_size}"
             if cp == 1
-            else "data_parallel_replicate_size x data_parallel_shard_size x "
-            f"context_parallel_size = {replicate_size} x {shard_size} x {cp} = "
+            else "parallelism.data_parallel_replicate_size x parallelism.data_parallel_shard_size x "
+            f"parallelism.context_parallel_size = {replicate_size} x {shard_size} x {cp} = "
             f"{replicate_size * shard_size * cp}"
         )
         raise ConfigError(

@@ -110,9 +110,21 @@ class ModelArgs:
     ``router_aux_loss_coef``)."""
     output_router_logits: bool = False
     """HF ``output_router_logits``: whether transformers adds the load-balancing loss to the
-    training loss. The recipes' ``router_aux_loss_coef: null`` follows it."""
+    training loss. The recipes' ``router.aux_loss_coef: null`` follows it."""
     extra_hf_config: dict[str, Any] = field(default_factory=dict)
     """Token ids and other HF config keys carried through to exported ``config.json``."""
+
+    @property
+    def default_router_aux_loss_coef(self) -> float:
+        """The load-balancing weight transformers trains this model with.
+
+        The one place that decides it: ``router_aux_loss_coef`` when ``output_router_logits``
+        is set on a mixture-of-experts model, else 0 (what ``RouterLoss`` uses for
+        ``router.aux_loss_coef: null``).
+        """
+        if self.num_experts > 0 and self.output_router_logits:
+            return self.router_aux_loss_coef
+        return 0.0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

@@ -128,26 +128,28 @@ class GroupSampler:
         Returns:
             The scored micro-batch.
         """
-        group, data = self.num_generations, self.prompts
-        repeated = [index for index in indices for _ in range(group)]
+        num_generations, data = self.num_generations, self.prompts
+        repeated = [index for index in indices for _ in range(num_generations)]
         prompts = [data.tokens[index] for index in repeated]
-        seeds = sampling_seeds(self.seed, step, indices, group, refill_round=refill_round)
+        seeds = sampling_seeds(self.seed, step, indices, num_generations, refill_round=refill_round)
         completions = self.engine.generate(prompts, seeds)
         texts = [self.decode(completion) for completion in completions]
         total, each = self.rewards(
             [data.prompts[index] for index in repeated], texts, [data.rows[i] for i in repeated]
         )
-        advantages = group_advantages(total, group, scale_rewards=self.scale_rewards)
+        advantages = group_advantages(total, num_generations, scale_rewards=self.scale_rewards)
         keep = torch.ones(len(completions), dtype=torch.bool)
         if self.dynamic_sampling:  # groups of equal rewards teach nothing: leave them out
-            keep = (total.view(-1, group).std(dim=1) > 0).repeat_interleave(group)
+            keep = (total.view(-1, num_generations).std(dim=1) > 0).repeat_interleave(
+                num_generations
+            )
         batch = rollout_batch(prompts, completions, self.pad_id, self.device)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         extra = {"round": refill_round} if refill_round else {}
         # The token ids too: decoded text does not always encode back to them (a byte-level
         # BPE splits differently, a stop token is not in the text), and the loss is theirs.
         records = [
-            {"index": indices[i // group], "sample": i % group, **extra, "completion": text,
+            {"index": indices[i // num_generations], "sample": i % num_generations, **extra, "completion": text,
              "completion_ids": list(completions[i]), "reward": float(total[i])}
             for i, text in enumerate(texts)
         ]  # fmt: skip
@@ -193,11 +195,11 @@ class GroupSampler:
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        group = self.num_generations
+        num_generations = self.num_generations
         counts = global_sums(
             {
-                "target": sum(s.rollout.keep.numel() for s in scored) / group,
-                "kept": sum(float(s.rollout.keep.sum()) for s in scored) / group,
+                "target": sum(s.rollout.keep.numel() for s in scored) / num_generations,
+                "kept": sum(float(s.rollout.keep.sum()) for s in scored) / num_generations,
             },
             self.device,
         )
@@ -212,11 +214,11 @@ class GroupSampler:
             mine = slice(rank * prompts_per_round, (rank + 1) * prompts_per_round)
             extra = self.sample(everyone[mine], step, refill_round)
             flags = torch.zeros(prompts_per_round * world, dtype=torch.float64, device=self.device)
-            flags[mine] = extra.rollout.keep.view(-1, group)[:, 0].to(flags.dtype)
+            flags[mine] = extra.rollout.keep.view(-1, num_generations)[:, 0].to(flags.dtype)
             flags = all_reduce_sum(flags)
             allowed = (flags > 0) & (kept + flags.cumsum(0) <= target)
             kept += int(allowed.sum())
-            keep = allowed[mine].repeat_interleave(group)
+            keep = allowed[mine].repeat_interleave(num_generations)
             lengths = (extra.rollout.batch["labels"] != -100).sum(dim=1)
             extra.rollout.keep = keep
             extra.sums["num_sequences"] = float(keep.sum())

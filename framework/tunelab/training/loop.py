@@ -149,13 +149,13 @@ class RouterLoss:
         router: RouterArgs,
         context: ContextParallel | None = None,
     ) -> None:
-        coefficient, z_coefficient = router.aux_loss_coef, router.z_loss_coef
-        args = getattr(model, "args", None)
-        is_moe = args is not None and getattr(args, "num_experts", 0) > 0
+        model_args = model.args  # the decoder's ModelArgs: is it MoE, and its own default
+        is_moe = model_args.num_experts > 0
+        coefficient = router.aux_loss_coef
         if coefficient is None:
-            coefficient = args.router_aux_loss_coef if is_moe and args.output_router_logits else 0.0
+            coefficient = model_args.default_router_aux_loss_coef
         self.coefficient = float(coefficient) if is_moe else 0.0
-        self.z_coefficient = float(z_coefficient) if is_moe else 0.0
+        self.z_coefficient = float(router.z_loss_coef) if is_moe else 0.0
         self.context = context if context is not None and context.enabled else None
         self._device = next(model.parameters()).device
         self._sum = torch.zeros(2, dtype=torch.float64, device=self._device)
