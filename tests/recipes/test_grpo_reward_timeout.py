@@ -37,7 +37,7 @@ def test_a_hung_reward_stops_the_run_naming_the_reward_and_the_rank(tmp_path):
     command = [
         TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config", "tiny/grpo",
         f"output_dir={tmp_path / 'out'}", "schedule.max_steps_per_epoch=2",
-        "rewards=[{_component_: hanging_reward.hang_on_rank_1}]", "rewards.weights=null",
+        "rewards.functions=[{_component_: hanging_reward.hang_on_rank_1}]", "rewards.weights=null",
         "rewards.timeout_s=2",
     ]  # fmt: skip
     pythonpath = os.environ.get("PYTHONPATH", "")

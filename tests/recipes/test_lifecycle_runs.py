@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow
 STEPS = 24
 # Global batch 16: 2 processes x 8, or 1 process x 16.
 COMMON = [
-    "epochs=1",
-    f"max_steps_per_epoch={STEPS}",
+    "schedule.epochs=1",
+    f"schedule.max_steps_per_epoch={STEPS}",
     "lr_scheduler.num_warmup_steps=0",
     "~val_dataset",
     "checkpoint.keep_last_n_checkpoints=null",
@@ -46,7 +46,7 @@ STOP_LINE = re.compile(
 
 def _overrides(out: Path, *extra: str, nproc: int = 2, steps: int = STEPS) -> list[str]:
     common = [arg.replace(f"={STEPS}", f"={steps}") for arg in COMMON]
-    return [f"output_dir={out}", f"batch_size={16 // nproc}", *common, *extra]
+    return [f"output_dir={out}", f"schedule.batch_size={16 // nproc}", *common, *extra]
 
 
 class _Run:
@@ -298,7 +298,12 @@ def test_sigint_at_a_step_the_schedule_saves_waits_for_that_save(tmp_path):
 )
 def test_the_other_training_recipes_stop_with_a_checkpoint_too(tmp_path, recipe, config):
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", "epochs=1", "max_steps_per_epoch=40", BETWEEN_SAVES]
+    overrides = [
+        f"output_dir={out}",
+        "schedule.epochs=1",
+        "schedule.max_steps_per_epoch=40",
+        BETWEEN_SAVES,
+    ]
     run = _Run(out, *overrides, recipe=recipe, config=config)
     try:
         run.wait_for_steps(2)
@@ -406,9 +411,8 @@ def _hanging_grpo(tmp_path: Path, collective_timeout_s: int) -> _Run:
     out = tmp_path / "run"
     overrides = [
         f"output_dir={out}", "schedule.epochs=1", "schedule.max_steps_per_epoch=4", BETWEEN_SAVES,
-        # The old flat keys (rewards.functions=... as an override failed in this tree).
-        "rewards=[{_component_: hang_reward.hang_on_rank_1}]", "reward_weights=[1.0]",
-        "reward_timeout_s=null",  # no reward time limit: the hang lasts
+        "rewards.functions=[{_component_: hang_reward.hang_on_rank_1}]", "rewards.weights=[1.0]",
+        "rewards.timeout_s=null",  # no reward time limit: the hang lasts
         f"parallelism.collective_timeout_s={collective_timeout_s}",
     ]  # fmt: skip
     env = {"PYTHONPATH": str(tmp_path), "HANG_MARKER": str(tmp_path / "hanging")}
@@ -490,7 +494,11 @@ def _snapshot(out: Path) -> dict[str, tuple[int, int]]:
 def test_sigkill_of_the_launcher_ends_every_worker_and_frees_the_output_dir(tmp_path, nproc):
     out = tmp_path / "run"
     # A long run that saves every step: an orphan would keep writing.
-    long_run = ["epochs=20", "max_steps_per_epoch=null", "checkpoint.save_every_n_steps=1"]
+    long_run = [
+        "schedule.epochs=20",
+        "schedule.max_steps_per_epoch=null",
+        "checkpoint.save_every_n_steps=1",
+    ]
     run = _Run(out, *_overrides(out, nproc=nproc), *long_run, nproc=nproc)
     try:
         run.wait_for_steps(3)
@@ -511,7 +519,7 @@ def test_sigkill_of_the_launcher_ends_every_worker_and_frees_the_output_dir(tmp_
     resumed = tunelab_run(
         "lora_finetune_distributed", "tiny/lora",
         *_overrides(out, BETWEEN_SAVES, "checkpoint.resume_from_checkpoint=auto", nproc=nproc),
-        f"max_steps_per_epoch={last_step + 2}", nproc=nproc,
+        f"schedule.max_steps_per_epoch={last_step + 2}", nproc=nproc,
     )  # fmt: skip
     assert f"finished at step {last_step + 2}" in resumed.stdout
 
@@ -521,7 +529,10 @@ def test_sigkill_of_the_launcher_ends_every_worker_and_frees_the_output_dir(tmp_
 
 def test_a_second_run_into_a_busy_output_dir_stops_at_start_naming_the_holder(tmp_path):
     out = tmp_path / "run"
-    first = _Run(out, *_overrides(out, BETWEEN_SAVES, "max_steps_per_epoch=null", "epochs=5"))
+    first = _Run(
+        out,
+        *_overrides(out, BETWEEN_SAVES, "schedule.max_steps_per_epoch=null", "schedule.epochs=5"),
+    )
     try:
         first.wait_for_steps(2)
         holder_pid = next(pid for pid in first.workers() if _rank(pid) == "0")
