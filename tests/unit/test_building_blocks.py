@@ -1,0 +1,75 @@
+"""The building blocks a training recipe calls take at most 6 parameters (issue 39, Proof).
+
+The recipes are read with ``ast``: every ``tunelab`` callable a training recipe imports and calls
+(directly or through ``functools.partial``) is inspected. ``PENDING`` lists the blocks that
+still take more, with their count today: a ratchet, so none grows and no new one joins them,
+and each is removed from the list when it is split (issue 39 leaves them for a follow-up).
+"""
+
+import ast
+import importlib
+import inspect
+
+from tunelab import _paths
+
+TRAINING_RECIPES = (
+    "full_finetune_distributed",
+    "lora_finetune_distributed",
+    "lora_dpo_distributed",
+    "grpo_distributed",
+)
+MAX_PARAMETERS = 6
+PENDING = {
+    "tunelab.training.build_data": 13,
+    "tunelab.training.AfterStep": 10,
+    "tunelab.rl.GroupSampler": 10,
+    "tunelab.training.build_checkpoint_client": 9,
+    "tunelab.training.optimizer_step": 7,
+    "tunelab.training.evaluate_preference": 7,
+    "tunelab.rl.grpo_metrics": 7,
+}
+
+
+def _called_blocks(recipe: str) -> dict[str, object]:
+    """``module.name`` -> callable, for every tunelab import the recipe calls."""
+    tree = ast.parse((_paths.recipes_dir() / f"{recipe}.py").read_text())
+    imported = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tunelab"):
+            for alias in node.names:
+                imported[alias.asname or alias.name] = (node.module, alias.name)
+    called = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        names = [node.func] + (node.args[:1] if getattr(node.func, "id", "") == "partial" else [])
+        for name in names:
+            if isinstance(name, ast.Name) and name.id in imported:
+                module, attribute = imported[name.id]
+                called[f"{module}.{attribute}"] = getattr(
+                    importlib.import_module(module), attribute
+                )
+    return called
+
+
+def _parameter_count(block: object) -> int | None:
+    try:
+        signature = inspect.signature(block)
+    except (TypeError, ValueError):
+        return None
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return sum(1 for p in signature.parameters.values() if p.kind not in variadic)
+
+
+def test_the_building_blocks_recipes_call_take_at_most_six_parameters():
+    too_many = {}
+    for recipe in TRAINING_RECIPES:
+        for name, block in _called_blocks(recipe).items():
+            count = _parameter_count(block)
+            if count is not None and count > MAX_PARAMETERS:
+                too_many[name] = count
+    assert "tunelab.training.build_model" not in too_many
+    grown = {name: count for name, count in too_many.items() if count > PENDING.get(name, 6)}
+    assert not grown, f"over {MAX_PARAMETERS} parameters (or more than before): {grown}"
+    # A block split since keeps the list honest: remove it from PENDING.
+    assert set(PENDING) <= set(too_many), sorted(set(PENDING) - set(too_many))
