@@ -17,11 +17,7 @@ policy forwards, loss and backward over its micro-batches, then clip and step; t
 import tunelab.peft as peft
 from tunelab.config import LoRADPOArgs, instantiate
 from tunelab.data import padded_collate_dpo
-from tunelab.distributed import (
-    data_parallel_mesh,
-    destroy_distributed,
-    init_distributed,
-)
+from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
@@ -188,13 +184,8 @@ def main(args: LoRADPOArgs) -> None:
             )
             global_step += 1
             # Progress, metrics, validation, export, save, and a stop signal's checkpoint.
-            after_step(
-                global_step,
-                epoch,
-                step_in_epoch,
-                {**metrics, **step_metrics},
-                num_tokens=num_tokens,
-            )
+            metrics |= step_metrics
+            after_step(global_step, epoch, step_in_epoch, metrics, num_tokens=num_tokens)
 
     # -- clean-up -------------------------------------------------------------------------
     after_step.close()
