@@ -9,8 +9,9 @@ score them with the configured rewards and turn each group's rewards into advant
 (``GroupSampler``; with dynamic sampling, groups of equal rewards are left out and may be
 refilled from more prompts); 2. store the reference's log-probs when needed; 3.
 ``rollout.num_iterations`` optimizer steps over the rollouts with the configured policy loss
-(``loss:``, a ``tunelab.rl.PolicyLoss``: ``GRPOLoss`` by default, or ``GSPOLoss``), the log-probs computed at completion positions only (the first
-pass's, taken before any update, are the sampling policy's: kept for the next passes); 4.
+(``loss:``, a ``tunelab.rl.PolicyLoss``: ``GRPOLoss`` by default, or ``GSPOLoss``), the
+log-probs computed at completion positions only (the first pass's, taken before any update,
+are the sampling policy's: kept for the next passes); 4.
 ``after_step`` logs, validates (greedy completions of ``val_dataset``), exports and saves.
 The reference (``loss.beta`` > 0) is the model with its adapters disabled, or for full fine-tuning
 (``lora: null``) a frozen copy of the base. Sampling seeds derive from the seed, the step and
@@ -24,11 +25,7 @@ from functools import partial
 import tunelab.peft as peft
 from tunelab.config import GRPOArgs, instantiate
 from tunelab.data import padded_collate_prompts
-from tunelab.distributed import (
-    data_parallel_mesh,
-    destroy_distributed,
-    init_distributed,
-)
+from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.rl import (
@@ -37,7 +34,6 @@ from tunelab.rl import (
     ModelRolloutEngine,
     Rewards,
     RolloutValidation,
-    SamplingSettings,
     bound_prompt_lengths,
     check_policy_loss,
     global_sums,
@@ -136,21 +132,7 @@ def main(args: GRPOArgs) -> None:
         )
     elif loss_fn.beta > 0:
         reference = FrozenReference(build(lora=None))
-    engine = ModelRolloutEngine(
-        model,
-        SamplingSettings(
-            max_new_tokens=args.rollout.max_new_tokens,
-            temperature=args.rollout.temperature,
-            top_p=args.rollout.top_p,
-            top_k=args.rollout.top_k,
-            stop_ids=frozenset(tokenizer.stop_ids),
-            stop_strings=tuple(args.rollout.stop_strings or ()),
-        ),
-        pad_id=tokenizer.pad_id,
-        decode=tokenizer.decode,
-        gather_once=args.rollout.gather_once,
-        merge_adapters=args.rollout.merge_adapters,
-    )
+    engine = ModelRolloutEngine.from_rollout(model, args.rollout, tokenizer)
     # Every prompt fits the context with its completion (longer ones keep their last tokens,
     # counted), and a micro-batch's KV cache fits the device: checked before any allocation.
     prompt_sets = {"dataset": data.loader.dataset}
@@ -159,20 +141,9 @@ def main(args: GRPOArgs) -> None:
     bound_prompt_lengths(
         engine, prompt_sets, tokenizer, rows=data.loader.batch_size * args.rollout.num_generations
     )
-    rewards = Rewards(
-        args.rewards.functions, args.rewards.weights, timeout_s=args.rewards.timeout_s
-    )
-    groups = GroupSampler(
-        engine,
-        rewards,
-        data.loader.dataset,
-        decode=tokenizer.decode,
-        pad_id=tokenizer.pad_id,
-        num_generations=args.rollout.num_generations,
-        seed=args.seed,
-        scale_rewards=args.rewards.scale,
-        dynamic_sampling=args.rollout.dynamic_sampling,
-        device=device,
+    rewards = Rewards.from_settings(args.rewards)
+    groups = GroupSampler.from_settings(
+        engine, rewards, data.loader.dataset, args.rollout, seed=args.seed, device=device
     )
     # Greedy completions of val_dataset: no random numbers drawn, so a resume stays exact.
     validate = None

@@ -22,7 +22,6 @@ MAX_PARAMETERS = 6
 PENDING = {
     "tunelab.training.build_data": 13,
     "tunelab.training.AfterStep": 10,
-    "tunelab.rl.GroupSampler": 10,
     "tunelab.training.build_checkpoint_client": 9,
     "tunelab.training.optimizer_step": 7,
     "tunelab.training.evaluate_preference": 7,
@@ -49,6 +48,15 @@ def _called_blocks(recipe: str) -> dict[str, object]:
                 called[f"{module}.{attribute}"] = getattr(
                     importlib.import_module(module), attribute
                 )
+            # A classmethod of an imported class: `GroupSampler.from_settings(...)`.
+            if (
+                isinstance(name, ast.Attribute)
+                and isinstance(name.value, ast.Name)
+                and name.value.id in imported
+            ):
+                module, attribute = imported[name.value.id]
+                owner = getattr(importlib.import_module(module), attribute)
+                called[f"{module}.{attribute}.{name.attr}"] = getattr(owner, name.attr)
     return called
 
 

@@ -25,8 +25,11 @@ TRAINING_RECIPES = (
     "grpo_distributed",
 )
 # The sections each training recipe hands whole to their owners (build_model, data_parallel_mesh,
-# Schedule, StepProfiler, RouterLoss, build_checkpoint_client, TrainingEval).
-HANDED_WHOLE = ("model", "parallelism", "schedule", "profile", "checkpoint", "eval", "router")
+# Schedule, StepProfiler, RouterLoss, build_checkpoint_client, TrainingEval, and GRPO's
+# ModelRolloutEngine.from_rollout, GroupSampler.from_settings, Rewards.from_settings).
+HANDED_WHOLE = (
+    "model", "parallelism", "schedule", "profile", "checkpoint", "eval", "router", "rollout", "rewards"
+)  # fmt: skip
 
 
 @dataclass(kw_only=True)

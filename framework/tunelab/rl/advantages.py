@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tunelab.config.sections import RolloutArgs
 from tunelab.distributed import all_reduce_sum
 from tunelab.rl.rewards import Rewards
 from tunelab.rl.rollout import ModelRolloutEngine
@@ -115,6 +116,41 @@ class GroupSampler:
         self.decode, self.pad_id, self.num_generations = decode, pad_id, num_generations
         self.seed, self.scale_rewards, self.dynamic_sampling = seed, scale_rewards, dynamic_sampling
         self.device = device
+
+    @classmethod
+    def from_settings(
+        cls,
+        engine: ModelRolloutEngine,
+        rewards: Rewards,
+        prompts: Any,
+        rollout: RolloutArgs,
+        *,
+        seed: int,
+        device: torch.device,
+    ) -> GroupSampler:
+        """The rollout phase a recipe's ``rollout`` section describes, taken whole.
+
+        Args:
+            engine: The rollout engine (its ``decode`` and ``pad_id`` are the tokenizer's).
+            rewards: The reward functions (``Rewards.from_settings``: with the ``rewards``
+                section's ``scale``).
+            prompts: The prompt dataset.
+            rollout: The ``rollout`` settings (``num_generations``, ``dynamic_sampling``).
+            seed: The run's seed.
+            device: Where rollout batches go.
+        """
+        return cls(
+            engine,
+            rewards,
+            prompts,
+            decode=engine.decode,
+            pad_id=engine.pad_id,
+            num_generations=rollout.num_generations,
+            seed=seed,
+            scale_rewards=rewards.scale,
+            dynamic_sampling=rollout.dynamic_sampling,
+            device=device,
+        )
 
     def sample(self, indices: list[int], step: int, refill_round: int = 0) -> ScoredGroups:
         """Sample, score and keep the groups of the prompts ``indices`` at optimizer step ``step``.

@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig
 
 from tunelab.config import instantiate
+from tunelab.config.sections import RewardArgs
 from tunelab.errors import ConfigError, TrainingError
 
 __all__ = [
@@ -194,6 +195,8 @@ class Rewards:
             and ``rows`` (and its own settings).
         weights: One weight per reward (None: all 1.0).
         timeout_s: Seconds one reward call may take (None: no limit); see :meth:`__call__`.
+        scale: Whether each group's centred rewards are divided by their std (GRPO, DAPO;
+            False for Dr. GRPO); read by ``GroupSampler.from_settings``.
 
     Raises:
         ConfigError: No reward, or a number of weights that does not match.
@@ -205,7 +208,9 @@ class Rewards:
         weights: Sequence[float] | None = None,
         *,
         timeout_s: float | None = 60.0,
+        scale: bool = True,
     ) -> None:
+        self.scale = scale
         if not nodes:
             raise ConfigError("rewards: give at least one reward function")
         weights = list(weights) if weights is not None else [1.0] * len(nodes)
@@ -221,6 +226,17 @@ class Rewards:
         self.names = [
             f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)
         ]
+
+    @classmethod
+    def from_settings(cls, rewards: RewardArgs) -> Rewards:
+        """The rewards a recipe's ``rewards`` section describes, taken whole.
+
+        Its ``scale`` (divide each group's centred rewards by their std) goes with them, for
+        ``GroupSampler.from_settings``.
+        """
+        return cls(
+            rewards.functions, rewards.weights, timeout_s=rewards.timeout_s, scale=rewards.scale
+        )
 
     def __call__(
         self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]

@@ -19,12 +19,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tunelab.config.sections import RolloutArgs
 from tunelab.distributed import hold_gathered
 from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.errors import ConfigError
@@ -197,6 +198,35 @@ class ModelRolloutEngine:
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
+
+    @classmethod
+    def from_rollout(
+        cls, model: nn.Module, rollout: RolloutArgs, tokenizer: Any
+    ) -> ModelRolloutEngine:
+        """The engine a recipe's ``rollout`` section describes, taken whole.
+
+        Args:
+            model: The policy.
+            rollout: The ``rollout`` settings: lengths, sampling, stop strings, and
+                ``gather_once`` / ``merge_adapters``.
+            tokenizer: Gives the stop tokens, the padding token and ``decode``.
+        """
+        settings = SamplingSettings(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            stop_ids=frozenset(tokenizer.stop_ids),
+            stop_strings=tuple(rollout.stop_strings or ()),
+        )
+        return cls(
+            model,
+            settings,
+            pad_id=tokenizer.pad_id,
+            decode=tokenizer.decode,
+            gather_once=rollout.gather_once,
+            merge_adapters=rollout.merge_adapters,
+        )
 
     def update_weights(self, model: nn.Module) -> None:
         """Nothing to do: the engine samples from the live model."""
