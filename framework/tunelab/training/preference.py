@@ -164,7 +164,6 @@ def evaluate_preference(
     reference: ReferenceModel,
     device: torch.device,
     *,
-    num_chunks: int | None = None,
     output: OutputLayer | None = None,
 ) -> dict[str, float]:
     """Loss and preference metrics averaged over every pair of a validation loader.
@@ -175,8 +174,8 @@ def evaluate_preference(
         loss_fn: The training loss.
         reference: The frozen reference.
         device: The model's device.
-        num_chunks: Chunks of the fp32 log-softmax (None: by size, see ``sequence_logps``).
-        output: The model's ``output_layer``, for chunked logits.
+        output: The model's ``output_layer``, for chunked logits (None: the log-softmax is
+            chunked by size, see ``sequence_logps``).
 
     Returns:
         Global means over all ranks' pairs, keyed like the training metrics.
@@ -189,12 +188,8 @@ def evaluate_preference(
     sums = None
     for batch in loader:
         batch = to_device(batch, device)
-        ref = (
-            reference.logps([batch], num_chunks=num_chunks, output=output)[0]
-            if loss_fn.needs_reference
-            else None
-        )
-        policy = policy_forward(model, batch, num_chunks=num_chunks, output=output)
+        ref = reference.logps([batch], output=output)[0] if loss_fn.needs_reference else None
+        policy = policy_forward(model, batch, output=output)
         _, batch_sums = preference_loss(loss_fn, policy, ref)
         sums = accumulate_metrics(sums, batch_sums)
     reshard_all(model)
@@ -202,8 +197,8 @@ def evaluate_preference(
     if sums is None:
         # The sampler gives every rank the same number of batches, so all ranks get here.
         raise DataError(
-            f"val_dataset has fewer than batch_size={loader.batch_size} pairs per process; "
-            "lower batch_size or add validation pairs"
+            f"val_dataset has fewer than schedule.batch_size={loader.batch_size} pairs per "
+            "process; lower schedule.batch_size or add validation pairs"
         )
     means = _global_means(sums)[0]
     logger.info("validation loss %.4f", means["loss"])
