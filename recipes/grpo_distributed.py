@@ -228,11 +228,10 @@ def main(args: GRPOArgs) -> None:
             metrics |= grpo_metrics(
                 counts,
                 step_totals,
+                args.rollout,
                 divisor=divisor,
                 world_size=dist_info.world_size,
-                num_iterations=args.rollout.num_iterations,
                 train_seconds=time.perf_counter() - train_start,
-                refill=args.rollout.dynamic_sampling_refill_rounds > 0,
             )
             after_step(
                 global_step, epoch, step_in_epoch, metrics, num_tokens=counts["completion_tokens"]

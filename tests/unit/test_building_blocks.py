@@ -24,7 +24,6 @@ PENDING = {
     "tunelab.training.AfterStep": 10,
     "tunelab.training.build_checkpoint_client": 9,
     "tunelab.training.optimizer_step": 7,
-    "tunelab.rl.grpo_metrics": 7,
 }
 
 

@@ -291,24 +291,24 @@ def step_counts(scored: list[ScoredGroups], device: torch.device) -> dict[str, f
 def grpo_metrics(
     counts: dict[str, float],
     step_totals: dict[str, float],
+    rollout: RolloutArgs,
     *,
     divisor: float,
     world_size: int,
-    num_iterations: int,
     train_seconds: float,
-    refill: bool = False,
 ) -> dict[str, float]:
     """A GRPO step's metrics from its global sums.
 
     Args:
         counts: The rollout sums over all ranks (``ScoredGroups.sums``, summed).
         step_totals: The last pass's loss, clipped-token and KL sums over all ranks.
+        rollout: The ``rollout`` settings: ``num_iterations`` (optimizer passes over the
+            rollouts) and ``dynamic_sampling_refill_rounds`` (when above 0, ``refill_prompts``
+            is logged: prompts sampled in refill rounds over all ranks, 0 when the step's own
+            groups sufficed).
         divisor: The loss normalizer of the step.
         world_size: Processes (generation seconds are summed over them).
-        num_iterations: Optimizer passes over the rollouts.
         train_seconds: Wall time of the log-prob and optimizer passes.
-        refill: Dynamic-sampling refills are on: log ``refill_prompts`` (prompts sampled in
-            refill rounds over all ranks; 0 when the step's own groups sufficed).
 
     Returns:
         ``loss``, ``reward``, ``reward_std``, ``rewards/<name>``, ``completion_length``,
@@ -332,8 +332,10 @@ def grpo_metrics(
         "kl": step_totals["kl"] / tokens,
         "generation_tokens_per_second": counts["completion_tokens"]
         / max(counts["generation_seconds"] / world_size, 1e-9),
-        "train_tokens_per_second": counts["num_tokens"] * num_iterations / max(train_seconds, 1e-9),
+        "train_tokens_per_second": counts["num_tokens"]
+        * rollout.num_iterations
+        / max(train_seconds, 1e-9),
     }
-    if refill:
+    if rollout.dynamic_sampling_refill_rounds > 0:
         metrics["refill_prompts"] = counts.get("refill_prompts", 0.0)
     return metrics
