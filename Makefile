@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 demo: install
 	rm -rf outputs/demo
 	$(VENV)/bin/tunelab run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora output_dir=outputs/demo
-	$(VENV)/bin/tunelab run generate --config tiny/generate checkpoint_dir=outputs/demo/epoch_2
+	$(VENV)/bin/tunelab run generate --config tiny/generate model.path=outputs/demo/epoch_2
 
 # Two workers, each test file whole on one (its module-scoped runs made once); the shared
 # session runs of tests/recipes/conftest.py are made once for both (a file lock).

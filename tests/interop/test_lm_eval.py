@@ -295,7 +295,7 @@ def test_two_processes_give_the_results_of_one(export, tasks, tunelab_lm, tmp_pa
         f"tasks=[{tasks[0]},{tasks[1]}]",
         f"output_dir={tmp_path / 'out'}",
         "num_fewshot=0",
-        "schedule.batch_size=2",
+        "batch_size=2",
         "log_samples=true",
     ]
     result = subprocess.run(
