@@ -23,6 +23,7 @@ from tunelab import _paths
 from tunelab.cli._discovery import builtin_recipes, load_recipe_args
 from tunelab.config._args import component_spec, field_docs
 from tunelab.config._component_rules import RULES
+from tunelab.config._instantiate import COMPONENT_KEY
 from tunelab.config._renamed import MOVED_COMPONENTS, RENAMED
 from tunelab.config._types import split_annotated, type_name
 from tunelab.config._validate import _is_list
@@ -105,10 +106,14 @@ def _field_type(field: dataclasses.Field, hint: Any) -> str:
 
 def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
-        return _code(_yaml(field.default))
-    if field.default_factory is not dataclasses.MISSING:
-        return _code(_yaml(field.default_factory()))
-    return "required"
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "required"
+    if component_spec(field) is not None and isinstance(value, Mapping) and COMPONENT_KEY in value:
+        return _code(str(value[COMPONENT_KEY]))  # A default component: its dotted path.
+    return _code(_yaml(value))
 
 
 def settings_rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
