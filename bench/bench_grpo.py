@@ -12,7 +12,7 @@ Two measurements, each tunelab's path and TRL's on the same inputs, one after th
   completions each, up to ``--max-new-tokens`` tokens, greedy, LoRA r=8 on every projection,
   fp32, ``beta`` 0, one optimizer step per batch of rollouts. tunelab: the pieces the recipe
   calls in its order (``GroupSampler.sample`` with the built-in engine,
-  ``policy_gradient_pass``, ``optimizer_step``). TRL: ``trl.GRPOTrainer`` with its own
+  ``policy_gradient_pass``, ``OptimizerStep``). TRL: ``trl.GRPOTrainer`` with its own
   generation (``transformers`` ``generate``, ``do_sample=False``), the same settings, timed by
   a callback from ``on_step_begin`` to ``on_step_end``; its generation time is that of the
   model's ``generate`` calls. Step time is per step (median after a warm-up step).
@@ -177,7 +177,7 @@ def tunelab_steps(args: argparse.Namespace) -> tuple[dict[str, float], Completio
         policy_gradient_pass,
         step_counts,
     )
-    from tunelab.training import adamw, load_model, optimizer_step, output_layer
+    from tunelab.training import OptimizerStep, adamw, load_model, output_layer
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
@@ -220,7 +220,7 @@ def tunelab_steps(args: argparse.Namespace) -> tuple[dict[str, float], Completio
             max_new_tokens=args.max_new_tokens,
         )
         policy_gradient_pass(model, [s.rollout for s in scored], loss_fn, output, scale=1 / divisor)
-        optimizer_step(optimizer, trainable, clip_grad_norm=1.0, lr_scheduler=None)
+        OptimizerStep(optimizer, trainable, clip_grad_norm=1.0)()
         if step:  # the first step warms up
             step_times.append(time.perf_counter() - start)
             generated += engine.last_generated_tokens

@@ -11,7 +11,7 @@ Each row drives the library pieces the recipes ``lora_finetune_distributed`` and
 ``build_model`` (meta build, LoRA r=8 on every projection as in ``configs/tiny``, FSDP2 over
 the ranks, sharded load), ``adamw``, then per step the DPO reference forward (adapters off),
 the forward with the recipe's loss, the backward scaled as the recipes scale it and
-``optimizer_step`` with clipping. Batches are random token ids made here (the data pipeline
+``OptimizerStep`` with clipping. Batches are random token ids made here (the data pipeline
 is not what is timed): SFT rows train on every token; DPO rows hold chosen then rejected rows
 sharing a prompt of half the sequence.
 
@@ -171,11 +171,11 @@ def worker(args: argparse.Namespace) -> None:
     from tunelab.distributed import init_distributed
     from tunelab.losses import CrossEntropyLoss, DPOLoss
     from tunelab.training import (
+        OptimizerStep,
         ReferenceModel,
         adamw,
         batch_loss,
         global_token_count,
-        optimizer_step,
         output_layer,
         policy_forward,
     )
@@ -223,7 +223,7 @@ def worker(args: argparse.Namespace) -> None:
             laps.lap("forward")
             (losses.sum() * info.world_size / global_pairs).backward()
         laps.lap("backward")
-        optimizer_step(optimizer, trainable, clip_grad_norm=1.0, lr_scheduler=None)
+        OptimizerStep(optimizer, trainable, clip_grad_norm=1.0)()
         laps.lap("optimizer")
         times[step] = torch.tensor([laps.seconds[phase] for phase in PHASES])
     write_result(args, times, peak_before, module.args, trainable)

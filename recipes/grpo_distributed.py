@@ -45,17 +45,20 @@ from tunelab.rl import (
 )
 from tunelab.training import (
     AfterStep,
+    Datasets,
     MetricLoggers,
     NonFiniteGuard,
+    OptimizerStep,
     ReferenceModel,
     Schedule,
     StepProfiler,
+    StepReports,
+    TrainState,
     build_checkpoint_client,
     build_data,
     build_model,
     build_optimizer,
     config_fingerprint,
-    optimizer_step,
     output_layer,
     resume,
     seed_everything,
@@ -85,16 +88,10 @@ def main(args: GRPOArgs) -> None:
     benchmarks = TrainingEval(args.eval, model, tokenizer)
     # Micro-batches of prompts: each carries its prompts' dataset indices (for seeds and rows).
     data = build_data(
-        args.dataset,
-        tokenizer,
-        padded_collate_prompts,
-        batch_size=args.schedule.batch_size,
-        gradient_accumulation_steps=args.schedule.gradient_accumulation_steps,
+        Datasets(args.dataset, tokenizer, padded_collate_prompts, args.val_dataset),
+        args.schedule,
         seed=args.seed,
-        max_steps_per_epoch=args.schedule.max_steps_per_epoch,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
-        allow_global_batch_change=args.schedule.allow_global_batch_change,
-        val_dataset=args.val_dataset,
     )
     if args.lora is not None:
         trainable = list(peft.get_adapter_params(model).values())
@@ -111,11 +108,8 @@ def main(args: GRPOArgs) -> None:
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        TrainState(model, optimizer, lr_scheduler, lora=args.lora),
         base_checkpoint_dir=args.model.path,
-        lora=args.lora,
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
     )
@@ -153,7 +147,14 @@ def main(args: GRPOArgs) -> None:
         )
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.model.chunked_output else None
-    nonfinite = NonFiniteGuard(args.schedule.skip_nonfinite_steps)
+    # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
+    optimizer_step = OptimizerStep(
+        optimizer,
+        trainable,
+        lr_scheduler=lr_scheduler,
+        clip_grad_norm=args.schedule.clip_grad_norm,
+        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
+    )
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -161,13 +162,14 @@ def main(args: GRPOArgs) -> None:
         checkpoints,
         data,
         Schedule(args.schedule, args.checkpoint),
-        loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+        StepReports(
+            MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+            StepProfiler(run.profile_dir, args.profile),
+            validate=validate,
+            benchmarks=benchmarks,
+        ),
         global_step=global_step,
-        validate=validate,
-        profiler=StepProfiler(run.profile_dir, args.profile),
         device=device,
-        is_main=dist_info.is_main,
-        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------
@@ -214,15 +216,7 @@ def main(args: GRPOArgs) -> None:
                     keep_old=iteration == 0 and args.rollout.num_iterations > 1,
                 )
                 step_totals = global_sums(step_sums, device)
-                metrics = optimizer_step(
-                    optimizer,
-                    trainable,
-                    clip_grad_norm=args.schedule.clip_grad_norm,
-                    lr_scheduler=lr_scheduler,
-                    guard=nonfinite,
-                    loss=step_totals["loss"] / divisor,
-                    step=global_step + 1,
-                )
+                metrics = optimizer_step(loss=step_totals["loss"] / divisor, step=global_step + 1)
             global_step += 1
             # 4. Log, validate, export, save.
             metrics |= grpo_metrics(

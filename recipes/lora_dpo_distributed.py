@@ -23,12 +23,16 @@ from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
 from tunelab.training import (
     AfterStep,
+    Datasets,
     MetricLoggers,
     NonFiniteGuard,
+    OptimizerStep,
     PrecomputedReference,
     ReferenceModel,
     Schedule,
     StepProfiler,
+    StepReports,
+    TrainState,
     build_checkpoint_client,
     build_data,
     build_model,
@@ -38,7 +42,6 @@ from tunelab.training import (
     evaluate_preference,
     global_pair_count,
     global_preference_metrics,
-    optimizer_step,
     output_layer,
     policy_forward,
     preference_loss,
@@ -79,18 +82,11 @@ def main(args: LoRADPOArgs) -> None:
     benchmarks = TrainingEval(args.eval, model, tokenizer)
     # Batches carry their pairs' dataset indices (pair_index), for reference_logps: precompute.
     data = build_data(
-        args.dataset,
-        tokenizer,
-        padded_collate_dpo,
-        batch_size=args.schedule.batch_size,
-        gradient_accumulation_steps=args.schedule.gradient_accumulation_steps,
+        Datasets(args.dataset, tokenizer, padded_collate_dpo, args.val_dataset, index_pairs=True),
+        args.schedule,
         seed=args.seed,
-        val_dataset=args.val_dataset,
-        max_steps_per_epoch=args.schedule.max_steps_per_epoch,
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
-        allow_global_batch_change=args.schedule.allow_global_batch_change,
-        index_pairs=True,
         model_context=model.args.max_seq_len,
     )
     trainable = list(peft.get_adapter_params(model).values())
@@ -103,11 +99,8 @@ def main(args: LoRADPOArgs) -> None:
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        TrainState(model, optimizer, lr_scheduler, lora=args.lora),
         base_checkpoint_dir=args.model.path,
-        lora=args.lora,
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
     )
@@ -125,7 +118,14 @@ def main(args: LoRADPOArgs) -> None:
     precomputed = None
     if args.reference_logps == "precompute" and loss_fn.needs_reference:
         precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
-    nonfinite = NonFiniteGuard(args.schedule.skip_nonfinite_steps)
+    # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
+    optimizer_step = OptimizerStep(
+        optimizer,
+        trainable,
+        lr_scheduler=lr_scheduler,
+        clip_grad_norm=args.schedule.clip_grad_norm,
+        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
+    )
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -140,13 +140,14 @@ def main(args: LoRADPOArgs) -> None:
         checkpoints,
         data,
         Schedule(args.schedule, args.checkpoint),
-        loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+        StepReports(
+            MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+            StepProfiler(run.profile_dir, args.profile),
+            validate=validate if data.val_loader is not None else None,
+            benchmarks=benchmarks,
+        ),
         global_step=global_step,
-        validate=validate if data.val_loader is not None else None,
-        profiler=StepProfiler(run.profile_dir, args.profile),
         device=device,
-        is_main=dist_info.is_main,
-        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------
@@ -173,15 +174,7 @@ def main(args: LoRADPOArgs) -> None:
                 (losses.sum() * dist_info.world_size / num_pairs).backward()
                 sums = accumulate_metrics(sums, batch_sums)
             step_metrics, num_tokens = global_preference_metrics(sums, num_pairs)
-            metrics = optimizer_step(
-                optimizer,
-                trainable,
-                clip_grad_norm=args.schedule.clip_grad_norm,
-                lr_scheduler=lr_scheduler,
-                guard=nonfinite,  # a NaN/inf loss or gradient stops the run before the update
-                loss=step_metrics["loss"],
-                step=global_step + 1,
-            )
+            metrics = optimizer_step(loss=step_metrics["loss"], step=global_step + 1)
             global_step += 1
             # Progress, metrics, validation, export, save, and a stop signal's checkpoint.
             metrics |= step_metrics

@@ -27,11 +27,15 @@ from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.training import (
     ActivationOffload,
     AfterStep,
+    Datasets,
     MetricLoggers,
     NonFiniteGuard,
+    OptimizerStep,
     RouterLoss,
     Schedule,
     StepProfiler,
+    StepReports,
+    TrainState,
     batch_loss,
     build_checkpoint_client,
     build_data,
@@ -40,7 +44,6 @@ from tunelab.training import (
     config_fingerprint,
     evaluate,
     global_token_count,
-    optimizer_step,
     output_layer,
     resume,
     seed_everything,
@@ -79,17 +82,11 @@ def main(args: LoRAFinetuneArgs) -> None:
     # checked here, so a bad task stops the run before its first step.
     benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
-        args.dataset,
-        tokenizer,
-        padded_collate_sft,
-        batch_size=args.schedule.batch_size,
-        gradient_accumulation_steps=args.schedule.gradient_accumulation_steps,
+        Datasets(args.dataset, tokenizer, padded_collate_sft, args.val_dataset),
+        args.schedule,
         seed=args.seed,
-        val_dataset=args.val_dataset,
-        max_steps_per_epoch=args.schedule.max_steps_per_epoch,
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
-        allow_global_batch_change=args.schedule.allow_global_batch_change,
         context_parallel_size=context.size,
         model_context=model.args.max_seq_len,
     )
@@ -108,15 +105,19 @@ def main(args: LoRAFinetuneArgs) -> None:
     checkpoints = build_checkpoint_client(
         run,
         args.checkpoint,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        TrainState(model, optimizer, lr_scheduler, lora=args.lora),
         base_checkpoint_dir=args.model.path,
-        lora=args.lora,
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
     )
-    nonfinite = NonFiniteGuard(args.schedule.skip_nonfinite_steps)
+    # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
+    optimizer_step = OptimizerStep(
+        optimizer,
+        trainable,
+        lr_scheduler=lr_scheduler,
+        clip_grad_norm=args.schedule.clip_grad_norm,
+        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
+    )
     # offload_activations: the forward's saved activations wait in pinned host memory (CUDA).
     offload = ActivationOffload(args.model.offload_activations, device)
 
@@ -126,16 +127,19 @@ def main(args: LoRAFinetuneArgs) -> None:
         checkpoints,
         data,
         Schedule(args.schedule, args.checkpoint),
-        loggers=MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
-        global_step=global_step,
-        validate=data.val_loader
-        and (
-            lambda: {"val_loss": evaluate(model, data.val_loader, loss_fn, device, output, context)}
+        StepReports(
+            MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
+            StepProfiler(run.profile_dir, args.profile),
+            validate=data.val_loader
+            and (
+                lambda: {
+                    "val_loss": evaluate(model, data.val_loader, loss_fn, device, output, context)
+                }
+            ),
+            benchmarks=benchmarks,
         ),
-        profiler=StepProfiler(run.profile_dir, args.profile),
+        global_step=global_step,
         device=device,
-        is_main=dist_info.is_main,
-        benchmarks=benchmarks,
     )
 
     # -- train ----------------------------------------------------------------------------
@@ -162,15 +166,7 @@ def main(args: LoRAFinetuneArgs) -> None:
                 (objective + router_loss.term(routing, len(micro_batches))).backward()
                 total_loss += loss_sum.detach()
             loss = (all_reduce_sum(total_loss) / num_tokens).item()
-            metrics = optimizer_step(
-                optimizer,
-                trainable,
-                clip_grad_norm=args.schedule.clip_grad_norm,
-                lr_scheduler=lr_scheduler,
-                guard=nonfinite,  # a NaN/inf loss or gradient stops the run before the update
-                loss=loss,
-                step=global_step + 1,
-            )
+            metrics = optimizer_step(loss=loss, step=global_step + 1)
             global_step += 1
             # Progress, metrics, validation, export, save, and a stop signal's checkpoint.
             after_step(

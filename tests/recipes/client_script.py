@@ -22,7 +22,7 @@ from tunelab.errors import CheckpointError
 from tunelab.formats.integrity import MANIFEST_NAME
 from tunelab.lifecycle import RunFolder
 from tunelab.losses import CrossEntropyLoss
-from tunelab.training import forward, global_token_count, load_model, optimizer_step
+from tunelab.training import OptimizerStep, forward, global_token_count, load_model
 
 MODE, BASE, OUT = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 LORA = LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
@@ -88,7 +88,7 @@ def train(model, optimizer, params, steps, rank, world_size):
         # The recipes' step on one micro-batch: the mean token loss over all ranks.
         loss_sum, _ = CrossEntropyLoss()(forward(model, batch), batch["labels"])
         (loss_sum * world_size / global_token_count([batch])).backward()
-        optimizer_step(optimizer, params, clip_grad_norm=None, lr_scheduler=None)
+        OptimizerStep(optimizer, params)()
 
 
 def main():

@@ -11,10 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from tunelab._paths import assets_dir
+from tunelab.config.sections import ScheduleArgs
 from tunelab.data import load_tokenizer, padded_collate_sft
 from tunelab.data.prompts import padded_collate_prompts
 from tunelab.training import session
-from tunelab.training.session import build_data
+from tunelab.training.session import Datasets, build_data
 
 ROW = {"instruction": "Reverse the words.", "input": "red cat", "output": "cat red"}
 
@@ -60,7 +61,7 @@ def test_the_start_line_counts_skipped_and_truncated_rows(tmp_path, lines):
             "cache_dir": str(tmp_path / "cache"),
         }
     )
-    build_data(node, tokenizer, padded_collate_sft, batch_size=1, val_dataset=node)
+    build_data(Datasets(node, tokenizer, padded_collate_sft, node), ScheduleArgs(batch_size=1))
     assert lines == [
         "dataset: 4 items (malformed rows skipped: 1, truncated: 1, dropped: 0)",
         "val_dataset: 4 items (malformed rows skipped: 1, truncated: 1, dropped: 0)",
@@ -79,5 +80,5 @@ def test_the_start_line_of_a_prompt_dataset(tmp_path, lines):
             "max_prompt_tokens": 16,
         }
     )
-    build_data(node, tokenizer, padded_collate_prompts, batch_size=1)
+    build_data(Datasets(node, tokenizer, padded_collate_prompts), ScheduleArgs(batch_size=1))
     assert lines == ["dataset: 2 items (malformed rows skipped: 1, truncated: 1)"]

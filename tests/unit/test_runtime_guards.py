@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from tunelab.errors import CheckpointError, DataError, TrainingError
 from tunelab.models import load_pretrained
-from tunelab.training.loop import NonFiniteGuard, global_token_count, optimizer_step
+from tunelab.training.loop import NonFiniteGuard, OptimizerStep, global_token_count
 
 
 def _edited_copy(source, target, key, edit):
@@ -50,9 +50,7 @@ def _one_param_step(grad, guard, loss):
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = grad.clone()
     optimizer = torch.optim.SGD([param], lr=0.1)
-    metrics = optimizer_step(
-        optimizer, [param], clip_grad_norm=None, lr_scheduler=None, guard=guard, loss=loss, step=7
-    )
+    metrics = OptimizerStep(optimizer, [param], guard=guard)(loss=loss, step=7)
     return param, metrics
 
 

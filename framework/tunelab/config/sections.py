@@ -3,7 +3,7 @@
 A recipe's record (``recipe_args``) composes the sections it uses, so a setting a recipe does
 not support is simply not there (strict validation names the closest known key). Each section
 is read by one owner: ``model`` by ``build_model``, ``parallelism`` by ``init_distributed`` and
-``data_parallel_mesh``, ``schedule`` by ``build_data``/``Schedule``/``optimizer_step``,
+``data_parallel_mesh``, ``schedule`` by ``build_data``/``Schedule``/``OptimizerStep``,
 ``profile`` by ``StepProfiler``, ``router`` by ``RouterLoss``, ``rollout`` by GRPO's rollout
 phase, ``rewards`` by ``Rewards``. A new setting is a field here and one use in its owner.
 

@@ -3,16 +3,17 @@
 A recipe (``recipes/*.py``) writes its training step out in full; these are the parts it
 calls, each with one job:
 
-- set-up: :func:`build_model` (meta build, LoRA, FSDP2, sharded load), :func:`build_data`,
-  :func:`build_optimizer`, :func:`build_checkpoint_client`, :func:`resume`,
+- set-up: :func:`build_model` (meta build, LoRA, FSDP2, sharded load), :func:`build_data`
+  (from :class:`Datasets`), :func:`build_optimizer`, :func:`build_checkpoint_client` (of a
+  :class:`TrainState`), :func:`resume`,
   :func:`config_fingerprint`;
 - the step: :func:`to_device`, :func:`output_layer`, :func:`forward`, :func:`batch_loss`,
   :class:`RouterLoss`, :func:`global_token_count`,
-  :func:`optimizer_step` (clip, the :class:`NonFiniteGuard` check, step, schedule);
+  :class:`OptimizerStep` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, benchmarks, export,
-  save, stop), with :class:`Schedule`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
+  save, stop), with :class:`Schedule`, :class:`StepReports`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
   ``tunelab.eval.TrainingEval``), :class:`MetricLoggers`, :class:`ProgressBar`,
   :class:`StepProfiler`;
   :func:`evaluate`, :func:`evaluate_preference`, :func:`peak_memory_gib`.
@@ -25,12 +26,12 @@ Components for configs: ``adamw``, the LR schedules and the metric loggers.
 from tunelab.training.loop import (
     ActivationOffload,
     NonFiniteGuard,
+    OptimizerStep,
     RouterLoss,
     batch_loss,
     evaluate,
     forward,
     global_token_count,
-    optimizer_step,
     output_layer,
     peak_memory_gib,
     to_device,
@@ -64,10 +65,13 @@ from tunelab.training.reference import (
 from tunelab.training.rng import seed_everything
 from tunelab.training.session import (
     AfterStep,
+    Datasets,
     MetricLoggers,
     Schedule,
     StepBenchmarks,
+    StepReports,
     TrainingData,
+    TrainState,
     build_checkpoint_client,
     build_data,
     build_optimizer,
@@ -78,11 +82,13 @@ from tunelab.training.setup import build_model, config_fingerprint, load_model
 __all__ = [
     "ActivationOffload",
     "AfterStep",
+    "Datasets",
     "config_fingerprint",
     "JsonlLogger",
     "MetricLogger",
     "MetricLoggers",
     "NonFiniteGuard",
+    "OptimizerStep",
     "PolicyOutput",
     "PrecomputedReference",
     "ProgressBar",
@@ -91,9 +97,11 @@ __all__ = [
     "Schedule",
     "StdoutLogger",
     "StepBenchmarks",
+    "StepReports",
     "StepProfiler",
     "TensorBoardLogger",
     "TrainingData",
+    "TrainState",
     "WandBLogger",
     "adamw",
     "RouterLoss",
@@ -112,7 +120,6 @@ __all__ = [
     "global_pair_count",
     "global_preference_metrics",
     "global_token_count",
-    "optimizer_step",
     "output_layer",
     "peak_memory_gib",
     "policy_forward",

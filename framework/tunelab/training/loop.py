@@ -347,44 +347,57 @@ class NonFiniteGuard:
         return True
 
 
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.Tensor],
-    *,
-    clip_grad_norm: float | None,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    guard: NonFiniteGuard | None = None,
-    loss: float = 0.0,
-    step: int = 0,
-) -> dict[str, float]:
-    """Clip, step the optimizer and the schedule, zero the gradients.
+class OptimizerStep:
+    """Clip, step the optimizer and the schedule, zero the gradients: built once in set-up.
 
     Args:
         optimizer: The optimizer.
         params: The parameters it updates (their gradient norm is measured and clipped).
-        clip_grad_norm: Clip the global gradient norm to this (None: no clipping).
         lr_scheduler: Stepped after the optimizer, if given.
-        guard: Checks ``loss`` and the gradient norm first; a skipped step changes nothing.
-        loss: The step's loss (for ``guard``).
-        step: The step's number (for ``guard``'s messages).
-
-    Returns:
-        ``lr`` (the rate this step used), ``grad_norm`` (before clipping) when clipping or
-        guarding, and ``skipped`` (1.0) for a step the guard skipped.
-
-    Raises:
-        TrainingError: From ``guard``.
+        clip_grad_norm: Clip the global gradient norm to this (None: no clipping;
+            ``schedule.clip_grad_norm``).
+        guard: Checks each step's loss and gradient norm first; a skipped step changes nothing.
     """
-    metrics = {"lr": optimizer.param_groups[0]["lr"]}
-    if clip_grad_norm is not None or guard is not None:
-        max_norm = clip_grad_norm if clip_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        metrics["grad_norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-        if guard is not None and guard.should_skip(step, loss, metrics["grad_norm"]):
-            optimizer.zero_grad(set_to_none=True)
-            return {**metrics, "skipped": 1.0}
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-    return metrics
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        *,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        clip_grad_norm: float | None = None,
+        guard: NonFiniteGuard | None = None,
+    ) -> None:
+        self.optimizer, self.params, self.lr_scheduler = optimizer, params, lr_scheduler
+        self.clip_grad_norm, self.guard = clip_grad_norm, guard
+
+    def __call__(self, loss: float = 0.0, step: int = 0) -> dict[str, float]:
+        """Take one optimizer step.
+
+        Args:
+            loss: The step's loss (for ``guard``).
+            step: The step's number (for ``guard``'s messages).
+
+        Returns:
+            ``lr`` (the rate this step used), ``grad_norm`` (before clipping) when clipping or
+            guarding, and ``skipped`` (1.0) for a step the guard skipped.
+
+        Raises:
+            TrainingError: From ``guard``.
+        """
+        optimizer, clip_grad_norm, guard = self.optimizer, self.clip_grad_norm, self.guard
+        metrics = {"lr": optimizer.param_groups[0]["lr"]}
+        if clip_grad_norm is not None or guard is not None:
+            max_norm = clip_grad_norm if clip_grad_norm is not None else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            metrics["grad_norm"] = (
+                norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            ).item()
+            if guard is not None and guard.should_skip(step, loss, metrics["grad_norm"]):
+                optimizer.zero_grad(set_to_none=True)
+                return {**metrics, "skipped": 1.0}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return metrics

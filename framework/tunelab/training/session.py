@@ -83,40 +83,47 @@ class TrainingData:
         }
 
 
+@dataclass(frozen=True)
+class Datasets:
+    """What a recipe trains (and validates) on, and how its samples become batches.
+
+    Args:
+        dataset: The training dataset's component node (called with ``tokenizer``).
+        tokenizer: Passed to the dataset components.
+        collate_fn: Batches samples (``padded_collate_sft`` or ``padded_collate_dpo``).
+        val_dataset: The validation dataset's component node, or None.
+        index_pairs: Give the training items of a preference dataset their dataset index
+            (``IndexedPairs``), so that ``padded_collate_dpo`` batches carry ``pair_index``.
+    """
+
+    dataset: Any
+    tokenizer: Any
+    collate_fn: Callable
+    val_dataset: Any = None
+    index_pairs: bool = False
+
+
 def build_data(
-    dataset: Any,
-    tokenizer: Any,
-    collate_fn: Callable,
+    datasets: Datasets,
+    schedule: ScheduleArgs,
     *,
-    batch_size: int,
-    gradient_accumulation_steps: int = 1,
     seed: int = 0,
-    val_dataset: Any = None,
-    max_steps_per_epoch: int | None = None,
-    index_pairs: bool = False,
     resume_from: RunFolder | None = None,
-    allow_global_batch_change: bool = False,
     context_parallel_size: int = 1,
     model_context: int | None = None,
 ) -> TrainingData:
     """Build the training (and validation) datasets and loaders.
 
     Args:
-        dataset: The training dataset's component node (called with ``tokenizer``).
-        tokenizer: Passed to the dataset components.
-        collate_fn: Batches samples (``padded_collate_sft`` or ``padded_collate_dpo``).
-        batch_size: Samples per micro-batch per process.
-        gradient_accumulation_steps: Micro-batches per optimizer step.
+        datasets: The datasets, their tokenizer and the collate function.
+        schedule: The ``schedule`` settings: ``batch_size`` (samples per micro-batch per
+            process), ``gradient_accumulation_steps``, ``max_steps_per_epoch``, and
+            ``allow_global_batch_change`` (resume with the configured batch even when it
+            changes the global batch: the run is then not the uninterrupted one).
         seed: Seed of the per-epoch shuffle.
-        val_dataset: The validation dataset's component node, or None.
-        max_steps_per_epoch: Cap on optimizer steps per epoch.
-        index_pairs: Give the training items of a preference dataset their dataset index
-            (``IndexedPairs``), so that ``padded_collate_dpo`` batches carry ``pair_index``.
         resume_from: The run folder when the run may resume (``resume_from_checkpoint`` true
             or auto): the global batch its newest checkpoint recorded is kept on any number
             of processes (see :func:`keep_global_batch`).
-        allow_global_batch_change: Resume with the configured batch even when it changes the
-            global batch (the run is then not the uninterrupted one).
         context_parallel_size: Ranks that split each sample's sequence: they share samples,
             so the data-parallel ranks are the processes divided by it.
         model_context: The model's ``max_position_embeddings``: samples longer than it are
@@ -129,15 +136,19 @@ def build_data(
         DataError: The dataset is too small for one optimizer step.
         ConfigError: A resume cannot keep the recorded global batch on this world size.
     """
+    dataset, tokenizer, val_dataset = datasets.dataset, datasets.tokenizer, datasets.val_dataset
+    batch_size = schedule.batch_size
+    gradient_accumulation_steps = schedule.gradient_accumulation_steps
+    max_steps_per_epoch = schedule.max_steps_per_epoch
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     data_parallel_size = world_size // context_parallel_size
-    if resume_from is not None and not allow_global_batch_change:
+    if resume_from is not None and not schedule.allow_global_batch_change:
         batch_size, gradient_accumulation_steps = keep_global_batch(
             resume_from, batch_size, gradient_accumulation_steps, data_parallel_size
         )
     common = {
         "batch_size": batch_size,
-        "collate_fn": collate_fn,
+        "collate_fn": datasets.collate_fn,
         "seed": seed,
         "context_parallel_size": context_parallel_size,
     }
@@ -146,10 +157,10 @@ def build_data(
     report_past_context(train, "dataset", model_context)
     if isinstance(train, StreamingDataset):
         return _stream_data(
-            train, tokenizer, common, val_dataset, max_steps_per_epoch, index_pairs,
+            train, tokenizer, common, val_dataset, max_steps_per_epoch, datasets.index_pairs,
             gradient_accumulation_steps,
         )  # fmt: skip
-    if index_pairs:
+    if datasets.index_pairs:
         train = IndexedPairs(train)
     loader, sampler = build_dataloader(train, **common, pad_id=tokenizer.pad_id)
     val_loader = None
@@ -360,15 +371,30 @@ def build_optimizer(
     return built, schedule
 
 
+@dataclass(frozen=True)
+class TrainState:
+    """What a step checkpoint saves: the model, the optimizer and the LR schedule.
+
+    Args:
+        model: The model.
+        optimizer: The optimizer.
+        lr_scheduler: The LR schedule (None: constant LR).
+        lora: The LoRA record: checkpoints hold the adapters only and exports are LoRA
+            exports; None for full fine-tuning.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any = None
+    lora: LoRAArgs | None = None
+
+
 def build_checkpoint_client(
     run: RunFolder,
     checkpoint: CheckpointArgs,
+    state: TrainState,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
     base_checkpoint_dir: str,
-    lora: LoRAArgs | None = None,
     tokenizer: Any = None,
     config_hash: str = "",
 ) -> CheckpointClient:
@@ -377,12 +403,8 @@ def build_checkpoint_client(
     Args:
         run: The run's folder.
         checkpoint: The ``checkpoint`` settings (async saves, retention).
-        model: The model, optimizer and schedule whose state is saved.
-        optimizer: See ``model``.
-        lr_scheduler: See ``model`` (None: constant LR).
+        state: The model, optimizer and schedule whose state is saved (and the LoRA record).
         base_checkpoint_dir: The base model's folder (exports copy its files).
-        lora: The LoRA record for adapter-only checkpoints and LoRA exports; None for full
-            fine-tuning.
         tokenizer: With it, exports also carry what it adds to the base model's files (an
             overridden chat template), so the model is served with the template it was
             trained on.
@@ -393,11 +415,11 @@ def build_checkpoint_client(
 
     return CheckpointClient(
         run,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        model=state.model,
+        optimizer=state.optimizer,
+        lr_scheduler=state.lr_scheduler,
         base_checkpoint_dir=base_checkpoint_dir,
-        lora=lora,
+        lora=state.lora,
         enable_async=checkpoint.enable_async_checkpointing,
         keep_last_n=checkpoint.keep_last_n_checkpoints,
         config_hash=config_hash,
@@ -489,6 +511,25 @@ class StepBenchmarks(Protocol):
         """Run on every rank; return the metrics to log (rank 0 has the scores)."""
 
 
+@dataclass(frozen=True)
+class StepReports:
+    """What :class:`AfterStep` reports a step to, and the measurements it runs.
+
+    Args:
+        loggers: The metric loggers (``MetricLoggers``).
+        profiler: Records a few steps when enabled.
+        validate: Returns the validation metrics (``{"val_loss": ...}``), or None without
+            validation data.
+        benchmarks: lm-eval tasks on the live model (``tunelab.eval.TrainingEval``), logged
+            at the steps they are due; None: none.
+    """
+
+    loggers: MetricLoggers
+    profiler: StepProfiler
+    validate: Callable[[], dict[str, float]] | None = None
+    benchmarks: StepBenchmarks | None = None
+
+
 class AfterStep:
     """What every training recipe does after its optimizer step, in this order.
 
@@ -508,15 +549,11 @@ class AfterStep:
         checkpoints: The run's checkpoint client.
         data: The training data (its position goes into each checkpoint).
         schedule: When to log, validate, export and save.
-        loggers: The metric loggers (``MetricLoggers``).
+        reports: The loggers, the profiler, validation and the benchmarks.
         global_step: The step the run starts from (``resume``).
-        validate: Returns the validation metrics (``{"val_loss": ...}``), or None without
-            validation data.
-        profiler: Records a few steps when enabled.
-        benchmarks: lm-eval tasks on the live model (``tunelab.eval.TrainingEval``), logged
-            at the steps they are due; None: none.
         device: For the peak-memory figure.
-        is_main: Whether this rank draws the progress bar (rank 0).
+
+    Rank 0 draws the progress bar and trims the step logs.
     """
 
     def __init__(
@@ -524,23 +561,16 @@ class AfterStep:
         checkpoints: CheckpointClient,
         data: TrainingData,
         schedule: Schedule,
+        reports: StepReports,
         *,
-        loggers: MetricLoggers,
         global_step: int,
-        validate: Callable[[], dict[str, float]] | None,
-        profiler: StepProfiler,
         device: torch.device,
-        is_main: bool,
-        benchmarks: StepBenchmarks | None = None,
     ) -> None:
         self.checkpoints, self.data, self.schedule = checkpoints, data, schedule
-        self.benchmarks = benchmarks
-        self.loggers, self.validate, self.profiler, self.device = (
-            loggers,
-            validate,
-            profiler,
-            device,
-        )
+        loggers = reports.loggers
+        self.loggers, self.validate, self.profiler = loggers, reports.validate, reports.profiler
+        self.benchmarks, self.device = reports.benchmarks, device
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
         if is_main:
             # Every per-step log (metrics, completions, ...) loses the steps after the one the
             # run starts from: it logs them again.
