@@ -73,23 +73,12 @@ class GRPOLoss(PolicyLoss):
         mask: torch.Tensor,
         ref_logps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``l_it`` of every completion token (0 elsewhere) and the micro-batch's metric sums.
+        """``l_it`` of every completion token (see :meth:`PolicyLoss.token_losses`).
 
-        Args:
-            logps: ``[batch, tokens]`` the policy's log-probs (differentiable).
-            old_logps: ``[batch, tokens]`` those of the policy that sampled (detached).
-            advantages: ``[batch]``.
-            mask: ``[batch, tokens]`` bool, True at completion tokens.
-            ref_logps: ``[batch, tokens]`` the reference's; required when ``beta > 0``.
-
-        Returns:
-            ``(losses, sums)``: ``[batch, tokens]`` token losses, and detached fp64 sums over
-            the completion tokens: ``clipped`` (tokens whose clipped term was the one taken
-            and differs from the unclipped: no gradient), ``kl`` (the k3 values; 0 without a
-            reference).
+        ``clipped`` counts the tokens whose clipped term was the one taken and differs from the
+        unclipped (no gradient); ``kl`` sums the k3 values (0 without a reference).
         """
-        if self.beta > 0 and ref_logps is None:
-            raise ValueError("beta > 0 needs the reference's log-probs")
+        self.check_reference(ref_logps)
         ratio = torch.exp(logps - old_logps)
         advantage = advantages.to(logps.dtype)[:, None]
         unclipped = ratio * advantage

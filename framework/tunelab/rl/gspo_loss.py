@@ -53,22 +53,12 @@ class GSPOLoss(PolicyLoss):
         mask: torch.Tensor,
         ref_logps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``L_i`` at every completion token of ``o_i`` (0 elsewhere) and the metric sums.
+        """``L_i`` at every completion token of ``o_i`` (see :meth:`PolicyLoss.token_losses`).
 
-        Args:
-            logps: ``[batch, tokens]`` the policy's log-probs (differentiable).
-            old_logps: ``[batch, tokens]`` those of the policy that sampled (detached).
-            advantages: ``[batch]``.
-            mask: ``[batch, tokens]`` bool, True at the completion tokens the loss counts.
-            ref_logps: ``[batch, tokens]`` the reference's; required when ``beta > 0``.
-
-        Returns:
-            ``(losses, sums)``: ``[batch, tokens]`` token losses, and detached fp64 sums:
-            ``clipped`` (the tokens of completions whose clipped term was taken: no
-            gradient), ``kl`` (the k3 values; with a reference only).
+        ``clipped`` counts the tokens of completions whose clipped term was taken (no
+        gradient); ``kl`` sums the k3 values (with a reference only).
         """
-        if self.beta > 0 and ref_logps is None:
-            raise ValueError("beta > 0 needs the reference's log-probs")
+        self.check_reference(ref_logps)
         lengths = mask.sum(dim=-1).clamp(min=1)
         # Masked where() rather than a product: a padded position's log-prob may be anything.
         log_ratio = torch.where(mask, logps - old_logps, 0.0).sum(dim=-1) / lengths

@@ -102,6 +102,11 @@ class PolicyLoss(ABC):
             surrogate) and, with a reference, ``kl``.
         """
 
+    def check_reference(self, ref_logps: torch.Tensor | None) -> None:
+        """Raise if ``beta > 0`` and the reference's log-probs are missing (call it first)."""
+        if self.beta > 0 and ref_logps is None:
+            raise ValueError("beta > 0 needs the reference's log-probs")
+
     def loss_sum(self, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The micro-batch's share of the numerator: divide by :meth:`normalizer`.
 
