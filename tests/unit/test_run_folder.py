@@ -86,8 +86,13 @@ def test_clean_up_removes_only_what_tunelab_wrote(tmp_path, caplog):
     (killed_save / "trainer_state.json").write_text("{}")
     temporary = out / layout.temporary_name("epoch_0", "partial")
     temporary.mkdir()
+    (out / "logs").mkdir()
+    killed_trim = out / "logs" / layout.temporary_name("metrics.jsonl", "tmp", 4242)
+    killed_trim.write_text('{"step": 1}\n')
+    user[out / "logs" / "notes.txt"] = "the user's"
+    (out / "logs" / "notes.txt").write_text("the user's")
     deleted = RunFolder(out).remove_leftovers()
-    assert sorted(deleted) == sorted([killed_save, temporary])
+    assert sorted(deleted) == sorted([killed_save, temporary, killed_trim])
     assert all(path.read_text() == text for path, text in user.items())
     assert "step_1 (train.jsonl)" in caplog.text  # named once, left in place
 

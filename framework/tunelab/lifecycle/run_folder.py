@@ -365,7 +365,7 @@ class RunFolder:
         """Delete what a killed run left: only what tunelab can tell it wrote.
 
         That is temporaries of tunelab's naming (``layout.is_temporary_name``) in the folder
-        and in its step, epoch and adapter folders, and uncommitted step folders that hold
+        and in its step, epoch, adapter and ``logs/`` folders, and uncommitted step folders that hold
         nothing but checkpoint files. Links are never followed or deleted; an uncommitted
         step folder holding other files is left in place and named in one warning.
 
@@ -397,6 +397,9 @@ class RunFolder:
         folders = [path for _, path in steps] + [path for _, path in self._entries(_EPOCH_PATTERN)]
         adapters = [folder / "adapter" for folder in folders]
         folders += [a for a in adapters if a.is_dir() and not a.is_symlink()]
+        # A kill during a resume's log trim leaves its temporary beside the log.
+        if self.logs_dir.is_dir() and not self.logs_dir.is_symlink():
+            folders.append(self.logs_dir)
         for folder in folders:
             for path in sorted(folder.iterdir()):
                 if not path.is_symlink() and layout.is_temporary_name(path.name):
