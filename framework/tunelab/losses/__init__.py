@@ -1,4 +1,4 @@
-"""Losses: memory-lean cross-entropy for SFT, the DPO family for preference tuning.
+"""Losses: memory-lean cross-entropy for SFT, the DPO family, knowledge distillation.
 
 The policy-gradient losses of RL (GRPO, GSPO) live in :mod:`tunelab.rl`.
 
@@ -7,6 +7,13 @@ See docs/losses.md for the normalisation, the formulas and the metric names.
 
 from tunelab.losses._token_logps import OutputLayer
 from tunelab.losses.cross_entropy import CrossEntropyLoss, token_count
+from tunelab.losses.distillation import (
+    DistillationLoss,
+    DistillationSums,
+    ForwardKLLoss,
+    GeneralizedJSDLoss,
+    ReverseKLLoss,
+)
 from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
 from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
 from tunelab.losses.sequence import sequence_logps, token_logps
@@ -14,10 +21,15 @@ from tunelab.losses.sequence import sequence_logps, token_logps
 __all__ = [
     "CrossEntropyLoss",
     "DPOLoss",
+    "DistillationLoss",
+    "DistillationSums",
+    "ForwardKLLoss",
+    "GeneralizedJSDLoss",
     "HingeLoss",
     "IPOLoss",
     "OutputLayer",
     "PreferenceLoss",
+    "ReverseKLLoss",
     "SimPOLoss",
     "accumulate_metrics",
     "preference_metrics",

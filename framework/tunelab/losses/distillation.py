@@ -1,0 +1,358 @@
+"""Knowledge-distillation losses: the student matches the teacher's next-token distribution.
+
+Per scored position ``t`` with student logits ``z_s`` and teacher logits ``z_t`` (same
+vocabulary), temperature ``T``:
+
+    S = softmax(z_s / T),  P = softmax(z_t / T)          (student, teacher)
+
+and the per-token divergence ``D_t`` is one of (GKD, Agarwal et al. 2024, eq. 1; TRL's
+``generalized_jsd_loss``):
+
+- :class:`ForwardKLLoss`: ``KL(P || S) = sum_v P_v (log P_v - log S_v)`` (mass-covering;
+  torchtune's KD recipe, Hinton et al. 2015, without the ``T**2`` factor, as TRL);
+- :class:`ReverseKLLoss`: ``KL(S || P) = sum_v S_v (log S_v - log P_v)`` (mode-seeking;
+  MiniLLM, on-policy distillation);
+- :class:`GeneralizedJSDLoss`: ``beta KL(P || M) + (1 - beta) KL(S || M)`` with
+  ``M = beta P + (1 - beta) S``; ``beta = 0`` is defined as the forward KL and ``beta = 1`` as
+  the reverse KL (the limits of the divergence divided by ``beta (1 - beta)``, as TRL's
+  ``GKDTrainer`` special-cases them).
+
+``top_k``: the support is cut to the teacher's ``k`` most likely tokens at that position, and
+both distributions are renormalised over those ``k`` tokens (``P`` and ``S`` are the softmax
+of the gathered ``k`` logits each) before the divergence: TRL's ``GOLDTrainer``
+``generalized_jsd_loss(top_k=...)`` variant. The student's mass outside the teacher's top-k
+then neither counts nor gets a gradient.
+
+``nll_weight`` ``w`` mixes the divergence with the student's next-token negative
+log-likelihood of the label (at temperature 1, full vocabulary):
+``loss_t = (1 - w) D_t + w (-log softmax(z_s)[y_t])``.
+
+Memory: the logits of student and teacher never exist whole. The loss takes the final hidden
+states of both models and their output layers (:class:`~tunelab.losses.OutputLayer`), gathers
+the scored positions, and computes both models' logits one chunk of positions at a time. The
+chunk's computation is checkpointed: the backward recomputes the chunk's logits instead of
+keeping them, so the peak extra memory is a few ``[chunk, vocab]`` tensors whatever the
+sequence length. The same chunking applies when whole logits are given (no output layers).
+
+Metrics (per-token sums, detached): ``distill`` (``D_t``), ``nll``, ``teacher_kl``
+(``KL(teacher || student)`` at temperature 1 over the full vocabulary, whatever the loss) and
+``student_entropy`` (at temperature 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tunelab.errors import ConfigError
+from tunelab.losses._token_logps import OutputLayer, chunk_count
+
+__all__ = [
+    "DistillationLoss",
+    "DistillationSums",
+    "ForwardKLLoss",
+    "GeneralizedJSDLoss",
+    "ReverseKLLoss",
+]
+
+METRIC_NAMES = ("distill", "nll", "teacher_kl", "student_entropy")
+"""The per-token sums a :class:`DistillationLoss` returns next to the loss."""
+
+
+@dataclass(frozen=True)
+class DistillationSums:
+    """A micro-batch's distillation loss and metrics, summed over its scored tokens.
+
+    Attributes:
+        loss_sum: 0-dim, differentiable with respect to the student only.
+        num_tokens: 0-dim int64: scored positions.
+        metrics: ``distill``, ``nll``, ``teacher_kl``, ``student_entropy``: 0-dim fp64 sums,
+            detached.
+    """
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def _identity(values: torch.Tensor) -> torch.Tensor:
+    return values
+
+
+class DistillationLoss(nn.Module):
+    """Base of the distillation losses: chunking, temperature, top-k, the NLL mix and metrics.
+
+    A subclass gives :meth:`divergence` of log-probabilities; everything else lives here.
+
+    Args:
+        temperature: Divides both models' logits before the softmax of the divergence.
+        top_k: Keep only the teacher's ``k`` most likely tokens per position, both
+            distributions renormalised over them (None: the whole vocabulary).
+        nll_weight: ``w`` in ``(1 - w) D + w NLL`` (0: pure distillation).
+        num_chunks: Pieces the scored positions are split into (None: pieces of at most
+            ``2**24`` logits per model).
+        ignore_index: Label value of a position that is not scored.
+
+    Raises:
+        ConfigError: A setting out of range.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        nll_weight: float = 0.0,
+        num_chunks: int | None = None,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
+            temperature <= 0
+        ):
+            raise ConfigError(f"loss.temperature must be a finite number > 0, got {temperature!r}")
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+        ):
+            raise ConfigError(f"loss.top_k must be a positive integer or null, got {top_k!r}")
+        if not (isinstance(nll_weight, int | float) and 0 <= nll_weight <= 1):
+            raise ConfigError(f"loss.nll_weight must be within [0, 1], got {nll_weight!r}")
+        if num_chunks is not None and (
+            isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1
+        ):
+            raise ConfigError(
+                f"loss.num_chunks must be a positive integer or null, got {num_chunks!r}"
+            )
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.nll_weight = float(nll_weight)
+        self.num_chunks = num_chunks
+        self.ignore_index = ignore_index
+
+    def divergence(self, student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+        """Per-row divergence of two ``[rows, support]`` log-probability tensors.
+
+        Args:
+            student_logps: The student's log-probs (temperature and top-k applied).
+            teacher_logps: The teacher's, on the same support.
+
+        Returns:
+            ``[rows]``.
+        """
+        raise NotImplementedError
+
+    def token_terms(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token loss and metrics of ``[rows, vocab]`` logits (one chunk).
+
+        Args:
+            student_logits: Differentiable.
+            teacher_logits: Detached.
+            targets: ``[rows]`` label of each row (for the NLL).
+
+        Returns:
+            ``(loss [rows], metrics [rows, 4])``; the metrics are detached, in the order of
+            ``METRIC_NAMES``.
+        """
+        dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        student = student_logits.to(dtype)
+        teacher = teacher_logits.detach().to(dtype)
+        scaled_student, scaled_teacher = student, teacher
+        if self.temperature != 1:
+            scaled_student, scaled_teacher = student / self.temperature, teacher / self.temperature
+        if self.top_k is not None and self.top_k < teacher.shape[-1]:
+            index = scaled_teacher.topk(self.top_k, dim=-1).indices
+            scaled_student = scaled_student.gather(-1, index)
+            scaled_teacher = scaled_teacher.gather(-1, index)
+        divergence = self.divergence(
+            torch.log_softmax(scaled_student, dim=-1), torch.log_softmax(scaled_teacher, dim=-1)
+        )
+        student_logps = torch.log_softmax(student, dim=-1)
+        nll = -student_logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = (
+            divergence
+            if self.nll_weight == 0
+            else (1 - self.nll_weight) * divergence + self.nll_weight * nll
+        )
+        with torch.no_grad():
+            student_logps = student_logps.detach()
+            teacher_logps = torch.log_softmax(teacher, dim=-1)
+            student_probs = student_logps.exp()
+            teacher_kl = (teacher_logps.exp() * (teacher_logps - student_logps)).sum(-1)
+            entropy = -(student_probs * student_logps).sum(-1)
+            metrics = torch.stack([divergence.detach(), nll.detach(), teacher_kl, entropy], dim=-1)
+        return loss, metrics
+
+    def forward(
+        self,
+        student: torch.Tensor,
+        teacher: torch.Tensor,
+        labels: torch.Tensor,
+        output: OutputLayer | None = None,
+        teacher_output: OutputLayer | None = None,
+    ) -> DistillationSums:
+        """Sum the per-token loss over the scored positions, chunk by chunk.
+
+        ``student[:, t]`` and ``teacher[:, t]`` predict ``labels[:, t + 1]``; positions whose
+        next label is ``ignore_index`` are not scored.
+
+        Args:
+            student: The student's logits ``[batch, seq, vocab]``, or with ``output`` its final
+                hidden states ``[batch, seq, dim]``.
+            teacher: The teacher's logits, or with ``teacher_output`` its hidden states
+                ``[batch, seq, teacher_dim]`` (no gradient flows to it).
+            labels: ``[batch, seq]`` aligned with the tokens.
+            output: The student's output layer, applied here chunk by chunk.
+            teacher_output: The teacher's output layer (needed with ``output``).
+
+        Returns:
+            The loss sum, the number of scored tokens and the metric sums.
+
+        Raises:
+            ValueError: Shapes that do not line up, or one output layer without the other.
+        """
+        if (output is None) != (teacher_output is None):
+            raise ValueError("give both output layers (chunked logits) or neither (whole logits)")
+        if (
+            student.dim() != 3
+            or labels.shape != student.shape[:2]
+            or teacher.shape[:2] != labels.shape
+        ):
+            raise ValueError(
+                f"expected student [batch, seq, *], teacher [batch, seq, *] and labels "
+                f"[batch, seq], got {tuple(student.shape)}, {tuple(teacher.shape)} and "
+                f"{tuple(labels.shape)}"
+            )
+        student_forward = output.forward if output is not None else _identity
+        teacher_forward = teacher_output.forward if teacher_output is not None else _identity
+        vocab = output.vocab_size if output is not None else student.shape[-1]
+        targets = labels[:, 1:]
+        mask = targets != self.ignore_index
+        scored = mask.reshape(-1).nonzero().squeeze(-1)
+        batch, seq = labels.shape
+        rows = scored + scored // max(seq - 1, 1)
+        student_rows = student.reshape(batch * seq, -1).index_select(0, rows)
+        teacher_rows = teacher.detach().reshape(batch * seq, -1).index_select(0, rows)
+        flat_targets = targets.reshape(-1).index_select(0, scored)
+        num_chunks = chunk_count(self.num_chunks, max(flat_targets.numel(), 1), vocab)
+        losses, metrics = [], []
+        needs_grad = torch.is_grad_enabled() and student.requires_grad
+        for student_chunk, teacher_chunk, target_chunk in zip(
+            student_rows.tensor_split(num_chunks),
+            teacher_rows.tensor_split(num_chunks),
+            flat_targets.tensor_split(num_chunks),
+        ):
+            args = (student_forward, teacher_forward, student_chunk, teacher_chunk, target_chunk)
+            if needs_grad:
+                # Recompute the chunk's logits in the backward rather than keep them.
+                loss, chunk_metrics = checkpoint(self._chunk, *args, use_reentrant=False)
+            else:
+                loss, chunk_metrics = self._chunk(*args)
+            losses.append(loss)
+            metrics.append(chunk_metrics)
+        # Keep the graph even without scored tokens, so every rank runs its backward.
+        loss_sum = torch.cat(losses).sum() + student_rows.sum() * 0
+        totals = (
+            torch.cat(metrics).double().sum(0) if metrics else torch.zeros(4, dtype=torch.float64)
+        )
+        return DistillationSums(
+            loss_sum=loss_sum,
+            num_tokens=mask.sum(),
+            metrics=dict(zip(METRIC_NAMES, totals.unbind(), strict=True)),
+        )
+
+    def _chunk(
+        self,
+        student_forward: Callable[[torch.Tensor], torch.Tensor],
+        teacher_forward: Callable[[torch.Tensor], torch.Tensor],
+        student_rows: torch.Tensor,
+        teacher_rows: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        student_logits = student_forward(student_rows)
+        with torch.no_grad():
+            teacher_logits = teacher_forward(teacher_rows)
+        if teacher_logits.shape[-1] != student_logits.shape[-1]:
+            raise ValueError(
+                f"teacher vocabulary {teacher_logits.shape[-1]} != student vocabulary "
+                f"{student_logits.shape[-1]}"
+            )
+        return self.token_terms(student_logits, teacher_logits, targets)
+
+    def extra_repr(self) -> str:
+        """The settings shown by ``print(module)``."""
+        return (
+            f"temperature={self.temperature}, top_k={self.top_k}, nll_weight={self.nll_weight}, "
+            f"num_chunks={self.num_chunks}"
+        )
+
+
+def _kl(from_logps: torch.Tensor, to_logps: torch.Tensor) -> torch.Tensor:
+    # KL(from || to) per row; a zero-probability term contributes 0 (exp(-inf) * finite).
+    probs = from_logps.exp()
+    return (probs * (from_logps - to_logps)).nan_to_num(0.0).sum(-1)
+
+
+class ForwardKLLoss(DistillationLoss):
+    """Forward KL ``KL(teacher || student)`` per token (mass-covering; classic KD).
+
+    See :class:`DistillationLoss` for the settings.
+    """
+
+    def divergence(self, student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+        """``sum_v P_v (log P_v - log S_v)``."""
+        return _kl(teacher_logps, student_logps)
+
+
+class ReverseKLLoss(DistillationLoss):
+    """Reverse KL ``KL(student || teacher)`` per token (mode-seeking; on-policy distillation).
+
+    See :class:`DistillationLoss` for the settings.
+    """
+
+    def divergence(self, student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+        """``sum_v S_v (log S_v - log P_v)``."""
+        return _kl(student_logps, teacher_logps)
+
+
+class GeneralizedJSDLoss(DistillationLoss):
+    """Generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024, eq. 1).
+
+    ``beta KL(P || M) + (1 - beta) KL(S || M)``, ``M = beta P + (1 - beta) S`` (P teacher, S
+    student); ``beta = 0`` is the forward KL and ``beta = 1`` the reverse KL, as in TRL.
+
+    Args:
+        beta: The interpolation, within [0, 1].
+        **settings: Those of :class:`DistillationLoss`.
+
+    Raises:
+        ConfigError: ``beta`` outside [0, 1].
+    """
+
+    def __init__(self, beta: float = 0.5, **settings: float | int | None) -> None:
+        super().__init__(**settings)
+        if not (isinstance(beta, int | float) and 0 <= beta <= 1):
+            raise ConfigError(f"loss.beta must be within [0, 1], got {beta!r}")
+        self.beta = float(beta)
+
+    def divergence(self, student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+        """The generalized JSD of each row (the KL limits at ``beta`` 0 and 1)."""
+        if self.beta == 0:
+            return _kl(teacher_logps, student_logps)
+        if self.beta == 1:
+            return _kl(student_logps, teacher_logps)
+        mixture = torch.logaddexp(
+            student_logps + math.log1p(-self.beta), teacher_logps + math.log(self.beta)
+        )
+        return self.beta * _kl(teacher_logps, mixture) + (1 - self.beta) * _kl(
+            student_logps, mixture
+        )
+
+    def extra_repr(self) -> str:
+        """The settings shown by ``print(module)``."""
+        return f"beta={self.beta}, " + super().extra_repr()
