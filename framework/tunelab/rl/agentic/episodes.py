@@ -1,0 +1,376 @@
+"""Multi-turn episodes, token in and token out: the policy's tokens are never encoded again.
+
+An episode's sequence is its prompt (the chat template's render of the prompt messages and
+the tools, with the generation prompt), then turns. A turn is the policy's reply (its sampled
+tokens, kept as they are: trained), then, when the reply calls tools, the tools' results in
+the chat template's format (template and tool tokens: never trained). The reply's text is
+decoded only to parse its calls; the sequence keeps the sampled ids.
+
+The tokens after a reply are a delta of two renders of the conversation with the
+generation prompt: ``before`` (up to the reply) and ``after`` (with the parsed reply and the
+tool messages); the delta is what ``after`` adds past the reply's end-of-turn marker (the
+first stop token's text after ``before``), encoded on its own. When the policy wrote the reply
+as the template would have rendered it, the episode's ids equal the template's render of the
+whole conversation (tests check it against ``transformers`` for Qwen3 and Llama 3.1). A
+template that rewrites earlier turns when the conversation grows (``after`` does not start
+with ``before``: Qwen3 with ``enable_thinking: false``, or when a new user turn drops old
+``<think>`` blocks) ends the episode there (stop reason ``template_rewrite``), since the
+cached sequence can no longer be the template's render.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.errors import ConfigError
+from tunelab.rl.agentic.environments import checked_reward
+from tunelab.rl.agentic.tool_calls import detect_format, parse_assistant
+from tunelab.rl.agentic.toolbox import EpisodeTools, Toolbox
+from tunelab.rl.agentic.tools import ToolCall, ToolResult, call_tool
+from tunelab.rl.agentic.turn_sampler import CachedTurnSampler, any_rank
+
+__all__ = ["Episode", "EpisodeLimits", "EpisodeRunner", "episode_batch"]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Bounds of one episode.
+
+    Attributes:
+        max_turns: Policy replies at most.
+        max_tool_calls: Tool calls at most (a reply that would pass it ends the episode).
+        max_episode_tokens: Tokens after the prompt at most (replies, template and tools).
+        tool_timeout_s: Seconds one tool call may take; past it the call is a ``timeout``
+            error (a plain function keeps running in its daemon thread; the sandbox is
+            killed by its own wall-time limit).
+        max_tool_result_chars: A tool result is cut to this many characters.
+    """
+
+    max_turns: int = 4
+    max_tool_calls: int = 8
+    max_episode_tokens: int = 256
+    tool_timeout_s: float = 10.0
+    max_tool_result_chars: int = 2000
+
+
+@dataclass
+class Episode:
+    """One rolled-out episode.
+
+    Attributes:
+        prompt_tokens: The prompt's ids.
+        tokens: The ids after the prompt: replies and tool deltas, in order.
+        trained: Per id of ``tokens``: True where the policy sampled it (the loss's
+            positions), False for template and tool tokens.
+        messages: The whole conversation (prompt, parsed replies, tool results).
+        tools: The JSON schemas the prompt offered.
+        environment: The environment's class name ('' for none).
+        num_turns: Replies.
+        num_tool_calls: Tool calls made.
+        tool_errors: Failed calls by kind (``unknown_tool``, ``bad_arguments``, ...).
+        tool_seconds: Wall time in this episode's tool calls.
+        stop_reason: ``answer`` (a reply without calls), ``max_turns``, ``max_tool_calls``,
+            ``max_episode_tokens``, ``max_new_tokens`` (a reply without a stop token),
+            ``template_rewrite`` or ``template_error``.
+        environment_reward: The environment's ``reward()``, or None.
+    """
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    environment: str = ""
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    tool_errors: Counter = field(default_factory=Counter)
+    tool_seconds: float = 0.0
+    stop_reason: str = ""
+    environment_reward: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The episode as ``completions.jsonl`` writes it (messages with their roles)."""
+        return {
+            "messages": self.messages,
+            "environment": self.environment,
+            "num_turns": self.num_turns,
+            "num_tool_calls": self.num_tool_calls,
+            "tool_errors": dict(self.tool_errors),
+            "stop_reason": self.stop_reason,
+            "environment_reward": self.environment_reward,
+        }
+
+
+def episode_batch(
+    episodes: Sequence[Episode], pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Training rows of episodes: labels only at the policy's own tokens.
+
+    Returns:
+        ``tokens`` and ``labels`` ``[rows, longest]``: ``labels`` holds the sampled ids where
+        ``trained`` and -100 on the prompt, template and tool tokens and padding, so the
+        policy loss (``tunelab.rl.completion_logps``) counts exactly the policy's tokens.
+    """
+    width = max(len(e.prompt_tokens) + len(e.tokens) for e in episodes)
+    tokens = torch.full((len(episodes), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(episodes), width), -100, dtype=torch.long)
+    for row, episode in enumerate(episodes):
+        ids = episode.prompt_tokens + episode.tokens
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        start = len(episode.prompt_tokens)
+        for offset, (token, trained) in enumerate(
+            zip(episode.tokens, episode.trained, strict=True)
+        ):
+            if trained:
+                labels[row, start + offset] = token
+    return {"tokens": tokens.to(device), "labels": labels.to(device)}
+
+
+class _State:
+    """An episode in progress: its record, its tools, and its last render."""
+
+    def __init__(self, episode: Episode, tools: EpisodeTools, rendered: str) -> None:
+        self.episode = episode
+        self.tools = tools
+        self.rendered = rendered  # the conversation so far, with the generation prompt
+        self.next_tokens: list[int] | None = episode.prompt_tokens
+        self.done = False
+
+
+class EpisodeRunner:
+    """Rolls out many episodes at once: batched replies, tools in parallel, one KV cache.
+
+    Args:
+        sampler: Samples the replies (the cache is kept across turns).
+        tokenizer: A ``tunelab.data.Tokenizer`` (``encode``, ``decode``, ``stop_ids``).
+        template: The chat template the prompts and tool results are rendered with.
+        toolbox: The shared tools and environments.
+        limits: The episode bounds.
+        tool_format: ``auto`` (from the template) or one of ``tool_calls.FORMATS``.
+        template_kwargs: Extra template variables.
+        tool_workers: Episodes whose tools run at the same time.
+
+    After each :meth:`run`, ``last_metrics`` holds its timings and counts.
+    """
+
+    def __init__(
+        self,
+        sampler: CachedTurnSampler,
+        tokenizer: Any,
+        template: ChatTemplate,
+        toolbox: Toolbox,
+        limits: EpisodeLimits,
+        *,
+        tool_format: str = "auto",
+        template_kwargs: Mapping[str, Any] | None = None,
+        tool_workers: int = 8,
+    ) -> None:
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.template = template
+        self.toolbox = toolbox
+        self.limits = limits
+        self.tool_format = detect_format(template.text) if tool_format == "auto" else tool_format
+        self.template_kwargs = dict(template_kwargs or {})
+        self.tool_workers = tool_workers
+        self.stop_texts = sorted(
+            {tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.stop_ids} - {""}
+        )
+        self.last_metrics: dict[str, float] = {}
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+        return self.template.render(
+            messages, add_generation_prompt=True, tools=tools or None,
+            template_kwargs=self.template_kwargs,
+        )  # fmt: skip
+
+    def start(self, messages: list[dict[str, Any]], row: Mapping[str, Any], seed: int) -> _State:
+        """An episode's start: its environment reset, its prompt rendered and encoded.
+
+        Raises:
+            ConfigError: A broken environment, or a prompt the chat template refuses.
+        """
+        tools = self.toolbox.start(row, seed)
+        messages = copy.deepcopy(list(messages))
+        if tools.added_prompt:
+            last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+            messages[last]["content"] = f"{messages[last]['content']}\n\n{tools.added_prompt}"
+        try:
+            rendered = self._render(messages, tools.schemas)
+        except ChatTemplateError as error:
+            raise ConfigError(f"the chat template refuses an episode's prompt: {error}") from None
+        episode = Episode(
+            self.tokenizer.encode(rendered, add_bos=False),
+            messages=messages,
+            tools=tools.schemas,
+            environment=tools.environment_name,
+        )
+        return _State(episode, tools, rendered)
+
+    def run(
+        self,
+        prompts: Sequence[tuple[list[dict[str, Any]], Mapping[str, Any]]],
+        seeds: Sequence[int],
+    ) -> list[Episode]:
+        """Roll out one episode per ``(messages, row)``, each from its seed.
+
+        The seed drives both the episode's sampling and its environment (``reset``), so the
+        same seed gives the same episode, tool calls and results included. A collective under
+        FSDP2: every rank calls it (with its own prompts), and they take the same turns.
+
+        Returns:
+            The episodes, in the order of ``prompts``.
+        """
+        start_time = time.perf_counter()
+        states = [
+            self.start(messages, row, seed)
+            for (messages, row), seed in zip(prompts, seeds, strict=True)
+        ]
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        budget = self.limits.max_episode_tokens
+        capacity = max((len(s.episode.prompt_tokens) for s in states), default=1) + budget
+        model_context = self.sampler.model.args.max_seq_len
+        if capacity > model_context:
+            raise ConfigError(
+                f"an episode of {capacity} tokens (its prompt + agentic.max_episode_tokens "
+                f"{budget}) exceeds the model's context ({model_context}); lower "
+                "agentic.max_episode_tokens or dataset.max_prompt_tokens"
+            )
+        generation_seconds = tool_seconds = 0.0
+        with (
+            self.sampler.session(len(states), capacity),
+            ThreadPoolExecutor(self.tool_workers) as pool,
+        ):
+            while any_rank(any(not s.done for s in states)):
+                turn_start = time.perf_counter()
+                limits = [
+                    0
+                    if s.done
+                    else min(self.sampler.settings.max_new_tokens, budget - len(s.episode.tokens))
+                    for s in states
+                ]
+                replies = self.sampler.turn(
+                    [None if s.done else s.next_tokens for s in states], generators, limits
+                )
+                generation_seconds += time.perf_counter() - turn_start
+                tool_start = time.perf_counter()
+                calls = {
+                    i: self._take_reply(s, reply)
+                    for i, (s, reply) in enumerate(zip(states, replies, strict=True))
+                    if not s.done
+                }
+                futures = {
+                    i: pool.submit(self._run_calls, states[i], found)
+                    for i, found in calls.items()
+                    if found
+                }
+                for i, future in futures.items():
+                    self._add_results(states[i], calls[i], future.result())
+                tool_seconds += time.perf_counter() - tool_start
+        for state in states:
+            if state.tools.environment is not None:
+                state.episode.environment_reward = checked_reward(
+                    state.tools.environment, state.tools.environment_name
+                )
+        episodes = [state.episode for state in states]
+        self.last_metrics = {
+            "generation_seconds": generation_seconds,
+            "tool_seconds": tool_seconds,
+            "episode_seconds": time.perf_counter() - start_time,
+            "prefill_tokens": float(self.sampler.prefill_tokens),
+            "generated_tokens": float(self.sampler.generated_tokens),
+        }
+        return episodes
+
+    def _take_reply(self, state: _State, reply: list[int]) -> list[ToolCall]:
+        """Append a reply; the calls to run, or [] (and ``done``) when the episode ends."""
+        episode = state.episode
+        episode.tokens += reply
+        episode.trained += [True] * len(reply)
+        episode.num_turns += 1
+        stopped = bool(reply) and reply[-1] in self.tokenizer.stop_ids
+        text = self.tokenizer.decode(reply[:-1] if stopped else reply, skip_special_tokens=False)
+        message, calls = parse_assistant(text, self.tool_format, episode.num_turns - 1)
+        episode.messages.append(message)
+        reason = ""
+        if not stopped:
+            full = len(episode.tokens) >= self.limits.max_episode_tokens
+            reason = "max_episode_tokens" if full else "max_new_tokens"
+        elif not calls:
+            reason = "answer"
+        elif episode.num_turns >= self.limits.max_turns:
+            reason = "max_turns"
+        elif episode.num_tool_calls + len(calls) > self.limits.max_tool_calls:
+            reason = "max_tool_calls"
+        if reason:
+            episode.stop_reason, state.done = reason, True
+            return []
+        return calls
+
+    def _run_calls(self, state: _State, calls: list[ToolCall]) -> list[ToolResult]:
+        """An episode's calls in order (its environment sees them one at a time)."""
+        return [_timed_call(state.tools.tools, call, self.limits.tool_timeout_s) for call in calls]
+
+    def _add_results(self, state: _State, calls: list[ToolCall], results: list[ToolResult]) -> None:
+        """Append the tool messages and the template's delta (untrained) to the sequence."""
+        episode = state.episode
+        for call, result in zip(calls, results, strict=True):
+            episode.num_tool_calls += 1
+            episode.tool_seconds += result.seconds
+            if result.error is not None:
+                episode.tool_errors[result.error] += 1
+            content = result.content[: self.limits.max_tool_result_chars]
+            episode.messages.append(
+                {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
+            )
+        try:
+            after = self._render(episode.messages, episode.tools)
+        except ChatTemplateError:
+            episode.stop_reason, state.done = "template_error", True
+            return
+        delta = _delta_text(state.rendered, after, self.stop_texts)
+        if delta is None:
+            episode.stop_reason, state.done = "template_rewrite", True
+            return
+        ids = self.tokenizer.encode(delta, add_bos=False)
+        # The reply's stop token is fed with the delta; one more token must fit to reply.
+        if len(episode.tokens) + len(ids) + 1 > self.limits.max_episode_tokens:
+            episode.stop_reason, state.done = "max_episode_tokens", True
+            return
+        episode.tokens += ids
+        episode.trained += [False] * len(ids)
+        state.rendered, state.next_tokens = after, ids
+
+
+def _delta_text(before: str, after: str, stop_texts: Sequence[str]) -> str | None:
+    """What ``after`` adds past the reply's end-of-turn marker, or None (a rewritten prefix)."""
+    if not after.startswith(before):
+        return None
+    rest = after[len(before) :]
+    ends = [rest.find(text) + len(text) for text in stop_texts if text in rest]
+    return rest[min(ends) :] if ends else None
+
+
+def _timed_call(tools: Mapping[str, Any], call: ToolCall, timeout_s: float) -> ToolResult:
+    """``call_tool`` in a daemon thread, waited on for ``timeout_s``."""
+    outcome: list[ToolResult] = []
+    start = time.perf_counter()
+    thread = threading.Thread(target=lambda: outcome.append(call_tool(tools, call)), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    seconds = time.perf_counter() - start
+    if not outcome:
+        return ToolResult(
+            f"Error: {call.name} took longer than {timeout_s:g} s", "timeout", seconds
+        )
+    return ToolResult(outcome[0].content, outcome[0].error, seconds)

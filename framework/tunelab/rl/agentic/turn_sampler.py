@@ -1,0 +1,170 @@
+"""Multi-turn sampling on the training model with one KV cache kept across an episode's turns.
+
+Each episode is one row of the cache. A turn appends new tokens to a row (the prompt at the
+first turn; the template's and the tools' tokens after a tool call) and prefills only those,
+then samples the row's reply one token at a time. Nothing already in the cache is run again:
+prefill work per episode is its prompt plus its tool results, not the whole conversation per
+turn.
+
+Rows extend by different numbers of tokens; the batch is padded after each row's new tokens.
+A padding token at position ``p`` writes slot ``p`` of its row, past the row's last real
+token: the row's own token at ``p`` overwrites it before any query can see it (a query at
+``p`` sees slots ``<= p``), as in ``ModelRolloutEngine``. Padding that would land past the
+budget goes to a scratch slot at the cache's end that no real token uses.
+
+Sampling is per row from the row's own generator (:func:`tunelab.rl.sample_tokens`), so an
+episode's tokens do not depend on its batch, the number of processes or a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tunelab.distributed import hold_gathered
+from tunelab.peft import merged_adapters
+from tunelab.rl.rollout import SamplingSettings, sample_tokens
+from tunelab.training.reference import reshard_all
+
+__all__ = ["CachedTurnSampler"]
+
+
+def any_rank(value: bool) -> bool:
+    """Whether ``value`` holds on any rank (every rank runs the same forwards under FSDP2)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor(float(value), dtype=torch.float64)
+        dist.all_reduce(flag)
+        return bool(flag > 0)
+    return value
+
+
+class CachedTurnSampler:
+    """Samples turns of many episodes at once from the policy, the KV cache kept between turns.
+
+    Use as a context manager around one batch of episodes (:meth:`session`); inside it call
+    :meth:`turn` once per turn on every rank.
+
+    Args:
+        model: The policy (a ``TransformerDecoder``, plain or FSDP2-sharded).
+        settings: Sampling settings; ``max_new_tokens`` bounds one turn, ``stop_ids`` end it.
+        pad_id: Token that fills short rows.
+        gather_once: Hold FSDP2's gathered parameters for the whole session.
+        merge_adapters: Merge LoRA adapters into temporary weights for the session.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: SamplingSettings,
+        *,
+        pad_id: int,
+        gather_once: bool = True,
+        merge_adapters: bool = True,
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.pad_id = pad_id
+        self.gather_once = gather_once
+        self.merge_adapters = merge_adapters
+        self.lengths: list[int] = []
+        self.pending: list[int | None] = []
+        self.capacity = 0
+        self.prefill_tokens = 0
+        self.generated_tokens = 0
+
+    @contextlib.contextmanager
+    def session(self, rows: int, capacity: int) -> Iterator[CachedTurnSampler]:
+        """Allocate the cache for ``rows`` episodes of at most ``capacity`` tokens each."""
+        model = self.model
+        device = model.model.embed_tokens.weight.device
+        was_training = model.training
+        model.eval()
+        self.capacity = capacity
+        self.lengths = [0] * rows
+        self.pending = [None] * rows
+        self.prefill_tokens = self.generated_tokens = 0
+        model.setup_caches(rows, capacity + 1, device=device)  # +1: the scratch slot
+        held = hold_gathered(model, gather_now=self.merge_adapters) if self.gather_once else None
+        merged = merged_adapters(model) if self.merge_adapters else contextlib.nullcontext()
+        try:
+            with held or contextlib.nullcontext(), merged:
+                yield self
+        finally:
+            model.teardown_caches()
+            model.train(was_training)
+            reshard_all(model)
+
+    @torch.no_grad()
+    def turn(
+        self,
+        new_tokens: list[list[int] | None],
+        generators: list[torch.Generator],
+        max_new_tokens: list[int],
+    ) -> list[list[int]]:
+        """Append ``new_tokens`` to each row, then sample each row's reply.
+
+        Args:
+            new_tokens: Per row, the tokens to add before its reply, or None for a row that
+                takes no turn (its episode has ended).
+            generators: One generator per row (an episode keeps its own across turns).
+            max_new_tokens: Per row, the tokens its reply may have at most (its remaining
+                budget, capped by ``settings.max_new_tokens``); 0 for a row without a turn.
+
+        Returns:
+            Per row, the reply's tokens (its stop token included when sampled); empty for a
+            row without a turn.
+        """
+        model = self.model
+        device = model.model.embed_tokens.weight.device
+        rows = len(new_tokens)
+        scratch = self.capacity
+        # The previous reply's last token was sampled but never fed: it goes first.
+        inputs = []
+        for row, tokens in enumerate(new_tokens):
+            pending = [self.pending[row]] if self.pending[row] is not None else []
+            inputs.append(pending + list(tokens) if tokens is not None else [])
+        width = max(1, max(len(tokens) for tokens in inputs))
+        batch = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        positions = torch.full((rows, width), scratch, dtype=torch.long)
+        for row, tokens in enumerate(inputs):
+            start = self.lengths[row]
+            batch[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            positions[row] = torch.arange(start, start + width).clamp(max=scratch)
+            if not tokens:
+                positions[row] = scratch
+        self.prefill_tokens += sum(len(tokens) for tokens in inputs)
+        hidden = model(batch.to(device), input_pos=positions.to(device), return_hidden=True)
+        last = torch.tensor([max(len(tokens), 1) - 1 for tokens in inputs], device=device)
+        logits = model.output(hidden[torch.arange(rows, device=device), last])
+        for row, tokens in enumerate(inputs):
+            self.lengths[row] += len(tokens)
+            self.pending[row] = None
+        replies: list[list[int]] = [[] for _ in range(rows)]
+        active = [bool(inputs[row]) and max_new_tokens[row] > 0 for row in range(rows)]
+        stop_ids = self.settings.stop_ids
+        while True:
+            next_tokens = sample_tokens(logits, self.settings, generators, active)
+            for row, token in enumerate(next_tokens.tolist()):
+                if not active[row]:
+                    continue
+                replies[row].append(token)
+                if token in stop_ids or len(replies[row]) >= max_new_tokens[row]:
+                    active[row] = False
+                    self.pending[row] = token
+            if not any_rank(any(active)):
+                break
+            feed = torch.full((rows, 1), self.pad_id, dtype=torch.long)
+            where = torch.full((rows, 1), scratch, dtype=torch.long)
+            for row in range(rows):
+                if active[row]:
+                    feed[row, 0] = replies[row][-1]
+                    where[row, 0] = self.lengths[row]
+                    self.lengths[row] += 1
+            hidden = model(feed.to(device), input_pos=where.to(device), return_hidden=True)
+            logits = model.output(hidden[:, -1])
+        self.generated_tokens += sum(len(reply) for reply in replies)
+        return replies
