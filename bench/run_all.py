@@ -42,7 +42,7 @@ BENCHMARKS = {
     "moe": ("bench_moe.py", False, [], ["--tokens", "4096"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
-    "grpo": ("bench_grpo.py", False, [], []),
+    "grpo": ("bench_grpo.py", False, ["--shapes", "tiny-16,wide-16"], []),
     "eval": ("bench_eval.py", False, [], []),
 }  # fmt: skip
 
