@@ -8,13 +8,11 @@ results, and the template's deltas after each reply. The whole episode must equa
 must render to the same ids, and the trained positions must be exactly the replies.
 """
 
-from types import SimpleNamespace
-
 import pytest
 
+from tests.agentic_replay import ReplayPolicy
 from tests.chat_templates._build import SPECS, make_tokenizer_dir
 from tunelab.data import load_tokenizer
-from tunelab.rl import SamplingSettings
 from tunelab.rl.agentic import EpisodeLimits, EpisodeRunner, Toolbox, calculator
 from tunelab.rl.agentic.tools import tool_from_function
 
@@ -63,38 +61,6 @@ LLAMA3_1 = [
 CASES = {"qwen3": QWEN3, "llama3_1": LLAMA3_1}
 
 
-class ReplayPolicy:
-    """Replies with the reference ids from where the episode stands to the next stop token.
-
-    It stands in for the policy only (the sampler's interface); it records what it was fed.
-    """
-
-    def __init__(self, reference, stop_ids):
-        self.reference = reference
-        self.stop_ids = set(stop_ids)
-        self.settings = SamplingSettings(max_new_tokens=200, stop_ids=frozenset(stop_ids))
-        self.model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096))
-        self.prefill_tokens = self.generated_tokens = 0
-        self.fed, self.replies, self.sequence = [], [], []
-
-    def session(self, rows, capacity):
-        import contextlib
-
-        return contextlib.nullcontext(self)
-
-    def turn(self, new_tokens, generators, max_new_tokens):
-        (tokens,) = new_tokens
-        self.fed.append(list(tokens))
-        self.sequence += tokens
-        end = len(self.sequence)
-        while self.reference[end] not in self.stop_ids:
-            end += 1
-        reply = self.reference[len(self.sequence) : end + 1]
-        self.sequence += reply
-        self.replies.append(reply)
-        return [reply]
-
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("agentic_hf")
@@ -136,9 +102,9 @@ def test_episode_ids_equal_transformers_render(tokenizers, name):
     assert list(again) == ids
     # Trained: exactly the replies, in order; the prompt and every delta untrained.
     trained = [t for t, keep in zip(episode.tokens, episode.trained, strict=True) if keep]
-    assert trained == [t for reply in policy.replies for t in reply]
-    assert sum(map(len, policy.fed)) + len(trained) == len(whole)
-    assert policy.fed[0] == episode.prompt_tokens
+    assert trained == [t for reply in policy.replies[0] for t in reply]
+    assert sum(map(len, policy.fed[0])) + len(trained) == len(whole)
+    assert policy.fed[0][0] == episode.prompt_tokens
     tool_text = tok.decode(
         [t for t, keep in zip(episode.tokens, episode.trained, strict=True) if not keep],
         skip_special_tokens=False,

@@ -1,0 +1,174 @@
+"""Agentic episodes on the tiny model: the KV cache across turns, seeds, and the masked loss."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.agentic_replay import ReplayPolicy
+from tunelab.data import apply_chat_template, load_tokenizer
+from tunelab.rl import GRPOLoss, Rollout, SamplingSettings, completion_logps, policy_gradient_pass
+from tunelab.rl.agentic import (
+    CachedTurnSampler,
+    EpisodeLimits,
+    EpisodeRunner,
+    Toolbox,
+    calculator,
+    episode_batch,
+)
+from tunelab.rl.agentic.tools import tool_from_function
+from tunelab.training import load_model
+
+TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
+SCHEMA = tool_from_function(calculator, "test").schema
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = load_tokenizer(
+        str(TINY), max_seq_len=512, chat_template=str(TINY / "tools_chat_template.jinja")
+    )
+    model = load_model(str(TINY), device=torch.device("cpu"), mesh=None, dtype=torch.float32)
+    return tokenizer, model
+
+
+def uncached_turns(model, turns, max_new):
+    """Greedy replies, each token from a full forward over the whole sequence (no cache)."""
+    sequence, replies = [], []
+    for new_tokens, limit in zip(turns, max_new, strict=True):
+        sequence += new_tokens
+        reply = []
+        for _ in range(limit):
+            with torch.no_grad():
+                logits = model(torch.tensor([sequence]))[0, -1]
+            reply.append(int(logits.argmax()))
+            sequence.append(reply[-1])
+        replies.append(reply)
+    return replies
+
+
+def test_cached_turns_equal_full_forwards(tiny):
+    tokenizer, model = tiny
+    settings = SamplingSettings(max_new_tokens=8, temperature=0.0)
+    sampler = CachedTurnSampler(model, settings, pad_id=tokenizer.pad_id)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.args.vocab_size
+
+    def tokens(n):
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    # Three episodes, ragged: prompts and deltas of different lengths; row 2 ends after turn 1.
+    plan = [
+        [tokens(7), tokens(3), tokens(5)],
+        [tokens(12), tokens(9), tokens(1)],
+        [tokens(4), None, None],
+    ]
+    limits = [[5, 3, 4], [2, 6, 4], [6, 0, 0]]
+    got = [[] for _ in plan]
+    with sampler.session(rows=3, capacity=64):
+        for turn in range(3):
+            new = [row[turn] for row in plan]
+            replies = sampler.turn(new, [torch.Generator()] * 3, [row[turn] for row in limits])
+            for row, reply in enumerate(replies):
+                if new[row] is not None:
+                    got[row].append(reply)
+    # The cache prefilled only what was new: prompts, deltas and the previous reply's last token.
+    fed = sum(len(t) for row in plan for t in row if t is not None) + 2 * 2
+    assert sampler.prefill_tokens == fed
+    assert not model.caches_are_enabled()
+    for row, replies in enumerate(got):
+        turns = [t for t in plan[row] if t is not None]
+        # Each new turn is fed after the previous reply's tokens: the reference sees them too.
+        assert replies == uncached_turns(model, turns, [n for n in limits[row] if n]), row
+
+
+def test_sampled_episodes_depend_on_their_seed_only(tiny):
+    tokenizer, model = tiny
+    settings = SamplingSettings(max_new_tokens=24, stop_ids=frozenset(tokenizer.stop_ids))
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=96)
+
+    def run(prompts, seeds):
+        sampler = CachedTurnSampler(model, settings, pad_id=tokenizer.pad_id)
+        runner = EpisodeRunner(sampler, tokenizer, tokenizer.chat_template,
+                               Toolbox([calculator]), limits)  # fmt: skip
+        return runner.run(prompts, seeds)
+
+    prompts = [([{"role": "user", "content": text}], {}) for text in ("Add 3 and 4.", "7 * 6?")]
+    together = run(prompts * 2, [1, 2, 3, 4])
+    alone = run(prompts[1:], [2])
+    assert together[1].tokens == alone[0].tokens and together[1].messages == alone[0].messages
+    assert together[0].tokens != together[2].tokens  # another seed, another episode
+    for episode in together:
+        assert len(episode.tokens) <= limits.max_episode_tokens
+        assert episode.trained[0] and len(episode.trained) == len(episode.tokens)
+
+
+def multi_turn_episodes(tokenizer):
+    """Three episodes with tool calls, results and answers (the policy replayed)."""
+
+    def call(n, expression):
+        arguments = {"expression": expression}
+        return {"id": f"c{n}", "type": "function", "function": {"name": "calculator",
+                "arguments": arguments}}  # fmt: skip
+
+    def tool(n, content):
+        return {"role": "tool", "tool_call_id": f"c{n}", "name": "calculator", "content": content}
+
+    user = {"role": "user", "content": "Add the numbers."}
+    conversations = [
+        [user, {"role": "assistant", "content": "", "tool_calls": [call(0, "3 + 4")]},
+         tool(0, "7"), {"role": "assistant", "content": "7"}],
+        [user, {"role": "assistant", "content": "", "reasoning_content": "Two.",
+                "tool_calls": [call(0, "1 + 1"), call(1, "2 * 8")]},
+         tool(0, "2"), tool(1, "16"), {"role": "assistant", "content": "2 and 16"}],
+        [user, {"role": "assistant", "content": "No tools needed: 5"}],
+    ]  # fmt: skip
+    references = [apply_chat_template(tokenizer, c, tools=[SCHEMA]) for c in conversations]
+    policy = ReplayPolicy(references, tokenizer.stop_ids)
+    runner = EpisodeRunner(policy, tokenizer, tokenizer.chat_template, Toolbox([calculator]),
+                           EpisodeLimits(max_episode_tokens=400))  # fmt: skip
+    episodes = runner.run([(c[:1], {}) for c in conversations], [0, 1, 2])
+    return episodes, policy
+
+
+def test_multi_turn_loss_equals_fp64_reference_with_tool_tokens_masked(tiny):
+    tokenizer, model = tiny
+    episodes, policy = multi_turn_episodes(tokenizer)
+    assert [e.num_tool_calls for e in episodes] == [1, 2, 0]
+    batch = episode_batch(episodes, tokenizer.pad_id, torch.device("cpu"))
+    labels = batch["labels"]
+    for row, episode in enumerate(episodes):  # labelled: exactly the replayed replies
+        start = len(episode.prompt_tokens)
+        labelled = labels[row][labels[row] != -100].tolist()
+        assert labelled == [t for reply in policy.replies[row] for t in reply]
+        assert (labels[row, :start] == -100).all()
+    model = copy.deepcopy(model)
+    logps, mask = completion_logps(model, batch)
+    old = (
+        logps.detach() + 0.3 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(0))
+    ) * mask
+    advantages = torch.tensor([0.8, -1.2, 0.4])
+    loss_fn = GRPOLoss(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token_mean")
+    rollout = Rollout(batch, advantages, torch.ones(3, dtype=torch.bool), old_logps=old)
+    sums = policy_gradient_pass(model, [rollout], loss_fn, None, scale=1.0)
+
+    # fp64 reference, written out: log-softmax of the next token at every trained position.
+    reference_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits = reference_model(batch["tokens"]).double()
+    all_logps = torch.log_softmax(logits[:, :-1], dim=-1)
+    targets = batch["tokens"][:, 1:]
+    token_logps = all_logps.gather(-1, targets[..., None])[..., 0]
+
+    def reference_loss(positions):
+        ratio = torch.exp(token_logps - old.double())
+        a = advantages.double()[:, None]
+        surrogate = torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+        return float((-surrogate * positions).sum())
+
+    trained = (labels[:, 1:] != -100).double()
+    assert sums["loss"] == pytest.approx(reference_loss(trained), rel=1e-6, abs=1e-6)
+    # The tool and template tokens carry weight if they are not masked: the test can fail.
+    real = (batch["tokens"][:, 1:] != tokenizer.pad_id).double()
+    assert abs(reference_loss(real) - sums["loss"]) > 1e-2
