@@ -16,7 +16,7 @@ batches are split over ranks with a saved stream position (``stream_loader``).
 
 from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
-from tunelab.data.collate import padded_collate_dpo, padded_collate_sft
+from tunelab.data.collate import padded_collate_dpo, padded_collate_kto, padded_collate_sft
 from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
@@ -27,6 +27,7 @@ from tunelab.data.sft import chat_dataset, instruct_dataset, text_dataset
 from tunelab.data.templates import TEMPLATES, Message, Template, get_template, tokenize_messages
 from tunelab.data.tokenized import TokenizedDataset
 from tunelab.data.tokenizer import Tokenizer, load_tokenizer
+from tunelab.data.unpaired import kto_dataset
 
 __all__ = [
     "IGNORE_INDEX",
@@ -49,9 +50,11 @@ __all__ = [
     "mix_dataset",
     "pack_samples",
     "padded_collate_dpo",
+    "padded_collate_kto",
     "padded_collate_prompts",
     "padded_collate_sft",
     "preference_dataset",
+    "kto_dataset",
     "prompt_dataset",
     "text_dataset",
     "tokenize_conversation",

@@ -54,6 +54,16 @@ from tunelab.errors import DataError, TunelabError
 SAMPLE_COLUMNS = {
     "sft": ("tokens", "labels"),
     "preference": ("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
+    # Pairs with a reward model's per-pair margin, ``[margin]`` (float64).
+    "preference_margin": (
+        "chosen_tokens",
+        "chosen_labels",
+        "rejected_tokens",
+        "rejected_labels",
+        "margin",
+    ),  # fmt: skip
+    # KTO's labelled completions; ``desirable`` is ``[1]`` or ``[0]`` (a list like the others).
+    "unpaired": ("tokens", "labels", "desirable"),
 }
 # Per row of the table: was it cut to max_seq_len, does it keep a trained token on every side
 # (preference pairs), and where it came from. ``problem`` and ``column`` are set for a
@@ -80,7 +90,10 @@ def features(kind: str) -> Any:
     from datasets import Features, Sequence, Value
 
     # int32 ids: every vocabulary fits, and the labels' -100; half the bytes of int64.
-    columns = {name: Sequence(Value("int32")) for name in SAMPLE_COLUMNS[kind]}
+    columns = {
+        name: Sequence(Value("float64" if name == "margin" else "int32"))
+        for name in SAMPLE_COLUMNS[kind]
+    }
     columns.update(
         truncated=Value("bool"),
         completion=Value("bool"),

@@ -70,12 +70,48 @@ def padded_collate_dpo(
     Returns:
         ``tokens`` and ``labels`` LongTensors ``[2 * batch, seq]``, padded to the longest side;
         when the items carry ``pair_index`` (their dataset index, from
-        ``tunelab.data.preference.IndexedPairs``), also ``pair_index`` LongTensor ``[batch]``.
+        ``tunelab.data.preference.IndexedPairs``), also ``pair_index`` LongTensor ``[batch]``;
+        when they carry ``margin`` (``[value]``, a margin column), also ``margin`` float64
+        ``[batch]``.
     """
     tokens = [item["chosen_tokens"] for item in batch] + [item["rejected_tokens"] for item in batch]
     labels = [item["chosen_labels"] for item in batch] + [item["rejected_labels"] for item in batch]
     length = max(len(row) for row in tokens)
     out = {"tokens": _pad(tokens, length, pad_id), "labels": _pad(labels, length, ignore_index)}
+    if "pair_index" in batch[0]:
+        out["pair_index"] = torch.tensor([item["pair_index"] for item in batch], dtype=torch.long)
+    if "margin" in batch[0]:
+        out["margin"] = torch.tensor([item["margin"][0] for item in batch], dtype=torch.float64)
+    return out
+
+
+def padded_collate_kto(
+    batch: list[dict[str, Any]], pad_id: int, ignore_index: int = -100
+) -> dict[str, torch.Tensor]:
+    """Collate KTO items in a preference batch's layout: completions, then mismatched pairs.
+
+    Row ``i`` is item ``i``'s prompt and completion, row ``B + i`` its mismatched pair (its
+    prompt, another item's completion), so DPO's reference machinery reads the batch as it
+    reads pairs (``chosen`` the completions, ``rejected`` the mismatched pairs).
+
+    Args:
+        batch: Items of ``tunelab.data.kto_dataset`` (``tokens``, ``labels``, ``kl_tokens``,
+            ``kl_labels``, ``desirable``; optionally ``pair_index``).
+        pad_id: Token id of padding.
+        ignore_index: Label of padding.
+
+    Returns:
+        ``tokens`` and ``labels`` LongTensors ``[2 * batch, seq]``, ``desirable`` bool
+        ``[batch]``, and ``pair_index`` ``[batch]`` when the items carry it.
+    """
+    tokens = [item["tokens"] for item in batch] + [item["kl_tokens"] for item in batch]
+    labels = [item["labels"] for item in batch] + [item["kl_labels"] for item in batch]
+    length = max(len(row) for row in tokens)
+    out = {
+        "tokens": _pad(tokens, length, pad_id),
+        "labels": _pad(labels, length, ignore_index),
+        "desirable": torch.tensor([bool(item["desirable"]) for item in batch], dtype=torch.bool),
+    }
     if "pair_index" in batch[0]:
         out["pair_index"] = torch.tensor([item["pair_index"] for item in batch], dtype=torch.long)
     return out

@@ -14,7 +14,9 @@ from tunelab.losses.distillation import (
     GeneralizedJSDLoss,
     ReverseKLLoss,
 )
+from tunelab.losses.kto import KTOLoss, UnpairedPreferenceLoss
 from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
+from tunelab.losses.orpo import ORPOLoss
 from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
 from tunelab.losses.sequence import sequence_logps, token_logps
 
@@ -27,10 +29,13 @@ __all__ = [
     "GeneralizedJSDLoss",
     "HingeLoss",
     "IPOLoss",
+    "KTOLoss",
+    "ORPOLoss",
     "OutputLayer",
     "PreferenceLoss",
     "ReverseKLLoss",
     "SimPOLoss",
+    "UnpairedPreferenceLoss",
     "accumulate_metrics",
     "preference_metrics",
     "reduce_metrics",

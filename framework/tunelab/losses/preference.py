@@ -12,7 +12,9 @@ global number of pairs. Notation, per pair:
 Rewards follow TRL's conventions, so the logged numbers compare with what users know:
 ``reward = beta * (pi - ref)`` on the same (summed or length-averaged) log-probs the loss
 uses, detached. Each class says whether it needs the reference forward
-(``needs_reference``) and whether it divides log-probs by length (``length_normalized``).
+(``needs_reference``), whether it divides log-probs by length (``length_normalized``) and
+whether it adds the chosen answer's token-mean NLL (``adds_chosen_nll``, ORPO), for which the
+recipe passes the step's ``chosen_tokens_per_pair``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class PreferenceLoss(nn.Module):
 
     needs_reference: bool = True
     length_normalized: bool = False
+    adds_chosen_nll: bool = False
 
     def forward(
         self,
@@ -53,6 +56,7 @@ class PreferenceLoss(nn.Module):
         reference_rejected_logps: torch.Tensor | None = None,
         chosen_lengths: torch.Tensor | None = None,
         rejected_lengths: torch.Tensor | None = None,
+        chosen_tokens_per_pair: torch.Tensor | None = None,
     ) -> LossOutput:
         """Compute per-pair losses and rewards.
 
@@ -65,6 +69,8 @@ class PreferenceLoss(nn.Module):
             chosen_lengths: ``[batch]`` completion token counts; needed when
                 ``length_normalized``. A zero length is treated as 1.
             rejected_lengths: ``[batch]`` the same for the rejected completions.
+            chosen_tokens_per_pair: The step's chosen completion tokens per pair (0-dim,
+                global); used only by losses with ``adds_chosen_nll`` (ORPO).
 
         Returns:
             ``(losses, chosen_rewards, rejected_rewards)``, each ``[batch]``; rewards are

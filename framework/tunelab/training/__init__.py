@@ -12,6 +12,8 @@ calls, each with one job:
   :class:`OptimizerStep` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
+- KTO: :func:`mismatched_logps`, :func:`step_kl`, :func:`completion_forward`, :func:`kto_loss`,
+  :func:`global_kto_metrics`, :func:`evaluate_kto`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, benchmarks, export,
   save, stop), with :class:`Schedule`, :class:`StepReports`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
   ``tunelab.eval.TrainingEval``), :class:`MetricLoggers`, :class:`ProgressBar`,
@@ -23,6 +25,15 @@ Online RL (GRPO, GSPO) has its own package above this one: :mod:`tunelab.rl`.
 Components for configs: ``adamw``, the LR schedules and the metric loggers.
 """
 
+from tunelab.training.kto import (
+    check_unpaired_loss,
+    completion_forward,
+    evaluate_kto,
+    global_kto_metrics,
+    kto_loss,
+    mismatched_logps,
+    step_kl,
+)
 from tunelab.training.loop import (
     ActivationOffload,
     NonFiniteGuard,
@@ -48,6 +59,7 @@ from tunelab.training.optim import adamw
 from tunelab.training.preference import (
     check_preference_loss,
     evaluate_preference,
+    global_chosen_tokens_per_pair,
     global_pair_count,
     global_preference_metrics,
     preference_loss,
@@ -115,6 +127,14 @@ __all__ = [
     "cosine_schedule_with_warmup",
     "evaluate",
     "check_preference_loss",
+    "check_unpaired_loss",
+    "completion_forward",
+    "evaluate_kto",
+    "global_chosen_tokens_per_pair",
+    "global_kto_metrics",
+    "kto_loss",
+    "mismatched_logps",
+    "step_kl",
     "evaluate_preference",
     "forward",
     "global_pair_count",

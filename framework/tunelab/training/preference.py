@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tunelab.data import IGNORE_INDEX
 from tunelab.distributed import all_reduce_sum
 from tunelab.errors import ConfigError, DataError
 from tunelab.losses import (
@@ -51,7 +52,8 @@ def check_preference_loss(loss_fn: object, recipe: str) -> PreferenceLoss:
     if not isinstance(loss_fn, PreferenceLoss):
         raise ConfigError(
             f"loss: {recipe} needs a preference loss (tunelab.losses.DPOLoss, IPOLoss, "
-            f"HingeLoss, SimPOLoss), got {type(loss_fn).__name__}"
+            f"HingeLoss, SimPOLoss, ORPOLoss), got {type(loss_fn).__name__}; KTOLoss trains "
+            "on unpaired rows with kto_distributed"
         )
     return loss_fn
 
@@ -83,6 +85,7 @@ def preference_loss(
     loss_fn: PreferenceLoss,
     policy: PolicyOutput,
     reference: PolicyOutput | ReferenceLogps | None,
+    chosen_tokens_per_pair: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-pair losses of one micro-batch and the sums of its metrics.
 
@@ -91,6 +94,8 @@ def preference_loss(
         policy: The policy's :func:`policy_forward` of the micro-batch.
         reference: The reference's (a forward's, or a :class:`PrecomputedReference` lookup),
             or None for a reference-free loss.
+        chosen_tokens_per_pair: The step's :func:`global_chosen_tokens_per_pair`, for a loss
+            with ``adds_chosen_nll`` (ORPO); None: the micro-batch's own.
 
     Returns:
         ``(losses, sums)``: the ``[pairs]`` losses (with grad) and the detached sums of the
@@ -105,6 +110,7 @@ def preference_loss(
         None if reference is None else reference.rejected_logps,
         policy.chosen_lengths,
         policy.rejected_lengths,
+        chosen_tokens_per_pair,
     )
     sums = preference_metrics(
         chosen_rewards,
@@ -131,6 +137,30 @@ def global_pair_count(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Ten
     local_pairs = sum(num_pairs(batch) for batch in micro_batches)
     device = micro_batches[0]["tokens"].device
     return all_reduce_sum(torch.tensor(float(local_pairs), device=device)).clamp_min(1)
+
+
+def global_chosen_tokens_per_pair(
+    micro_batches: list[dict[str, torch.Tensor]], num_pairs: torch.Tensor
+) -> torch.Tensor:
+    """Chosen completion tokens of one optimizer step per pair, over micro-batches and ranks.
+
+    ORPO's NLL is a mean over these tokens (TRL's, per micro-batch): the per-pair losses
+    divide their chosen NLL by this, so the step's loss is the token mean whatever the
+    micro-batching or the world size. Counted from the labels, before any forward.
+
+    Args:
+        micro_batches: The step's ``padded_collate_dpo`` batches (chosen rows first).
+        num_pairs: The step's :func:`global_pair_count`.
+
+    Returns:
+        A 0-dim float tensor on the batches' device.
+    """
+    # Chosen rows are each batch's first half; labels align with tokens (shifted by one here).
+    local = sum(
+        (batch["labels"][: batch["labels"].shape[0] // 2, 1:] != IGNORE_INDEX).sum()
+        for batch in micro_batches
+    )
+    return all_reduce_sum(torch.as_tensor(local, dtype=torch.float64).reshape(())) / num_pairs
 
 
 def _global_means(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], float]:
