@@ -54,6 +54,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"training": ("tunelab.training",), "generation": ("tunelab.generation",)},
     # Online RL (rollouts, rewards, advantages, the policy losses): runs the training forward.
     {"rl": ("tunelab.rl",)},
+    # Knowledge distillation: the teacher, and on-policy batches from the RL sampler.
+    {"distill": ("tunelab.distill",)},
     # Benchmarks (lm-eval) on the model: scoring and generation with the training parts.
     {"eval": ("tunelab.eval",)},
     {"cli": ("tunelab.cli",), "assets": ("tunelab.assets",), "recipes": ("recipes",)},

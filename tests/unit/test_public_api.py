@@ -64,6 +64,7 @@ def test_the_public_modules_are_the_documented_ones():
         "tunelab.cli",
         "tunelab.config",
         "tunelab.data",
+        "tunelab.distill",
         "tunelab.distributed",
         "tunelab.eval",
         "tunelab.generation",

@@ -26,6 +26,7 @@ from tunelab.config.constraints import (
     Range,
     TokenizerPath,
 )
+from tunelab.config.distill import DistillArgs, OnPolicyArgs, TeacherArgs
 from tunelab.config.recipe_args import (
     CheckpointArgs,
     EvalArgs,
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointArgs",
     "Component",
     "Constraint",
+    "DistillArgs",
     "EvalArgs",
     "ExistingPath",
     "FinetuneArgs",
@@ -56,10 +58,12 @@ __all__ = [
     "ModelDir",
     "NonEmpty",
     "OneOf",
+    "OnPolicyArgs",
     "OutputDir",
     "PathCheck",
     "Range",
     "RecipeArgs",
+    "TeacherArgs",
     "TokenizerPath",
     "TrainingEvalArgs",
     "apply_overrides",

@@ -1,0 +1,81 @@
+"""Settings of distill_distributed: the teacher and on-policy sections, and the recipe's record.
+
+This module must not import torch: ``tunelab validate`` imports it to check a config.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+from tunelab.config._args import Component, component
+from tunelab.config._model_dir import read_json
+from tunelab.config.constraints import Finite, Range
+from tunelab.config.lora import LoRAArgs
+from tunelab.config.recipe_args import LoRARecipeArgs
+from tunelab.config.sections import AtLeastOne, ModelSetupArgs
+
+
+@dataclass(kw_only=True)
+class TeacherArgs(ModelSetupArgs):
+    """The frozen teacher: its folder and dtype (its own), how it is built and sharded."""
+
+    reshard_after_forward: bool = True
+    """FSDP2: free the teacher's gathered weights after each block's forward (false: gather each block once and keep it: a replicated teacher, for a teacher small enough to fit every process)."""
+
+
+@dataclass(kw_only=True)
+class OnPolicyArgs:
+    """On-policy distillation: the share of steps trained on the student's own samples."""
+
+    lmbda: Annotated[float, Range(ge=0, le=1)] = 0.0
+    """Probability that a step trains on completions the student samples for its batch's prompts (a seeded draw per step; 0: offline on the dataset's own completions, 1: always on-policy)."""
+    max_new_tokens: AtLeastOne = 32
+    """Tokens a sampled completion has at most."""
+    temperature: Annotated[float, Finite(), Range(gt=0)] = 1.0
+    """Sampling temperature of the student's completions."""
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches it."""
+    top_k: AtLeastOne | None = None
+    """Sample among the k most likely tokens (None: all)."""
+    gather_once: bool = True
+    """FSDP2: gather the student's weights once per sampling call and hold them until its last token (false: gather block by block for every token)."""
+
+
+def _vocab_size(model_dir: str) -> int | None:
+    config, problem = read_json(Path(model_dir).expanduser() / "config.json")
+    if problem or not isinstance(config, dict):
+        return None
+    value = config.get("vocab_size")
+    if value is None and isinstance(config.get("text_config"), dict):
+        value = config["text_config"].get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(kw_only=True)
+class DistillArgs(LoRARecipeArgs):
+    """Settings of distill_distributed: a student learns a frozen teacher's token distribution."""
+
+    lora: LoRAArgs | None = field(default_factory=LoRAArgs)
+    """The student's LoRA adapters (the lora.* keys of lora_finetune_distributed, lora.quantize_base: nf4 for QLoRA); null: full fine-tuning of the student."""
+    teacher: TeacherArgs
+    """The frozen teacher: a model of the student's tokenizer family (same vocabulary), its own folder and dtype."""
+    dataset: Component = component(call_args=("tokenizer",))
+    """An SFT or chat dataset (masks as in SFT); on-policy steps take each row's prompt (the tokens before its first target) and sample a completion."""
+    val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
+    """An optional SFT or chat dataset: val_loss (the distillation loss), val_nll and the teacher's val_teacher_nll."""
+    loss: Component = component(default="tunelab.losses.ForwardKLLoss")
+    """The distillation loss, a tunelab.losses.DistillationLoss: ForwardKLLoss, ReverseKLLoss or GeneralizedJSDLoss (beta), each with temperature, top_k, nll_weight."""
+    on_policy: OnPolicyArgs = field(default_factory=OnPolicyArgs)
+    """On-policy steps: their share (lmbda) and how the student samples."""
+
+    def check_settings(self) -> list[str]:
+        """Teacher and student must share one vocabulary."""
+        problems = super().check_settings() + self.teacher.check_settings()
+        student, teacher = _vocab_size(self.model.path), _vocab_size(self.teacher.path)
+        if student is not None and teacher is not None and student != teacher:
+            problems.append(
+                f"key 'teacher.path': the teacher's vocabulary ({teacher} tokens, "
+                f"{self.teacher.path}/config.json) differs from the student's ({student}, "
+                f"{self.model.path}/config.json); distillation needs one tokenizer family"
+            )
+        return problems

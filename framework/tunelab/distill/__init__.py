@@ -1,0 +1,21 @@
+"""Knowledge distillation: the frozen teacher, on-policy batches and validation of the recipe.
+
+The losses live in :mod:`tunelab.losses` (``DistillationLoss`` and its subclasses); see
+docs/recipes.md (distill_distributed) for the step and the formulas.
+"""
+
+from tunelab.distill.step import (
+    OnPolicyBatches,
+    Teacher,
+    distill_batch,
+    evaluate_distillation,
+    step_metrics,
+)
+
+__all__ = [
+    "OnPolicyBatches",
+    "Teacher",
+    "distill_batch",
+    "evaluate_distillation",
+    "step_metrics",
+]
