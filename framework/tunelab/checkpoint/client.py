@@ -103,6 +103,8 @@ class CheckpointClient:
         writer_factory: Storage writer for step checkpoints (tests inject slow writers).
         export_files: Files every export writes beside the base model's tokenizer files, by
             name (``Tokenizer.extra_files()``: the chat template a run was trained with).
+        gguf_quantization: Also write each export as GGUF (``epoch_{E}/gguf/``) with this
+            tensor type (``tunelab.checkpoint.gguf_export``); None writes no GGUF.
 
     Raises:
         CheckpointError: A multi-process run built the client before the process group.
@@ -122,6 +124,7 @@ class CheckpointClient:
         config_hash: str = "",
         writer_factory: WriterFactory | None = None,
         export_files: Mapping[str, bytes] | None = None,
+        gguf_quantization: str | None = None,
     ) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             raise CheckpointError(
@@ -136,6 +139,7 @@ class CheckpointClient:
         self.keep_last_n = keep_last_n
         self.config_hash = config_hash
         self.export_files = dict(export_files or {})
+        self.gguf_quantization = gguf_quantization
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._saver = DCPSaver(enable_async=enable_async, writer_factory=writer_factory)
@@ -504,7 +508,7 @@ class CheckpointClient:
     # -- export ------------------------------------------------------------------------
 
     def export(self, epoch: int) -> Path:
-        """Write ``epoch_{epoch}/`` in Hugging Face format (and ``adapter/`` for LoRA).
+        """Write ``epoch_{epoch}/`` in Hugging Face format (and ``adapter/`` for LoRA, ``gguf/``).
 
         Waits for the save in flight first. Never modifies live parameters.
 
@@ -518,13 +522,20 @@ class CheckpointClient:
                 f"{path} is a link; tunelab never writes through links in an output_dir: remove it"
             )
         try:
-            return export_hf(
+            export_hf(
                 self.model,
                 path,
                 base_checkpoint_dir=self.base_checkpoint_dir,
                 lora=self.lora,
                 extra_files=self.export_files,
             )
+            if self.gguf_quantization is not None:
+                # Imported here: the gguf package is needed only by runs that export GGUF.
+                from tunelab.checkpoint.gguf_export import export_gguf
+
+                # From the merged weights just written: each rank converts its share of them.
+                export_gguf(path, quant=self.gguf_quantization)
+            return path
         except OSError as error:
             raise as_checkpoint_error(error, path, "exporting") from error
 

@@ -1,4 +1,4 @@
-"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``eval``, ``verify``, ``download``, ``data``."""
+"""The ``tunelab`` command: ``ls``, ``cp``, ``validate``, ``run``, ``eval``, ``verify``, ``export``, ``download``, ``data``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 import traceback
 
-from tunelab.cli import _cp, _data, _download, _eval, _ls, _run, _validate, _verify
+from tunelab.cli import _cp, _data, _download, _eval, _export, _ls, _run, _validate, _verify
 from tunelab.errors import TunelabError, shorten
 from tunelab.lifecycle.entry import debug_enabled
 
@@ -15,6 +15,7 @@ _COMMANDS = {
     "cp": _cp,
     "validate": _validate,
     "verify": _verify,
+    "export": _export,
     "download": _download,
     "data": _data,
 }
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in ("ls", "cp", "run", "eval", "validate", "verify", "download", "data"):
+    for name in ("ls", "cp", "run", "eval", "validate", "verify", "export", "download", "data"):
         module = {"run": _run, "eval": _eval}.get(name) or _COMMANDS[name]
         module.add_parser(subparsers, common)
     return parser

@@ -63,6 +63,12 @@ class CheckpointArgs:
     """true: continue from the newest committed step checkpoint (an error if none); auto: resume if there is one, else start fresh."""
     export_every_n_epochs: AtLeastOne = 1
     """Export a Hugging Face model every N epochs; the last epoch always exports."""
+    export_formats: Annotated[list[Literal["hf", "gguf"]], NonEmpty()] = field(
+        default_factory=lambda: ["hf"]
+    )
+    """What each export writes: hf (the Hugging Face model, always written: the others are made from it) and gguf (llama.cpp / Ollama file and Modelfile in epoch_E/gguf/)."""
+    gguf_quantization: Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q6_k"] = "f16"
+    """Tensor type of the gguf export (norms and biases stay f32, as llama.cpp's converter keeps them)."""
 
 
 @dataclass(kw_only=True)

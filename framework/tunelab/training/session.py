@@ -422,6 +422,9 @@ def build_checkpoint_client(
         lora=state.lora,
         enable_async=checkpoint.enable_async_checkpointing,
         keep_last_n=checkpoint.keep_last_n_checkpoints,
+        gguf_quantization=(
+            checkpoint.gguf_quantization if "gguf" in checkpoint.export_formats else None
+        ),
         config_hash=config_hash,
         export_files=tokenizer.extra_files() if hasattr(tokenizer, "extra_files") else None,
     )

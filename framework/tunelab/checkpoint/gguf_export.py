@@ -1,0 +1,282 @@
+"""GGUF export of a Hugging Face export folder, for llama.cpp, Ollama and LM Studio.
+
+``export_gguf(epoch_dir)`` writes ``epoch_dir/gguf/model-{quant}.gguf``, an Ollama
+``Modelfile`` beside it, and a manifest with both files' checksums (``tunelab verify`` checks
+them as a sub-folder of the export). The weights are the export's: for LoRA, QLoRA and DoRA
+runs the merged model, which the HF export has just written.
+
+Layout and parallel write: the ``gguf`` package's ``GGUFWriter`` writes the header, the
+metadata and the tensor table (rank 0); every tensor's offset follows from its size, so each
+rank reads its share of tensors from the safetensors files (a balanced split by bytes, the
+largest first), converts and quantizes them with the ``gguf`` package's quantizers (a block
+needs only its own 32 or 256 values), and ``pwrite``s them at their offsets in the one file.
+No rank holds more than one tensor at a time, and none gathers the model. The padding between
+tensors is written as zeros by the tensor's writer, so the file is byte-identical whatever the
+number of ranks, and the pieces' digests tile it for the manifest.
+
+Everything goes into ``.gguf.tunelab-partial`` first, fsynced, and replaces ``gguf/`` as a
+whole at the end: an interrupted export leaves the previous GGUF folder or none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tunelab._model_files import read_model_text
+from tunelab.checkpoint._safetensors_layout import pwrite_all
+from tunelab.checkpoint.consolidate import temp_name
+from tunelab.checkpoint.gguf_vocab import write_vocab
+from tunelab.checkpoint.hf_sharded import _swap_into_place
+from tunelab.checkpoint.ollama import modelfile
+from tunelab.data.tokenizer import load_tokenizer
+from tunelab.errors import CheckpointError, TunelabError
+from tunelab.formats.gguf_model import (
+    QUANTIZATIONS,
+    PlannedTensor,
+    family_of,
+    permute_rows,
+    plan_tensor,
+    rope_freqs,
+    write_hparams,
+)
+from tunelab.formats.hf import HFCheckpointReader
+from tunelab.formats.integrity import FileRecord, digest, record_of_ranges, write_bytes
+from tunelab.formats.layout import write_manifest
+
+__all__ = ["GGUF_DIR_NAME", "export_gguf", "gguf_file_name"]
+
+GGUF_DIR_NAME = "gguf"
+"""The folder of an export that holds its GGUF file and Modelfile."""
+_ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT
+
+
+def gguf_file_name(quant: str) -> str:
+    """The GGUF file's name for a quantization: ``model-{quant}.gguf``."""
+    return f"model-{quant}.gguf"
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGNMENT) * _ALIGNMENT
+
+
+def _plan(export_dir: Path, config: dict, quant: str) -> list[PlannedTensor]:
+    family = family_of(config, str(export_dir / "config.json"))
+    qtype = QUANTIZATIONS[quant][0]
+    plan = []
+    freqs = rope_freqs(config)
+    if freqs is not None:
+        plan.append(
+            PlannedTensor(None, "rope_freqs.weight", freqs.shape, gguf.GGMLQuantizationType.F32, 0)
+        )
+    with HFCheckpointReader(export_dir) as reader:
+        for key in sorted(reader.keys()):
+            planned = plan_tensor(key, reader.shape(key), config, family, qtype)
+            if planned is not None:
+                plan.append(planned)
+    return plan
+
+
+def _header(
+    export_dir: Path, config: dict, quant: str, plan: list[PlannedTensor], path: Path
+) -> int:
+    """Write the header, metadata and tensor table to ``path``; return their length."""
+    family = family_of(config, str(export_dir / "config.json"))
+    writer = gguf.GGUFWriter(None, family.name)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(export_dir.resolve().name)
+    write_hparams(writer, config, family, QUANTIZATIONS[quant][1], str(export_dir / "config.json"))
+    write_vocab(writer, export_dir, load_tokenizer(export_dir), config["vocab_size"])
+    for tensor in plan:
+        writer.add_tensor_info(
+            tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype
+        )
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    size = writer.fout[0].tell()
+    writer.close()
+    return size
+
+
+def _tensor_bytes(reader: HFCheckpointReader | None, tensor: PlannedTensor, config: dict) -> bytes:
+    """The tensor's data as stored in the file, padded to the alignment with zeros."""
+    if tensor.hf_name is None:
+        data = rope_freqs(config)
+    else:
+        assert reader is not None
+        data = reader.get(tensor.hf_name, dtype=torch.float32).numpy()
+    if tensor.permute_heads:
+        data = permute_rows(data, tensor.permute_heads)
+    stored = gguf.quants.quantize(np.ascontiguousarray(data), tensor.qtype).tobytes()
+    assert len(stored) == tensor.nbytes, (tensor.name, len(stored), tensor.nbytes)
+    return stored + bytes(_padded(len(stored)) - len(stored))
+
+
+def _shares(plan: list[PlannedTensor], world_size: int) -> list[int]:
+    """Which rank writes each tensor: largest first, to the least loaded rank."""
+    load = [0] * world_size
+    owner = [0] * len(plan)
+    for index in sorted(range(len(plan)), key=lambda i: (-plan[i].nbytes, i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += plan[index].nbytes
+    return owner
+
+
+def _write_tensors(
+    path: Path,
+    export_dir: Path,
+    config: dict,
+    plan: list[PlannedTensor],
+    data_start: int,
+    mine: list[int],
+    sync_files: bool,
+) -> list[tuple[int, int, str]]:
+    offsets, position = [], data_start
+    for tensor in plan:
+        offsets.append(position)
+        position += _padded(tensor.nbytes)
+    pieces = []
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        with HFCheckpointReader(export_dir) as reader:
+            for index in mine:
+                data = _tensor_bytes(reader, plan[index], config)
+                pwrite_all(fd, memoryview(data), offsets[index])
+                pieces.append((offsets[index], len(data), digest(data)))
+        if sync_files:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return pieces
+
+
+def export_gguf(
+    export_dir: str | os.PathLike,
+    *,
+    quant: str = "f16",
+    process_group: dist.ProcessGroup | None = None,
+    sync_files: bool = True,
+) -> Path:
+    """Write ``export_dir/gguf/``: the GGUF file, an Ollama Modelfile and their manifest.
+
+    All ranks of ``process_group`` call this (or one process without a group).
+
+    Args:
+        export_dir: A Hugging Face model folder: an ``epoch_E`` export (config.json,
+            safetensors, tokenizer files).
+        quant: One of ``QUANTIZATIONS`` (``f16``, ``bf16``, ``f32``, ``q8_0``, ...).
+        process_group: Group whose ranks share the tensors; None: the default group if one
+            is initialised, else this process alone.
+        sync_files: fsync the files before they are renamed into place.
+
+    Returns:
+        The GGUF file's path.
+
+    Raises:
+        CheckpointError: One line when the family, tokenizer or quantization is not supported
+            or the folder is not a model export.
+    """
+    export_dir = Path(export_dir)
+    if quant not in QUANTIZATIONS:
+        raise CheckpointError(
+            f"GGUF quantization {quant!r} is not one of {', '.join(QUANTIZATIONS)}"
+        )
+    config_path = export_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{export_dir} is not a model export (no config.json)")
+    config = json.loads(read_model_text(config_path, export_dir))
+    config = {**config, **config.get("text_config", {})}
+    plan = _plan(export_dir, config, quant)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    world_size = dist.get_world_size(process_group) if distributed else 1
+    final = export_dir / GGUF_DIR_NAME
+    staging = export_dir / temp_name(GGUF_DIR_NAME)
+    name = gguf_file_name(quant)
+    path = staging / temp_name(name)
+    total = sum(_padded(t.nbytes) for t in plan)
+    message: list = [None, 0]
+    if rank == 0:
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            header_size = _header(export_dir, config, quant, plan, path)
+            data_start = _padded(header_size)
+            with open(path, "r+b") as handle:
+                header = handle.read(header_size) + bytes(data_start - header_size)
+                handle.seek(0)
+                handle.write(header)
+                handle.truncate(data_start + total)
+            message = [None, data_start]
+        except (OSError, TunelabError) as error:
+            message = [str(error), 0]
+    if distributed:
+        dist.broadcast_object_list(message, group=process_group, group_src=0)
+    if message[0] is not None:
+        raise CheckpointError(message[0])
+    data_start = message[1]
+    owner = _shares(plan, world_size)
+    pieces = _write_tensors(
+        path,
+        export_dir,
+        config,
+        plan,
+        data_start,
+        [i for i, r in enumerate(owner) if r == rank],
+        sync_files,
+    )
+    if rank == 0:
+        pieces.append((0, data_start, digest(header)))
+    gathered = [pieces]
+    if distributed:
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(pieces, gathered, group=process_group, group_dst=0)
+    failure = None
+    if rank == 0:
+        try:
+            _finish(
+                staging, final, path, name, gathered, data_start + total, export_dir, sync_files
+            )
+        except (OSError, TunelabError) as error:
+            failure = str(error)
+            shutil.rmtree(staging, ignore_errors=True)
+    if distributed:
+        result = [failure]
+        dist.broadcast_object_list(result, group=process_group, group_src=0)
+        failure = result[0]
+    if failure is not None:
+        raise CheckpointError(f"GGUF export to {final}: {failure}")
+    return final / name
+
+
+def _finish(
+    staging: Path,
+    final: Path,
+    path: Path,
+    name: str,
+    gathered: list,
+    size: int,
+    export_dir: Path,
+    sync_files: bool,
+) -> None:
+    """Record the file, write the Modelfile and manifest, and swap ``gguf/`` into place."""
+    files: dict[str, FileRecord] = {
+        name: record_of_ranges([piece for rank in gathered for piece in rank], size)
+    }
+    os.replace(path, staging / name)
+    tokenizer = load_tokenizer(export_dir)
+    stops = [tokenizer.id_to_token(i) for i in tokenizer.stop_ids]
+    text = modelfile(name, tokenizer.chat_template, [s for s in stops if s])
+    files["Modelfile"] = write_bytes(staging / "Modelfile", text.encode())
+    write_manifest(staging, files, kind="gguf")
+    _swap_into_place(staging, final, sync_files)

@@ -1,0 +1,172 @@
+"""GGUF export without llama.cpp: file layout, checksums, refusals, crash safety, the Modelfile."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tunelab._paths import assets_dir
+from tunelab.checkpoint.gguf_export import export_gguf
+from tunelab.checkpoint.ollama import modelfile
+from tunelab.data.chat_template import ChatTemplate
+from tunelab.errors import CheckpointError
+from tunelab.formats.gguf_model import permute_rows
+from tunelab.formats.integrity import verify_folder
+
+TINY = assets_dir() / "tiny"
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    folder = tmp_path / "epoch_0"
+    shutil.copytree(TINY, folder)
+    return folder
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tunelab.cli", *map(str, args)], capture_output=True, text=True
+    )
+
+
+def test_tensors_read_back_as_written_and_q_k_rows_permuted(tiny):
+    path = export_gguf(tiny, quant="f32")
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    weights = load_file(tiny / "model.safetensors")
+    # llama.cpp's rope pairs adjacent features: head h's row 2i+j is HF's row j*d/2+i.
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert np.array_equal(tensors["blk.0.attn_q.weight"], permute_rows(q, 4))
+    assert np.array_equal(tensors["blk.0.attn_q.weight"][1], q[16])  # head 0: d=32, i=0, j=1
+    k = weights["model.layers.1.self_attn.k_proj.weight"]
+    assert np.array_equal(tensors["blk.1.attn_k.weight"][32 + 3], k[32 + 16 + 1])  # head 1
+    assert np.array_equal(
+        tensors["blk.2.ffn_down.weight"], weights["model.layers.2.mlp.down_proj.weight"]
+    )
+    assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
+    fields = reader.fields
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["tokenizer.ggml.pre"].contents() == "llama-bpe"
+    assert fields["llama.attention.head_count_kv"].contents() == 2
+
+
+def test_norms_stay_f32_and_matrices_take_the_quantization(tiny):
+    reader = gguf.GGUFReader(export_gguf(tiny, quant="q8_0"))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+
+
+def test_checksums_are_verified(tiny):
+    path = export_gguf(tiny)
+    assert verify_folder(path.parent) == []
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    result = _cli("verify", path.parent)
+    assert result.returncode == 1 and "model-f16.gguf: content differs" in result.stdout
+
+
+def test_unsupported_family_is_refused_in_one_line(tiny):
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    result = _cli("export", tiny, "--to", "gguf")
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "model_type 'gemma2'" in result.stderr
+    assert not (tiny / "gguf").exists()
+
+
+def test_sliding_window_is_refused(tiny):
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(model_type="qwen2", use_sliding_window=True, sliding_window=5)
+    (tiny / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="use_sliding_window"):
+        export_gguf(tiny)
+
+
+def test_a_step_checkpoint_is_refused(tmp_path):
+    (tmp_path / "step_3").mkdir()
+    result = _cli("export", tmp_path / "step_3", "--to", "gguf")
+    assert result.returncode == 1 and "resumable training checkpoint" in result.stderr
+
+
+_CRASH = textwrap.dedent("""
+    import os, sys
+    from tunelab.checkpoint import gguf_export
+    original, written = gguf_export._tensor_bytes, []
+    def crash(*args):
+        written.append(1)
+        if len(written) == 5:
+            os._exit(9)  # killed mid-write: no clean-up runs
+        return original(*args)
+    gguf_export._tensor_bytes = crash
+    gguf_export.export_gguf(sys.argv[1], quant=sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("previous", [None, "q8_0"])
+def test_an_interrupted_export_leaves_the_previous_file_or_none(tiny, previous):
+    before = None
+    if previous is not None:
+        before = export_gguf(tiny, quant=previous).read_bytes()
+    result = subprocess.run([sys.executable, "-c", _CRASH, str(tiny), "f16"], check=False)
+    assert result.returncode == 9
+    files = sorted(p.name for p in (tiny / "gguf").glob("*")) if before else []
+    if previous is None:
+        assert not (tiny / "gguf").exists()
+    else:
+        assert files == ["Modelfile", "model-q8_0.gguf", "tunelab_manifest.json"]
+        assert (tiny / "gguf" / "model-q8_0.gguf").read_bytes() == before
+        assert verify_folder(tiny / "gguf") == []
+
+
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# The system prompt goes into the first user turn: no per-role template can say that.
+MERGED_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{% set ns = 1 %}"
+    "{% elif loop.index0 == 1 %}{{ '[INST] ' + messages[0]['content'] + ' ' + message['content'] "
+    "+ ' [/INST]' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def test_modelfile_template_and_stops_from_a_llama3_template():
+    template = ChatTemplate(LLAMA3, source="t", special_tokens={"bos_token": "<|begin_of_text|>"})
+    text = modelfile("model-f16.gguf", template, ["<|end_of_text|>"])
+    assert text.splitlines()[0] == "FROM ./model-f16.gguf"
+    assert (
+        '{{ else if eq .Role "user" }}<|start_header_id|>user<|end_header_id|>\n\n'
+        "{{ .Content }}<|eot_id|>"
+    ) in text
+    assert text.endswith(
+        '<|start_header_id|>assistant<|end_header_id|>\n\n"""\n'
+        'PARAMETER stop "<|end_of_text|>"\nPARAMETER stop "<|eot_id|>"\n'
+    )
+    assert "<|begin_of_text|>" not in text  # llama.cpp adds BOS itself
+
+
+def test_modelfile_from_chatml_stops_at_im_end():
+    text = modelfile("m.gguf", ChatTemplate(CHATML, source="t"), ["<|endoftext|>"])
+    assert '{{ if eq .Role "system" }}<|im_start|>system\n{{ .Content }}<|im_end|>\n' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
+def test_modelfile_without_template_when_turns_are_not_separable():
+    text = modelfile("m.gguf", ChatTemplate(MERGED_SYSTEM, source="t"), ["</s>"])
+    assert "TEMPLATE" not in text and 'PARAMETER stop "</s>"' in text
