@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from _grpo_results import StepClock, finish
-from _grpo_work import TARGETS, parity_reward
+from _grpo_work import PAD_ID, TARGETS, parity_reward
 
 
 def reward(prompts, completions, rows) -> list[float]:
@@ -32,14 +32,13 @@ def run(args: argparse.Namespace) -> None:
     import tunelab.peft as peft
     from _system import peak_rss_bytes, reset_peak_rss
     from tunelab.config.lora import LoRAArgs
-    from tunelab.config.sections import LoRAModelSetupArgs
+    from tunelab.config.sections import LoRAModelSetupArgs, RolloutArgs
     from tunelab.distributed import init_distributed
     from tunelab.rl import (
         GroupSampler,
         GRPOLoss,
         ModelRolloutEngine,
         Rewards,
-        SamplingSettings,
         global_sums,
         policy_gradient_pass,
         step_counts,
@@ -55,10 +54,12 @@ def run(args: argparse.Namespace) -> None:
     trainable = list(peft.get_adapter_params(model).values())
     optimizer = adamw(trainable, lr=1e-4, weight_decay=0.0)
     optimizer_step = OptimizerStep(optimizer, trainable, clip_grad_norm=1.0)
-    # Stop tokens unreachable: every completion is max_new_tokens long (as TRL's, see _grpo_work).
-    settings = SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=1.0)
+    # The recipe's rollout defaults (engine, merge, gather, sampling at temperature 1); the stop
+    # tokens unreachable: every completion is max_new_tokens long, as TRL's (see _grpo_work).
+    rollout = RolloutArgs(num_generations=args.num_generations, max_new_tokens=args.max_new_tokens)
     tokenizer = Tokenizer.from_file(str(Path(shape["model"]) / "tokenizer.json"))
-    engine = ModelRolloutEngine(model, settings, pad_id=0, decode=tokenizer.decode)
+    words = SimpleNamespace(stop_ids=[], pad_id=PAD_ID, decode=tokenizer.decode)
+    engine = ModelRolloutEngine.from_rollout(model, rollout, words)
     clock = StepClock()
     generate = engine.generate
 
@@ -76,18 +77,8 @@ def run(args: argparse.Namespace) -> None:
         prompts=[tokenizer.decode(p) for p in prompts],
         rows=[{} for _ in prompts],
     )
-    groups = GroupSampler(
-        engine,
-        Rewards([{"_component_": "_grpo_tunelab.reward"}]),
-        data,
-        decode=tokenizer.decode,
-        pad_id=0,
-        num_generations=args.num_generations,
-        seed=0,
-        scale_rewards=True,
-        dynamic_sampling=False,
-        device=device,
-    )
+    rewards = Rewards([{"_component_": "_grpo_tunelab.reward"}])
+    groups = GroupSampler.from_settings(engine, rewards, data, rollout, seed=0, device=device)
     loss_fn = GRPOLoss(aggregation="token_mean")  # DAPO; beta 0
     output = output_layer(model)
     load_peak = peak_rss_bytes()
@@ -100,8 +91,8 @@ def run(args: argparse.Namespace) -> None:
         first = step * args.prompts + rank * per_rank
         scored = [groups.sample(list(range(first, first + per_rank)), step)]
         clock.lap("rollout_s")
-        rollout = scored[0].rollout
-        labels = rollout.batch["labels"]
+        part = scored[0].rollout
+        labels = part.batch["labels"]
         completion = (labels != -100).sum(dim=1)
         prompt = (labels != -100).int().argmax(dim=1)  # the first completion position
         work.append(list(zip(prompt.tolist(), completion.tolist())))
@@ -111,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
             num_tokens=int(counts["num_tokens"]),
             max_new_tokens=args.max_new_tokens,
         )
-        sums = policy_gradient_pass(model, [rollout], loss_fn, output, scale=world / divisor)
+        sums = policy_gradient_pass(model, [part], loss_fn, output, scale=world / divisor)
         optimizer_step(loss=global_sums(sums, device)["loss"] / divisor, step=step + 1)
         clock.lap("update_s")
         clock.stop()

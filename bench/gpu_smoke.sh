@@ -12,7 +12,8 @@
 # 5. activation offloading (issue 30): its CUDA test (a skip is a failure) and a LoRA run with
 #    offload_activations and selective checkpointing; with two GPUs, context parallelism:
 #    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32);
-# 6. bench_scale.py at 2 GB: checkpoint I/O against that machine's disk, buffered and direct
+# 6. the vLLM rollout engine's pieces (bench/gpu_vllm_engine.py; a skip without vllm);
+# 7. bench_scale.py at 2 GB: checkpoint I/O against that machine's disk, buffered and direct
 #    raw baselines (issue 31).
 #
 # Each step prints PASS or FAIL with its log under OUT_DIR; the exit status is the number of
@@ -128,7 +129,12 @@ PYEOF
     step context_parallel_2gpu context_parallel
 fi
 
-# 6. issue 31 on another disk: the step save and the cold resume at 2 GB against the raw disk
+# 6. issue 40, item 6: the vLLM rollout engine's pieces (docs/vllm.md) on the tiny model:
+#    seeded sampling reproducible, sleep/wake around a push of LoRA-merged weights, greedy
+#    tokens equal to the built-in engine's. Without vllm the script says so and passes (skip).
+step vllm_engine "$PY" bench/gpu_vllm_engine.py
+
+# 7. issue 31 on another disk: the step save and the cold resume at 2 GB against the raw disk
 #    (2 CPU ranks, each pair in both orders), last: it needs ~25 GB of free disk and minutes.
 #    Against buffered raw I/O (the issue's baseline), then raw O_DIRECT I/O (the device's
 #    pace): whether direct I/O (0.71x / 0.93x buffered, 1.13x / 0.97x direct on the CPU
