@@ -43,6 +43,7 @@ from tunelab.rl import (
     store_logps,
     write_completions,
 )
+from tunelab.rl.agentic import EpisodeGroupSampler, EpisodeRunner
 from tunelab.training import (
     AfterStep,
     Datasets,
@@ -139,6 +140,11 @@ def main(args: GRPOArgs) -> None:
     groups = GroupSampler.from_settings(
         engine, rewards, data.loader.dataset, args.rollout, seed=args.seed, device=device
     )
+    if args.agentic is not None:  # episodes: turns with tool calls, one KV cache across them
+        runner = EpisodeRunner.from_settings(engine, tokenizer, args.agentic)
+        groups = EpisodeGroupSampler.from_runner(
+            runner, rewards, data.loader.dataset, args.rollout, seed=args.seed, device=device
+        )
     # Greedy completions of val_dataset: no random numbers drawn, so a resume stays exact.
     validate = None
     if data.val_loader is not None:

@@ -25,14 +25,21 @@ class ComponentSpec:
         required: Whether the node must be present (not null).
         call_args: Keyword names the recipe passes at the call site (e.g. ``params`` for an
             optimizer); the config must not set them and they count as given when binding.
+        called_later: The node names a callable called with arguments the config cannot
+            know (an agentic tool is called with the model's arguments): its required
+            arguments are not required of the config (its keys are still checked).
     """
 
     required: bool = True
     call_args: tuple[str, ...] = ()
+    called_later: bool = False
 
 
 def component(
-    required: bool = True, call_args: tuple[str, ...] = (), default: str | None = None
+    required: bool = True,
+    call_args: tuple[str, ...] = (),
+    default: str | None = None,
+    called_later: bool = False,
 ) -> Any:
     """Declare a field whose YAML value is a ``_component_`` node (or a list of them).
 
@@ -45,6 +52,7 @@ def component(
         required: Whether the config must give the component (with ``default``: not null).
         call_args: Keyword names the recipe supplies when it calls ``instantiate``.
         default: Dotted path of the component used when the config leaves the field out.
+        called_later: See :class:`ComponentSpec`.
 
     Returns:
         A ``dataclasses.field`` carrying the component's spec.
@@ -54,7 +62,7 @@ def component(
         optimizer: Component = component(call_args=("params",))
         \"\"\"The optimizer; the recipe passes ``params``.\"\"\"
     """
-    metadata = {_COMPONENT_META: ComponentSpec(required, tuple(call_args))}
+    metadata = {_COMPONENT_META: ComponentSpec(required, tuple(call_args), called_later)}
     if default is not None:
         return dataclasses.field(
             default_factory=lambda: DictConfig({"_component_": default}), metadata=metadata

@@ -226,7 +226,7 @@ class _Checker:
                 )
             return [] if many else None
         if not many:
-            self.component(value, path, spec.call_args)
+            self.component(value, path, spec.call_args, spec.called_later)
             return value
         if not isinstance(value, ListConfig):
             self.problems.append(
@@ -235,10 +235,12 @@ class _Checker:
             )
             return value
         for index, item in enumerate(value):
-            self.component(item, _join(path, index), spec.call_args)
+            self.component(item, _join(path, index), spec.call_args, spec.called_later)
         return list(value)
 
-    def component(self, node: Any, path: str, call_args: tuple[str, ...]) -> None:
+    def component(
+        self, node: Any, path: str, call_args: tuple[str, ...], called_later: bool = False
+    ) -> None:
         if not isinstance(node, DictConfig) or COMPONENT_KEY not in node:
             self.problems.append(
                 f"key '{path}': expected a node with {COMPONENT_KEY}: <dotted.path>, "
@@ -254,7 +256,7 @@ class _Checker:
             self.problems.append(str(err))
             return
         keys = [str(key) for key in node.keys() if key != COMPONENT_KEY]
-        self.signature(signature, dotted, keys, path, call_args)
+        self.signature(signature, dotted, keys, path, call_args, called_later)
         children = {key: self.read(node, key, _join(path, key)) for key in keys}
         rules = RULES.get(name)
         if rules is not None:
@@ -316,6 +318,7 @@ class _Checker:
         keys: list[str],
         path: str,
         call_args: tuple[str, ...],
+        called_later: bool = False,
     ) -> None:
         if signature is None:
             return  # No signature to check against (some builtins).
@@ -340,7 +343,7 @@ class _Checker:
                 )
         for name, param in params.items():
             if param.kind in _BY_KEYWORD or param.kind is inspect.Parameter.POSITIONAL_ONLY:
-                given = name in keys or name in call_args
+                given = name in keys or name in call_args or called_later
                 if param.default is inspect.Parameter.empty and not given:
                     self.problems.append(
                         f"key '{path}': missing required argument '{name}' of {dotted}"

@@ -26,6 +26,7 @@ from tunelab.config.constraints import (
     OutputDir,
     Range,
 )
+from tunelab.config.agentic_section import AgenticArgs
 from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs
 from tunelab.config.sections import (
     AtLeastOne,
@@ -353,6 +354,8 @@ class GRPOArgs(LoRARecipeArgs):
     """The rollout phase: rollout.num_generations completions per prompt (the group), their lengths and sampling."""
     rewards: RewardArgs
     """The reward functions, their weights, time limit and scaling."""
+    agentic: AgenticArgs | None = None
+    """Agentic GRPO: each completion is an episode of turns with tool calls and environments (tunelab.rl.agentic); null: single-turn completions."""
 
     def check_settings(self) -> list[str]:
         """The rollout and reward sections' checks, and prompt + completion within the context."""

@@ -323,6 +323,8 @@ def grpo_metrics(
         "reward": reward_mean,
         "reward_std": max(counts["reward_squares"] / num_completions - reward_mean**2, 0) ** 0.5,
         **{k: v / num_completions for k, v in counts.items() if k.startswith("rewards/")},
+        # Agentic episodes' counts and timings (tunelab.rl.agentic.episode_sums), per episode.
+        **{k: v / num_completions for k, v in counts.items() if k.startswith("agentic/")},
         "completion_length": counts["completion_tokens"] / num_completions,
         "entropy": counts["entropy"] / max(counts["completion_tokens"], 1.0),
         # The share of the step's batch (its own completions) that the loss uses; with refill

@@ -11,14 +11,23 @@ One module per concern:
 - parsing: :func:`parse_assistant` (tool calls in the model's own format, ``tool_calls.py``);
 - rollouts: :class:`CachedTurnSampler` (one KV cache across an episode's turns,
   ``turn_sampler.py``), :class:`EpisodeRunner`, :class:`Episode`, :func:`episode_batch`
-  (token in, token out; only the policy's tokens trained, ``episodes.py``).
+  (token in, token out; only the policy's tokens trained, ``episodes.py``);
+- GRPO: :class:`EpisodeGroupSampler` (G episodes per prompt, scored on the whole episode,
+  ``groups.py``), what ``grpo_distributed`` uses when its config has an ``agentic`` section.
 
 See docs/recipes.md (agentic GRPO) for the contract.
 """
 
 from tunelab.rl.agentic.calculator import calculator
 from tunelab.rl.agentic.environments import Environment, KeyValueStore
-from tunelab.rl.agentic.episodes import Episode, EpisodeLimits, EpisodeRunner, episode_batch
+from tunelab.rl.agentic.episodes import (
+    STOP_REASONS,
+    Episode,
+    EpisodeLimits,
+    EpisodeRunner,
+    episode_batch,
+)
+from tunelab.rl.agentic.groups import EpisodeGroupSampler, episode_sums
 from tunelab.rl.agentic.sandbox import PythonSandbox, SandboxLimits
 from tunelab.rl.agentic.tool_calls import FORMATS, detect_format, parse_assistant
 from tunelab.rl.agentic.toolbox import EpisodeTools, Toolbox
@@ -38,12 +47,14 @@ __all__ = [
     "ERROR_KINDS",
     "Environment",
     "Episode",
+    "EpisodeGroupSampler",
     "EpisodeLimits",
     "EpisodeRunner",
     "EpisodeTools",
     "FORMATS",
     "KeyValueStore",
     "PythonSandbox",
+    "STOP_REASONS",
     "SandboxLimits",
     "Tool",
     "ToolCall",
@@ -54,6 +65,7 @@ __all__ = [
     "call_tool",
     "detect_format",
     "episode_batch",
+    "episode_sums",
     "parse_assistant",
     "tool_from_function",
 ]

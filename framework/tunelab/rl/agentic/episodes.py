@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tunelab.config.agentic_section import AgenticArgs
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.errors import ConfigError
 from tunelab.rl.agentic.environments import checked_reward
@@ -38,8 +39,20 @@ from tunelab.rl.agentic.tool_calls import detect_format, parse_assistant
 from tunelab.rl.agentic.toolbox import EpisodeTools, Toolbox
 from tunelab.rl.agentic.tools import ToolCall, ToolResult, call_tool
 from tunelab.rl.agentic.turn_sampler import CachedTurnSampler, any_rank
+from tunelab.rl.rollout import ModelRolloutEngine
 
-__all__ = ["Episode", "EpisodeLimits", "EpisodeRunner", "episode_batch"]
+__all__ = ["STOP_REASONS", "Episode", "EpisodeLimits", "EpisodeRunner", "episode_batch"]
+
+STOP_REASONS = (
+    "answer",
+    "max_turns",
+    "max_tool_calls",
+    "max_episode_tokens",
+    "max_new_tokens",
+    "template_rewrite",
+    "template_error",
+)
+"""Why an episode ended (``Episode.stop_reason``; ``agentic/stop/<reason>`` counts them)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,48 @@ class EpisodeRunner:
             {tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.stop_ids} - {""}
         )
         self.last_metrics: dict[str, float] = {}
+        self.settings: AgenticArgs | None = None
+
+    @classmethod
+    def from_settings(
+        cls, engine: ModelRolloutEngine, tokenizer: Any, agentic: AgenticArgs
+    ) -> EpisodeRunner:
+        """The runner of a recipe's ``agentic`` section, taken whole (kept as ``settings``).
+
+        Args:
+            engine: The single-turn engine: its model, sampling settings (``rollout.*``),
+                padding and FSDP2/adapter choices.
+            tokenizer: Its chat template renders the episodes.
+            agentic: The ``agentic`` section.
+        """
+        sampler = CachedTurnSampler(
+            engine.model, engine.settings, pad_id=engine.pad_id,
+            gather_once=engine.gather_once, merge_adapters=engine.merge_adapters,
+        )  # fmt: skip
+        limits = EpisodeLimits(
+            max_turns=agentic.max_turns,
+            max_tool_calls=agentic.max_tool_calls,
+            max_episode_tokens=agentic.max_episode_tokens,
+            tool_timeout_s=agentic.tool_timeout_s,
+            max_tool_result_chars=agentic.max_tool_result_chars,
+        )
+        if tokenizer.chat_template is None:
+            raise ConfigError(
+                f"agentic episodes need a chat template: {tokenizer.no_chat_template_reason} "
+                "(set tokenizer.chat_template)"
+            )
+        runner = cls(
+            sampler,
+            tokenizer,
+            tokenizer.chat_template,
+            Toolbox.from_nodes(agentic.tools, agentic.environments),
+            limits,
+            tool_format=agentic.tool_format,
+            template_kwargs=agentic.template_kwargs,
+            tool_workers=agentic.tool_workers,
+        )
+        runner.settings = agentic
+        return runner
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
         return self.template.render(
