@@ -104,13 +104,15 @@ def prepare(root: Path, args, shapes: Sequence[Shape]) -> dict[str, Path]:
     """Write each model folder (config, weights, word tokenizer) and each shape's prompts.
 
     Returns:
-        Shape name -> its folder (``model/`` and ``prompts.json`` inside).
+        Shape name -> its prompts file (JSON: the model folder and the prompt token ids).
     """
     from _models import write_hf_checkpoint
 
     folders = {}
     for model in {shape.model for shape in shapes}:
-        folder = root / model
+        folder = folders[model] = root / model
+        if (folder / "tokenizer.json").exists():  # written by an earlier run (--reuse)
+            continue
         if model == "tiny":
             folder.mkdir(parents=True)
             for name in ("config.json", "model.safetensors"):
@@ -119,7 +121,6 @@ def prepare(root: Path, args, shapes: Sequence[Shape]) -> dict[str, Path]:
             write_hf_checkpoint(folder, wide_config(args.dim, args.layers, args.vocab_size))
         vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
         word_tokenizer(vocab_size).save_pretrained(folder)
-        folders[model] = folder
     paths = {}
     for shape in shapes:
         folder = folders[shape.model]

@@ -68,6 +68,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--logps-completion-tokens", type=int, default=1024)
     parser.add_argument("--logps-dim", type=int, default=256)
     parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the scratch folder and reuse the launches already done there by a run with "
+        "the same flags (finish a long run on a loaded machine in parts)",
+    )
     parser.add_argument("--worker", choices=["tunelab", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--shape-file", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -141,7 +147,10 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
                 results = {}
                 for side in order:
                     path = root / f"{side}_{shape.name}_{layout}_{round_index}.json"
-                    results[side] = launch(side, files[shape.name], layout, args, path)
+                    if args.reuse and path.exists():
+                        results[side] = json.loads(path.read_text())
+                    else:
+                        results[side] = launch(side, files[shape.name], layout, args, path)
                     entry[side].append(summary(results[side]))
                 if "trl" in results and entry["difference"] is None:
                     difference = work_difference(results["tunelab"]["work"], results["trl"]["work"])
@@ -209,13 +218,15 @@ def main() -> None:
 
         return run(args)
     root = Path(args.dir or tempfile.gettempdir()) / "bench_grpo"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
     measured = measure(args, root)
     rows = [row for (name, layout), entry in measured.items()
             for row in rows_for(name, layout, entry)]  # fmt: skip
     rows.append(logps_row(args, root))
-    shutil.rmtree(root, ignore_errors=True)
+    if not args.reuse:
+        shutil.rmtree(root, ignore_errors=True)
     differences = [f"{name}, {layout}: not the same work ({entry['difference']})"
                    for (name, layout), entry in measured.items() if entry["difference"]]  # fmt: skip
     rounds = "; ".join(
