@@ -43,6 +43,7 @@ BENCHMARKS = {
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
     "grpo": ("bench_grpo.py", False, ["--shapes", "tiny-16,wide-16"], []),
+    "distill": ("bench_distill.py", False, [], ["--loss-tokens", "4096"]),
     "eval": ("bench_eval.py", False, [], []),
 }  # fmt: skip
 

@@ -185,7 +185,12 @@ def main(args: DistillArgs) -> None:
                 global_step,
                 epoch,
                 step_in_epoch,
-                {**metrics, "loss": loss, "on_policy": float(sampled)},
+                {
+                    **metrics,
+                    "loss": loss,
+                    "on_policy": float(sampled),
+                    "scored_tokens": num_tokens.item(),
+                },
                 num_tokens=num_tokens.item(),
             )
 

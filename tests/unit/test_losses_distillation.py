@@ -5,11 +5,11 @@ plain sums of ``p * log(p / q)``, one position at a time, with the top-k support
 sort: none of the loss module's code paths.
 """
 
-import weakref
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tunelab.errors import ConfigError
 from tunelab.losses import (
@@ -18,6 +18,12 @@ from tunelab.losses import (
     OutputLayer,
     ReverseKLLoss,
 )
+
+# The tracker bench/bench_distill.py measures the loss's memory with (one definition).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from _live_tensors import LiveTensorBytes  # noqa: E402
+
+sys.path.pop(0)
 
 VOCAB = 11
 
@@ -188,37 +194,6 @@ def test_bad_settings_name_their_key(settings, key):
         GeneralizedJSDLoss(**settings)
 
 
-class _LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of the tensors that ops create and that are alive at once (CPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: set[int] = set()
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._seen or storage.nbytes() == 0:
-            return
-        self._seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._release, key, storage.nbytes())
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for value in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(value, torch.Tensor):
-                self._track(value)
-        return out
-
-
 def test_chunked_loss_peak_memory_is_a_fraction_of_both_logits():
     # Forward and backward of the chunked loss on hidden states versus the two logits
     # tensors alone (not counting their log-softmax copies): at most 0.3x. At vocabulary 128k
@@ -233,13 +208,13 @@ def test_chunked_loss_peak_memory_is_a_fraction_of_both_logits():
     teacher_head = torch.randn(vocab, dim, generator=generator) / 8
     labels = torch.randint(0, vocab, (1, tokens), generator=generator)
     loss_fn = ReverseKLLoss(num_chunks=64)
-    with _LiveTensorBytes() as tracker:
+    with LiveTensorBytes() as tracker:
         sums = loss_fn(hidden, teacher_hidden, labels, _output(head), _output(teacher_head))
         sums.loss_sum.backward()
     both_logits = 2 * tokens * vocab * 4
     assert tracker.peak <= 0.3 * both_logits, (tracker.peak, both_logits)
     # The tracker does see a whole-logits computation (the check can fail).
-    with _LiveTensorBytes() as whole:
+    with LiveTensorBytes() as whole:
         ReverseKLLoss(num_chunks=1)(
             hidden, teacher_hidden, labels, _output(head), _output(teacher_head)
         ).loss_sum.backward()

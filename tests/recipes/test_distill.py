@@ -1,0 +1,193 @@
+"""distill_distributed with the real ``tunelab run``: 2 processes on gloo, a 2x wider tiny teacher.
+
+The teacher is built once per session by a short SFT run of a 2x wider tiny Llama
+(``tunelab.assets.build_tiny_teacher``); the runs are shared between the assertions.
+"""
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.recipes.conftest import (
+    assert_same_exports,
+    interrupted_copy,
+    read_metrics,
+    tunelab_run,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+SETTINGS = [
+    "schedule.epochs=1",
+    f"schedule.max_steps_per_epoch={STEPS}",
+    "schedule.run_val_every_n_steps=3",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=3",
+    "checkpoint.keep_last_n_checkpoints=null",
+    "checkpoint.enable_async_checkpointing=true",
+]
+# Some steps on-policy, some offline (the seeded draw; checked below).
+ON_POLICY = ["on_policy.lmbda=0.5", "on_policy.max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    from tunelab.assets.build_tiny_teacher import build_teacher
+
+    return build_teacher(tmp_path_factory.mktemp("teacher") / "teacher", steps=30)
+
+
+def _run(out: Path, config: str, teacher: Path, *overrides: str, nproc: int = 2) -> Path:
+    tunelab_run(
+        "distill_distributed",
+        config,
+        f"output_dir={out}",
+        f"teacher.path={teacher}",
+        *SETTINGS,
+        *overrides,
+        nproc=nproc,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def offline_2p(tmp_path_factory, teacher) -> Path:
+    out = tmp_path_factory.mktemp("distill") / "offline_2p"
+    return _run(out, "tiny/distill", teacher, "schedule.batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def on_policy_2p(tmp_path_factory, teacher) -> Path:
+    out = tmp_path_factory.mktemp("distill") / "on_policy_2p"
+    return _run(out, "tiny/distill_on_policy", teacher, "schedule.batch_size=2", *ON_POLICY)
+
+
+def _train_rows(out: Path) -> dict[int, dict]:
+    return {m["step"]: m for m in read_metrics(out) if "loss" in m}
+
+
+def _val_rows(out: Path) -> dict[int, dict]:
+    return {m["step"]: m for m in read_metrics(out) if "val_loss" in m}
+
+
+def test_two_processes_equal_one_with_twice_the_accumulation(offline_2p, teacher, tmp_path):
+    one = _run(
+        tmp_path / "offline_1p",
+        "tiny/distill",
+        teacher,
+        "schedule.batch_size=4",
+        "schedule.gradient_accumulation_steps=2",
+        nproc=1,
+    )
+    two, single = _train_rows(offline_2p), _train_rows(one)
+    assert sorted(two) == sorted(single) == list(range(1, STEPS + 1))
+    for step in two:
+        for key in ("loss", "distill", "teacher_kl", "student_entropy", "scored_tokens"):
+            assert math.isclose(two[step][key], single[step][key], rel_tol=1e-5), (step, key)
+
+
+def test_offline_kill_and_resume_is_exact(offline_2p, teacher, tmp_path):
+    resumed = interrupted_copy(offline_2p, tmp_path / "resumed", after_step=3)
+    tunelab_run(
+        "distill_distributed",
+        "tiny/distill",
+        f"output_dir={resumed}",
+        f"teacher.path={teacher}",
+        *SETTINGS,
+        "schedule.batch_size=4",
+        "checkpoint.resume_from_checkpoint=true",
+    )
+    full, after = _train_rows(offline_2p), _train_rows(resumed)
+    assert sorted(after) == [4, 5, 6]
+    for step in after:
+        assert after[step]["loss"] == full[step]["loss"], step
+    assert_same_exports(resumed, offline_2p)
+
+
+def test_on_policy_kill_and_resume_samples_the_same_tokens(on_policy_2p, teacher, tmp_path):
+    full = _train_rows(on_policy_2p)
+    sampled = [step for step, row in full.items() if row["on_policy"] == 1.0]
+    # lmbda 0.5: both kinds of step (the seeded draw), and on-policy rows score only completions.
+    assert 0 < len(sampled) < STEPS, sampled
+    resumed = interrupted_copy(on_policy_2p, tmp_path / "resumed", after_step=3)
+    tunelab_run(
+        "distill_distributed",
+        "tiny/distill_on_policy",
+        f"output_dir={resumed}",
+        f"teacher.path={teacher}",
+        *SETTINGS,
+        "schedule.batch_size=2",
+        *ON_POLICY,
+        "checkpoint.resume_from_checkpoint=true",
+    )
+    after = _train_rows(resumed)
+    assert sorted(after) == [4, 5, 6]
+    for step in after:
+        for key in ("loss", "on_policy", "scored_tokens", "student_entropy"):
+            assert after[step][key] == full[step][key], (step, key)
+    assert_same_exports(resumed, on_policy_2p)
+
+
+def test_export_loads_in_transformers_and_peft_with_equal_logits(offline_2p):
+    import transformers
+    from peft import PeftModel
+
+    from tunelab._paths import assets_dir
+
+    export = offline_2p / "epoch_0"
+    tokens = torch.tensor([[0, 5, 17, 42, 99, 7, 300, 12]])
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        assets_dir() / "tiny", dtype=torch.float32
+    )
+    adapted = PeftModel.from_pretrained(base, export / "adapter").eval()
+    with torch.no_grad():
+        merged_logits = merged.eval()(tokens).logits
+        adapted_logits = adapted(tokens).logits
+    torch.testing.assert_close(merged_logits, adapted_logits, rtol=0, atol=1e-4)
+    # The adapter trained: the student is not the base model.
+    with adapted.disable_adapter(), torch.no_grad():
+        base_logits = adapted(tokens).logits
+    assert (merged_logits - base_logits).abs().max() > 1e-3
+
+
+def test_validation_loss_falls_toward_the_teacher_and_not_at_a_vanishing_lr(
+    offline_2p, teacher, tmp_path
+):
+    trained = _val_rows(offline_2p)
+    frozen = _val_rows(
+        _run(
+            tmp_path / "lr0", "tiny/distill", teacher, "schedule.batch_size=4", "optimizer.lr=1e-12"
+        )
+    )
+    assert sorted(trained) == sorted(frozen) == [3, 6]
+    # Trained: the distillation loss and the student-teacher NLL gap shrink step by step.
+    assert trained[6]["val_loss"] < trained[3]["val_loss"] < frozen[3]["val_loss"]
+    gap = {s: abs(r["val_nll"] - r["val_teacher_nll"]) for s, r in trained.items()}
+    assert gap[6] < gap[3]
+    # A vanishing learning rate (0 is refused): nothing moves.
+    assert abs(frozen[6]["val_loss"] - frozen[3]["val_loss"]) < 1e-6
+    gap_frozen = {s: abs(r["val_nll"] - r["val_teacher_nll"]) for s, r in frozen.items()}
+    assert abs(gap_frozen[6] - gap_frozen[3]) < 1e-6
+    assert frozen[3]["val_teacher_nll"] == trained[3]["val_teacher_nll"]
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_path):
+    other = tmp_path / "other_teacher"
+    shutil.copytree(teacher, other)
+    config = (other / "config.json").read_text().replace('"vocab_size": 810', '"vocab_size": 900')
+    (other / "config.json").write_text(config)
+    result = tunelab_run(
+        "distill_distributed",
+        "tiny/distill",
+        f"output_dir={tmp_path / 'out'}",
+        f"teacher.path={other}",
+        check=False,
+    )
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "vocabulary" in line]
+    assert len(lines) == 1 and "teacher.path" in lines[0], result.stderr[-2000:]
