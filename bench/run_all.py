@@ -45,6 +45,7 @@ BENCHMARKS = {
     "grpo": ("bench_grpo.py", False, ["--shapes", "tiny-16,wide-16"], []),
     "distill": ("bench_distill.py", False, [], ["--loss-tokens", "4096"]),
     "eval": ("bench_eval.py", False, [], []),
+    "gguf": ("bench_gguf.py", True, [], ["--size-mb", "1024"]),
 }  # fmt: skip
 
 

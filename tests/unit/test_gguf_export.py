@@ -100,13 +100,13 @@ def test_a_step_checkpoint_is_refused(tmp_path):
 _CRASH = textwrap.dedent("""
     import os, sys
     from tunelab.checkpoint import gguf_export
-    original, written = gguf_export._tensor_bytes, []
+    original, written = gguf_export._stored, []
     def crash(*args):
         written.append(1)
         if len(written) == 5:
             os._exit(9)  # killed mid-write: no clean-up runs
         return original(*args)
-    gguf_export._tensor_bytes = crash
+    gguf_export._stored = crash
     gguf_export.export_gguf(sys.argv[1], quant=sys.argv[2])
 """)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tunelab._model_files import read_model_text
-from tunelab.checkpoint._safetensors_layout import pwrite_all
+from tunelab.checkpoint._safetensors_layout import pwrite_all, start_writeback
 from tunelab.checkpoint.consolidate import temp_name
 from tunelab.checkpoint.gguf_vocab import write_vocab
 from tunelab.checkpoint.hf_sharded import _swap_into_place
@@ -56,6 +56,10 @@ __all__ = ["GGUF_DIR_NAME", "export_gguf", "gguf_file_name"]
 GGUF_DIR_NAME = "gguf"
 """The folder of an export that holds its GGUF file and Modelfile."""
 _ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT
+_TORCH_CASTS = {
+    gguf.GGMLQuantizationType.F32: torch.float32,
+    gguf.GGMLQuantizationType.F16: torch.float16,
+}
 
 
 def gguf_file_name(quant: str) -> str:
@@ -107,18 +111,23 @@ def _header(
     return size
 
 
-def _tensor_bytes(reader: HFCheckpointReader | None, tensor: PlannedTensor, config: dict) -> bytes:
-    """The tensor's data as stored in the file, padded to the alignment with zeros."""
+def _stored(reader: HFCheckpointReader, tensor: PlannedTensor, config: dict) -> memoryview:
+    """The tensor's data as stored in the file (its bytes, unpadded)."""
     if tensor.hf_name is None:
-        data = rope_freqs(config)
+        data = torch.from_numpy(rope_freqs(config))
     else:
-        assert reader is not None
-        data = reader.get(tensor.hf_name, dtype=torch.float32).numpy()
+        data = reader.get(tensor.hf_name, dtype=torch.float32)
     if tensor.permute_heads:
         data = permute_rows(data, tensor.permute_heads)
-    stored = gguf.quants.quantize(np.ascontiguousarray(data), tensor.qtype).tobytes()
-    assert len(stored) == tensor.nbytes, (tensor.name, len(stored), tensor.nbytes)
-    return stored + bytes(_padded(len(stored)) - len(stored))
+    if tensor.qtype in _TORCH_CASTS:
+        # A plain IEEE cast (round to nearest even, as numpy's astype in gguf.quants.quantize),
+        # in torch's vectorized kernel: several times faster than numpy's float16 cast.
+        stored = data.to(_TORCH_CASTS[tensor.qtype]).contiguous().numpy()
+    else:
+        stored = gguf.quants.quantize(np.ascontiguousarray(data.numpy()), tensor.qtype)
+    stored = np.ascontiguousarray(stored)
+    assert stored.nbytes == tensor.nbytes, (tensor.name, stored.nbytes, tensor.nbytes)
+    return memoryview(stored.reshape(-1).view(np.uint8))
 
 
 def _shares(plan: list[PlannedTensor], world_size: int) -> list[int]:
@@ -150,9 +159,17 @@ def _write_tensors(
     try:
         with HFCheckpointReader(export_dir) as reader:
             for index in mine:
-                data = _tensor_bytes(reader, plan[index], config)
-                pwrite_all(fd, memoryview(data), offsets[index])
-                pieces.append((offsets[index], len(data), digest(data)))
+                data, offset = _stored(reader, plan[index], config), offsets[index]
+                pwrite_all(fd, data, offset)
+                # The padding too, so the file's bytes never depend on what was there before.
+                padding = bytes(_padded(len(data)) - len(data))
+                pwrite_all(fd, memoryview(padding), offset + len(data))
+                pieces += [
+                    (offset, len(data), digest(data)),
+                    (offset + len(data), len(padding), digest(padding)),
+                ]
+                if sync_files:  # overlap the disk with the next tensors' conversion
+                    start_writeback(fd, offset, len(data) + len(padding))
         if sync_files:
             os.fsync(fd)
     finally:

@@ -19,10 +19,11 @@ This module imports no torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -52,6 +53,9 @@ QUANTIZATIONS: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] =
 
 # Tensors that llama.cpp keeps in float32 whatever the file type (as its converter does).
 _F32_TENSORS = ("ffn_gate_inp.", "position_embd.")
+
+
+ArrayT = TypeVar("ArrayT")
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,11 @@ class PlannedTensor:
         return math.prod(self.shape) // block * type_size
 
 
+@functools.cache
+def _tensor_map(arch: gguf.MODEL_ARCH, num_layers: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(arch, num_layers)  # about 20 ms to build: once per model
+
+
 def plan_tensor(
     hf_name: str,
     shape: tuple[int, ...],
@@ -236,7 +245,7 @@ def plan_tensor(
     """
     if hf_name.endswith(".rotary_emb.inv_freq"):
         return None
-    tensor_map = gguf.get_tensor_name_map(family.arch, config["num_hidden_layers"])
+    tensor_map = _tensor_map(family.arch, config["num_hidden_layers"])
     name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise CheckpointError(
@@ -260,7 +269,7 @@ def plan_tensor(
     return PlannedTensor(hf_name, name, tuple(shape), stored, heads)
 
 
-def permute_rows(data: np.ndarray, heads: int) -> np.ndarray:
+def permute_rows(data: ArrayT, heads: int) -> ArrayT:
     """Reorder each head's rows from HF's rotate-half layout to llama.cpp's adjacent pairs."""
     return (
         data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
