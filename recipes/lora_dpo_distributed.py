@@ -1,4 +1,4 @@
-"""LoRA preference tuning (DPO, IPO, hinge, SimPO) of a decoder LLM on 1..N processes.
+"""LoRA preference tuning (DPO, IPO, hinge, SimPO, ORPO) of a decoder LLM on 1..N processes.
 
 Launch: ``tunelab run --nproc_per_node 2 lora_dpo_distributed --config tiny/lora_dpo``.
 Copy it to customise: ``tunelab cp lora_dpo_distributed my_dpo.py``.
@@ -40,6 +40,7 @@ from tunelab.training import (
     check_preference_loss,
     config_fingerprint,
     evaluate_preference,
+    global_chosen_tokens_per_pair,
     global_pair_count,
     global_preference_metrics,
     output_layer,
@@ -160,16 +161,20 @@ def main(args: LoRADPOArgs) -> None:
                 to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
             ]
             # Reference log-probs first: all micro-batches under one swap, or looked up in the
-            # precomputed table (SimPO needs none).
+            # precomputed table (SimPO and ORPO need none).
             references = step_references(
                 model, micro_batches, loss_fn, reference, precomputed, output=output
             )
             # The step's loss: the mean over all its pairs, across micro-batches and ranks.
             num_pairs = global_pair_count(micro_batches)
+            # ORPO's NLL: a mean over all the step's chosen tokens.
+            tokens_per_pair = None
+            if loss_fn.adds_chosen_nll:
+                tokens_per_pair = global_chosen_tokens_per_pair(micro_batches, num_pairs)
             sums = None
             for batch, ref in zip(micro_batches, references, strict=True):
                 policy = policy_forward(model, batch, output=output)
-                losses, batch_sums = preference_loss(loss_fn, policy, ref)
+                losses, batch_sums = preference_loss(loss_fn, policy, ref, tokens_per_pair)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 (losses.sum() * dist_info.world_size / num_pairs).backward()
                 sums = accumulate_metrics(sums, batch_sums)

@@ -24,6 +24,7 @@ TEXT_FILES = [
     "sft_val.jsonl",
     "chat.jsonl",
     "preference.jsonl",
+    "kto.jsonl",
     "grpo_prompts.jsonl",
     "tool_calls.jsonl",
     "tools_chat_template.jinja",

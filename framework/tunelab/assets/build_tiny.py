@@ -160,6 +160,7 @@ def write_datasets(out: Path, rng: random.Random) -> None:
         out / "preference.jsonl",
         [{"prompt": e.prompt, "chosen": e.output, "rejected": e.wrong} for e in pairs],
     )
+    _write_jsonl(out / "kto.jsonl", kto_rows(pairs))
     # GRPO's prompts with their answers (tiny/grpo), from a random source of their own: the
     # files above and the model stay as they were.
     prompts = _tasks.make_examples(random.Random(26), 256)
@@ -169,6 +170,17 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     # Tool-calling conversations (tiny/chat_tools_lora), from a random source of their own too.
     _write_jsonl(out / "tool_calls.jsonl", _tools.tool_rows(random.Random(29), 300))
     (out / "tools_chat_template.jinja").write_text(_tools.TOOLS_CHAT_TEMPLATE)
+
+
+def kto_rows(pairs: list[_tasks.Example]) -> list[dict[str, object]]:
+    """KTO's labelled completions (tiny/kto), one per preference pair: unpaired, as logs are.
+
+    Even rows keep the pair's chosen answer (label true), odd rows its rejected one (false).
+    """
+    return [
+        {"prompt": e.prompt, "completion": e.wrong if i % 2 else e.output, "label": not i % 2}
+        for i, e in enumerate(pairs)
+    ]
 
 
 def _pretraining_batches(tokenizer: Tokenizer, rng: random.Random) -> torch.Tensor:

@@ -37,6 +37,7 @@ from tunelab.config.recipe_args import (
     LoRAArgs,
     LoRADPOArgs,
     LoRAFinetuneArgs,
+    LoRAKTOArgs,
     TrainingEvalArgs,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "GRPOArgs",
     "LoRAArgs",
     "LoRADPOArgs",
+    "LoRAKTOArgs",
     "LoRAFinetuneArgs",
     "ModelDir",
     "NonEmpty",

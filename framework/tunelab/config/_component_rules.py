@@ -189,6 +189,23 @@ RULES: dict[str, ComponentRules] = {
         },  # fmt: skip
         check_data_source,
     ),
+    # KTO's labelled completions: the preference dataset's arguments.
+    "tunelab.data.unpaired.kto_dataset": ComponentRules(
+        {
+            key: _DATASET[key]
+            for key in (
+                "source",
+                "split",
+                "template",
+                "max_seq_len",
+                "column_map",
+                "allow_unknown_tokens",
+                "num_proc",
+                "cache_dir",
+            )
+        },  # fmt: skip
+        check_data_source,
+    ),
     # GRPO's prompts: the sources and source options of the datasets above.
     "tunelab.data.prompts.prompt_dataset": ComponentRules(
         {
@@ -217,6 +234,14 @@ RULES: dict[str, ComponentRules] = {
     "tunelab.losses.preference.HingeLoss": ComponentRules({"beta": PositiveFloat}),
     "tunelab.losses.preference.SimPOLoss": ComponentRules(
         {"beta": PositiveFloat, "gamma": Annotated[float, Finite()]}
+    ),
+    "tunelab.losses.orpo.ORPOLoss": ComponentRules({"beta": PositiveFloat}),
+    "tunelab.losses.kto.KTOLoss": ComponentRules(
+        {
+            "beta": PositiveFloat,
+            "desirable_weight": PositiveFloat,
+            "undesirable_weight": PositiveFloat,
+        }
     ),
     # RL policy losses (grpo_distributed's loss).
     "tunelab.rl.grpo_loss.GRPOLoss": ComponentRules(

@@ -331,11 +331,27 @@ class LoRADPOArgs(LoRARecipeArgs):
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
     """An optional preference dataset whose loss and rewards are logged with a val_ prefix."""
     loss: Component = component()
-    """The preference loss (tunelab.losses.DPOLoss, IPOLoss, HingeLoss, SimPOLoss)."""
+    """The preference loss (tunelab.losses.DPOLoss, IPOLoss, HingeLoss, SimPOLoss, ORPOLoss)."""
     adapter_dir: AdapterDir | None = None
     """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
     reference_logps: Literal["live", "precompute"] = "live"
     """live: a reference forward per step; precompute: one pass over the dataset up front, none in steps."""
+
+
+@dataclass(kw_only=True)
+class LoRAKTOArgs(LoRARecipeArgs):
+    """Settings of kto_distributed: LoRA KTO on unpaired completions labelled desirable or not."""
+
+    dataset: Component = component(call_args=("tokenizer",))
+    """The labelled completions (tunelab.data.kto_dataset); the recipe passes the tokenizer."""
+    val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
+    """An optional kto_dataset whose loss, rewards and KL estimate are logged with a val_ prefix."""
+    loss: Component = component(default="tunelab.losses.KTOLoss")
+    """The unpaired preference loss (tunelab.losses.KTOLoss: beta, desirable_weight, undesirable_weight)."""
+    adapter_dir: AdapterDir | None = None
+    """An SFT adapter (PEFT folder) to start from; the reference is then base + this adapter, frozen."""
+    reference_logps: Literal["live", "precompute"] = "live"
+    """live: reference forwards every step; precompute: one pass over the dataset up front, none in steps."""
 
 
 @dataclass(kw_only=True)
