@@ -17,15 +17,18 @@ each verifying, never a new adapter beside old weights.
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
 import tunelab.peft as peft
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
+from tunelab.checkpoint.hf_write import config_bytes
 from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import gather_full_tensors
 from tunelab.formats.hf import HFCheckpointReader
+from tunelab.models.families import read_hf_config
 from tunelab.peft.merge import lazy_merged_state_dict
 
 ADAPTER_DIR_NAME = "adapter"
@@ -64,6 +67,12 @@ def export_hf(
         # One collective for the whole (small) adapter; the merge reuses its gathered A's.
         adapter = gather_full_tensors(peft.adapter_state_dict(model))
         config = lora.peft_config(peft.lora_target_names(model), str(base_checkpoint_dir))
+        config["task_type"] = model.peft_task_type
+        if model.modules_to_save:
+            # Whole trained modules (a reward model's score head) travel in the adapter, as
+            # PEFT's modules_to_save: base_model.model.score.weight.
+            config["modules_to_save"] = list(model.modules_to_save)
+            adapter |= gather_full_tensors(_module_weights(model, model.modules_to_save))
 
         def write_adapter(new_export: Path) -> None:
             # Into the new export's folder, first: the two are replaced together, whole.
@@ -75,6 +84,15 @@ def export_hf(
         state_dict, merges = dict(model.state_dict()), {}
     hf_state_dict = model.state_dict_adapter.to_hf(state_dict)
     dtype = next(iter(hf_state_dict.values())).dtype
+    updates = model.hf_config_updates()
+    if updates:
+        # A model that is not the base's causal LM (a sequence classifier) says so in its
+        # config.json, which replaces the copied one.
+        base_config = read_hf_config(base_checkpoint_dir)
+        extra_files = {
+            **(extra_files or {}),
+            "config.json": config_bytes(base_config | updates, dtype),
+        }
     save_hf_sharded(
         hf_state_dict,
         output_dir,
@@ -87,6 +105,13 @@ def export_hf(
         first=write_adapter,
     )
     return output_dir
+
+
+def _module_weights(model: nn.Module, modules: tuple[str, ...]) -> dict[str, Any]:
+    """The parameters of whole modules by FQN (sharded as they are)."""
+    return {
+        key: value for key, value in model.state_dict().items() if key.partition(".")[0] in modules
+    }
 
 
 def _base_file_layout(
@@ -104,4 +129,6 @@ def _base_file_layout(
         (forms := adapter.mxfp4_hf_keys(key)) is not None and forms[0] in files for key in absent
     ):
         return None
-    return files
+    # A head the base does not have (a reward model's score) goes into the last file.
+    last = max(files.values())
+    return {**files, **{key: last for key in absent}}

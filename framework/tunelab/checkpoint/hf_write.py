@@ -36,6 +36,19 @@ def parse_size(size: int | str) -> int:
 
 
 def _write_config(config: Mapping, path: Path, torch_dtype: torch.dtype | None) -> FileRecord:
+    return write_bytes(path, config_bytes(config, torch_dtype))
+
+
+def config_bytes(config: Mapping, torch_dtype: torch.dtype | None) -> bytes:
+    """The ``config.json`` an export writes for a base model's ``config``.
+
+    Args:
+        config: The base model's config (with any changes the export makes).
+        torch_dtype: The exported weights' dtype, recorded for transformers 4 and 5.
+
+    Returns:
+        The file's bytes: sorted, indented JSON, without a ``quantization_config``.
+    """
     config = dict(config)
     # Exported weights are never quantized (a gpt-oss base's MXFP4 experts are written
     # dequantized): a copied quantization_config would have transformers expect packed ones.
@@ -43,7 +56,7 @@ def _write_config(config: Mapping, path: Path, torch_dtype: torch.dtype | None) 
     if torch_dtype is not None:
         # transformers 4 reads `torch_dtype`, transformers 5 `dtype`: write both.
         config["torch_dtype"] = config["dtype"] = hf_dtype_name(torch_dtype)
-    return write_bytes(path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
 def copy_model_files(

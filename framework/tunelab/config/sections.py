@@ -76,6 +76,14 @@ class LoRAModelSetupArgs(ModelSetupArgs):
 
 
 @dataclass(kw_only=True)
+class RewardModelSetupArgs(LoRAModelSetupArgs):
+    """The model of the reward-model recipe: the decoder with a scalar ``score`` head on its last token."""
+
+    score_init_std: Annotated[float, Finite(), Range(ge=0)] = 0.02
+    """Standard deviation of the normal initialisation of a fresh score head (transformers' initializer_range); a folder that has score.weight (a reward-model export) loads it instead."""
+
+
+@dataclass(kw_only=True)
 class SFTModelSetupArgs(ModelSetupArgs):
     """The model of the full fine-tuning recipe, which can offload activations."""
 

@@ -25,6 +25,7 @@ with a call and its result, and the answers differ in the calls they make. Named
 ``(role, content)`` messages only.
 """
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,7 @@ class PreferenceRows:
     max_seq_len: int | None
     columns: dict[str, str]
     prompt_column: str | None
+    margin_column: str | None = None
 
     @property
     def max_chars(self) -> int | None:
@@ -176,7 +178,13 @@ class PreferenceRows:
         return sides
 
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """The pair's item, with ``truncated`` and ``completion``; raises ``BadRow``."""
+        """The pair's item, with ``truncated``, ``completion`` (and ``margin``); raises ``BadRow``."""
+        items = self._items(row)
+        if self.margin_column is not None:
+            items[0]["margin"] = [_read_margin(row, self.margin_column)]
+        return items
+
+    def _items(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(self.template, ChatTemplate):
             return [self._item(self._chat_sides(row))]
         chosen_column, rejected_column = self.columns["chosen"], self.columns["rejected"]
@@ -214,6 +222,14 @@ class PreferenceRows:
         return item
 
 
+def _read_margin(row: dict[str, Any], column: str) -> float:
+    """A pair's margin: a finite number (a reward model's loss wants ``r_c - r_r`` above it)."""
+    value = row.get(column)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRow(column, f"expected a finite number (the pair's margin), got {value!r}")
+    return float(value)
+
+
 def preference_dataset(
     tokenizer: Tokenizer | None = None,
     *,
@@ -240,7 +256,8 @@ def preference_dataset(
         data_files: File path(s) for a loader ``source``.
         split: Split to read.
         column_map: Our column name to the file's; keys among ``prompt``, ``chosen``,
-            ``rejected``. Without a ``prompt`` column (and no ``prompt`` key here), chosen and
+            ``rejected``, ``margin`` (a number per pair, the margin of a reward model's
+            loss; read only when named here, e.g. ``{margin: margin}``). Without a ``prompt`` column (and no ``prompt`` key here), chosen and
             rejected are conversations whose shared first messages are the prompt.
         template: ``auto`` (the tokenizer's chat template), or for a base model ``chatml``,
             ``llama3``, ``instruct`` or ``alpaca``.
@@ -272,19 +289,24 @@ def preference_dataset(
         raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
     chosen_template = resolve_template(tokenizer, template, template_kwargs)
     columns = resolve_columns(
-        {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+        {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "margin": "margin"},
         column_map,
         "preference_dataset",
     )
     prompt_required = "prompt" in (column_map or {})
+    # A margin is read only when column_map names its column: other recipes' data is unchanged.
+    with_margin = "margin" in (column_map or {})
 
     def rows_for(name: str, present: list[str]) -> PreferenceRows:
         needed = [columns["chosen"], columns["rejected"]]
+        needed += [columns["margin"]] if with_margin else []
         require_columns(name, present, [columns["prompt"], *needed] if prompt_required else needed)
         prompt_column = columns["prompt"] if columns["prompt"] in present else None
+        margin_column = columns["margin"] if with_margin else None
         return PreferenceRows(
-            tokenizer, chosen_template, template_kwargs, max_seq_len, columns, prompt_column
-        )
+            tokenizer, chosen_template, template_kwargs, max_seq_len, columns, prompt_column,
+            margin_column,
+        )  # fmt: skip
 
     settings = dict(
         template=template,
@@ -296,7 +318,7 @@ def preference_dataset(
     return build_tokenized(
         tokenizer,
         builder="preference_dataset",
-        kind="preference",
+        kind="preference_margin" if with_margin else "preference",
         settings=settings,
         rows_for=rows_for,
         sources=resolve_sources(source, data_files, split, **load_dataset_kwargs),

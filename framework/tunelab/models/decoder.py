@@ -1,6 +1,7 @@
 """The decoder-only transformer shared by every supported family."""
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,6 +150,10 @@ class TransformerDecoder(nn.Module):
         args: the model's arguments.
     """
 
+    # What an export's PEFT adapter declares: its task, and the whole modules it carries.
+    peft_task_type = "CAUSAL_LM"
+    modules_to_save: tuple[str, ...] = ()
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -176,6 +181,10 @@ class TransformerDecoder(nn.Module):
         embedding = self.model.embed_tokens.weight
         if self.args.tie_embeddings and self.lm_head.weight is not embedding:
             self.lm_head.weight = embedding
+
+    def hf_config_updates(self) -> dict[str, Any]:
+        """What an export changes in the base model's ``config.json`` (nothing here)."""
+        return {}
 
     def to_empty(
         self, *, device: torch.device | str | None, recurse: bool = True

@@ -47,6 +47,8 @@ class Gemma3TextStateDictAdapter(StateDictAdapter):
 
     model_type = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
+    # Gemma3ForSequenceClassification is the multimodal model's; the text-only one is this.
+    classifier_architecture = "Gemma3TextForSequenceClassification"
 
     def hf_config(self, torch_dtype: torch.dtype | None = None) -> dict[str, Any]:
         """A ``Gemma3TextConfig`` dict (see ``StateDictAdapter.hf_config``)."""

@@ -35,6 +35,7 @@ _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 def from_hf_config(
     checkpoint_dir_or_config: str | os.PathLike | Mapping[str, Any],
+    model_class: type[TransformerDecoder] = TransformerDecoder,
 ) -> TransformerDecoder:
     """Build the model a Hugging Face ``config.json`` describes (weights not loaded).
 
@@ -43,6 +44,8 @@ def from_hf_config(
 
     Args:
         checkpoint_dir_or_config: a checkpoint directory, its ``config.json``, or the dict.
+        model_class: The model to build from the parsed arguments (a causal LM, or
+            ``tunelab.models.classifier.SequenceClassifier`` for a reward model).
 
     Returns:
         The model, randomly initialised (or on meta).
@@ -67,7 +70,7 @@ def from_hf_config(
     args = args_from_hf(config)
     if folder is not None:
         check_dimensions(args, folder)
-    return TransformerDecoder(args)
+    return model_class(args)
 
 
 def check_dimensions(args: ModelArgs, checkpoint_dir: Path) -> None:
@@ -230,7 +233,8 @@ def load_hf_into_model(
 
     Returns:
         A ``LoadResult``; ``missing`` lists LoRA parameters (names containing ``lora_``),
-        which a base checkpoint does not have.
+        which a base checkpoint does not have, and a classifier head (``score.weight``, see
+        ``tunelab.models.classifier``) the file lacks: those are for the caller to initialise.
 
     Raises:
         CheckpointError: a missing or unexpected key, a shape that differs from the model, a
@@ -270,13 +274,20 @@ def load_hf_into_model(
         and all(form in reader for form in forms)
     }
     packed_keys = [form for forms in packed.values() for form in forms]
+    # A head the model adds to its base (a reward model's score, from a causal LM) starts
+    # fresh: the file may lack it, and may hold the causal LM's lm_head it replaces.
+    for key in getattr(model, "modules_to_save", ()):
+        if f"{key}.weight" not in reader:
+            result.missing.append(f"{key}.weight")
+            expected.pop(f"{key}.weight", None)
+    replaced = {"lm_head.weight"} if getattr(model, "modules_to_save", ()) else set()
     missing = [key for key in [*expected, *expert_keys] if key not in reader and key not in packed]
     if missing:
         raise CheckpointError(
             f"{checkpoint_dir}: missing key {missing[0]!r} (the config expects it)"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
-    known = {*expected, *expert_keys, *packed_keys, *tied}
+    known = {*expected, *expert_keys, *packed_keys, *tied, *replaced}
     unexpected = [key for key in reader.keys() if key not in known]
     if strict and unexpected:
         raise CheckpointError(

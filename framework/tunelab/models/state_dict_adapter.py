@@ -43,6 +43,11 @@ class StateDictAdapter:
     def __init__(self, args: ModelArgs) -> None:
         self.args = args
 
+    @property
+    def classifier_architecture(self) -> str:
+        """The sequence-classification class of this family in transformers (a reward model's)."""
+        return self.architecture.replace("ForCausalLM", "ForSequenceClassification")
+
     def to_hf_key(self, native_key: str) -> str:
         """HF key of a native parameter name (identity here; override to rename)."""
         return native_key

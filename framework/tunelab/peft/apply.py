@@ -36,7 +36,8 @@ LORA_TARGETS = (
 )
 """The target names of the decoder families tunelab ships."""
 
-_OUTPUT_LAYER = "lm_head"
+# The output layers: a causal LM's lm_head, a sequence classifier's score head.
+_OUTPUT_LAYERS = ("lm_head", "score")
 _ADAPTER_CHILDREN = ("lora_A", "lora_B")
 
 
@@ -86,7 +87,7 @@ def _select_targets(
         selected = [
             name
             for name, linear in linears.items()
-            if name.rpartition(".")[2] != _OUTPUT_LAYER and not isinstance(linear, MoERouter)
+            if name.rpartition(".")[2] not in _OUTPUT_LAYERS and not isinstance(linear, MoERouter)
         ]
         if not selected:
             raise TunelabError(f"lora targets {ALL_LINEAR!r}: the model has no nn.Linear to adapt")

@@ -53,7 +53,8 @@ NF4_BLOCK_SIZE = 64
 NF4_SCALER_BLOCK_SIZE = 256
 """Block scales per double-quantization block (the QLoRA paper's setting)."""
 _ROW_GRANULE = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
-_OUTPUT_LAYER = "lm_head"
+# The output layers: a causal LM's lm_head, a sequence classifier's score head.
+_OUTPUT_LAYERS = ("lm_head", "score")
 
 
 def _torchao_nf4() -> tuple[type, Callable[..., torch.Tensor]]:
@@ -206,7 +207,7 @@ def quantize_base_nf4(
         if (
             weight is None
             or weight.dim() != 2
-            or leaf in (_OUTPUT_LAYER, "lora_A", "lora_B", *skip)
+            or leaf in (*_OUTPUT_LAYERS, "lora_A", "lora_B", *skip)
             or not _is_linear(module)
             or weight.requires_grad
         ):
@@ -390,7 +391,7 @@ def frozen_linear_bytes(model: nn.Module) -> int:
         leaf = name.rpartition(".")[2]
         if isinstance(module, MoEExperts):
             weights = [module.gate_up_proj, module.down_proj]
-        elif _is_linear(module) and leaf not in (_OUTPUT_LAYER, "lora_A", "lora_B"):
+        elif _is_linear(module) and leaf not in (*_OUTPUT_LAYERS, "lora_A", "lora_B"):
             weights = [weight]
         else:
             continue

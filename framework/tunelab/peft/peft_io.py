@@ -73,7 +73,8 @@ def save_peft_adapter(
             f"refusing to write a LoRA adapter into {output_dir}: it holds model files "
             f"({', '.join(present)}); an adapter beside merged weights is applied twice by transformers"
         )
-    tensors = {k: v.detach().contiguous().cpu() for k, v in to_peft_state_dict(state_dict).items()}
+    peft_state = to_peft_state_dict(state_dict, config.get("modules_to_save") or ())
+    tensors = {k: v.detach().contiguous().cpu() for k, v in peft_state.items()}
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # Temporary names of tunelab's pattern (a run removes them at start if a crash left
     # them), made with plain mkdir so modes follow the umask like every other output.

@@ -85,25 +85,32 @@ def peft_key_names(native_keys: Iterable[str]) -> dict[str, str]:
     return names
 
 
-def to_peft_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_peft_state_dict(
+    state_dict: Mapping[str, torch.Tensor], modules_to_save: Iterable[str] = ()
+) -> dict[str, torch.Tensor]:
     """Rename native adapter keys to PEFT's (``peft_key_names``).
 
     ``X.lora_A.weight`` -> ``base_model.model.X.lora_A.weight``; expert factors as the module
-    docstring says.
+    docstring says. A whole module of ``modules_to_save`` (``score.weight``) is saved as PEFT
+    saves it, ``base_model.model.score.weight``.
 
     Args:
         state_dict: Adapter weights under native keys.
+        modules_to_save: Top-level modules whose whole weights the adapter carries.
 
     Returns:
         The same tensors under PEFT keys.
 
     Raises:
-        TunelabError: If a key is not a LoRA ``A``/``B`` weight.
+        TunelabError: If a key is neither a LoRA ``A``/``B`` weight nor in ``modules_to_save``.
     """
+    saved = set(modules_to_save)
+    whole = {key for key in state_dict if key.partition(".")[0] in saved}
     for key in state_dict:
-        if not is_adapter_key(key):
+        if key not in whole and not is_adapter_key(key):
             raise TunelabError(f"to_peft_state_dict: {key!r} is not a LoRA adapter weight")
-    names = peft_key_names(state_dict)
+    names = peft_key_names(key for key in state_dict if key not in whole)
+    names |= {key: PEFT_PREFIX + key for key in whole}
     return {names[key]: value for key, value in state_dict.items()}
 
 

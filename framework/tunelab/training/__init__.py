@@ -74,6 +74,12 @@ from tunelab.training.reference import (
     ReferenceModel,
     policy_forward,
 )
+from tunelab.training.reward_model import (
+    check_reward_loss,
+    evaluate_rewards,
+    pair_rewards,
+    reward_loss,
+)
 from tunelab.training.rng import seed_everything
 from tunelab.training.session import (
     AfterStep,
@@ -135,6 +141,10 @@ __all__ = [
     "kto_loss",
     "mismatched_logps",
     "step_kl",
+    "check_reward_loss",
+    "evaluate_rewards",
+    "pair_rewards",
+    "reward_loss",
     "evaluate_preference",
     "forward",
     "global_pair_count",

@@ -222,6 +222,22 @@ def evaluate_preference(
         policy = policy_forward(model, batch, output=output)
         _, batch_sums = preference_loss(loss_fn, policy, ref)
         sums = accumulate_metrics(sums, batch_sums)
+    means = end_pair_validation(model, was_training, sums, loader)
+    logger.info("validation loss %.4f", means["loss"])
+    return means
+
+
+def end_pair_validation(
+    model: nn.Module,
+    was_training: bool,
+    sums: dict[str, torch.Tensor] | None,
+    loader: DataLoader,
+) -> dict[str, float]:
+    """End a validation pass over pairs: reshard, restore the mode, and the global means.
+
+    Raises:
+        DataError: If the loader gave no batch (``sums`` is None).
+    """
     reshard_all(model)
     model.train(was_training)
     if sums is None:
@@ -230,6 +246,4 @@ def evaluate_preference(
             f"val_dataset has fewer than schedule.batch_size={loader.batch_size} pairs per "
             "process; lower schedule.batch_size or add validation pairs"
         )
-    means = _global_means(sums)[0]
-    logger.info("validation loss %.4f", means["loss"])
-    return means
+    return _global_means(sums)[0]

@@ -18,14 +18,15 @@ from torch.utils.data import DataLoader, Dataset
 
 import tunelab.peft as peft
 from tunelab.config.lora import LoRAArgs
-from tunelab.config.sections import LoRAModelSetupArgs, ModelSetupArgs
+from tunelab.config.sections import LoRAModelSetupArgs, ModelSetupArgs, RewardModelSetupArgs
 from tunelab.data import StatefulDistributedSampler
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
 from tunelab.data.streaming import StreamingDataset
 from tunelab.distributed import apply_activation_checkpointing, resolve_dtype, shard_model
 from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.errors import ConfigError
-from tunelab.models import from_hf_config, load_hf_into_model
+from tunelab.models import TransformerDecoder, from_hf_config, load_hf_into_model
+from tunelab.models.classifier import SCORE_HEAD, SequenceClassifier, init_score_head
 from tunelab.modules.attention import resolve_attention_backend
 from tunelab.peft.nf4 import copy_rows_nf4_, quantize_base_nf4
 
@@ -62,8 +63,12 @@ def build_model(
     """
     dtype = resolve_dtype(model.dtype)
     backend = _attention_backend(model.attention_backend, device)
+    # The reward-model section builds a sequence classifier: a score head for lm_head.
+    classifier = isinstance(model, RewardModelSetupArgs)
     with torch.device("meta"):
-        decoder = from_hf_config(model.path)
+        decoder = from_hf_config(
+            model.path, SequenceClassifier if classifier else TransformerDecoder
+        )
         decoder.attention_backend = backend
         decoder.to(dtype)
         if lora is not None:
@@ -75,6 +80,9 @@ def build_model(
                     "config ties it to the input embeddings (tie_word_embeddings: true)"
                 )
             peft.apply_lora(decoder, lora)
+            if classifier:
+                # The head is new: it trains whole beside the adapters (PEFT's modules_to_save).
+                decoder.score.requires_grad_(True)
     quantized = lora is not None and lora.quantize_base == "nf4"
     if quantized:
         _quantize_base_nf4(decoder, device, mesh)
@@ -101,7 +109,11 @@ def build_model(
     decoder.to_empty(device=device)
     decoder.tie_weights()
     # QLoRA: each rank quantizes its rows as they load (one small all-gather per weight).
-    load_hf_into_model(decoder, model.path, copy_rows=copy_rows_nf4_ if quantized else None)
+    loaded = load_hf_into_model(
+        decoder, model.path, copy_rows=copy_rows_nf4_ if quantized else None
+    )
+    if classifier and f"{SCORE_HEAD}.weight" in loaded.missing:
+        init_score_head(decoder, model.score_init_std, seed)
     if lora is not None:
         torch.manual_seed(seed)
         peft.init_lora_parameters(decoder)
