@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
 STEPS, SAVE_AT = 8, 4
 RUN = [
+    "schedule.epochs=1",
     f"schedule.max_steps_per_epoch={STEPS}",
     f"checkpoint.save_every_n_steps={SAVE_AT}",
     "checkpoint.keep_last_n_checkpoints=null",

@@ -33,6 +33,7 @@ from tunelab.rl.advantages import (
 )
 from tunelab.rl.grpo_loss import GRPOLoss
 from tunelab.rl.gspo_loss import GSPOLoss
+from tunelab.rl.learned_reward import learned_reward
 from tunelab.rl.lengths import bound_prompt_lengths, cut_prompts
 from tunelab.rl.policy_loss import (
     AGGREGATIONS,
@@ -88,6 +89,7 @@ __all__ = [
     "group_advantages",
     "grpo_metrics",
     "k3_kl",
+    "learned_reward",
     "loss_normalizer",
     "math_verify_reward",
     "policy_gradient_pass",
