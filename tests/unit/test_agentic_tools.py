@@ -195,3 +195,13 @@ def test_toolbox_from_config_nodes():
     assert len(box.start({}, 0).environment.store) == 3
     with pytest.raises(ConfigError, match="not an Environment subclass"):
         Toolbox.from_nodes([], [{"_component_": "tunelab.rl.agentic.calculator"}])
+
+
+def test_tool_call_reward_reads_the_episode():
+    from tunelab.rl.agentic.rewards import tool_call_reward
+
+    def row(calls, errors):
+        return {"episode": {"num_tool_calls": calls, "tool_errors": errors}}
+
+    rows = [row(0, {}), row(1, {"unknown_tool": 1}), row(2, {"timeout": 1}), row(1, {})]
+    assert tool_call_reward([""] * 4, [""] * 4, rows) == [0.0, 0.5, 1.0, 1.0]

@@ -13,7 +13,8 @@ One module per concern:
   ``turn_sampler.py``), :class:`EpisodeRunner`, :class:`Episode`, :func:`episode_batch`
   (token in, token out; only the policy's tokens trained, ``episodes.py``);
 - GRPO: :class:`EpisodeGroupSampler` (G episodes per prompt, scored on the whole episode,
-  ``groups.py``), what ``grpo_distributed`` uses when its config has an ``agentic`` section.
+  ``groups.py``), what ``grpo_distributed`` uses when its config has an ``agentic`` section;
+  :func:`tool_call_reward` (a reward that reads the whole episode, ``rewards.py``).
 
 See docs/recipes.md (agentic GRPO) for the contract.
 """
@@ -28,6 +29,7 @@ from tunelab.rl.agentic.episodes import (
     episode_batch,
 )
 from tunelab.rl.agentic.groups import EpisodeGroupSampler, episode_sums
+from tunelab.rl.agentic.rewards import tool_call_reward
 from tunelab.rl.agentic.sandbox import PythonSandbox, SandboxLimits
 from tunelab.rl.agentic.tool_calls import FORMATS, detect_format, parse_assistant
 from tunelab.rl.agentic.toolbox import EpisodeTools, Toolbox
@@ -67,5 +69,6 @@ __all__ = [
     "episode_batch",
     "episode_sums",
     "parse_assistant",
+    "tool_call_reward",
     "tool_from_function",
 ]
