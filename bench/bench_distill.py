@@ -59,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--teacher-steps", type=int, default=60)
+    parser.add_argument("--parts", default="loss,training", help="which parts to run")
     parser.add_argument("--modes", default="offline,on-policy", help="training modes to run")
     parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
@@ -310,7 +311,9 @@ def main() -> None:
         trl_worker(args)
         return
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        rows = loss_rows(args) + training_rows(args, Path(scratch))
+        parts = args.parts.split(",")
+        rows = loss_rows(args) if "loss" in parts else []
+        rows += training_rows(args, Path(scratch)) if "training" in parts else []
     print_table(
         "distill: tunelab distill_distributed vs TRL GKDTrainer",
         rows,

@@ -240,21 +240,20 @@ class DistillationLoss(nn.Module):
         teacher_rows = teacher.detach().reshape(batch * seq, -1).index_select(0, rows)
         flat_targets = targets.reshape(-1).index_select(0, scored)
         num_chunks = chunk_count(self.num_chunks, max(flat_targets.numel(), 1), vocab)
-        losses, metrics = [], []
         needs_grad = torch.is_grad_enabled() and student.requires_grad
-        for student_chunk, teacher_chunk, target_chunk in zip(
-            student_rows.tensor_split(num_chunks),
-            teacher_rows.tensor_split(num_chunks),
-            flat_targets.tensor_split(num_chunks),
-        ):
-            args = (student_forward, teacher_forward, student_chunk, teacher_chunk, target_chunk)
-            if needs_grad:
-                # Recompute the chunk's logits in the backward rather than keep them.
-                loss, chunk_metrics = checkpoint(self._chunk, *args, use_reentrant=False)
-            else:
-                loss, chunk_metrics = self._chunk(*args)
-            losses.append(loss)
-            metrics.append(chunk_metrics)
+        if needs_grad and output is not None and not output.trainable:
+            # A frozen output layer: each row's gradient is computed in the forward, while the
+            # chunk's logits are at hand, instead of recomputing them in the backward.
+            loss_rows, metric_rows = _FrozenOutputDistillation.apply(
+                student_rows, teacher_rows, flat_targets, self, student_forward, teacher_forward,
+                num_chunks,
+            )  # fmt: skip
+            losses, metrics = [loss_rows], [metric_rows]
+        else:
+            losses, metrics = self._chunks(
+                student_forward, teacher_forward, student_rows, teacher_rows, flat_targets,
+                num_chunks, needs_grad,
+            )  # fmt: skip
         # Keep the graph even without scored tokens, so every rank runs its backward.
         loss_sum = torch.cat(losses).sum() + student_rows.sum() * 0
         totals = (
@@ -265,6 +264,33 @@ class DistillationLoss(nn.Module):
             num_tokens=mask.sum(),
             metrics=dict(zip(METRIC_NAMES, totals.unbind(), strict=True)),
         )
+
+    def _chunks(
+        self,
+        student_forward: Callable[[torch.Tensor], torch.Tensor],
+        teacher_forward: Callable[[torch.Tensor], torch.Tensor],
+        student_rows: torch.Tensor,
+        teacher_rows: torch.Tensor,
+        targets: torch.Tensor,
+        num_chunks: int,
+        needs_grad: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # Each chunk's loss and metrics; with a gradient the chunk is checkpointed (its logits
+        # are recomputed in the backward rather than kept).
+        losses, metrics = [], []
+        for student_chunk, teacher_chunk, target_chunk in zip(
+            student_rows.tensor_split(num_chunks),
+            teacher_rows.tensor_split(num_chunks),
+            targets.tensor_split(num_chunks),
+        ):
+            args = (student_forward, teacher_forward, student_chunk, teacher_chunk, target_chunk)
+            if needs_grad:
+                loss, chunk_metrics = checkpoint(self._chunk, *args, use_reentrant=False)
+            else:
+                loss, chunk_metrics = self._chunk(*args)
+            losses.append(loss)
+            metrics.append(chunk_metrics)
+        return losses, metrics
 
     def _chunk(
         self,
@@ -290,6 +316,55 @@ class DistillationLoss(nn.Module):
             f"temperature={self.temperature}, top_k={self.top_k}, nll_weight={self.nll_weight}, "
             f"num_chunks={self.num_chunks}"
         )
+
+
+class _FrozenOutputDistillation(torch.autograd.Function):
+    """Per-row distillation losses through a frozen student output layer, gradients in forward.
+
+    Row ``t``'s loss depends on the student's hidden row ``h_t`` only, so
+    ``d loss_t / d h_t`` is the gradient of the chunk's summed loss, computed while the chunk's
+    logits are at hand and kept (``[rows, dim]``, small next to the logits); the backward
+    scales it by the incoming per-row weights. No chunk is computed twice.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        student_rows: torch.Tensor,
+        teacher_rows: torch.Tensor,
+        targets: torch.Tensor,
+        loss: DistillationLoss,
+        student_forward: Callable[[torch.Tensor], torch.Tensor],
+        teacher_forward: Callable[[torch.Tensor], torch.Tensor],
+        num_chunks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, metrics, grads = [], [], []
+        for student_chunk, teacher_chunk, target_chunk in zip(
+            student_rows.tensor_split(num_chunks),
+            teacher_rows.tensor_split(num_chunks),
+            targets.tensor_split(num_chunks),
+        ):
+            with torch.enable_grad():
+                hidden = student_chunk.detach().requires_grad_()
+                chunk_loss, chunk_metrics = loss._chunk(
+                    student_forward, teacher_forward, hidden, teacher_chunk, target_chunk
+                )
+                (grad,) = torch.autograd.grad(chunk_loss.sum(), hidden)
+            losses.append(chunk_loss.detach())
+            metrics.append(chunk_metrics)
+            grads.append(grad)
+        ctx.save_for_backward(torch.cat(grads))
+        metric_rows = torch.cat(metrics)
+        ctx.mark_non_differentiable(metric_rows)
+        return torch.cat(losses), metric_rows
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_losses: torch.Tensor, _: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        (grads,) = ctx.saved_tensors
+        return (grads * grad_losses.unsqueeze(-1).to(grads.dtype),) + (None,) * 6
 
 
 def _kl(from_logps: torch.Tensor, to_logps: torch.Tensor) -> torch.Tensor:
