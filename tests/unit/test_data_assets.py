@@ -24,6 +24,7 @@ TEXT_FILES = [
     "sft_val.jsonl",
     "chat.jsonl",
     "preference.jsonl",
+    "preference_val.jsonl",
     "kto.jsonl",
     "grpo_prompts.jsonl",
     "tool_calls.jsonl",
