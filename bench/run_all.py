@@ -44,6 +44,7 @@ BENCHMARKS = {
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
     "grpo": ("bench_grpo.py", False, ["--shapes", "tiny-16,wide-16"], []),
     "distill": ("bench_distill.py", False, [], ["--loss-tokens", "4096"]),
+    "kto": ("bench_kto.py", False, [], ["--steps", "16", "--batch-size", "16", "--rounds", "3"]),
     "eval": ("bench_eval.py", False, [], []),
     "gguf": ("bench_gguf.py", True, [], ["--size-mb", "1024"]),
 }  # fmt: skip
