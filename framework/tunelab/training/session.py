@@ -614,7 +614,10 @@ class AfterStep:
         self.data.advance()
         tokens_per_second = num_tokens / (time.perf_counter() - self._start)
         self.progress.update(
-            loss=metrics["loss"], lr=metrics["lr"], tokens_per_second=tokens_per_second
+            loss=metrics["loss"],
+            lr=metrics["lr"],
+            tokens_per_second=tokens_per_second,
+            reward=metrics.get("reward"),  # RL recipes' mean reward of the step
         )
         schedule = self.schedule
         if schedule.log(global_step):
