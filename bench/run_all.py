@@ -47,6 +47,7 @@ BENCHMARKS = {
     "kto": ("bench_kto.py", False, [], ["--steps", "16", "--batch-size", "16", "--rounds", "3"]),
     "eval": ("bench_eval.py", False, [], []),
     "gguf": ("bench_gguf.py", True, [], ["--size-mb", "1024"]),
+    "reward_model": ("bench_reward_model.py", False, [], ["--steps", "16", "--batch-size", "16"]),
 }  # fmt: skip
 
 

@@ -1,0 +1,269 @@
+"""Reward-model training throughput: tunelab's reward_model_distributed step against TRL's RewardTrainer.
+
+Run (each side in its own process, one after the other, ``--rounds`` times, best kept):
+
+    python bench/bench_reward_model.py
+    python bench/bench_reward_model.py --steps 16 --batch-size 16 --rounds 3
+
+Both sides train the same reward model on the embedded tiny model in fp32: a fresh score head
+and LoRA (r=8, alpha=16, dropout 0, every projection, as ``tiny/reward_model``; the head
+trains whole), on the same pairs: the embedded ``preference.jsonl`` as chat messages rendered
+by the tokenizer's own chat template on both sides, ``--batch-size`` pairs per step, the
+Bradley-Terry loss, AdamW with clipping at 1.0.
+
+- ``tunelab``: the library pieces ``recipes/reward_model_distributed.py`` runs, in its order
+  (``reward_loss`` over one forward of the chosen and rejected rows, ``OptimizerStep``), on
+  one process, timed around each optimizer step;
+- ``TRL``: ``trl.RewardTrainer`` on the same checkpoint loaded by ``transformers``
+  (``AutoModelForSequenceClassification``, SDPA) with a PEFT ``LoraConfig`` (``SEQ_CLS``, the
+  score head in ``modules_to_save``); tuned as a careful user would for fp32: no bf16
+  autocast, no gradient checkpointing, logging and saving off; each step timed from the
+  Trainer's ``on_step_begin`` to ``on_step_end``.
+
+Tokens/s: the tokens (chosen + rejected, no padding) of the pairs of the timed steps over their
+summed time (one untimed warm-up step first); TRL's are counted from the attention masks of
+the batches it trained on. The ratio is the claim; the absolute figures depend on the machine
+and its load.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import Row, launch_env, parse_bench_args, print_table
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGET_RATIO = 1.3
+SIDES = ("tunelab", "TRL")
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line flags (the orchestrator's, plus the worker's own)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
+    parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per step")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--rows", type=int, default=400, help="pairs of preference.jsonl used")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side (best kept)")
+    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    parser.add_argument("--worker", default=None, choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    smoke = ["--steps", "1", "--batch-size", "2", "--rows", "16", "--rounds", "1"]
+    return parse_bench_args(parser, smoke)
+
+
+def tiny_dir() -> Path:
+    from tunelab._paths import assets_dir
+
+    return assets_dir() / "tiny"
+
+
+def write_chat_pairs(path: Path, count: int) -> None:
+    """The embedded preference pairs as chat messages (rendered by the chat template)."""
+    lines = (tiny_dir() / "preference.jsonl").read_text().splitlines()[:count]
+    with path.open("w") as out:
+        for line in lines:
+            row = json.loads(line)
+            chat = {
+                "prompt": [{"role": "user", "content": row["prompt"]}],
+                "chosen": [{"role": "assistant", "content": row["chosen"]}],
+                "rejected": [{"role": "assistant", "content": row["rejected"]}],
+            }
+            out.write(json.dumps(chat) + "\n")
+
+
+def tunelab_worker(args: argparse.Namespace) -> dict:
+    """The tunelab side: the recipe's step, timed per optimizer step."""
+    from functools import partial
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from tunelab.config.lora import LoRAArgs
+    from tunelab.config.sections import RewardModelSetupArgs
+    from tunelab.data import load_tokenizer, padded_collate_dpo, preference_dataset
+    from tunelab.losses.reward import BradleyTerryLoss
+    from tunelab.training import OptimizerStep, adamw, build_model, global_pair_count, reward_loss
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(tiny_dir())
+    dataset = preference_dataset(
+        tokenizer, source=args.data, template="auto", max_seq_len=args.max_length,
+        cache_dir=str(Path(args.result).parent / "cache"),
+    )  # fmt: skip
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+        collate_fn=partial(padded_collate_dpo, pad_id=tokenizer.pad_id),
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=TARGETS, use_rslora=False)
+    model = build_model(
+        RewardModelSetupArgs(path=str(tiny_dir())), device=torch.device("cpu"), lora=lora
+    )
+    model.train()
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    optimizer_step = OptimizerStep(
+        adamw(trainable, lr=1e-4, weight_decay=0.0), trainable, clip_grad_norm=1.0
+    )
+    loss_fn = BradleyTerryLoss()
+    seconds, tokens = 0.0, 0
+    batches = iter(loader)
+    for step in range(1 + args.steps):
+        batch = next(batches)
+        began = time.perf_counter()
+        num_pairs = global_pair_count([batch])
+        losses, sums = reward_loss(loss_fn, model, batch, tokenizer.pad_id)
+        (losses.sum() / num_pairs).backward()
+        optimizer_step(loss=float(sums["loss"]), step=step + 1)
+        elapsed = time.perf_counter() - began
+        if step > 0:  # the first step warms up
+            seconds += elapsed
+            tokens += int((batch["tokens"] != tokenizer.pad_id).sum())
+    return {"seconds": seconds, "tokens": tokens}
+
+
+def trl_worker(args: argparse.Namespace) -> dict:
+    """The TRL side: RewardTrainer's own loop, each step timed by a callback."""
+    import datasets
+    import torch
+    import trl
+    from peft import LoraConfig
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir()))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_dir()), num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        dtype=torch.float32, attn_implementation="sdpa",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    dataset = datasets.Dataset.from_list(rows)
+    step_seconds: list[float] = []
+    step_tokens: list[int] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.began = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            step_seconds.append(time.perf_counter() - self.began)
+
+    class CountingRewardTrainer(trl.RewardTrainer):
+        def compute_loss(self, model, inputs, *rest, **kwargs):
+            step_tokens.append(int(inputs["attention_mask"].sum()))
+            return super().compute_loss(model, inputs, *rest, **kwargs)
+
+    config = trl.RewardConfig(
+        output_dir=str(Path(args.result).with_suffix("")),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=1 + args.steps,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        max_length=args.max_length,
+        gradient_checkpointing=False,
+        bf16=False,  # TRL's configs default to bf16 autocast: both sides run fp32
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    lora = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="SEQ_CLS",
+        modules_to_save=["score"],
+    )  # fmt: skip
+    trainer = CountingRewardTrainer(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[StepTimes()],
+    )
+    trainer.train()
+    return {"seconds": sum(step_seconds[1:]), "tokens": sum(step_tokens[1:])}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One side, in this process: write its result JSON."""
+    result = tunelab_worker(args) if args.worker == "tunelab" else trl_worker(args)
+    Path(args.result).write_text(json.dumps(result))
+
+
+def trl_installed() -> bool:
+    """Whether TRL (the peer) can run here."""
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    """Run both sides ``--rounds`` times, interleaved, and print the table."""
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_reward_model_"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    data = scratch / "preference_chat.jsonl"
+    write_chat_pairs(data, args.rows)
+    sides = [side for side in SIDES if side != "TRL" or trl_installed()]
+    best: dict[str, float] = {}
+    raw: dict[str, list[str]] = {side: [] for side in sides}
+    for round_index in range(args.rounds):
+        for side in sides:
+            result = scratch / f"{side}_{round_index}.json"
+            command = [
+                sys.executable, __file__, "--worker", side, "--data", str(data),
+                "--result", str(result), "--steps", str(args.steps),
+                "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+            ]  # fmt: skip
+            done = subprocess.run(command, env=launch_env(1), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+            figures = json.loads(result.read_text())
+            rate = figures["tokens"] / figures["seconds"]
+            raw[side].append(
+                f"{rate:.0f} ({figures['tokens']} tokens in {figures['seconds']:.2f} s)"
+            )
+            best[side] = max(best.get(side, 0.0), rate)
+    figure = "reward-model step, 1 process: tokens/s (tunelab / TRL RewardTrainer)"
+    if "TRL" in best:
+        ratio = best["tunelab"] / best["TRL"]
+        row = Row(
+            figure, f"{best['tunelab']:.0f}", f"{best['TRL']:.0f}", f"{ratio:.2f}x",
+            f">= {TARGET_RATIO}x", ratio >= TARGET_RATIO,
+        )  # fmt: skip
+    else:
+        row = Row(figure, f"{best['tunelab']:.0f}", "-", "-", "-", None)
+    notes = [
+        f"tiny model, fresh score head + LoRA r=8 on every projection, fp32, {args.batch_size} "
+        f"pairs a step, {args.steps} timed steps after one warm-up, best of {args.rounds} "
+        f"round(s); {os.cpu_count()} cores, one process per side, one side at a time.",
+        "tokens/s per round: " + "; ".join(f"{side} {', '.join(raw[side])}" for side in sides),
+    ]
+    if "TRL" not in best:
+        notes.append("trl not installed: no TRL row (make bench installs it)")
+    print_table("Reward model: tunelab reward_model_distributed vs TRL RewardTrainer", [row], notes)
+
+
+def main() -> None:
+    """Worker or orchestrator, by the flags."""
+    args = parse_args()
+    if args.worker:
+        run_worker(args)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()
