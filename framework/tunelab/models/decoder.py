@@ -14,6 +14,7 @@ from tunelab.modules import Attention, FeedForward, KVCache, RMSNorm, RotaryEmbe
 from tunelab.modules.attention import resolve_attention_backend
 from tunelab.modules.masks import AttentionMask, causal_mask, positions_from_document_ids
 from tunelab.modules.moe import MoEBlock, RouterStats
+from tunelab.modules.shared_prefix import SharedPrefix
 
 
 class TransformerBlock(nn.Module):
@@ -95,7 +96,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | AttentionMask | None = None,
+        mask: torch.Tensor | AttentionMask | SharedPrefix | None = None,
         input_pos: torch.Tensor | None = None,
         router_stats: RouterStats | None = None,
     ) -> torch.Tensor:
@@ -371,6 +372,7 @@ class TransformerDecoder(nn.Module):
         return_hidden: bool = False,
         router_stats: RouterStats | None = None,
         context_parallel: ContextParallel | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -397,6 +399,10 @@ class TransformerDecoder(nn.Module):
                 zig-zag slice of rows ``context_parallel.size`` times longer, and
                 ``document_ids``, if given, are the whole rows (``ContextParallel.shard``
                 makes such a batch). Attention gathers the keys and values of the row.
+            shared_prefix: ``tokens`` is one packed row of distinct prompts then the
+                completions that continue them (``tunelab.modules.SharedPrefix``), with
+                ``input_pos`` their positions: each prompt is computed once. Not with ``mask``,
+                ``document_ids``, KV caches, context parallelism or sliding-window layers.
 
         Returns:
             Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
@@ -439,7 +445,19 @@ class TransformerDecoder(nn.Module):
             raise ValueError(
                 f"input_pos shape {tuple(input_pos.shape)} != tokens shape {tuple(tokens.shape)}"
             )
-        if described:
+        if shared_prefix is not None:
+            if (
+                not described
+                or split
+                or document_ids is not None
+                or SLIDING in (self.args.layer_types or ())
+            ):
+                raise ValueError(
+                    "shared_prefix takes no mask, document_ids, KV caches, context parallelism "
+                    "or sliding-window layers"
+                )
+            masks = {FULL: shared_prefix}
+        elif described:
             masks = self._described_masks(tokens, document_ids, context_parallel)
         else:
             masks = self._layer_masks(mask, input_pos, seq_len)

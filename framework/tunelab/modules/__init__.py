@@ -13,6 +13,7 @@ from tunelab.modules.masks import (
 from tunelab.modules.moe import MoEBlock, MoEExperts, MoERouter, RouterStats, grouped_linear
 from tunelab.modules.norm import RMSNorm
 from tunelab.modules.rotary import RotaryEmbedding
+from tunelab.modules.shared_prefix import SharedPrefix
 
 __all__ = [
     "Attention",
@@ -25,6 +26,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "RouterStats",
+    "SharedPrefix",
     "causal_mask",
     "document_causal_mask",
     "grouped_linear",

@@ -32,6 +32,7 @@ from tunelab.modules.kv_cache import KVCache
 from tunelab.modules.masks import AttentionMask
 from tunelab.modules.norm import RMSNorm
 from tunelab.modules.rotary import apply_rotary
+from tunelab.modules.shared_prefix import SharedPrefix
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "dense")
 """The values of ``attention_backend``."""
@@ -74,6 +75,39 @@ def _flex_kernel(device: torch.device) -> Callable:
     if "cuda" not in _compiled_flex:
         _compiled_flex["cuda"] = torch.compile(flex_attention)
     return _compiled_flex["cuda"]
+
+
+def folded_gqa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """GQA under a bool mask with one plain SDPA call and no K/V repeat.
+
+    Each K/V head's query group is folded into the query length: ``q`` ``[batch, heads,
+    seq, d]`` becomes ``[batch, kv_heads, groups * seq, d]`` (query head ``h`` uses K/V head
+    ``h // groups``, so this is a view) and the mask is repeated over the group (bools).
+
+    Args:
+        q: ``[batch, heads, seq, head_dim]``.
+        k: ``[batch, kv_heads, keys, head_dim]``.
+        v: same shape as ``k``.
+        mask: bool ``[batch or 1, 1, seq, keys]``, True = may attend.
+        scale: score scale (None: ``head_dim ** -0.5``).
+
+    Returns:
+        ``[batch, heads, seq, head_dim]``.
+    """
+    batch, heads, seq_len, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, groups * seq_len, head_dim)
+    mask = mask.expand(batch, 1, seq_len, keys)[:, :, None]
+    mask = mask.expand(batch, 1, groups, seq_len, keys).reshape(batch, 1, groups * seq_len, keys)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    return out.view(batch, heads, seq_len, head_dim)
 
 
 class Attention(nn.Module):
@@ -171,7 +205,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | AttentionMask | None = None,
+        mask: torch.Tensor | AttentionMask | SharedPrefix | None = None,
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend.
@@ -180,7 +214,8 @@ class Attention(nn.Module):
             x: ``[batch, seq, dim]``.
             cos: rotary cosines ``[batch, seq, rotary_dim]``.
             sin: rotary sines ``[batch, seq, rotary_dim]``.
-            mask: an ``AttentionMask`` (the kernel follows its backend), or a bool
+            mask: an ``AttentionMask`` (the kernel follows its backend), a ``SharedPrefix``
+                (rows sharing their prompts, packed in one row), or a bool
                 ``[batch, 1, seq, keys]`` (True = may attend), or None for causal. With a KV
                 cache ``keys`` is the cache length and a bool mask is required.
             input_pos: cache slots ``[batch, seq]``; used only when a KV cache is set up.
@@ -195,28 +230,57 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             assert input_pos is not None and mask is not None, "the decoder supplies both"
             k, v = self.kv_cache.update(input_pos, k, v)
-        if isinstance(mask, AttentionMask):
+        if isinstance(mask, SharedPrefix):
+            out = self._attend_shared_prefix(q, k, v, mask)
+        elif isinstance(mask, AttentionMask):
             out = self._attend_described(q, k, v, mask)
-        elif self.kv_cache is not None and self._gqa_takes_a_mask(q):
-            # Decoding: the cache's keys under its bool mask, the K/V heads shared in the
-            # kernel instead of repeated over the whole cache at every token.
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale
-            )
+        elif self.kv_cache is not None and self.num_heads != self.num_kv_heads:
+            out = self._attend_masked_gqa(q, k, v, mask)
         else:
             out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
-    def _gqa_takes_a_mask(self, q: torch.Tensor) -> bool:
-        # CPU's SDPA kernel takes a mask and GQA together (its forward bit-equal to repeating
-        # K/V: test_attention_kernels); on CUDA a mask with GQA falls back to the math kernel,
-        # so K/V are repeated there. Soft-capped scores and sinks take the explicit path.
-        return (
-            q.device.type == "cpu"
-            and self.num_heads != self.num_kv_heads
-            and not self.explicit_scores
-        )
+    def _attend_shared_prefix(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SharedPrefix
+    ) -> torch.Tensor:
+        """Rows sharing prompts (``tunelab.modules.shared_prefix``), ``[1, heads, T, d]``.
+
+        Prompts attend causally; each completion over its prompt's keys and its own.
+        """
+        q_prompts, q_rows = layout.split(q)
+        k_prompts, k_rows = layout.split(k)
+        v_prompts, v_rows = layout.split(v)
+        prompts = self._attend(q_prompts, k_prompts, v_prompts, None)
+        keys = layout.completion_keys(k_prompts, k_rows)
+        values = layout.completion_keys(v_prompts, v_rows)
+        mask = layout.completion_mask()
+        if self.num_heads != self.num_kv_heads:
+            rows = self._attend_masked_gqa(q_rows, keys, values, mask)
+        else:
+            rows = self._attend(q_rows, keys, values, mask)
+        return layout.join(prompts, rows)
+
+    def _attend_masked_gqa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """GQA under a bool mask (the KV cache's, a shared prompt's), K/V heads not repeated.
+
+        CPU's SDPA takes a mask and ``enable_gqa`` together (its forward bit-equal to
+        repeating K/V: test_attention_kernels). Elsewhere a mask with GQA falls back to the
+        math kernel, so each K/V head's query group is folded into the query length instead:
+        ``[batch, heads, seq, d]`` becomes ``[batch, kv_heads, groups * seq, d]`` (head
+        ``h`` serves K/V head ``h // groups``, so this is a view) and one plain SDPA call
+        reads each cached key once per group. Soft-capped scores and sinks take the explicit
+        path (K/V repeated).
+        """
+        if self.explicit_scores:
+            return self._attend(q, k, v, mask)
+        if q.device.type == "cpu":
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale
+            )
+        return folded_gqa_attention(q, k, v, mask, scale=self.scale)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -1,4 +1,4 @@
-"""A static key/value cache for incremental decoding."""
+"""A static key/value cache for incremental decoding, written in place."""
 
 import torch
 from torch import nn
@@ -44,6 +44,18 @@ class KVCache(nn.Module):
         """Clear every slot."""
         self.k_cache.zero_()
         self.v_cache.zero_()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` names, in its order (a row may repeat).
+
+        Expands a prefill's cache over the rows that share its prompt, and drops finished rows
+        from a decoding batch: one ``index_select`` per buffer, values copied bit for bit.
+
+        Args:
+            index: long ``[new_batch]`` rows of the current cache.
+        """
+        self.k_cache = self.k_cache.index_select(0, index)
+        self.v_cache = self.v_cache.index_select(0, index)
 
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -30,6 +30,7 @@ from tunelab.distributed import hold_gathered
 from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.errors import ConfigError
 from tunelab.peft import merged_adapters
+from tunelab.rl.decoding import DecodeBatch, DecodeStep, bucket_length, distinct_prompts
 from tunelab.training.reference import reshard_all
 
 __all__ = ["ModelRolloutEngine", "RolloutEngine", "SamplingSettings", "sample_tokens"]
@@ -168,6 +169,7 @@ class ModelRolloutEngine:
         decode: Token ids to text, for ``stop_strings`` (the tokenizer's ``decode``).
         gather_once: Hold the FSDP2-gathered parameters for the whole call (see above).
         merge_adapters: Merge LoRA adapters into temporary weights for the call (see above).
+        compile: ``torch.compile`` the decode step (see above).
 
     Before it allocates anything, each call checks its lengths (:meth:`check_lengths`): the
     longest prompt plus ``max_new_tokens`` must fit the model's context, and the KV cache must
@@ -186,6 +188,7 @@ class ModelRolloutEngine:
         decode: Callable[[list[int]], str] | None = None,
         gather_once: bool = True,
         merge_adapters: bool = True,
+        compile: bool = False,
     ) -> None:
         if settings.stop_strings and decode is None:
             raise ValueError("stop_strings need the tokenizer's decode")
@@ -195,6 +198,7 @@ class ModelRolloutEngine:
         self.decode = decode
         self.gather_once = gather_once
         self.merge_adapters = merge_adapters
+        self.compile = compile
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
@@ -226,6 +230,7 @@ class ModelRolloutEngine:
             decode=tokenizer.decode,
             gather_once=rollout.gather_once,
             merge_adapters=rollout.merge_adapters,
+            compile=rollout.compile,
         )
 
     def update_weights(self, model: nn.Module) -> None:
@@ -293,73 +298,73 @@ class ModelRolloutEngine:
         rows = len(prompts)
         width = max(len(prompt) for prompt in prompts)
         self.check_lengths(rows, width)
-        lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
-        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt)
+        # Equal prompts (a GRPO group's G rows) are prefilled once; their rows copy its cache.
+        unique, of_row = distinct_prompts(prompts)
+        tokens = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
+        for index, prompt in enumerate(unique):
+            tokens[index, : len(prompt)] = torch.tensor(prompt)
         tokens = tokens.to(device)
+        unique_lengths = torch.tensor([len(prompt) for prompt in unique], device=device)
+        of_row_index = torch.tensor(of_row, device=device)
         generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        step_fn = DecodeStep(model, self.compile)
+        batch = DecodeBatch(unique_lengths[of_row_index], generators, step_fn.compiled)
         was_training = model.training
         model.eval()  # no adapter dropout while sampling
-        model.setup_caches(rows, width + settings.max_new_tokens, device=device)
-        completions: list[list[int]] = [[] for _ in range(rows)]
-        active = [True] * rows
+        cache_length = bucket_length(width + settings.max_new_tokens, step_fn.compiled)
+        model.setup_caches(len(unique), cache_length, device=device)
+        out = torch.full((rows, settings.max_new_tokens), self.pad_id, dtype=torch.long)
+        out_lengths = torch.zeros(rows, dtype=torch.long)
+        stop_ids = torch.tensor(sorted(settings.stop_ids), dtype=torch.long)
         held = contextlib.nullcontext()
         if self.gather_once:
             held = hold_gathered(model, gather_now=self.merge_adapters)
         merged = merged_adapters(model) if self.merge_adapters else contextlib.nullcontext()
         try:
             with held, merged:
-                positions = torch.arange(width, device=device).expand(rows, width)
+                positions = torch.arange(width, device=device).expand(len(unique), width)
                 hidden = model(tokens, input_pos=positions, return_hidden=True)
-                last = hidden[torch.arange(rows, device=device), lengths - 1]
-                logits = model.output(last)
+                last = hidden[torch.arange(len(unique), device=device), unique_lengths - 1]
+                logits = model.output(last)[of_row_index]
+                for layer in model.layers:
+                    layer.self_attn.kv_cache.select_rows(of_row_index)
                 entropy = torch.zeros((), dtype=torch.float64, device=device)
-                done = torch.zeros(rows, dtype=torch.bool, device=device)
                 for step in range(settings.max_new_tokens):
                     # The policy's entropy at each sampled position (before temperature and
                     # filtering): a collapsing entropy is the first sign of a policy gone greedy.
                     log_probs = torch.log_softmax(logits.float(), dim=-1)
                     row_entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-                    entropy += row_entropy.masked_fill(done, 0.0).double().sum()
-                    next_tokens = sample_tokens(logits, settings, generators, active)
-                    stopped = False
-                    for row, token in enumerate(next_tokens.tolist()):
-                        if active[row]:
-                            completions[row].append(token)
-                            if self._stops(completions[row]):
-                                active[row] = False
-                                stopped = True
-                    if stopped:
-                        done = torch.tensor([not a for a in active], device=device)
-                    if step == settings.max_new_tokens - 1 or _all_done(sum(active)):
+                    entropy += row_entropy.masked_fill(batch.done.to(device), 0.0).double().sum()
+                    live = ~batch.done
+                    next_tokens = sample_tokens(logits, settings, batch.generators, live.tolist())
+                    sampled = next_tokens.cpu()
+                    out[batch.rows[live], step] = sampled[live]
+                    out_lengths[batch.rows[live]] = step + 1
+                    finished = live & torch.isin(sampled, stop_ids)
+                    if settings.stop_strings:
+                        for slot in (live & ~finished).nonzero()[:, 0].tolist():
+                            row = int(batch.rows[slot])
+                            finished[slot] = self._stops(out[row, : step + 1].tolist())
+                    batch.done |= finished
+                    remaining = int((~batch.done).sum())
+                    if step == settings.max_new_tokens - 1 or _all_done(remaining):
                         break
-                    hidden = model(
-                        next_tokens[:, None],
-                        input_pos=(lengths + step)[:, None],
-                        return_hidden=True,
-                    )
-                    logits = model.output(hidden[:, -1])
+                    (next_tokens,) = batch.compact(model, next_tokens)
+                    logits = step_fn(next_tokens[:, None], (batch.positions + step)[:, None])
         finally:
             model.teardown_caches()
             model.train(was_training)
             # No-grad forwards leave the root's parameters gathered; the optimizer edits shards.
             reshard_all(model)
+        completions = [row[:length] for row, length in zip(out.tolist(), out_lengths.tolist())]
         self.last_generation_seconds = time.perf_counter() - start
         self.last_generated_tokens = sum(len(c) for c in completions)
         self.last_entropy_sum = float(entropy)
         return completions
 
     def _stops(self, completion: list[int]) -> bool:
-        # A stop token ends it; so does a stop string anywhere in the completion's text (the
-        # whole text is decoded: a string may span tokens, and decoding is cheap next to a
-        # forward at the lengths sampled here).
-        if not completion:
-            return False
-        if completion[-1] in self.settings.stop_ids:
-            return True
-        if not self.settings.stop_strings:
-            return False
+        # A stop string anywhere in the completion's text ends it (the whole text is decoded:
+        # a string may span tokens, and decoding is cheap next to a forward at these lengths).
         text = self.decode(completion)
         return any(stop in text for stop in self.settings.stop_strings)
 

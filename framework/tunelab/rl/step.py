@@ -20,6 +20,7 @@ from torch import nn
 from tunelab.distributed import all_reduce_sum
 from tunelab.losses import OutputLayer, token_logps
 from tunelab.rl.policy_loss import PolicyLoss
+from tunelab.rl.shared_prompts import shared_prompt_forward
 from tunelab.training.loop import forward, output_layer
 
 __all__ = [
@@ -119,11 +120,17 @@ def completion_logps(
 
     With ``output`` (the model's :func:`~tunelab.training.output_layer`) only completion
     positions go through the output layer, chunk by chunk: the logits never exist whole.
+    Rows that share their prompt (a GRPO group) compute it once
+    (:func:`~tunelab.rl.shared_prompts.shared_prompt_forward`); models or batches it does not
+    apply to run the per-row forward.
 
     Returns:
         ``(logps, mask)`` ``[rows, seq - 1]`` (see :func:`tunelab.losses.token_logps`).
     """
-    return token_logps(forward(model, batch, output), batch["labels"], output=output)
+    hidden = shared_prompt_forward(model, batch, return_hidden=output is not None)
+    if hidden is None:
+        hidden = forward(model, batch, output)
+    return token_logps(hidden, batch["labels"], output=output)
 
 
 @torch.no_grad()
