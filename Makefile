@@ -12,6 +12,9 @@ PY_MIN := $(VENV_MIN)/bin/python
 STAMP_MIN := $(VENV_MIN)/.tunelab-installed
 
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES ?= 1
+# llama-cpp-python (dev extra) builds llama.cpp from source: for any x86-64 CPU (no -march=native,
+# so a wheel pip cached on one machine runs on another), without the multimodal library.
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 
 .PHONY: install demo test test-min lint format bench clean
 

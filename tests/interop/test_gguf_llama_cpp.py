@@ -1,0 +1,128 @@
+"""llama.cpp loads tunelab's GGUF export of each supported family and computes what tunelab does.
+
+Each family's tiny random model (the embedded tiny tokenizer, its vocabulary size) is exported
+to f16 with ``tunelab export --to gguf`` and loaded by llama.cpp through llama-cpp-python.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import build_tiny_hf_model
+from tests.gguf_checks import (
+    PROMPTS,
+    llama,
+    llama_greedy,
+    llama_logits,
+    prompt_ids,
+    tunelab_greedy,
+    tunelab_logits,
+)
+from tunelab._paths import assets_dir
+from tunelab.models import load_pretrained
+
+TINY = assets_dir() / "tiny"
+
+pytest.importorskip("llama_cpp")
+transformers = pytest.importorskip("transformers")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+VOCAB = 810  # the tiny tokenizer's
+# Family -> (conftest family, config overrides). llama3_2 brings llama3 rope scaling (the
+# rope_freqs tensor) and tied embeddings; qwen2 biases; qwen3 q/k norms and a head_dim unlike
+# hidden / heads; mistral the llama architecture from MistralConfig (no sliding window).
+FAMILIES = {
+    "llama": ("llama3_2", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"use_sliding_window": False, "sliding_window": None}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+TEXTS = [
+    "Hello world", "hello  world", " leading space", "trailing space ", "", " ", "\n", "\n\n\t x",
+    "The year 2024 had 366 days; 12345678 is big.", "don't you'll we've I'M", "e-mail: a@b.cd",
+    "naïve café, Zürich", "日本語のテキスト", "emoji 🙂🚀 ok", "tabs\tand\nnewlines\r\n",
+    "<|begin_of_text|>", "<|eot_id|>", "a<|eot_id|>b", "<|start_header_id|>user<|end_header_id|>",
+    "x <|end_of_text|> y", "<|pad|>", "((nested)) [brackets] {braces}", "snake_case and CamelCase",
+    "1+1=2", "3.14159", "$100.00", "50%", "C:\\path\\to\\file", "http://example.com/a?b=c",
+    "    indented code", "def f(x):\n    return x", "SHOUTING TEXT", "MiXeD cAsE",
+    "repeated repeated repeated", "punctuation!!! ???", "'quoted' \"double\"", "a\u00a0b",
+    "Ω≈ç√∫", "---", "...", "word", "ab", "a", "the the the", "The cat sat on the mat.",
+    "New\nline", "  two leading", "z" * 40, "12 34 567 8901", "it's 5 o'clock",
+]  # fmt: skip
+
+
+def _tiny_family(root, family):
+    name, overrides = FAMILIES[family]
+    model = build_tiny_hf_model(name, vocab_size=VOCAB, **overrides).eval()
+    folder = root / family
+    model.save_pretrained(folder)
+    for file in TOKENIZER_FILES:
+        shutil.copy(TINY / file, folder / file)
+    return folder
+
+
+def _export(folder, quant):
+    result = subprocess.run(
+        [sys.executable, "-m", "tunelab.cli", "export", str(folder), "--to", "gguf", "--quant", quant],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return folder / "gguf" / f"model-{quant}.gguf"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Family -> (model folder, its f16 GGUF), made once."""
+    root = tmp_path_factory.mktemp("gguf_families")
+    folders = {family: _tiny_family(root, family) for family in FAMILIES}
+    return {family: (folder, _export(folder, "f16")) for family, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(TINY)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_logits_and_greedy_equal_tunelab(exported, hf_tokenizer, family):
+    folder, path = exported[family]
+    ours, theirs = load_pretrained(folder, dtype=torch.float32), llama(path)
+    for prompt in PROMPTS:
+        ids = prompt_ids(hf_tokenizer, prompt)
+        difference = np.abs(llama_logits(theirs, ids) - tunelab_logits(ours, ids)).max()
+        assert difference < 1e-2, (family, prompt, difference)
+        assert llama_greedy(theirs, ids) == tunelab_greedy(ours, ids), (family, prompt)
+
+
+def test_tokenizer_ids_equal_transformers(exported, hf_tokenizer):
+    model = llama(exported["llama"][1])
+    for text in TEXTS:
+        ours = model.tokenize(text.encode(), add_bos=True, special=True)
+        assert ours == hf_tokenizer(text)["input_ids"], text
+
+
+def test_chat_template_renders_as_transformers(exported, hf_tokenizer):
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    model = llama(exported["llama"][1])
+    template = model.metadata["tokenizer.chat_template"]
+    assert template == json.loads((TINY / "tokenizer_config.json").read_text())["chat_template"]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    formatter = Jinja2ChatFormatter(
+        template, eos_token="<|end_of_text|>", bos_token="<|begin_of_text|>",
+        add_generation_prompt=True,
+    )  # fmt: skip
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert formatter(messages=messages).prompt == expected
