@@ -94,14 +94,36 @@ def build_dataset(config: str, overrides: list[str]) -> tuple[Any, Any]:
     return _build(config, overrides)[:2]
 
 
-def _build(config: str, overrides: list[str]) -> tuple[Any, Any, Any]:
-    """``build_dataset``'s tokenizer and dataset, and the dataset's config node."""
+def _build(config: str, overrides: list[str]) -> tuple[Any, Any, Any, Any]:
+    """``build_dataset``'s tokenizer and dataset, the dataset's config node, and the settings."""
     cfg, config_path, recipe_path = load_recipe_config(config, overrides)
     args = parse_args(cfg, load_recipe_args(recipe_path or recipe_of_config(cfg, config_path)))
     if getattr(args, "dataset", None) is None or getattr(args, "tokenizer", None) is None:
         raise ConfigError(f"config {config_path} has no dataset to preview")
     tokenizer = instantiate(args.tokenizer)
-    return tokenizer, instantiate(args.dataset, tokenizer=tokenizer), args.dataset
+    return tokenizer, instantiate(args.dataset, tokenizer=tokenizer), args.dataset, args
+
+
+def _episode_prompts(tokenizer: Any, dataset: Any, agentic: Any, rows: int) -> Iterator[str]:
+    """What agentic episodes start from: each row's prompt with the tools offered.
+
+    Rendered as ``EpisodeRunner`` renders it (``episode_prompt``: the environment reset with
+    seed 0, its text added, the tools' schemas in the template), trained tokens none.
+    """
+    from tunelab.data.conversations import read_part  # here: tunelab.data imports torch
+    from tunelab.rl.agentic import Toolbox, episode_prompt
+
+    toolbox = Toolbox.from_nodes(agentic.tools, agentic.environments)
+    for index in range(min(rows, len(dataset.rows))):
+        row = dataset.rows[index]
+        messages = read_part(row.get(agentic.prompt_column), agentic.prompt_column, "user")
+        _, tools, text = episode_prompt(
+            tokenizer.chat_template, toolbox, messages, row, 0, agentic.template_kwargs
+        )
+        names = ", ".join(tools.tools) or "none"
+        where = f"; environment {tools.environment_name}" if tools.environment_name else ""
+        count = len(tokenizer.encode(text, add_bos=False))
+        yield f"\n--- episode {index}: {count} prompt tokens; tools: {names}{where} ---\n{text}\n"
 
 
 def _sequences(item: dict[str, Any]) -> Iterator[tuple[str, list[int], list[int]]]:
@@ -168,7 +190,13 @@ def preview(
         out: Where to print (standard output by default).
     """
     out = out or sys.stdout
-    tokenizer, dataset, node = _build(config, overrides)
+    tokenizer, dataset, node, args = _build(config, overrides)
+    agentic = getattr(args, "agentic", None)
+    if agentic is not None and not as_json:  # episodes start from the rows with the tools
+        out.write(_summary(config, dataset) + " (agentic episodes: prompts with their tools)\n")
+        for text in _episode_prompts(tokenizer, dataset, agentic, rows):
+            out.write(text)
+        return
     items = _first_items(dataset, rows)
     if as_json:
         for item in items:

@@ -27,6 +27,7 @@ from tunelab.rl.agentic.episodes import (
     EpisodeLimits,
     EpisodeRunner,
     episode_batch,
+    episode_prompt,
 )
 from tunelab.rl.agentic.groups import EpisodeGroupSampler, episode_sums
 from tunelab.rl.agentic.rewards import tool_call_reward
@@ -67,6 +68,7 @@ __all__ = [
     "call_tool",
     "detect_format",
     "episode_batch",
+    "episode_prompt",
     "episode_sums",
     "parse_assistant",
     "tool_call_reward",

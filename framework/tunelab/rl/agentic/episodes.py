@@ -41,7 +41,14 @@ from tunelab.rl.agentic.tools import ToolCall, ToolResult, call_tool
 from tunelab.rl.agentic.turn_sampler import CachedTurnSampler, any_rank
 from tunelab.rl.rollout import ModelRolloutEngine
 
-__all__ = ["STOP_REASONS", "Episode", "EpisodeLimits", "EpisodeRunner", "episode_batch"]
+__all__ = [
+    "STOP_REASONS",
+    "Episode",
+    "EpisodeLimits",
+    "EpisodeRunner",
+    "episode_batch",
+    "episode_prompt",
+]
 
 STOP_REASONS = (
     "answer",
@@ -255,15 +262,9 @@ class EpisodeRunner:
         Raises:
             ConfigError: A broken environment, or a prompt the chat template refuses.
         """
-        tools = self.toolbox.start(row, seed)
-        messages = copy.deepcopy(list(messages))
-        if tools.added_prompt:
-            last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-            messages[last]["content"] = f"{messages[last]['content']}\n\n{tools.added_prompt}"
-        try:
-            rendered = self._render(messages, tools.schemas)
-        except ChatTemplateError as error:
-            raise ConfigError(f"the chat template refuses an episode's prompt: {error}") from None
+        messages, tools, rendered = episode_prompt(
+            self.template, self.toolbox, messages, row, seed, self.template_kwargs
+        )
         episode = Episode(
             self.tokenizer.encode(rendered, add_bos=False),
             messages=messages,
@@ -405,6 +406,41 @@ class EpisodeRunner:
         episode.tokens += ids
         episode.trained += [False] * len(ids)
         state.rendered, state.next_tokens = after, ids
+
+
+def episode_prompt(
+    template: ChatTemplate,
+    toolbox: Toolbox,
+    messages: Sequence[dict[str, Any]],
+    row: Mapping[str, Any],
+    seed: int,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], EpisodeTools, str]:
+    """The prompt an episode starts from (what ``tunelab data preview`` shows of agentic configs).
+
+    The row's environment is built and reset from ``seed``; what ``reset`` returns is added to
+    the last user message; the messages are rendered with the episode's tools (their schemas)
+    and the generation prompt.
+
+    Returns:
+        ``(messages, tools, text)``.
+
+    Raises:
+        ConfigError: A broken environment, or a prompt the chat template refuses.
+    """
+    tools = toolbox.start(row, seed)
+    messages = copy.deepcopy(list(messages))
+    if tools.added_prompt:
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+        messages[last]["content"] = f"{messages[last]['content']}\n\n{tools.added_prompt}"
+    try:
+        text = template.render(
+            messages, add_generation_prompt=True, tools=tools.schemas or None,
+            template_kwargs=template_kwargs,
+        )  # fmt: skip
+    except ChatTemplateError as error:
+        raise ConfigError(f"the chat template refuses an episode's prompt: {error}") from None
+    return messages, tools, text
 
 
 def _delta_text(before: str, after: str, stop_texts: Sequence[str]) -> str | None:
