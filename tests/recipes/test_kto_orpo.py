@@ -17,6 +17,7 @@ from tests.recipes.conftest import (
     shared_run,
     tunelab_run,
 )
+from tunelab._paths import assets_dir
 
 STEPS = 6
 SAVE_AT = 3
@@ -82,3 +83,28 @@ def test_kill_and_resume_is_exact(runs, tmp_path):
         for name in ("loss", "rewards/margins", "grad_norm", *(["kl"] if loss == "kto" else [])):
             assert row[name] == expected[step][name], (loss, step, name)
     assert_same_exports(resumed_dir, two)
+
+
+@pytest.mark.slow
+def test_kto_precomputed_reference_and_validation(tmp_path_factory, tmp_path):
+    # The mismatched pairs are fixed by dataset index, so DPO's PrecomputedReference serves KTO
+    # unchanged: the same losses and z0 as the live reference. The validation (evaluate_kto)
+    # runs on the same rows, its z0 over all of them.
+    two = shared_run(tmp_path_factory, "kto_2p", *RUNS["kto"], *COMMON)  # the runs fixture's
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join((assets_dir() / "tiny" / "kto.jsonl").open().readlines()[:16]))
+    out = tmp_path / "precomputed"
+    tunelab_run(
+        *RUNS["kto"], f"output_dir={out}", "schedule.max_steps_per_epoch=3",
+        "checkpoint.save_every_n_steps=null", "reference_logps=precompute",
+        "val_dataset._component_=tunelab.data.kto_dataset", "val_dataset.source=json",
+        f"val_dataset.data_files={val}", "val_dataset.template=instruct",
+        "schedule.run_val_every_n_steps=3",
+    )  # fmt: skip
+    live, precomputed = _rows(two), _rows(out)
+    for step in (1, 2, 3):  # the warm-up steps: the same learning rates as the 6-step run
+        for name in ("loss", "kl", "rewards/margins"):
+            assert precomputed[step][name] == pytest.approx(live[step][name], abs=1e-6), step
+    (validation,) = [row for row in read_metrics(out) if "val_loss" in row]
+    assert validation["step"] == 3 and validation["val_kl"] >= 0.0
+    assert 0.0 < validation["val_loss"] < 1.0 and "val_rewards/margins" in validation
