@@ -1,7 +1,9 @@
 """Agentic episodes are token in, token out, and their ids are the chat template's render.
 
 A replaying policy writes, each turn, exactly the reply ``transformers`` renders for a reference
-conversation (Qwen3 with reasoning and parallel calls; Llama 3.1 with one call per turn). Every
+conversation (Qwen3 with reasoning and parallel calls; Mistral Nemo, whose [TOOL_CALLS] carry
+9-character ids, with the same conversation, its template leaving the reasoning out; Llama 3.1
+with one call per turn). Every
 other token of the episode comes from tunelab: the prompt's render, the real calculator's
 results, and the template's deltas after each reply. The whole episode must equal
 ``apply_chat_template(messages, tools=...)`` of the reference conversation, the parsed messages
@@ -58,7 +60,7 @@ LLAMA3_1 = [
     result("c00100000", "4"),
     {"role": "assistant", "content": "14 and 4."},
 ]
-CASES = {"qwen3": QWEN3, "llama3_1": LLAMA3_1}
+CASES = {"qwen3": QWEN3, "llama3_1": LLAMA3_1, "mistral_nemo": QWEN3}  # Mistral: no reasoning
 
 
 @pytest.fixture(scope="module")
