@@ -3,9 +3,8 @@
 A replaying policy writes, each turn, exactly the reply ``transformers`` renders for a reference
 conversation (Qwen3 with reasoning and parallel calls; Mistral Nemo, whose [TOOL_CALLS] carry
 9-character ids, with the same conversation, its template leaving the reasoning out; Llama 3.1
-with one call per turn). Every
-other token of the episode comes from tunelab: the prompt's render, the real calculator's
-results, and the template's deltas after each reply. The whole episode must equal
+with one call per turn). Every other token of the episode comes from tunelab: the prompt's
+render, the real calculator's results, and the template's deltas after each reply. The whole episode must equal
 ``apply_chat_template(messages, tools=...)`` of the reference conversation, the parsed messages
 must render to the same ids, and the trained positions must be exactly the replies.
 """
