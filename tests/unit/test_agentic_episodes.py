@@ -172,3 +172,66 @@ def test_multi_turn_loss_equals_fp64_reference_with_tool_tokens_masked(tiny):
     # The tool and template tokens carry weight if they are not masked: the test can fail.
     real = (batch["tokens"][:, 1:] != tokenizer.pad_id).double()
     assert abs(reference_loss(real) - sums["loss"]) > 1e-2
+
+
+def test_episode_groups_score_the_whole_episode_with_the_environments_reward(tiny):
+    from types import SimpleNamespace
+
+    from tunelab.rl import Rewards, sampling_seeds
+    from tunelab.rl.agentic import EpisodeGroupSampler, KeyValueStore
+
+    tokenizer, _ = tiny
+    box = Toolbox([], {"KeyValueStore": KeyValueStore})
+    row = {"prompt": "Use the store.", "answer": "done"}
+    seeds = sampling_seeds(7, 0, [0], 2)
+
+    def reference(seed, solve):
+        env = box.start(row, seed).environment
+        first, second = env.wanted
+        ask = {"role": "user", "content": f"Use the store.\n\n{env.reset(row, seed)}"}
+
+        def call(n, name, **arguments):
+            return {"id": f"c{n}", "type": "function",
+                    "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+        total = env.store[first] + env.store[second] + (0 if solve else 1)
+        conversation = [
+            ask,
+            {"role": "assistant", "content": "", "tool_calls": [
+                call(0, "get", key=first), call(1, "get", key=second)]},
+            {"role": "tool", "tool_call_id": "c0", "name": "get", "content": str(env.store[first])},
+            {"role": "tool", "tool_call_id": "c1", "name": "get", "content": str(env.store[second])},
+            {"role": "assistant", "content": "", "tool_calls": [call(2, "set", key="total", value=total)]},
+            {"role": "tool", "tool_call_id": "c2", "name": "set", "content": "ok"},
+            {"role": "assistant", "content": "done"},
+        ]  # fmt: skip
+        schemas = box.start(row, seed).schemas
+        return apply_chat_template(tokenizer, conversation, tools=schemas)
+
+    policy = ReplayPolicy(
+        [reference(seeds[0], True), reference(seeds[1], False)], tokenizer.stop_ids
+    )
+    runner = EpisodeRunner(
+        policy, tokenizer, tokenizer.chat_template, box, EpisodeLimits(max_episode_tokens=600)
+    )
+    rewards = Rewards([{"_component_": "tunelab.rl.exact_answer_reward", "column": "answer"}])
+    prompts = SimpleNamespace(rows=[row], prompts=["Use the store."])
+    sampler = EpisodeGroupSampler(
+        runner, rewards, prompts, prompt_column="prompt", environment_weight=2.0,
+        decode=tokenizer.decode, pad_id=tokenizer.pad_id, num_generations=2, seed=7,
+        scale_rewards=True, dynamic_sampling=False, device=torch.device("cpu"),
+    )  # fmt: skip
+    scored = sampler.sample([0], step=0)
+    # exact_answer 1 each; the environment's 1.0 (solved) or 0.5 (both keys read), weight 2.
+    assert [r["reward"] for r in scored.records] == [3.0, 2.0]
+    assert scored.sums["rewards/environment"] == 1.5
+    assert scored.sums["agentic/tool_calls"] == 6 and scored.sums["agentic/turns"] == 6
+    assert scored.sums["agentic/stop/answer"] == 2
+    assert scored.rollout.advantages[0] > 0 > scored.rollout.advantages[1]
+    record = scored.records[0]
+    assert [m["role"] for m in record["messages"]] == [
+        "user", "assistant", "tool", "tool", "assistant", "tool", "assistant"]  # fmt: skip
+    assert record["environment"] == "KeyValueStore"
+    assert (scored.rollout.batch["labels"] != -100).sum() == sum(
+        sum(r["trained"]) for r in scored.records
+    )
