@@ -6,8 +6,6 @@ to f16 with ``tunelab export --to gguf`` and loaded by llama.cpp through llama-c
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from tests.gguf_checks import (
     tunelab_logits,
 )
 from tunelab._paths import assets_dir
+from tunelab.checkpoint.gguf_export import export_gguf
 from tunelab.models import load_pretrained
 
 TINY = assets_dir() / "tiny"
@@ -67,12 +66,8 @@ def _tiny_family(root, family):
 
 
 def _export(folder, quant):
-    result = subprocess.run(
-        [sys.executable, "-m", "tunelab.cli", "export", str(folder), "--to", "gguf", "--quant", quant],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return folder / "gguf" / f"model-{quant}.gguf"
+    # In process (the CLI is tested in tests/unit/test_gguf_export.py and the recipe test).
+    return export_gguf(folder, quant=quant)
 
 
 @pytest.fixture(scope="module")
