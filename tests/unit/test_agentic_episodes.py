@@ -235,3 +235,18 @@ def test_episode_groups_score_the_whole_episode_with_the_environments_reward(tin
     assert (scored.rollout.batch["labels"] != -100).sum() == sum(
         sum(r["trained"]) for r in scored.records
     )
+
+
+def test_a_kv_cache_beyond_memory_is_one_line_before_any_allocation(tiny, monkeypatch):
+    from tunelab.errors import ConfigError
+    from tunelab.rl.agentic import turn_sampler
+
+    tokenizer, model = tiny
+    sampler = CachedTurnSampler(model, SamplingSettings(max_new_tokens=4), pad_id=0)
+    monkeypatch.setattr(turn_sampler, "memory_budget_bytes", lambda device: 2**20)
+    with pytest.raises(ConfigError, match=r"agentic episodes need .* GiB for the KV cache \(64 "):
+        with sampler.session(rows=64, capacity=512):
+            pass
+    assert not model.caches_are_enabled()
+    with sampler.session(rows=1, capacity=8):  # 1 x 9 x 3 x 2 x 2 x 32 x 4 bytes fits 1 MiB
+        assert model.caches_are_enabled()

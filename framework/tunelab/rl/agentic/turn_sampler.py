@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import hold_gathered
+from tunelab.distributed.frozen_base import memory_budget_bytes
+from tunelab.errors import ConfigError
 from tunelab.peft import merged_adapters
 from tunelab.rl.rollout import SamplingSettings, sample_tokens
 from tunelab.training.reference import reshard_all
@@ -83,6 +85,7 @@ class CachedTurnSampler:
         device = model.model.embed_tokens.weight.device
         was_training = model.training
         model.eval()
+        self.check_memory(rows, capacity + 1)
         self.capacity = capacity
         self.lengths = [0] * rows
         self.pending = [None] * rows
@@ -97,6 +100,33 @@ class CachedTurnSampler:
             model.teardown_caches()
             model.train(was_training)
             reshard_all(model)
+
+    def check_memory(self, rows: int, length: int) -> None:
+        """Refuse a KV cache larger than the memory this process may use, before allocating it.
+
+        Raises:
+            ConfigError: ``rows x length x layers x 2 x KV heads x head_dim x bytes`` exceeds
+                :func:`~tunelab.distributed.frozen_base.memory_budget_bytes` (plus what
+                torch's CUDA allocator holds unused).
+        """
+        args = self.model.args
+        weight = self.model.model.embed_tokens.weight
+        element = weight.element_size()
+        needed = rows * length * args.num_layers * 2 * args.num_kv_heads * args.head_dim * element
+        free = memory_budget_bytes(weight.device)
+        if weight.device.type == "cuda":  # blocks torch holds but does not use are free to it
+            free += torch.cuda.memory_reserved(weight.device) - torch.cuda.memory_allocated(
+                weight.device
+            )
+        if needed > free:
+            raise ConfigError(
+                f"agentic episodes need {needed / 2**30:.1f} GiB for the KV cache ({rows} "
+                f"episodes x {length} tokens (prompt + agentic.max_episode_tokens) x "
+                f"{args.num_layers} layers x 2 x {args.num_kv_heads} KV heads x "
+                f"{args.head_dim} x {element} bytes), more than the {free / 2**30:.1f} GiB free "
+                f"for this process on {weight.device}; lower agentic.max_episode_tokens, "
+                "schedule.batch_size or rollout.num_generations"
+            )
 
     @torch.no_grad()
     def turn(
