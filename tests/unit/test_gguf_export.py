@@ -16,7 +16,7 @@ from tunelab.checkpoint.gguf_export import export_gguf
 from tunelab.checkpoint.ollama import modelfile
 from tunelab.data.chat_template import ChatTemplate
 from tunelab.errors import CheckpointError
-from tunelab.formats.gguf_model import permute_rows
+from tunelab.formats.gguf_model import QUANTIZATIONS, permute_rows
 from tunelab.formats.integrity import verify_folder
 
 TINY = assets_dir() / "tiny"
@@ -170,3 +170,17 @@ def test_modelfile_from_chatml_stops_at_im_end():
 def test_modelfile_without_template_when_turns_are_not_separable():
     text = modelfile("m.gguf", ChatTemplate(MERGED_SYSTEM, source="t"), ["</s>"])
     assert "TEMPLATE" not in text and 'PARAMETER stop "</s>"' in text
+
+
+# Largest error of a dequantized weight, relative to the weight's largest magnitude.
+_QUANT_ERROR = {"f32": 0.0, "f16": 1e-3, "bf16": 1e-2, "q8_0": 1e-2, "q4_0": 0.2}
+
+
+@pytest.mark.parametrize("quant", list(QUANTIZATIONS))
+def test_every_quantization_is_written_by_the_gguf_package(tiny, quant):
+    tensors = {t.name: t for t in gguf.GGUFReader(export_gguf(tiny, quant=quant)).tensors}
+    stored = tensors["blk.0.ffn_down.weight"]
+    values = gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(128, 256)
+    weight = load_file(tiny / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    error = np.abs(values - weight).max() / np.abs(weight).max()
+    assert error <= _QUANT_ERROR[quant], error

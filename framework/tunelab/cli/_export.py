@@ -10,7 +10,7 @@ from tunelab.errors import TunelabError
 
 _EPOCH = re.compile(r"^epoch_(\d+)$")
 # The same names as tunelab.formats.gguf_model.QUANTIZATIONS, without importing gguf for --help.
-_QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0", "q6_k")
+_QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:

@@ -68,7 +68,7 @@ class CheckpointArgs:
         default_factory=lambda: ["hf"]
     )
     """What each export writes: hf (the Hugging Face model, always written: the others are made from it) and gguf (llama.cpp / Ollama file and Modelfile in epoch_E/gguf/)."""
-    gguf_quantization: Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q6_k"] = "f16"
+    gguf_quantization: Literal["f16", "bf16", "f32", "q8_0", "q4_0"] = "f16"
     """Tensor type of the gguf export (norms and biases stay f32, as llama.cpp's converter keeps them)."""
 
 

@@ -47,9 +47,9 @@ QUANTIZATIONS: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] =
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
-    "q6_k": (gguf.GGMLQuantizationType.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
 }
-"""The ``--quant`` names: each is quantized by the ``gguf`` package's own quantizer."""
+"""The ``--quant`` names: each is quantized by the ``gguf`` package's own quantizer (0.19 has
+none for the k-quants: ``q4_k`` and ``q6_k`` raise ``NotImplementedError`` there)."""
 
 # Tensors that llama.cpp keeps in float32 whatever the file type (as its converter does).
 _F32_TENSORS = ("ffn_gate_inp.", "position_embd.")
