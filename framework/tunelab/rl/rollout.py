@@ -144,6 +144,11 @@ class ModelRolloutEngine:
     them (a query at position ``p`` sees slots ``<= p``), so no attention mask is needed and
     the result is the model's distribution exactly as a single unpadded row would see it.
 
+    Equal prompts (a GRPO group's G rows) are prefilled once and their cache rows copied over
+    the rows that continue them; finished rows leave the batch once they are half of it; with
+    ``compile`` the decode step runs ``torch.compile``d (:mod:`tunelab.rl.decoding`). None of
+    these changes a token: each row's computation does not depend on its neighbours.
+
     Under FSDP2 every rank must run the same forwards: the ranks agree (one all-reduce per
     token) to stop only once every sequence of every rank has stopped. With ``gather_once``
     (the default) each FSDP2 group is all-gathered once per ``generate`` call, at the prefill,
