@@ -201,8 +201,8 @@ def test_bad_settings_name_their_key(settings, key):
 def test_chunked_loss_peak_memory_is_a_fraction_of_both_logits():
     # Forward and backward of the chunked loss on hidden states versus the two logits
     # tensors alone (not counting their log-softmax copies): at most 0.3x. At vocabulary 128k
-    # and 4k tokens the default chunks are 1/32 of the positions (2**24 logits); here 1/64 of
-    # a smaller problem, as the fixed part weighs more. The 128k x 4k figure is in
+    # and 4k tokens the default chunks (2**21 logits per model) are 1/256 of the positions;
+    # here 1/64 of a smaller problem stands for them. The 128k figure is in
     # bench/bench_distill.py.
     tokens, vocab, dim = 512, 8192, 64
     generator = torch.Generator().manual_seed(3)

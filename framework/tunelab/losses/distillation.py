@@ -60,6 +60,12 @@ __all__ = [
     "ReverseKLLoss",
 ]
 
+# Logits per chunk and model when no number of chunks is given: 2**21 (8 MiB in fp32). A chunk
+# holds about 16 such tensors at its peak (both models' logits, log-softmaxes, the divergence's
+# terms and the metrics'), so the cross-entropy's 2**24 would cost 16 x 64 MiB; measured at
+# vocabulary 128k: 1 GiB of live tensors for 1024 tokens, as much as the two logits tensors.
+CHUNK_LOGITS = 2**21
+
 METRIC_NAMES = ("distill", "nll", "teacher_kl", "student_entropy")
 """The per-token sums a :class:`DistillationLoss` returns next to the loss."""
 
@@ -95,7 +101,7 @@ class DistillationLoss(nn.Module):
             distributions renormalised over them (None: the whole vocabulary).
         nll_weight: ``w`` in ``(1 - w) D + w NLL`` (0: pure distillation).
         num_chunks: Pieces the scored positions are split into (None: pieces of at most
-            ``2**24`` logits per model).
+            ``CHUNK_LOGITS`` (2**21) logits per model).
         ignore_index: Label value of a position that is not scored.
 
     Raises:
@@ -239,7 +245,9 @@ class DistillationLoss(nn.Module):
         student_rows = student.reshape(batch * seq, -1).index_select(0, rows)
         teacher_rows = teacher.detach().reshape(batch * seq, -1).index_select(0, rows)
         flat_targets = targets.reshape(-1).index_select(0, scored)
-        num_chunks = chunk_count(self.num_chunks, max(flat_targets.numel(), 1), vocab)
+        num_rows = max(flat_targets.numel(), 1)
+        num_chunks = self.num_chunks or -(-num_rows * vocab // CHUNK_LOGITS)
+        num_chunks = chunk_count(num_chunks, num_rows, vocab)
         needs_grad = torch.is_grad_enabled() and student.requires_grad
         if needs_grad and output is not None and not output.trainable:
             # A frozen output layer: each row's gradient is computed in the forward, while the
