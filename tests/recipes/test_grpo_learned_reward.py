@@ -32,7 +32,9 @@ def grpo_run(tmp_path_factory) -> tuple[Path, Path]:
     folder = reward_model / "epoch_0"
     grpo = shared_run(
         tmp_path_factory, "learned_reward_grpo", "grpo_distributed", "tiny/grpo_learned_reward",
-        f"rewards.functions.0.path={folder}", f"schedule.max_steps_per_epoch={STEPS}",
+        # Sharded over the 2 processes (auto would replicate this tiny model): the FSDP2 path.
+        f"rewards.functions.0.path={folder}", "rewards.functions.0.sharding=shard",
+        f"schedule.max_steps_per_epoch={STEPS}",
         "checkpoint.save_every_n_steps=1000",
     )  # fmt: skip
     return folder, grpo
