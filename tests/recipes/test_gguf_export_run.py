@@ -23,7 +23,7 @@ from tests.gguf_checks import (
     tunelab_greedy,
     tunelab_logits,
 )
-from tests.recipes.conftest import COMMON, TUNELAB, run_env, tunelab_run
+from tests.recipes.conftest import COMMON, TUNELAB, run_env, torchrun, tunelab_run
 from tunelab._paths import assets_dir
 from tunelab.data import load_tokenizer
 from tunelab.models import load_pretrained
@@ -99,3 +99,34 @@ def test_sys_executable_has_llama_cpp():
     # The dev extra installs llama-cpp-python: a CI without it would skip the proof silently.
     result = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
     assert result.returncode == 0, result.stderr
+
+
+_FAILING_RANK = """
+import sys
+import torch.distributed as dist
+from tunelab.checkpoint import gguf_export
+from tunelab.errors import CheckpointError
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    def broken(*args):
+        raise ValueError("disk on fire")
+    gguf_export._stored = broken
+try:
+    gguf_export.export_gguf(sys.argv[1])
+except CheckpointError as error:
+    print(f"rank {dist.get_rank()} refused: {error}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_that_fails_fails_the_export_on_every_rank(tmp_path):
+    export = tmp_path / "epoch_0"
+    shutil.copytree(assets_dir() / "tiny", export)
+    script = tmp_path / "failing_rank.py"
+    script.write_text(_FAILING_RANK)
+    result = torchrun(script, str(export))
+    for rank in (0, 1):
+        assert f"rank {rank} refused: GGUF export to" in result.stdout, result.stdout
+    assert "rank 1: ValueError: disk on fire" in result.stdout
+    assert not (export / "gguf").exists() and not list(export.glob(".gguf*"))

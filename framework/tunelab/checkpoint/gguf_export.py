@@ -243,16 +243,12 @@ def export_gguf(
         raise CheckpointError(message[0])
     data_start = message[1]
     owner = _shares(plan, world_size)
-    pieces = _write_tensors(
-        path,
-        export_dir,
-        config,
-        plan,
-        data_start,
-        [i for i, r in enumerate(owner) if r == rank],
-        sync_files,
-    )
-    if rank == 0:
+    mine = [i for i, r in enumerate(owner) if r == rank]
+    try:
+        pieces = _write_tensors(path, export_dir, config, plan, data_start, mine, sync_files)
+    except Exception as error:  # noqa: BLE001 - any failure is told to rank 0: no rank hangs
+        pieces = f"rank {rank}: {type(error).__name__}: {error}"
+    if rank == 0 and isinstance(pieces, list):
         pieces.append((0, data_start, digest(header)))
     gathered = [pieces]
     if distributed:
@@ -261,11 +257,21 @@ def export_gguf(
     failure = None
     if rank == 0:
         try:
-            _finish(
-                staging, final, path, name, gathered, data_start + total, export_dir, sync_files
-            )
+            failure = next((part for part in gathered if isinstance(part, str)), None)
+            if failure is None:
+                _finish(
+                    staging,
+                    final,
+                    path,
+                    name,
+                    gathered,
+                    data_start + total,
+                    export_dir,
+                    sync_files,
+                )
         except (OSError, TunelabError) as error:
             failure = str(error)
+        if failure is not None:
             shutil.rmtree(staging, ignore_errors=True)
     if distributed:
         result = [failure]
