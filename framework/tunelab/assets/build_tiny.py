@@ -11,7 +11,7 @@ writes, deterministically (fixed seeds, one CPU thread):
   ``transformers.LlamaConfig`` / ``LlamaForCausalLM`` and briefly pretrained on generic text
   from the task generator, so it is a meaningful base;
 - ``sft.jsonl``, ``sft_val.jsonl`` (alpaca instruction/input/output), ``chat.jsonl``
-  (``messages``), ``preference.jsonl`` (prompt/chosen/rejected);
+  (``messages``), ``preference.jsonl`` and ``preference_val.jsonl`` (prompt/chosen/rejected);
 - ``tool_calls.jsonl`` (``tools`` and ``messages`` with tool calls, results and reasoning) and
   ``tools_chat_template.jinja``, a ChatML tool template that renders them (``_tools``).
 """
@@ -161,6 +161,7 @@ def write_datasets(out: Path, rng: random.Random) -> None:
         [{"prompt": e.prompt, "chosen": e.output, "rejected": e.wrong} for e in pairs],
     )
     _write_jsonl(out / "kto.jsonl", kto_rows(pairs))
+    _write_jsonl(out / "preference_val.jsonl", held_out_pairs({e.prompt for e in pairs}))
     # GRPO's prompts with their answers (tiny/grpo), from a random source of their own: the
     # files above and the model stay as they were.
     prompts = _tasks.make_examples(random.Random(26), 256)
@@ -170,6 +171,16 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     # Tool-calling conversations (tiny/chat_tools_lora), from a random source of their own too.
     _write_jsonl(out / "tool_calls.jsonl", _tools.tool_rows(random.Random(29), 300))
     (out / "tools_chat_template.jinja").write_text(_tools.TOOLS_CHAT_TEMPLATE)
+
+
+def held_out_pairs(train_prompts: set[str], count: int = 100) -> list[dict[str, str]]:
+    """Validation pairs none of whose prompts is a training pair's (tiny/reward_model).
+
+    From a random source of their own, so the other files and the model stay as they were.
+    """
+    candidates = _tasks.make_examples(random.Random(31), 2 * count)
+    kept = [e for e in candidates if e.prompt not in train_prompts][:count]
+    return [{"prompt": e.prompt, "chosen": e.output, "rejected": e.wrong} for e in kept]
 
 
 def kto_rows(pairs: list[_tasks.Example]) -> list[dict[str, object]]:

@@ -38,6 +38,7 @@ from tunelab.config.recipe_args import (
     LoRADPOArgs,
     LoRAFinetuneArgs,
     LoRAKTOArgs,
+    RewardModelArgs,
     TrainingEvalArgs,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "PathCheck",
     "Range",
     "RecipeArgs",
+    "RewardModelArgs",
     "TeacherArgs",
     "TokenizerPath",
     "TrainingEvalArgs",

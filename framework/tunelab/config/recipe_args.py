@@ -37,6 +37,7 @@ from tunelab.config.sections import (
     ParallelismArgs,
     ProfileArgs,
     RewardArgs,
+    RewardModelSetupArgs,
     RolloutArgs,
     RouterArgs,
     ScheduleArgs,
@@ -408,3 +409,19 @@ class GRPOArgs(LoRARecipeArgs):
                         "max_new_tokens)"
                     )
         return problems
+
+
+@dataclass(kw_only=True)
+class RewardModelArgs(LoRARecipeArgs):
+    """Settings of reward_model_distributed: a Bradley-Terry reward model on preference pairs."""
+
+    model: RewardModelSetupArgs
+    """The model: its folder, dtype, attention, compile, activation checkpointing, sharding, the frozen base, and the score head's initialisation."""
+    lora: LoRAArgs | None = field(default_factory=LoRAArgs)
+    """The LoRA adapters (the score head trains whole beside them); null: full fine-tuning (every weight trains)."""
+    dataset: Component = component(call_args=("tokenizer",))
+    """The preference dataset (tunelab.data.preference_dataset; an optional margin column gives each pair its margin); the recipe passes the tokenizer."""
+    val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
+    """An optional preference dataset whose loss, accuracy and margin are logged with a val_ prefix."""
+    loss: Component = component(default="tunelab.losses.BradleyTerryLoss")
+    """The reward-model loss, a tunelab.losses.PairwiseRewardLoss: tunelab.losses.BradleyTerryLoss (center_rewards_coefficient); left out: its defaults."""

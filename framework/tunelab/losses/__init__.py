@@ -18,9 +18,11 @@ from tunelab.losses.kto import KTOLoss, UnpairedPreferenceLoss
 from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
 from tunelab.losses.orpo import ORPOLoss
 from tunelab.losses.preference import DPOLoss, HingeLoss, IPOLoss, PreferenceLoss, SimPOLoss
+from tunelab.losses.reward import BradleyTerryLoss, PairwiseRewardLoss
 from tunelab.losses.sequence import sequence_logps, token_logps
 
 __all__ = [
+    "BradleyTerryLoss",
     "CrossEntropyLoss",
     "DPOLoss",
     "DistillationLoss",
@@ -32,6 +34,7 @@ __all__ = [
     "KTOLoss",
     "ORPOLoss",
     "OutputLayer",
+    "PairwiseRewardLoss",
     "PreferenceLoss",
     "ReverseKLLoss",
     "SimPOLoss",

@@ -34,7 +34,7 @@ def check_reward_loss(loss_fn: object) -> PairwiseRewardLoss:
     if not isinstance(loss_fn, PairwiseRewardLoss):
         raise ConfigError(
             "loss: reward_model_distributed needs a reward-model loss "
-            f"(tunelab.losses.reward.BradleyTerryLoss), got {type(loss_fn).__name__}"
+            f"(tunelab.losses.BradleyTerryLoss), got {type(loss_fn).__name__}"
         )
     return loss_fn
 
