@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -239,20 +240,82 @@ def shared_run(tmp_path_factory, name: str, recipe: str, config: str, *overrides
     in the folder all workers share, under a file lock; the others wait for it and reuse it.
     What the run printed is kept beside the folder, in ``launch_output(out)``.
     """
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    out = root / f"shared_{name}"
+    out = _session_root(tmp_path_factory) / f"shared_{name}"
     done = out.with_name(out.name + ".done")
-    with FileLock(f"{out}.lock"):
+    with _session_lock(out):
         if not done.exists():
             shutil.rmtree(out, ignore_errors=True)  # a run that failed in another worker
             result = tunelab_run(recipe, config, f"output_dir={out}", *overrides, nproc=nproc)
             launch_output(out).write_text(result.stdout + result.stderr)
             done.touch()
     return out
+
+
+def _session_root(tmp_path_factory) -> Path:
+    """The folder every xdist worker of this test session shares."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def _session_lock(path: Path):
+    from filelock import FileLock
+
+    return FileLock(f"{path}.lock")
+
+
+def shipped_config_run(tmp_path_factory, config: Path) -> tuple[Path, int, str]:
+    """A shipped tiny ``config`` run once per test session as a user would run it.
+
+    Outside make: without the ``TORCHAO_*`` and warning switches the suite sets, with a fresh
+    ``datasets`` cache, started in a folder outside any git repository, on the processes its
+    header names; a training recipe for one epoch of 2 steps (its own save settings), ``eval``
+    on 2 documents, ``generate`` 4 tokens. test_quiet_runs checks what it printed; the old-flat-
+    config test compares its training with this run's (the migrated twin).
+
+    Returns:
+        The run's folder (``{folder}/out`` is its output_dir; read-only), its exit code and
+        everything it printed.
+    """
+    import yaml
+
+    folder = _session_root(tmp_path_factory) / f"shipped_{config.stem}"
+    done = folder.with_name(folder.name + ".done")
+    with _session_lock(folder):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            text = config.read_text()
+            recipe = yaml.safe_load(text)["recipe"]
+            if recipe == "generate":
+                overrides = ["max_new_tokens=4"]
+            elif recipe == "eval":
+                overrides = [f"output_dir={folder / 'out'}", "limit=2"]
+            else:  # One short epoch still validates, saves, exports and finishes like a full run.
+                overrides = [
+                    f"output_dir={folder / 'out'}", "schedule.epochs=1",
+                    "schedule.max_steps_per_epoch=2",
+                ]  # fmt: skip
+            # Each config's header says how it is launched (`tunelab run --nproc_per_node 2 ...`).
+            found = re.search(r"--nproc_per_node (\d+)", text)
+            launcher = ["--nproc_per_node", found.group(1)] if found else []
+            env = {
+                key: value for key, value in os.environ.items() if not key.startswith("TORCHAO_")
+            }
+            env.pop("PYTHONWARNINGS", None)
+            env.pop("TUNELAB_SHOW_LIBRARY_WARNINGS", None)
+            env["OMP_NUM_THREADS"] = "1"  # What `tunelab run` sets for torchrun itself.
+            # A new user's empty `datasets` cache: what it prints when it first prepares data.
+            env["HF_DATASETS_CACHE"] = str(folder / "datasets_cache")
+            command = [
+                TUNELAB, "run", *launcher, recipe, "--config", f"tiny/{config.stem}", *overrides,
+            ]  # fmt: skip
+            result = subprocess.run(
+                command, capture_output=True, text=True, env=env, timeout=RECIPE_TIMEOUT_S,
+                cwd=folder,
+            )  # fmt: skip
+            launch_output(folder).write_text(result.stdout + result.stderr)
+            done.write_text(str(result.returncode))
+    return folder, int(done.read_text()), launch_output(folder).read_text()
 
 
 def launch_output(out: Path) -> Path:
