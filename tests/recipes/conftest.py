@@ -263,6 +263,16 @@ def _session_lock(path: Path):
     return FileLock(f"{path}.lock")
 
 
+SHIPPED_PREREQUISITES = {
+    # config: (the shipped config whose run makes its input, that run's export, where it goes)
+    # tiny/full's 2-step export stands in for build_tiny_teacher's wider teacher (same tokenizer).
+    "distill": ("full", "epoch_0", "outputs/tiny_teacher"),
+    "distill_on_policy": ("full", "epoch_0", "outputs/tiny_teacher"),
+    "grpo_learned_reward": ("reward_model", "epoch_0", "outputs/tiny_reward_model/epoch_0"),
+}
+"""Shipped tiny configs that read another run's output (their headers say which)."""
+
+
 def shipped_config_run(tmp_path_factory, config: Path) -> tuple[Path, int, str]:
     """A shipped tiny ``config`` run once per test session as a user would run it.
 
@@ -270,7 +280,8 @@ def shipped_config_run(tmp_path_factory, config: Path) -> tuple[Path, int, str]:
     ``datasets`` cache, started in a folder outside any git repository, on the processes its
     header names; a training recipe for one epoch of 2 steps (its own save settings), ``eval``
     on 2 documents, ``generate`` 4 tokens. test_quiet_runs checks what it printed; the old-flat-
-    config test compares its training with this run's (the migrated twin).
+    config test compares its training with this run's (the migrated twin). A config that reads
+    another run's output (:data:`SHIPPED_PREREQUISITES`) gets a copy of that run's export.
 
     Returns:
         The run's folder (``{folder}/out`` is its output_dir; read-only), its exit code and
@@ -280,10 +291,20 @@ def shipped_config_run(tmp_path_factory, config: Path) -> tuple[Path, int, str]:
 
     folder = _session_root(tmp_path_factory) / f"shipped_{config.stem}"
     done = folder.with_name(folder.name + ".done")
+    prerequisite = SHIPPED_PREREQUISITES.get(config.stem)
+    if prerequisite is not None:  # made first, outside this run's lock
+        source_config, export, target = prerequisite
+        source, source_code, _ = shipped_config_run(
+            tmp_path_factory, config.with_name(f"{source_config}.yaml")
+        )
     with _session_lock(folder):
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
+            if prerequisite is not None and source_code == 0:
+                # What the config's header says to make first, where the config reads it
+                # (runs start in `folder`; copied: a run never reads through a link).
+                shutil.copytree(source / "out" / export, folder / target)
             text = config.read_text()
             recipe = yaml.safe_load(text)["recipe"]
             if recipe == "generate":
