@@ -29,6 +29,8 @@ from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_di
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.rl import (
+    EpisodeGroupSampler,
+    EpisodeRunner,
     FrozenReference,
     GroupSampler,
     ModelRolloutEngine,
@@ -43,7 +45,6 @@ from tunelab.rl import (
     store_logps,
     write_completions,
 )
-from tunelab.rl.agentic import EpisodeGroupSampler, EpisodeRunner
 from tunelab.training import (
     AfterStep,
     Datasets,

@@ -31,6 +31,7 @@ from tunelab.rl.advantages import (
     refill_indices,
     step_counts,
 )
+from tunelab.rl.agentic import Environment, EpisodeGroupSampler, EpisodeRunner
 from tunelab.rl.grpo_loss import GRPOLoss
 from tunelab.rl.gspo_loss import GSPOLoss
 from tunelab.rl.learned_reward import learned_reward
@@ -66,6 +67,9 @@ from tunelab.rl.validation import RolloutValidation
 
 __all__ = [
     "AGGREGATIONS",
+    "Environment",
+    "EpisodeGroupSampler",
+    "EpisodeRunner",
     "FrozenReference",
     "GRPOLoss",
     "GSPOLoss",
