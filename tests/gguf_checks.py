@@ -14,11 +14,20 @@ PROMPTS = (
 NUM_GENERATED = 20
 
 
-def llama(path: Path):
-    """The GGUF file loaded by llama.cpp, every position's logits kept, one thread."""
+def llama(path: Path, **options):
+    """The GGUF file loaded by llama.cpp, every position's logits kept, one thread.
+
+    ``options`` go to ``llama_cpp.Llama`` (e.g. ``type_k=0, type_v=0`` for a float32 KV cache).
+    """
     llama_cpp = pytest.importorskip("llama_cpp")
     return llama_cpp.Llama(
-        model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1, seed=0
+        model_path=str(path),
+        n_ctx=128,
+        logits_all=True,
+        verbose=False,
+        n_threads=1,
+        seed=0,
+        **options,
     )
 
 
@@ -72,3 +81,15 @@ def perplexity(model, sequences: list[list[int]]) -> float:
         total -= log_probs[np.arange(len(ids) - 1), ids[1:]].sum()
         count += len(ids) - 1
     return float(np.exp(total / count))
+
+
+def with_float16_gelu(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its tanh-GELU computed as ggml's CPU kernel does: input and output rounded
+    to float16 (ggml looks the value up in a 65536-entry float16 table)."""
+    from tunelab.modules.feed_forward import ACTIVATIONS, FeedForward
+
+    gelu = ACTIVATIONS["gelu_pytorch_tanh"]
+    for module in model.modules():
+        if isinstance(module, FeedForward) and module.activation is gelu:
+            module.activation = lambda x: gelu(x.half().float()).half().float()
+    return model

@@ -16,7 +16,7 @@ from tunelab.checkpoint.gguf_export import export_gguf
 from tunelab.checkpoint.ollama import modelfile
 from tunelab.data.chat_template import ChatTemplate
 from tunelab.errors import CheckpointError
-from tunelab.formats.gguf_model import QUANTIZATIONS, permute_rows
+from tunelab.formats.gguf_model import QUANTIZATIONS, family_of, permute_rows, plan_tensor
 from tunelab.formats.integrity import verify_folder
 
 TINY = assets_dir() / "tiny"
@@ -74,13 +74,57 @@ def test_checksums_are_verified(tiny):
     assert result.returncode == 1 and "model-f16.gguf: content differs" in result.stdout
 
 
-def test_unsupported_family_is_refused_in_one_line(tiny):
+@pytest.mark.parametrize(
+    ("model_type", "message"), [("mixtral", "model_type 'mixtral'"), ("phi3", "phi3 to GGUF")]
+)
+def test_unsupported_family_is_refused_in_one_line(tiny, model_type, message):
     config = json.loads((tiny / "config.json").read_text())
-    (tiny / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    (tiny / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     result = _cli("export", tiny, "--to", "gguf")
     assert result.returncode == 1
-    assert result.stderr.count("\n") == 1 and "model_type 'gemma2'" in result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr
     assert not (tiny / "gguf").exists()
+
+
+_GEMMA2 = dict(
+    model_type="gemma2", hidden_size=64, num_attention_heads=4, head_dim=24, num_hidden_layers=2,
+    query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"query_pre_attn_scalar": 20}, "query_pre_attn_scalar 20 is not 24"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "one global layer in every 2"),
+        ({"attn_logit_softcapping": None}, "always soft-caps"),
+        (
+            {"model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 2,
+             "rope_parameters": {"sliding_attention": {"rope_theta": 5000.0}}},
+            "rope_local_base_freq 5000.0",
+        ),
+        ({"model_type": "gemma3_text"}, "one global layer in every 6"),
+    ],
+)  # fmt: skip
+def test_gemma_configs_llama_cpp_computes_differently_are_refused(change, message):
+    assert family_of(_GEMMA2, "config.json").name == "gemma2"
+    with pytest.raises(CheckpointError, match=message):
+        family_of({**_GEMMA2, **change}, "config.json")
+
+
+F16 = gguf.GGMLQuantizationType.F16
+
+
+def test_gemma_norm_weights_are_stored_plus_one():
+    config = {**_GEMMA2, "vocab_size": 8}
+    family = family_of(config, "config.json")
+    norm = plan_tensor(
+        "model.layers.0.post_feedforward_layernorm.weight", (64,), config, family, F16
+    )
+    assert (norm.name, norm.offset) == ("blk.0.post_ffw_norm.weight", 1.0)
+    proj = plan_tensor("model.layers.0.self_attn.q_proj.weight", (96, 64), config, family, F16)
+    assert proj.offset == 0.0
 
 
 def test_sliding_window_is_refused(tiny):

@@ -117,6 +117,8 @@ def _stored(reader: HFCheckpointReader, tensor: PlannedTensor, config: dict) -> 
         data = torch.from_numpy(rope_freqs(config))
     else:
         data = reader.get(tensor.hf_name, dtype=torch.float32)
+    if tensor.offset:
+        data = data + tensor.offset
     if tensor.permute_heads:
         data = permute_rows(data, tensor.permute_heads)
     if tensor.qtype in _TORCH_CASTS:

@@ -12,6 +12,12 @@ they follow llama.cpp's). Two differences from a plain rename, both as llama.cpp
   (Llama 3.1's rule: wavelengths above ``original / low_freq_factor`` are divided by ``factor``,
   below ``original / high_freq_factor`` kept, smoothly interpolated between).
 
+- Gemma 2 and 3 (text) scale by ``1 + weight`` in their RMSNorms, so 1 is added to every norm
+  weight. llama.cpp fixes what the config states for Gemma: the attention scale
+  (``1/sqrt(head_dim)``, ``1/sqrt(hidden/heads)`` at its 27B layer counts), the pattern of
+  sliding and global layers (every 2nd, resp. 6th layer global) and Gemma 3's local rope base
+  (10000); a config that differs is refused.
+
 A family llama.cpp does not support, or a feature of a supported one it would compute
 differently (a sliding window on every layer of qwen2/qwen3), is refused with one line.
 This module imports no torch.
@@ -68,6 +74,11 @@ class GGUFFamily:
     """Permute q/k rows from HF's rotate-half order to llama.cpp's adjacent pairs."""
     check: Callable[[Mapping[str, Any]], str | None]
     """A reason llama.cpp would compute another function for this config, or None."""
+    norm_offset: float = 0.0
+    """Added to every norm weight (Gemma's RMSNorm scales by ``1 + weight``; llama.cpp's by
+    ``weight``)."""
+    extra_hparams: Callable[[gguf.GGUFWriter, Mapping[str, Any]], None] | None = None
+    """Writes the architecture's own keys (soft-capping, sliding window) after the common ones."""
 
     @property
     def name(self) -> str:
@@ -90,11 +101,70 @@ def _window_covers_context(config: Mapping[str, Any]) -> str | None:
     return None
 
 
+# llama.cpp's Gemma attention scale is 1/sqrt(head_dim), except for the layer count of its
+# "27B" type, where it is 1/sqrt(hidden / heads); it never reads query_pre_attn_scalar.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+# llama.cpp's sliding-window layers: all but every n-th (Gemma 2: 2, Gemma 3: 6).
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3_text": 6}
+
+
+def _gemma_check(config: Mapping[str, Any]) -> str | None:
+    model_type = config["model_type"]
+    head_dim = _head_dim(config)
+    if config["num_hidden_layers"] == _GEMMA_27B_LAYERS[model_type]:
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if config.get("query_pre_attn_scalar", head_dim) != head_dim:
+        return (
+            f"query_pre_attn_scalar {config['query_pre_attn_scalar']} is not {head_dim} "
+            "(llama.cpp scales attention by 1/sqrt of that, whatever the config says)"
+        )
+    if model_type == "gemma2" and not (
+        config.get("attn_logit_softcapping") and config.get("final_logit_softcapping")
+    ):
+        return "a soft-cap is null (llama.cpp's gemma2 always soft-caps: 50 and 30 by default)"
+    period = _GEMMA_SWA_PERIOD[model_type]
+    expected = [
+        "sliding_attention" if (i + 1) % period else "full_attention"
+        for i in range(config["num_hidden_layers"])
+    ]
+    if config.get("sliding_window") and config.get("layer_types", expected) != expected:
+        return (
+            f"layer_types {config['layer_types']} are not llama.cpp's fixed pattern "
+            f"(one global layer in every {period}, the others sliding)"
+        )
+    if model_type == "gemma3_text":
+        local = config.get("rope_local_base_freq") or (
+            (config.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        )
+        if local not in (None, 10000.0):
+            return f"rope_local_base_freq {local} is not 10000 (llama.cpp's fixed local base)"
+    return None
+
+
+def _gemma_hparams(writer: gguf.GGUFWriter, config: Mapping[str, Any]) -> None:
+    if config["model_type"] == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+
+
 _FAMILIES = {
     "llama": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, lambda config: None),
     "mistral": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, _window_covers_context),
     "qwen2": GGUFFamily(gguf.MODEL_ARCH.QWEN2, False, _no_sliding_window),
     "qwen3": GGUFFamily(gguf.MODEL_ARCH.QWEN3, False, _no_sliding_window),
+    "gemma2": GGUFFamily(gguf.MODEL_ARCH.GEMMA2, False, _gemma_check, 1.0, _gemma_hparams),
+    "gemma3_text": GGUFFamily(gguf.MODEL_ARCH.GEMMA3, False, _gemma_check, 1.0, _gemma_hparams),
+}
+# Families llama.cpp has an architecture for that this export still refuses, and why.
+_REFUSED = {
+    "phi3": (
+        "llama.cpp (llama-cpp-python 0.3.36) fails to load a phi3 GGUF with a byte-level BPE "
+        "vocabulary (unordered_map::at), and this export writes no SentencePiece vocabulary "
+        "(Phi-3's)"
+    ),
 }
 
 
@@ -105,6 +175,10 @@ def family_of(config: Mapping[str, Any], source: str) -> GGUFFamily:
         CheckpointError: One line naming the family when it is not supported (yet).
     """
     model_type = config.get("model_type")
+    if model_type in _REFUSED:
+        raise CheckpointError(
+            f"{source}: cannot export {model_type} to GGUF: {_REFUSED[model_type]}"
+        )
     family = _FAMILIES.get(str(model_type))
     if family is None:
         raise CheckpointError(
@@ -124,6 +198,8 @@ def _head_dim(config: Mapping[str, Any]) -> int:
 def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, scaling or None)`` from transformers 4's or 5's config keys."""
     parameters = dict(config.get("rope_parameters") or {})
+    # transformers 5 nests Gemma 3's per layer type; llama.cpp's keys are the global layers'.
+    parameters = dict(parameters.get("full_attention", parameters))
     theta = float(config.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
     scaling = config.get("rope_scaling") or parameters
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
@@ -151,7 +227,9 @@ def write_hparams(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_key_length(_head_dim(config))
     writer.add_value_length(_head_dim(config))
-    writer.add_rope_dimension_count(_head_dim(config))
+    writer.add_rope_dimension_count(
+        int(_head_dim(config) * config.get("partial_rotary_factor", 1.0))
+    )
     writer.add_vocab_size(config["vocab_size"])
     theta, scaling = _rope(config)
     writer.add_rope_freq_base(theta)
@@ -166,6 +244,8 @@ def write_hparams(
             writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
         elif not (kind == "llama3" and family.arch == gguf.MODEL_ARCH.LLAMA):
             raise CheckpointError(f"{source}: GGUF export does not support rope_type {kind!r} here")
+    if family.extra_hparams is not None:
+        family.extra_hparams(writer, config)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -215,6 +295,8 @@ class PlannedTensor:
     """How its data is stored."""
     permute_heads: int
     """Permute rows in this many heads (0: no permutation)."""
+    offset: float = 0.0
+    """Added to every value before it is stored (Gemma's norm weights: 1)."""
 
     @property
     def nbytes(self) -> int:
@@ -266,7 +348,8 @@ def plan_tensor(
         heads = config["num_attention_heads"]
     elif family.permute_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
         heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    return PlannedTensor(hf_name, name, tuple(shape), stored, heads)
+    offset = family.norm_offset if name.endswith("norm.weight") else 0.0
+    return PlannedTensor(hf_name, name, tuple(shape), stored, heads, offset)
 
 
 def permute_rows(data: ArrayT, heads: int) -> ArrayT:
