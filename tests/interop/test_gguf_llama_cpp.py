@@ -54,6 +54,9 @@ FAMILIES = {
             "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
         },
     ),
+    # phi3: fused qkv and gate_up, partial rotary (0.75); LongRoPE and a sliding window shorter
+    # than the context are refused (tests/unit/test_gguf_export.py).
+    "phi3": ("phi3", {"rope_scaling": None, "sliding_window": None}),
 }
 GELU_FAMILIES = ("gemma2", "gemma3_text")
 # The tiny Gemmas (embeddings scaled by 8, soft-cap 5, 0.1 init) are sharp: llama.cpp's float16
@@ -77,7 +80,7 @@ TEXTS = [
 def _tiny_family(root, family):
     name, overrides = FAMILIES[family]
     model = build_tiny_hf_model(name, vocab_size=VOCAB, **overrides).eval()
-    folder = root / family
+    folder = root / family / "epoch_0"  # as a run lays it out (general.name "epoch_0")
     model.save_pretrained(folder)
     for file in TOKENIZER_FILES:
         shutil.copy(TINY / file, folder / file)

@@ -75,11 +75,22 @@ def test_checksums_are_verified(tiny):
 
 
 @pytest.mark.parametrize(
-    ("model_type", "message"), [("mixtral", "model_type 'mixtral'"), ("phi3", "phi3 to GGUF")]
+    ("change", "message"),
+    [
+        ({"model_type": "mixtral"}, "model_type 'mixtral'"),
+        (
+            {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+            "cannot export phi3 to GGUF: LongRoPE",
+        ),
+        (
+            {"model_type": "phi3", "sliding_window": 5, "max_position_embeddings": 48},
+            "sliding_window 5 is shorter than the context",
+        ),
+    ],
 )
-def test_unsupported_family_is_refused_in_one_line(tiny, model_type, message):
+def test_unsupported_family_or_feature_is_refused_in_one_line(tiny, change, message):
     config = json.loads((tiny / "config.json").read_text())
-    (tiny / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    (tiny / "config.json").write_text(json.dumps({**config, **change}))
     result = _cli("export", tiny, "--to", "gguf")
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and message in result.stderr

@@ -95,9 +95,7 @@ def _no_sliding_window(config: Mapping[str, Any]) -> str | None:
 def _window_covers_context(config: Mapping[str, Any]) -> str | None:
     window = config.get("sliding_window")
     if window is not None and window < config.get("max_position_embeddings", 0):
-        return (
-            f"sliding_window {window} is shorter than the context (llama.cpp's llama attends fully)"
-        )
+        return f"sliding_window {window} is shorter than the context (llama.cpp attends fully)"
     return None
 
 
@@ -150,6 +148,17 @@ def _gemma_hparams(writer: gguf.GGUFWriter, config: Mapping[str, Any]) -> None:
         writer.add_sliding_window(config["sliding_window"])
 
 
+def _phi3_check(config: Mapping[str, Any]) -> str | None:
+    _, scaling = _rope(config)
+    if scaling is not None and scaling["rope_type"] in ("longrope", "su"):
+        return (
+            "LongRoPE scaling (llama.cpp picks the long or short factors by its context size, "
+            "transformers by each sequence's length)"
+        )
+    # llama.cpp's phi3 with a sliding_window key computed other logits (4.8 apart, measured).
+    return _window_covers_context(config)
+
+
 _FAMILIES = {
     "llama": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, lambda config: None),
     "mistral": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, _window_covers_context),
@@ -157,14 +166,7 @@ _FAMILIES = {
     "qwen3": GGUFFamily(gguf.MODEL_ARCH.QWEN3, False, _no_sliding_window),
     "gemma2": GGUFFamily(gguf.MODEL_ARCH.GEMMA2, False, _gemma_check, 1.0, _gemma_hparams),
     "gemma3_text": GGUFFamily(gguf.MODEL_ARCH.GEMMA3, False, _gemma_check, 1.0, _gemma_hparams),
-}
-# Families llama.cpp has an architecture for that this export still refuses, and why.
-_REFUSED = {
-    "phi3": (
-        "llama.cpp (llama-cpp-python 0.3.36) fails to load a phi3 GGUF with a byte-level BPE "
-        "vocabulary (unordered_map::at), and this export writes no SentencePiece vocabulary "
-        "(Phi-3's)"
-    ),
+    "phi3": GGUFFamily(gguf.MODEL_ARCH.PHI3, False, _phi3_check),
 }
 
 
@@ -175,10 +177,6 @@ def family_of(config: Mapping[str, Any], source: str) -> GGUFFamily:
         CheckpointError: One line naming the family when it is not supported (yet).
     """
     model_type = config.get("model_type")
-    if model_type in _REFUSED:
-        raise CheckpointError(
-            f"{source}: cannot export {model_type} to GGUF: {_REFUSED[model_type]}"
-        )
     family = _FAMILIES.get(str(model_type))
     if family is None:
         raise CheckpointError(
