@@ -19,6 +19,7 @@ from tunelab.config._args import Component, RecipeArgs, component
 from tunelab.config._component_rules import Template
 from tunelab.config._model_dir import model_context_length, tokenizer_fits_model
 from tunelab.config._tasks import task_path_problem
+from tunelab.config.agentic_section import AgenticArgs
 from tunelab.config.constraints import (
     ExistingPath,
     Finite,
@@ -26,7 +27,6 @@ from tunelab.config.constraints import (
     OutputDir,
     Range,
 )
-from tunelab.config.agentic_section import AgenticArgs
 from tunelab.config.lora import ADAPTER_CONFIG_NAME, LoRAArgs
 from tunelab.config.sections import (
     AtLeastOne,
