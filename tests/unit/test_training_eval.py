@@ -7,6 +7,7 @@ tasks, tasks without a schedule, a missing task file and (when lm-eval is absent
 
 import importlib.util
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,9 +172,12 @@ def test_the_llama_and_qwen_training_configs_carry_an_eval_block():
     names = {path.relative_to(_paths.configs_dir()).parent.name for path in
              _configs_with_an_eval_block()}  # fmt: skip
     assert names == {"llama3_1", "llama3_2", "qwen2_5", "qwen3"}
+    # Every recipe that trains a language model takes the block; a reward model is a
+    # classifier, which lm-eval's generation and log-likelihood tasks cannot score.
     shipped = [
         path for path in builtin_configs().values()
-        if path.parent.name in names and "recipe: eval" not in path.read_text()
+        if path.parent.name in names
+        and not re.search(r"^recipe: (eval|reward_model_distributed)$", path.read_text(), re.M)
     ]  # fmt: skip
     assert sorted(shipped) == _configs_with_an_eval_block()
 
@@ -188,6 +192,9 @@ def test_an_uncommented_eval_block_validates(path, tmp_path, monkeypatch, tiny_l
     block = [line.removeprefix("# ") for line in lines[start:] if line.startswith("# ")]
     copy = tmp_path / path.name
     copy.write_text("\n".join([*lines[:start], *block]) + "\n")
-    config = load_config(str(copy), [f"model.path={tiny_long_context}"])
+    overrides = [f"model.path={tiny_long_context}"]
+    if "\nteacher:\n" in copy.read_text():  # a distillation config's teacher, likewise
+        overrides.append(f"teacher.path={tiny_long_context}")
+    config = load_config(str(copy), overrides)
     assert list(config["eval"]["tasks"])  # the block was read
-    check_config(str(copy), [f"model.path={tiny_long_context}"])
+    check_config(str(copy), overrides)
