@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -99,6 +100,17 @@ def gather_floats(value: float) -> list[float]:
 
 
 # -- command line ------------------------------------------------------------------------
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every projection of a Llama-style block: the LoRA targets of the side-by-side benches."""
+
+
+def tiny_dir() -> Path:
+    """The embedded tiny model's folder (its data files too)."""
+    from tunelab._paths import assets_dir
+
+    return assets_dir() / "tiny"
+
 
 SMOKE_HELP = "smallest sizes: checks that the script runs (seconds; the figures mean nothing)"
 

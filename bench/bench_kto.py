@@ -40,9 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Row, launch_env, parse_bench_args, print_table
+from _common import LORA_TARGETS, Row, launch_env, parse_bench_args, print_table, tiny_dir
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGET_RATIO = 1.3
 SIDES = ("tunelab", "TRL")
 
@@ -62,12 +61,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     smoke = ["--steps", "1", "--batch-size", "2", "--rows", "16", "--rounds", "1"]
     return parse_bench_args(parser, smoke)
-
-
-def tiny_dir() -> Path:
-    from tunelab._paths import assets_dir
-
-    return assets_dir() / "tiny"
 
 
 def write_chat_rows(path: Path, count: int) -> None:
@@ -120,7 +113,7 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
         collate_fn=partial(padded_collate_kto, pad_id=tokenizer.pad_id),
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=TARGETS, use_rslora=False)
+    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS, use_rslora=False)
     model = load_model(str(tiny_dir()), device=torch.device("cpu"), dtype=torch.float32, lora=lora)
     model.train()
     trainable = list(peft.get_adapter_params(model).values())
@@ -195,7 +188,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
         seed=0,
     )
     lora = LoraConfig(
-        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
     )
     trainer = trl.KTOTrainer(
         model=model,

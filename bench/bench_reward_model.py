@@ -35,9 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Row, launch_env, parse_bench_args, print_table
+from _common import LORA_TARGETS, Row, launch_env, parse_bench_args, print_table, tiny_dir
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TARGET_RATIO = 1.3
 SIDES = ("tunelab", "TRL")
 
@@ -56,12 +55,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     smoke = ["--steps", "1", "--batch-size", "2", "--rows", "16", "--rounds", "1"]
     return parse_bench_args(parser, smoke)
-
-
-def tiny_dir() -> Path:
-    from tunelab._paths import assets_dir
-
-    return assets_dir() / "tiny"
 
 
 def write_chat_pairs(path: Path, count: int) -> None:
@@ -102,7 +95,7 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
         collate_fn=partial(padded_collate_dpo, pad_id=tokenizer.pad_id),
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=TARGETS, use_rslora=False)
+    lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS, use_rslora=False)
     model = build_model(
         RewardModelSetupArgs(path=str(tiny_dir())), device=torch.device("cpu"), lora=lora
     )
@@ -182,7 +175,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
         seed=0,
     )
     lora = LoraConfig(
-        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="SEQ_CLS",
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="SEQ_CLS",
         modules_to_save=["score"],
     )  # fmt: skip
     trainer = CountingRewardTrainer(
