@@ -113,12 +113,16 @@ class ParallelismArgs:
     # The size of the context-parallel group; a class attribute (not a setting) for the
     # recipes that do not split sequences, so the mesh code reads one name either way.
     context_parallel_size = 1
+    # And the tensor-parallel group's size (the supervised recipes' setting).
+    tensor_parallel_size = 1
 
 
 @dataclass(kw_only=True)
 class SFTParallelismArgs(ParallelismArgs):
     """Parallelism of the supervised recipes, which can also split sequences."""
 
+    tensor_parallel_size: AtLeastOne = 1
+    """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x tensor_parallel_size (1: off)."""
     context_parallel_size: AtLeastOne = 1
     """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size, and FSDP shards parameters over shard x context ranks (1: off)."""
 

@@ -12,7 +12,20 @@ dimensions are ``(replicate, shard)``; parameters become DTensors placed
 
 torchrun numbers ranks node by node (``node_rank * nproc_per_node + local_rank``), and the mesh
 is laid out row-major, so with ``shard_size == nproc_per_node`` each shard group is one node.
+
+Tensor parallelism (``tensor_parallel_size`` N > 1) adds the innermost dimension ``"tp"``: N
+consecutive ranks (one node's GPUs) split every matmul and see the same samples, and FSDP2
+shards over the data-parallel dimensions above it. The world mesh is then
+``("replicate", "shard", "tp")`` (``"replicate"`` only with HSDP):
+
+    ranks 0..7, replicate 1 x shard 4 x tp 2:    shard ->
+                                        tp   [[0, 1],   <- shard group 0: ranks 0 and 1 hold
+                                        |     [2, 3],      the two column halves of q_proj
+                                        v     [4, 5],
+                                              [6, 7]]   FSDP2 shards each half over 0, 2, 4, 6
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,15 +38,34 @@ REPLICATE_DIM = "replicate"
 """Name of the mesh dimension across which parameters are replicated (across nodes)."""
 SHARD_DIM = "shard"
 """Name of the mesh dimension across which parameters are sharded (within a node)."""
+TENSOR_DIM = "tp"
+"""Name of the (innermost) mesh dimension whose ranks split each matmul (tensor parallelism)."""
+
+
+@dataclass(frozen=True)
+class DeviceMeshes:
+    """The meshes one run shards over, cut from one world mesh."""
+
+    data_parallel: DeviceMesh | None
+    """What FSDP2 shards over (``data_parallel_mesh``); None: FSDP2's own 1-D mesh."""
+    tensor: DeviceMesh | None
+    """The tensor-parallel ranks (``"tp"``), or None without tensor parallelism."""
 
 
 def data_parallel_mesh(
     device: torch.device, parallelism: ParallelismArgs | None = None
 ) -> DeviceMesh | None:
-    """The mesh ``shard_model`` shards over, from the data- and context-parallel sizes.
+    """The mesh ``shard_model`` shards over (``build_device_meshes(...).data_parallel``)."""
+    return build_device_meshes(device, parallelism).data_parallel
 
-    The job is ``replicate x shard x context_parallel`` processes, context parallelism
-    innermost (``tunelab.distributed.context_parallel``). The ranks of a cp group compute
+
+def build_device_meshes(
+    device: torch.device, parallelism: ParallelismArgs | None = None
+) -> DeviceMeshes:
+    """The meshes of a run, from its data-, context- and tensor-parallel sizes.
+
+    The job is ``replicate x shard x context_parallel x tensor_parallel`` processes, context
+    or tensor parallelism innermost (``tunelab.distributed.context_parallel``). The ranks of a cp group compute
     gradients of the same parameters from different tokens of the same samples, so FSDP2
     shards each parameter over the shard and cp ranks together (``shard_size *
     context_parallel_size`` ranks, torchtitan's ``dp_shard_cp``) and its reduction sums over
@@ -45,21 +77,29 @@ def data_parallel_mesh(
             (replicas), ``data_parallel_shard_size`` (ranks each parameter is sharded over;
             None: the world size divided by the replicas and ``context_parallel_size``) and
             ``context_parallel_size`` (ranks that split each sequence; 1 in the recipes whose
-            section has no such setting). None: the defaults (plain FSDP).
+            section has no such setting) and ``tensor_parallel_size`` (ranks that split each
+            matmul; likewise). None: the defaults (plain FSDP).
 
     Returns:
-        None for plain FSDP over every rank (``replicate_size`` 1, the default: FSDP2 builds
-        its own 1-D mesh) or without a process group; otherwise a 2-D mesh with dimensions
-        ``("replicate", "shard")``, the second of ``shard_size * context_parallel_size`` ranks.
+        ``data_parallel``: None for plain FSDP over every rank (``replicate_size`` 1, the
+        default: FSDP2 builds its own 1-D mesh) or without a process group; otherwise a 2-D
+        mesh with dimensions ``("replicate", "shard")``, the second of ``shard_size *
+        context_parallel_size`` ranks; with tensor parallelism the ``"shard"`` mesh (1-D) or
+        the ``("replicate", "shard")`` one, cut from the world mesh whose ``"tp"`` dimension
+        is ``tensor``.
 
     Raises:
-        ConfigError: The sizes do not multiply to the world size.
+        ConfigError: The sizes do not multiply to the world size, or context and tensor
+            parallelism together (not built).
     """
     parallelism = parallelism if parallelism is not None else ParallelismArgs()
     replicate_size = parallelism.data_parallel_replicate_size
     shard_size = parallelism.data_parallel_shard_size
     cp = parallelism.context_parallel_size
+    tp = parallelism.tensor_parallel_size
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if tp > 1:
+        return _tensor_parallel_meshes(device, replicate_size, shard_size, cp, tp, world_size)
     if shard_size is None:
         if world_size % (replicate_size * cp):
             what = (
@@ -85,7 +125,45 @@ def data_parallel_mesh(
             "number of processes"
         )
     if replicate_size == 1 or not dist.is_initialized():
-        return None
-    return init_device_mesh(
+        return DeviceMeshes(None, None)
+    mesh = init_device_mesh(
         device.type, (replicate_size, shard_size * cp), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
     )
+    return DeviceMeshes(mesh, None)
+
+
+def _tensor_parallel_meshes(
+    device: torch.device,
+    replicate_size: int,
+    shard_size: int | None,
+    cp: int,
+    tp: int,
+    world_size: int,
+) -> DeviceMeshes:
+    # The world mesh (replicate, shard, tp), tp innermost: FSDP2 shards over the dimensions
+    # above it, and the tensor-parallel parameters carry both (FSDP2 needs one root mesh).
+    if cp > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_size: {tp} with parallelism.context_parallel_size: "
+            f"{cp} is not built yet: use one of them"
+        )
+    if shard_size is None:
+        if world_size % (replicate_size * tp):
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_size x parallelism.tensor_parallel_size = "
+                f"{replicate_size} x {tp} does not divide the {world_size} processes of this run"
+            )
+        shard_size = world_size // (replicate_size * tp)
+    if replicate_size * shard_size * tp != world_size:
+        raise ConfigError(
+            "parallelism.data_parallel_replicate_size x parallelism.data_parallel_shard_size x "
+            f"parallelism.tensor_parallel_size = {replicate_size} x {shard_size} x {tp} = "
+            f"{replicate_size * shard_size * tp}, but this run has {world_size} processes: the "
+            "product must equal the number of processes"
+        )
+    names = (
+        (SHARD_DIM, TENSOR_DIM) if replicate_size == 1 else (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM)
+    )
+    sizes = (shard_size, tp) if replicate_size == 1 else (replicate_size, shard_size, tp)
+    world = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+    return DeviceMeshes(world[names[:-1]], world[TENSOR_DIM])
