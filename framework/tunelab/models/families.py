@@ -22,6 +22,7 @@ from tunelab.models.mistral import MistralStateDictAdapter, mistral_args_from_hf
 from tunelab.models.mixtral import MixtralStateDictAdapter, mixtral_args_from_hf
 from tunelab.models.phi3 import Phi3StateDictAdapter, phi3_args_from_hf
 from tunelab.models.qwen2 import Qwen2StateDictAdapter, qwen2_args_from_hf
+from tunelab.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter, qwen2_5_vl_args_from_hf
 from tunelab.models.qwen3 import Qwen3StateDictAdapter, qwen3_args_from_hf
 from tunelab.models.qwen3_moe import Qwen3MoeStateDictAdapter, qwen3_moe_args_from_hf
 from tunelab.models.state_dict_adapter import StateDictAdapter
@@ -46,6 +47,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(qwen3_moe_args_from_hf, Qwen3MoeStateDictAdapter),
     "mixtral": Family(mixtral_args_from_hf, MixtralStateDictAdapter),
     "gpt_oss": Family(gpt_oss_args_from_hf, GptOssStateDictAdapter),
+    "qwen2_5_vl": Family(qwen2_5_vl_args_from_hf, Qwen2_5_VLStateDictAdapter),
 }
 _ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
 

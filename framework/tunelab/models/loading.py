@@ -20,6 +20,7 @@ from tunelab.formats.mxfp4 import dequantize_mxfp4
 from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.models.families import args_from_hf, read_hf_config
+from tunelab.models.vision_language import VisionLanguageDecoder
 
 # The config.json keys that set tensor dimensions, for naming the one that disagrees.
 _DIMENSION_KEYS = (
@@ -70,6 +71,8 @@ def from_hf_config(
     args = args_from_hf(config)
     if folder is not None:
         check_dimensions(args, folder)
+    if args.vision is not None and model_class is TransformerDecoder:
+        model_class = VisionLanguageDecoder
     return model_class(args)
 
 

@@ -1,0 +1,225 @@
+"""A decoder that reads images: Qwen2.5-VL's vision tower, image tokens and M-RoPE.
+
+The language model is tunelab's ``TransformerDecoder`` unchanged; what differs is its input:
+
+* each image's embeddings (``tunelab.modules.vision.VisionTransformer``) replace the
+  embeddings of that image's ``image_token_id`` tokens, image after image;
+* rotary positions are 3D (multimodal RoPE, M-RoPE; Qwen2-VL, Wang et al., 2024,
+  https://arxiv.org/abs/2409.12191): a text token has the same position ``p`` on all three
+  axes; an image's tokens, a grid of ``t x h x w``, have ``(s + frame, s + row, s + column)``
+  with ``s`` the position after the text before it, and the text after the image resumes at
+  ``s + max(h, w)``. Rotary frequency ``i`` of a head follows the temporal, height or width
+  position depending on which of the ``mrope_section`` sizes it falls in.
+
+Parameter names are the hub checkpoints' (``visual.*``, ``model.*``, ``lm_head.weight``).
+"""
+
+import torch
+
+from tunelab.models.args import FULL, ModelArgs
+from tunelab.models.decoder import TransformerDecoder
+from tunelab.modules.masks import positions_from_document_ids
+from tunelab.modules.vision import VisionTransformer
+
+
+def multimodal_positions(
+    tokens: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    image_token_id: int,
+    merge_size: int,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """M-RoPE positions of a batch, images in the order the rows hold them.
+
+    Args:
+        tokens: long ``[batch, seq]``.
+        image_grid_thw: long ``[images, 3]`` (frames, patch rows, patch columns) of every
+            image in the batch, row after row; None for text only.
+        image_token_id: the token an image's embeddings replace.
+        merge_size: the vision tower's ``spatial_merge_size``.
+        document_ids: ``[batch, seq]`` of packed rows: positions restart at each document.
+
+    Returns:
+        Long ``[3, batch, seq]``: temporal, height and width positions.
+
+    Raises:
+        ValueError: the image tokens do not match the grids.
+    """
+    batch, seq_len = tokens.shape
+    if image_grid_thw is None or not bool((tokens == image_token_id).any()):
+        if document_ids is None:
+            flat = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
+        else:
+            flat = positions_from_document_ids(document_ids)
+        return flat[None].expand(3, batch, seq_len)
+    grids = [tuple(grid) for grid in image_grid_thw.tolist()]
+    next_grid = 0
+    positions = torch.empty(3, batch, seq_len, dtype=torch.long)
+    is_image = (tokens == image_token_id).cpu()
+    if document_ids is None:
+        starts = torch.zeros(batch, seq_len, dtype=torch.bool)
+        starts[:, 0] = True
+    else:
+        document_ids = document_ids.cpu()
+        starts = torch.ones(batch, seq_len, dtype=torch.bool)
+        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    for row in range(batch):
+        index, current = 0, 0
+        while index < seq_len:
+            if starts[row, index]:
+                current = 0
+            if not is_image[row, index]:
+                positions[:, row, index] = current
+                current, index = current + 1, index + 1
+                continue
+            if next_grid >= len(grids):
+                raise ValueError("more image tokens than image_grid_thw describes")
+            frames, rows, columns = grids[next_grid]
+            next_grid += 1
+            rows, columns = rows // merge_size, columns // merge_size
+            count = frames * rows * columns
+            if not bool(is_image[row, index : index + count].all()) or index + count > seq_len:
+                raise ValueError(
+                    f"row {row}: image {next_grid - 1} needs {count} consecutive image tokens "
+                    f"at position {index}"
+                )
+            grid = torch.stack(
+                torch.meshgrid(
+                    torch.arange(frames), torch.arange(rows), torch.arange(columns), indexing="ij"
+                )
+            ).view(3, -1)
+            positions[:, row, index : index + count] = grid + current
+            current += max(rows, columns)
+            index += count
+    if next_grid != len(grids):
+        raise ValueError(
+            f"image_grid_thw describes {len(grids)} images but the tokens hold {next_grid}"
+        )
+    return positions.to(tokens.device)
+
+
+def multimodal_rotary(
+    inv_freq: torch.Tensor, positions: torch.Tensor, sections: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[batch, seq, 2 * sum(sections)]`` of M-RoPE positions.
+
+    Args:
+        inv_freq: the ``head_dim / 2`` rotary inverse frequencies.
+        positions: long ``[3, batch, seq]``.
+        sections: frequencies that follow the temporal, height and width positions.
+        dtype: dtype of the tables.
+
+    Returns:
+        The tables, in the "rotate half" layout of ``tunelab.modules.rotary``.
+    """
+    axis = torch.cat(
+        [torch.full((size,), index, dtype=torch.long) for index, size in enumerate(sections)]
+    ).to(positions.device)
+    chosen = positions.float().permute(1, 2, 0)[..., axis]  # [batch, seq, head_dim / 2]
+    angles = chosen * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class VisionLanguageDecoder(TransformerDecoder):
+    """``TransformerDecoder`` plus a vision tower: HF's ``Qwen2_5_VLForConditionalGeneration``.
+
+    Args:
+        args: the model's arguments, ``args.vision`` and ``args.mrope_section`` set.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        if args.vision is None or args.mrope_section is None:
+            raise ValueError("a vision-language model needs args.vision and args.mrope_section")
+        super().__init__(args)
+        self.visual = VisionTransformer(args.vision)
+
+    def embed(
+        self,
+        tokens: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings with each image's embeddings in its image tokens.
+
+        Args:
+            tokens: long ``[batch, seq]``.
+            pixel_values: ``[patches, patch_features]`` of the batch's images, in order.
+            image_grid_thw: long ``[images, 3]``.
+
+        Returns:
+            ``[batch, seq, dim]``.
+
+        Raises:
+            ValueError: the image tokens do not match the images' sizes.
+        """
+        h = self.model.embed_tokens(tokens)
+        if pixel_values is None:
+            return h
+        images = self.visual(pixel_values, image_grid_thw).to(h.dtype)
+        is_image = tokens == self.args.vision.image_token_id
+        if int(is_image.sum()) != images.shape[0]:
+            raise ValueError(
+                f"{int(is_image.sum())} image tokens but the images give {images.shape[0]} "
+                "embeddings"
+            )
+        return h.masked_scatter(is_image[..., None], images)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        **unsupported: object,
+    ) -> torch.Tensor:
+        """Compute next-token logits of rows that may hold images.
+
+        Args:
+            tokens: long ``[batch, seq]``; an image is ``t * h * w / merge_unit`` consecutive
+                image tokens (the image processor gives the count).
+            pixel_values: ``[patches, patch_features]`` of the batch's images, row after row.
+            image_grid_thw: long ``[images, 3]`` of those images.
+            document_ids: ``[batch, seq]`` of packed rows (see ``TransformerDecoder``); an
+                image lies inside one document.
+            positions: long ``[3, batch, seq]`` M-RoPE positions; None computes them
+                (``multimodal_positions``).
+            return_hidden: return the final normed hidden states instead of the logits.
+            **unsupported: other ``TransformerDecoder.forward`` arguments (masks, KV caches,
+                context parallelism, shared prefixes) are refused.
+
+        Returns:
+            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
+
+        Raises:
+            ValueError: unsupported arguments, or image tokens that do not match the images.
+        """
+        given = sorted(name for name, value in unsupported.items() if value is not None)
+        if given or self.caches_are_enabled():
+            raise ValueError(
+                f"a vision-language forward does not support {given or 'KV caches'} yet"
+            )
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if (pixel_values is None) != (image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw go together")
+        vision = self.args.vision
+        if positions is None:
+            positions = multimodal_positions(
+                tokens,
+                image_grid_thw,
+                vision.image_token_id,
+                vision.spatial_merge_size,
+                document_ids,
+            )
+        h = self.embed(tokens, pixel_values, image_grid_thw)
+        masks = self._described_masks(tokens, document_ids)
+        inv_freq = self.model.rotary_emb._frequencies(tokens.device)
+        cos, sin = multimodal_rotary(inv_freq, positions, self.args.mrope_section, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, masks[FULL])
+        h = self.model.norm(h)
+        return h if return_hidden else self.output(h)

@@ -1,0 +1,250 @@
+"""The Qwen2.5-VL vision tower: patches to language-model embeddings.
+
+Qwen2.5-VL (Bai et al., 2025, https://arxiv.org/abs/2502.13923). An image of ``h x w`` patches
+(a patch is ``temporal_patch_size`` frames of ``patch_size``-square pixels, flattened) goes
+through:
+
+1. a patch embedding, a linear map of each flattened patch (HF keeps it as a ``Conv3d`` whose
+   kernel equals its stride, the same map; its weight keeps that shape here for the keys);
+2. ``depth`` pre-norm blocks (RMSNorm, attention, RMSNorm, gated MLP with biases). Attention
+   is bidirectional. Most blocks attend within windows of ``window_size`` pixels;
+   ``full_attention_blocks`` attend over the whole frame. Queries and keys rotate with a 2D
+   rotary embedding: the first half of the rotated pairs follow the patch row, the second
+   half the patch column, each with ``inv_freq[i] = theta ** (-4i / head_dim)``;
+3. the patch merger: RMSNorm, then each ``spatial_merge_size``-square of patches concatenated
+   and mapped by ``Linear, GELU, Linear`` to one language-model embedding.
+
+Patches are ordered block-major (each merge square's patches adjacent), as the image
+processor writes them. For window attention the merge squares are regrouped window by
+window, and put back in image order after the merger.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tunelab.models.args import VisionArgs
+from tunelab.modules.feed_forward import FeedForward
+from tunelab.modules.norm import RMSNorm
+from tunelab.modules.rotary import _rotate_half
+
+_NORM_EPS = 1e-6
+
+
+def patch_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """Each patch's ``(row, column)`` in its frame, in the block-major patch order.
+
+    Args:
+        grid_thw: long ``[images, 3]``: frames, patch rows, patch columns of each image.
+        merge_size: side of a merge square.
+
+    Returns:
+        Long ``[patches, 2]``.
+    """
+    positions = []
+    for frames, rows, columns in grid_thw.tolist():
+        row, column = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
+        blocks = (rows // merge_size, merge_size, columns // merge_size, merge_size)
+        row = row.reshape(blocks).transpose(1, 2).flatten()
+        column = column.reshape(blocks).transpose(1, 2).flatten()
+        positions.append(torch.stack((row, column), dim=-1).repeat(frames, 1))
+    return torch.cat(positions).to(grid_thw.device)
+
+
+def window_order(
+    grid_thw: torch.Tensor, merge_size: int, window_merges: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The merge squares regrouped window by window, and each window's patch count.
+
+    A frame's ``rows / merge x columns / merge`` grid of merge squares is cut into windows of
+    ``window_merges`` squares a side, from the top left; windows on the bottom and right
+    edges may be smaller.
+
+    Args:
+        grid_thw: long ``[images, 3]``.
+        merge_size: side of a merge square, in patches.
+        window_merges: side of a window, in merge squares.
+
+    Returns:
+        ``(order, lengths)``: ``order[i]`` is the merge square at position ``i`` of the
+        windowed sequence; ``lengths`` the patches of each window, in order.
+    """
+    order, lengths, offset = [], [], 0
+    for frames, rows, columns in grid_thw.tolist():
+        grid_rows, grid_columns = rows // merge_size, columns // merge_size
+        index = torch.arange(frames * grid_rows * grid_columns).view(
+            frames, grid_rows, grid_columns
+        )
+        for frame in range(frames):
+            for top in range(0, grid_rows, window_merges):
+                for left in range(0, grid_columns, window_merges):
+                    window = index[frame, top : top + window_merges, left : left + window_merges]
+                    order.append(window.flatten() + offset)
+                    lengths.append(window.numel() * merge_size**2)
+        offset += frames * grid_rows * grid_columns
+    return torch.cat(order).to(grid_thw.device), lengths
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head attention over segments of patches, with 2D rotary.
+
+    Names match HF: one ``qkv`` projection (q, k, v concatenated) and ``proj``, both biased.
+
+    Args:
+        dim: width of the blocks.
+        num_heads: attention heads.
+    """
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """Attend within each segment.
+
+        Args:
+            x: ``[patches, dim]``.
+            cos: ``[patches, head_dim]``, fp32.
+            sin: ``[patches, head_dim]``, fp32.
+            lengths: patches of each segment, in order (they sum to ``patches``).
+
+        Returns:
+            ``[patches, dim]``.
+        """
+        patches = x.shape[0]
+        q, k, v = self.qkv(x).view(patches, 3, self.num_heads, self.head_dim).unbind(1)
+        # Rotate in fp32 and cast back, as transformers does.
+        cos, sin = cos[:, None], sin[:, None]
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, patches, head_dim]
+        outputs = [
+            F.scaled_dot_product_attention(q_part, k_part, v_part)
+            for q_part, k_part, v_part in zip(
+                q.split(lengths, dim=1), k.split(lengths, dim=1), v.split(lengths, dim=1)
+            )
+        ]
+        return self.proj(torch.cat(outputs, dim=1).transpose(0, 1).reshape(patches, -1))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(args.dim, eps=_NORM_EPS)
+        self.norm2 = RMSNorm(args.dim, eps=_NORM_EPS)
+        self.attn = VisionAttention(args.dim, args.num_heads)
+        self.mlp = FeedForward(
+            args.dim, args.intermediate_dim, bias=True, activation=args.hidden_act
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """Apply the block (see ``VisionAttention.forward``)."""
+        h = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return h + self.mlp(self.norm2(h))
+
+
+class PatchEmbed(nn.Module):
+    """A linear map of each flattened patch, under HF's ``Conv3d`` weight shape and name."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.features = args.patch_features
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(
+            torch.empty(
+                args.dim,
+                args.in_channels,
+                args.temporal_patch_size,
+                args.patch_size,
+                args.patch_size,
+            )
+        )
+        nn.init.normal_(self.proj.weight, std=0.02)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[patches, features]`` to ``[patches, dim]``."""
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype).view(-1, self.features), weight.flatten(1))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm, then each merge square's patches concatenated and mapped by an MLP."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.merged_dim = args.dim * args.merge_unit
+        self.ln_q = RMSNorm(args.dim, eps=_NORM_EPS)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_dim, self.merged_dim),
+            nn.GELU(),
+            nn.Linear(self.merged_dim, args.out_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[patches, dim]`` to ``[patches / merge_unit, out_dim]``."""
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+class VisionTransformer(nn.Module):
+    """The Qwen2.5-VL vision tower (module names are HF's under ``visual.``).
+
+    Args:
+        args: the tower's shape.
+    """
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.patch_embed = PatchEmbed(args)
+        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.merger = PatchMerger(args)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(cos, sin)`` ``[patches, head_dim]`` of the 2D rotary embedding."""
+        head_dim = self.args.dim // self.args.num_heads
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float, device=positions.device)
+        inv_freq = 1.0 / (self.args.rope_theta ** (quarter / (head_dim // 2)))
+        angles = (positions[..., None].float() * inv_freq).flatten(1)  # rows' then columns'
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Embed images for the language model.
+
+        Args:
+            pixel_values: ``[patches, patch_features]``, the images' patches in the image
+                processor's order, image after image.
+            grid_thw: long ``[images, 3]``: frames, patch rows and columns of each image.
+
+        Returns:
+            ``[patches / merge_unit, out_dim]``: each image's language tokens, in order.
+        """
+        args = self.args
+        unit = args.merge_unit
+        x = self.patch_embed(pixel_values)
+        patches = x.shape[0]
+        order, window_lengths = window_order(
+            grid_thw,
+            args.spatial_merge_size,
+            args.window_size // args.spatial_merge_size // args.patch_size,
+        )
+        frame_lengths = [
+            rows * columns for frames, rows, columns in grid_thw.tolist() for _ in range(frames)
+        ]
+        x = x.view(patches // unit, unit, -1)[order].view(patches, -1)
+        positions = patch_positions(grid_thw, args.spatial_merge_size)
+        positions = positions.view(patches // unit, unit, 2)[order].view(patches, 2)
+        cos, sin = self._rotary(positions)
+        full = set(args.full_attention_blocks)
+        for index, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frame_lengths if index in full else window_lengths)
+        return self.merger(x)[torch.argsort(order)]
