@@ -19,16 +19,84 @@ processor writes them. For window attention the merge squares are regrouped wind
 window, and put back in image order after the merger.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunelab.models.args import VisionArgs
+from tunelab.errors import ConfigError
 from tunelab.modules.feed_forward import FeedForward
 from tunelab.modules.norm import RMSNorm
 from tunelab.modules.rotary import _rotate_half
 
 _NORM_EPS = 1e-6
+
+
+@dataclass
+class VisionArgs:
+    """Shape of a Qwen2.5-VL style vision tower (HF ``vision_config``) and its token ids."""
+
+    depth: int
+    """Vision transformer blocks."""
+    dim: int
+    """Width of the vision blocks, HF ``hidden_size``."""
+    intermediate_dim: int
+    """Hidden size of each block's gated MLP."""
+    num_heads: int
+    """Attention heads of each block."""
+    out_dim: int
+    """Width of the patch merger's output (the language model's ``hidden_size``)."""
+    patch_size: int = 14
+    """Side of a square patch, in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch (an image is repeated to fill them)."""
+    spatial_merge_size: int = 2
+    """Side of the square of patches the merger turns into one language token."""
+    in_channels: int = 3
+    """Colour channels of the pixels."""
+    window_size: int = 112
+    """Side of a window-attention window, in pixels."""
+    full_attention_blocks: list[int] = field(default_factory=list)
+    """Blocks that attend over the whole image (HF ``fullatt_block_indexes``); the others
+    attend within windows."""
+    hidden_act: str = "silu"
+    """Gate activation of the blocks' MLPs."""
+    rope_theta: float = 10000.0
+    """Base of the vision tower's 2D rotary embedding."""
+    tokens_per_second: int = 4
+    """Temporal positions per second of video (HF ``tokens_per_second``)."""
+    image_token_id: int = 151655
+    """The token each image embedding replaces."""
+    video_token_id: int = 151656
+    """The token each video embedding replaces."""
+    vision_start_token_id: int = 151652
+    """The token before an image's tokens."""
+    vision_end_token_id: int = 151653
+    """The token after an image's tokens."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads or (self.dim // self.num_heads) % 4:
+            raise ConfigError(
+                f"vision hidden_size {self.dim} must split into {self.num_heads} heads whose "
+                "size is a multiple of 4 (2D rotary)"
+            )
+        if self.window_size % (self.patch_size * self.spatial_merge_size):
+            raise ConfigError(
+                f"vision window_size {self.window_size} must be a multiple of patch_size x "
+                f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})"
+            )
+        self.full_attention_blocks = [int(index) for index in self.full_attention_blocks]
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per language token (``spatial_merge_size ** 2``)."""
+        return self.spatial_merge_size**2
+
+    @property
+    def patch_features(self) -> int:
+        """Values per flattened patch: channels x frames x side x side."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 def patch_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
