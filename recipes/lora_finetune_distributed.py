@@ -77,6 +77,7 @@ def main(args: LoRAFinetuneArgs) -> None:
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,
+        expert_parallel_size=args.parallelism.expert_parallel_size,
     )
     # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
     # checked here, so a bad task stops the run before its first step.

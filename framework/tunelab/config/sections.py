@@ -113,6 +113,8 @@ class ParallelismArgs:
     # The size of the context-parallel group; a class attribute (not a setting) for the
     # recipes that do not split sequences, so the mesh code reads one name either way.
     context_parallel_size = 1
+    # Likewise the expert-parallel group's size, a setting of the supervised recipes only.
+    expert_parallel_size = 1
     # And the tensor-parallel group's size (the supervised recipes' setting).
     tensor_parallel_size = 1
 
@@ -121,6 +123,8 @@ class ParallelismArgs:
 class SFTParallelismArgs(ParallelismArgs):
     """Parallelism of the supervised recipes, which can also split sequences."""
 
+    expert_parallel_size: AtLeastOne = 1
+    """Expert parallelism: processes each MoE layer's experts are split over, whole experts each, tokens sent to them by all-to-all instead of gathering the experts (1: off; so far it must equal the processes, with data_parallel_replicate_size 1, and divide the experts)."""
     tensor_parallel_size: AtLeastOne = 1
     """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x tensor_parallel_size (1: off)."""
     context_parallel_size: AtLeastOne = 1

@@ -34,6 +34,7 @@ def shard_model(
     mixed_precision: bool = False,
     mesh: DeviceMesh | None = None,
     frozen_base: Literal["shard", "replicate"] = "shard",
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard a model with FSDP2: each transformer block, then the root.
 
@@ -55,6 +56,8 @@ def shard_model(
             rank then holds the full frozen base plus its shard (what checkpoints, the merge
             and exports read, unchanged). ``shard``: gathered for every forward and backward,
             the next block prefetched while one computes.
+        ignored_params: Parameters FSDP2 leaves as they are (expert-parallel experts, already
+            split over ``mesh``: ``tunelab.distributed.expert_parallel``).
 
     Returns:
         The same module, sharded in place. Unchanged on one process without mixed precision.
@@ -76,7 +79,7 @@ def shard_model(
         if mixed_precision
         else MixedPrecisionPolicy()
     )
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy, ignored_params=ignored_params)
     replicate = frozen_base == "replicate"
     if replicate:
         _shard_trainable(model, shard)

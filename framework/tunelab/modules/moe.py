@@ -354,6 +354,11 @@ class MoEExperts(nn.Module):
         cols]`` (each ``[E, rows, cols]`` weight's experts one after another, so FSDP2's
         ``Shard(0)`` still splits whole experts): this maps the packed tensor to its values,
         ``[E * rows, cols]``, each time a projection runs. None: the weights are plain."""
+        self.expert_parallel: Any = None
+        """Expert parallelism (``tunelab.distributed.expert_parallel.ExpertParallel``, put here
+        by ``shard_experts``): this rank holds only its experts' slices (``Shard(0)``), and
+        ``forward`` sends each row to its expert's owner and back. None: every expert is
+        here."""
         self.lora = nn.ModuleDict()
         """LoRA on a projection, by its name (``tunelab.peft.ExpertLoRA``, put here by
         ``apply_lora``): ``delta(rows, counts, grouped)`` is added to its grouped matmul unless
@@ -374,10 +379,13 @@ class MoEExperts(nn.Module):
         self, name: str, rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
         weight, bias = getattr(self, name), getattr(self, f"{name}_bias")
+        if self.expert_parallel is not None:  # this rank's experts (DTensor Shard(0))
+            weight = self.expert_parallel.local(weight)
+            bias = None if bias is None else self.expert_parallel.local(bias)
         if weight.dim() == 2:  # packed (see ``unpack_weight``)
             assert self.unpack_weight is not None, f"{name} is packed without unpack_weight"
             out = _UnpackedGroupedLinear.apply(
-                rows, weight, counts, self.unpack_weight, self.num_experts, self.grouped,
+                rows, weight, counts, self.unpack_weight, len(counts), self.grouped,
                 self.transposed,
             )  # fmt: skip
         else:
@@ -397,6 +405,13 @@ class MoEExperts(nn.Module):
             return clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
         return self.activation(gate) * up
 
+    def _experts(
+        self, rows: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        # rows sorted by expert, counts per expert, each row's expert (for the biases).
+        hidden = self._gate(self._project("gate_up_proj", rows, counts, experts))
+        return self._project("down_proj", hidden, counts, experts)
+
     def forward(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_indices: torch.Tensor
     ) -> torch.Tensor:
@@ -415,10 +430,11 @@ class MoEExperts(nn.Module):
         flat_experts = top_indices.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
-        experts = flat_experts[order]
         rows = x[order // top_k]
-        hidden = self._gate(self._project("gate_up_proj", rows, counts, experts))
-        out = self._project("down_proj", hidden, counts, experts)
+        if self.expert_parallel is None:
+            out = self._experts(rows, counts, flat_experts[order])
+        else:  # the rows travel to their experts' ranks and back
+            out = self.expert_parallel.run(rows, counts, self._experts)
         out = out * top_weights.reshape(-1)[order, None]
         # Back to (token, slot) order, then the sum over each token's k experts.
         unsorted = torch.empty_like(out).index_copy(0, order, out)

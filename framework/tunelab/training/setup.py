@@ -23,6 +23,7 @@ from tunelab.data import StatefulDistributedSampler
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
 from tunelab.data.streaming import StreamingDataset
 from tunelab.distributed import apply_activation_checkpointing, resolve_dtype, shard_model
+from tunelab.distributed.expert_parallel import expert_parallel_mesh, shard_experts
 from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.errors import ConfigError
 from tunelab.models import TransformerDecoder, from_hf_config, load_hf_into_model
@@ -44,6 +45,7 @@ def build_model(
     lora: LoRAArgs | None = None,
     adapter_dir: str | None = None,
     seed: int = 0,
+    expert_parallel_size: int = 1,
 ) -> nn.Module:
     """Build, shard and load the model a recipe's ``model`` section describes.
 
@@ -57,10 +59,14 @@ def build_model(
         lora: Adapter settings; only adapter parameters train when given.
         adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
         seed: Seed of the fresh adapter's initialisation.
+        expert_parallel_size: ``parallelism.expert_parallel_size``: above 1 each process
+            holds only its share of every MoE layer's experts, and tokens travel to them
+            (``tunelab.distributed.expert_parallel``).
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
+    expert_mesh = expert_parallel_mesh(expert_parallel_size, device, mesh)
     dtype = resolve_dtype(model.dtype)
     backend = _attention_backend(model.attention_backend, device)
     # The reward-model section builds a sequence classifier: a score head for lm_head.
@@ -84,6 +90,15 @@ def build_model(
                 # The head is new: it trains whole beside the adapters (PEFT's modules_to_save).
                 decoder.score.requires_grad_(True)
     quantized = lora is not None and lora.quantize_base == "nf4"
+    experts = set()
+    if expert_mesh is not None:
+        if quantized:
+            raise ConfigError(
+                f"parallelism.expert_parallel_size: {expert_parallel_size} with "
+                "lora.quantize_base: nf4 is not built yet (QLoRA experts are sharded by FSDP)"
+            )
+        experts = shard_experts(decoder, expert_mesh)
+        mesh = expert_mesh  # FSDP2 shards the rest over the experts' own mesh
     if quantized:
         _quantize_base_nf4(decoder, device, mesh)
     if model.activation_checkpointing:
@@ -105,6 +120,7 @@ def build_model(
         frozen_base=choose_frozen_base(
             frozen_base, decoder, device, mixed_precision=model.mixed_precision
         ),
+        ignored_params=experts,
     )
     decoder.to_empty(device=device)
     decoder.tie_weights()

@@ -1,0 +1,266 @@
+"""Expert parallelism: each rank holds whole experts, and tokens travel to them by all-to-all.
+
+Under plain FSDP2 every rank gathers every expert of a layer before its forward (and again in
+its backward) and reduce-scatters their gradients: the bytes moved per step grow with the
+experts' weights. With ``parallelism.expert_parallel_size: N`` the ``E`` experts of each MoE
+layer are split over the ``N`` ranks of the data-parallel mesh, ``E / N`` whole experts each
+(rank ``r`` owns experts ``r * E/N .. (r+1) * E/N - 1``), and never gathered; instead each
+(token, expert) pair's hidden row goes to the expert's owner and its output comes back
+(GShard, Lepikhin et al., 2020, https://arxiv.org/abs/2006.16668; torchtitan's
+``ExpertParallel``). The bytes moved then grow with the routed tokens.
+
+One layer's exchange, for the rows already sorted by expert:
+
+1. the per-expert row counts go to every rank first (one small ``all_to_all_single``), so each
+   rank knows how many rows it receives from each peer;
+2. the rows go out in one variable-size ``all_to_all_single`` (no padding to a capacity, no
+   token dropped); the received rows are regrouped by local expert and the grouped matmul
+   runs on this rank's experts only;
+3. the outputs return by the reverse exchange. The backward of each exchange is the other
+   one (``_AllToAll``).
+
+Expert weights stay ``DTensor`` ``Shard(0)`` on the same 1-D mesh FSDP2 shards everything
+else over (FSDP2 is told to ignore them): the placement FSDP2 itself would give them, so a
+checkpoint or an export of an expert-parallel run is the same DCP state and the same bytes as
+the FSDP run's, and either resumes the other.
+
+Gradients: each rank's objective is its token-loss sum times the world size over the global
+token count, and FSDP2 averages over ranks; an owned expert's gradient arrives summed over the
+ranks whose tokens it served, so it is divided by the group size (``ExpertParallel.local``).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tunelab.errors import ConfigError
+
+
+@dataclass
+class ExpertTraffic:
+    """What the exchanges of one rank sent to other ranks since the last ``reset``.
+
+    Rows and bytes sent to peers (a rank's rows for its own experts stay local and are not
+    counted), forward and backward together: each routed pair's hidden row goes out once, its
+    output row comes back once, and the backward sends both gradients the other way.
+    """
+
+    rows_sent: int = 0
+    bytes_sent: int = 0
+
+    def reset(self) -> None:
+        """Start counting from zero."""
+        self.rows_sent = self.bytes_sent = 0
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, send_splits, receive_splits, group, traffic):
+        ctx.send_splits, ctx.receive_splits = send_splits, receive_splits
+        ctx.group, ctx.traffic = group, traffic
+        return _exchange(rows, send_splits, receive_splits, group, traffic)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _exchange(
+            grad.contiguous(), ctx.receive_splits, ctx.send_splits, ctx.group, ctx.traffic
+        )
+        return grad, None, None, None, None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, tensor, scale):
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _exchange(
+    rows: torch.Tensor,
+    send_splits: list[int],
+    receive_splits: list[int],
+    group: dist.ProcessGroup,
+    traffic: ExpertTraffic,
+) -> torch.Tensor:
+    out = rows.new_empty(sum(receive_splits), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), receive_splits, send_splits, group=group)
+    rank = dist.get_rank(group)
+    sent = sum(send_splits) - send_splits[rank]
+    traffic.rows_sent += sent
+    traffic.bytes_sent += sent * math.prod(rows.shape[1:]) * rows.element_size()
+    return out
+
+
+class ExpertParallel:
+    """The exchange of one model's MoE layers over a group of ranks (see the module docstring).
+
+    Args:
+        mesh: The 1-D mesh the experts are split over (``Shard(0)``).
+        num_experts: Experts per MoE layer (``E``), divisible by the mesh size.
+    """
+
+    def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = dist.get_rank(self.group)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.size
+        self.traffic = ExpertTraffic()
+
+    def local(self, weight: DTensor) -> torch.Tensor:
+        """This rank's experts of ``weight``, its gradient divided by the group size.
+
+        The gradient arrives summed over the ranks whose tokens the experts served, each
+        rank's objective scaled by the world size (FSDP2 averages over ranks): dividing by
+        the size gives FSDP's average. Done here, not by a hook on the parameter, because
+        materialising the meta model replaces the parameter objects.
+        """
+        return _ScaleGradient.apply(weight.to_local(), 1.0 / self.size)
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+        """Send ``rows`` to their experts' owners, apply ``compute`` there, bring the rows back.
+
+        Args:
+            rows: ``[S, D]`` (token, expert) rows sorted by global expert.
+            counts: int ``[E]``, rows per global expert.
+            compute: ``compute(rows, counts, experts)`` on rows sorted by local expert, with
+                ``counts`` ``[E / N]`` and ``experts`` the local expert of each row.
+
+        Returns:
+            ``compute``'s output rows ``[S, out]``, in the order of ``rows``.
+        """
+        local = self.num_local_experts
+        # 1. counts first: received[s, l] = rows rank s sends to this rank's expert l.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        received = received.view(self.size, local)
+        send_splits = counts.view(self.size, local).sum(dim=1).tolist()
+        receive_splits = received.sum(dim=1).tolist()
+        # 2. the rows, grouped by source rank, then by local expert within each source.
+        arrived = _AllToAll.apply(rows, send_splits, receive_splits, self.group, self.traffic)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(self.size), received.reshape(-1)
+        )
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        out = compute(arrived[by_expert], received.sum(dim=0), expert_of_row[by_expert])
+        # 3. back to (source rank, expert) order, and home.
+        out = torch.empty_like(out).index_copy(0, by_expert, out)
+        return _AllToAll.apply(out, receive_splits, send_splits, self.group, self.traffic)
+
+
+def expert_parallel_mesh(
+    expert_parallel_size: int, device: torch.device, data_parallel: DeviceMesh | None
+) -> DeviceMesh | None:
+    """The 1-D mesh of all processes that experts are split over, checked against the run.
+
+    Args:
+        expert_parallel_size: ``parallelism.expert_parallel_size`` (1: off).
+        device: This process's device.
+        data_parallel: The recipe's data-parallel mesh (``data_parallel_mesh``): None for plain
+            FSDP over every process, the only layout expert parallelism composes with so far.
+
+    Returns:
+        None when ``expert_parallel_size`` is 1, else the mesh, also to be given to FSDP2.
+
+    Raises:
+        ConfigError: One line naming the numbers: the size does not divide the processes, or
+            is not all of them, or the run is not plain FSDP (HSDP, another mesh).
+    """
+    if expert_parallel_size == 1:
+        return None
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    what = f"parallelism.expert_parallel_size: {expert_parallel_size}"
+    if world_size % expert_parallel_size:
+        raise ConfigError(f"{what} does not divide the {world_size} processes of this run")
+    if expert_parallel_size != world_size or data_parallel is not None:
+        raise ConfigError(
+            f"{what} on {world_size} processes: experts are split over all processes of a plain "
+            "FSDP run only for now (expert_parallel_size = processes, "
+            "data_parallel_replicate_size 1)"
+        )
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Split every MoE layer's experts over ``mesh`` and route their tokens by all-to-all.
+
+    Each expert weight (and bias) becomes a ``DTensor`` ``Shard(0)`` over ``mesh`` (still on
+    the meta device when the model is: it is materialised and loaded like FSDP2's shards),
+    and each ``MoEExperts`` gets the ``ExpertParallel`` exchange, which also divides the
+    experts' gradients by the mesh size (``ExpertParallel.local``).
+
+    Args:
+        model: A decoder, before ``shard_model``.
+        mesh: The 1-D data-parallel mesh, the one ``shard_model`` is then given.
+
+    Returns:
+        The expert parameters, for FSDP2 to ignore.
+
+    Raises:
+        ConfigError: The model has no MoE layer, its experts carry LoRA, or the mesh size
+            does not divide the number of experts.
+    """
+    from tunelab.modules.moe import MoEExperts
+
+    layers = [module for module in model.modules() if isinstance(module, MoEExperts)]
+    size = mesh.size()
+    if not layers:
+        raise ConfigError(
+            f"parallelism.expert_parallel_size: {size} needs a mixture-of-experts model; this "
+            "one has no MoE layer"
+        )
+    num_experts = layers[0].num_experts
+    if num_experts % size:
+        raise ConfigError(
+            f"parallelism.expert_parallel_size: {size} does not divide the model's "
+            f"{num_experts} experts"
+        )
+    if any(len(layer.lora) for layer in layers):
+        raise ConfigError(
+            f"parallelism.expert_parallel_size: {size} with LoRA on the experts "
+            "(lora.targets experts.*) is not built yet: adapt attention only, or use plain FSDP"
+        )
+    exchange = ExpertParallel(mesh, num_experts)
+    owned: set[nn.Parameter] = set()
+    for layer in layers:
+        for name, param in list(layer.named_parameters(recurse=False)):
+            sharded = nn.Parameter(_split(param.data, mesh), requires_grad=param.requires_grad)
+            setattr(layer, name, sharded)
+            owned.add(sharded)
+        layer.expert_parallel = exchange
+    return owned
+
+
+def _split(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    # On the meta device there are no values to scatter: only the local shape matters.
+    if tensor.device.type != "meta":
+        return distribute_tensor(tensor, mesh, [Shard(0)])
+    rows = tensor.shape[0] // mesh.size()
+    return DTensor.from_local(
+        tensor.new_empty(rows, *tensor.shape[1:]), mesh, [Shard(0)], run_check=False,
+        shape=tensor.shape, stride=tensor.stride(),
+    )  # fmt: skip
+
+
+def expert_traffic(model: nn.Module) -> ExpertTraffic | None:
+    """The ``ExpertTraffic`` of a model's exchange (None: its experts are not split)."""
+    from tunelab.modules.moe import MoEExperts
+
+    for module in model.modules():
+        if isinstance(module, MoEExperts) and module.expert_parallel is not None:
+            return module.expert_parallel.traffic
+    return None
