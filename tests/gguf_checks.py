@@ -1,5 +1,6 @@
 """llama.cpp (through llama-cpp-python) against tunelab's own model, for the GGUF export tests."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,19 @@ PROMPTS = (
     "<|start_header_id|>user<|end_header_id|>\n\nHello there<|eot_id|>",
 )
 NUM_GENERATED = 20
+# Strings whose token ids llama.cpp must give as transformers does (llama 3's specials among them).
+TEXTS = [
+    "Hello world", "hello  world", " leading space", "trailing space ", "", " ", "\n", "\n\n\t x",
+    "The year 2024 had 366 days; 12345678 is big.", "don't you'll we've I'M", "e-mail: a@b.cd",
+    "naïve café, Zürich", "日本語のテキスト", "emoji 🙂🚀 ok", "tabs\tand\nnewlines\r\n",
+    "<|begin_of_text|>", "<|eot_id|>", "a<|eot_id|>b", "<|start_header_id|>user<|end_header_id|>",
+    "x <|end_of_text|> y", "<|pad|>", "((nested)) [brackets] {braces}", "snake_case and CamelCase",
+    "1+1=2", "3.14159", "$100.00", "50%", "C:\\path\\to\\file", "http://example.com/a?b=c",
+    "    indented code", "def f(x):\n    return x", "SHOUTING TEXT", "MiXeD cAsE",
+    "repeated repeated repeated", "punctuation!!! ???", "'quoted' \"double\"", "a\u00a0b",
+    "Ω≈ç√∫", "---", "...", "word", "ab", "a", "the the the", "The cat sat on the mat.",
+    "New\nline", "  two leading", "z" * 40, "12 34 567 8901", "it's 5 o'clock",
+]  # fmt: skip
 
 
 def llama(path: Path, **options):
@@ -93,3 +107,79 @@ def with_float16_gelu(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, FeedForward) and module.activation is gelu:
             module.activation = lambda x: gelu(x.half().float()).half().float()
     return model
+
+
+SPM_SPECIALS = ("<unk>", "<s>", "</s>")
+SPM_ADDED = ("<start_of_turn>", "<end_of_turn>")
+
+
+def build_sentencepiece_tokenizer(folder: Path, space_prefix: bool = True) -> int:
+    """Write a tiny SentencePiece-style ``tokenizer.json`` and config into ``folder``.
+
+    Laid out as transformers' conversion of a SentencePiece BPE model (Llama 2, Mistral, Gemma):
+    ``<unk> <s> </s>``, the 256 byte tokens ``<0xNN>`` (byte fallback), then pieces trained on
+    the tiny SFT data; every split of a piece into two pieces is a merge, ranked by the piece's
+    id; spaces become ``▁``. ``space_prefix``: Llama 2's ``Prepend("▁")`` normalizer (else
+    Gemma's, without). ``<start_of_turn>``/``<end_of_turn>`` are added special tokens.
+
+    Returns:
+        The vocabulary size.
+    """
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    from tunelab._paths import assets_dir
+
+    space = "\u2581"
+    rows = [json.loads(line) for line in (assets_dir() / "tiny" / "sft.jsonl").open()]
+    lines = [" ".join(row.values()) for row in rows[:400]]
+    lines += ["The quick brown fox jumps over the lazy dog. Hello world, don't you'll."] * 5
+    trainer = Tokenizer(models.BPE())
+    trainer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    trainer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=500, show_progress=False))
+    vocab = {token: i for i, token in enumerate(SPM_SPECIALS)}
+    vocab.update({f"<0x{byte:02X}>": len(SPM_SPECIALS) + byte for byte in range(256)})
+    for token, _ in sorted(trainer.get_vocab().items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    pieces = sorted((i, token) for token, i in vocab.items() if i >= len(SPM_SPECIALS) + 256)
+    merges = [
+        (token[:k], token[k:])
+        for _, token in pieces
+        for k in range(1, len(token))
+        if token[:k] in vocab and token[k:] in vocab
+    ]
+    tokenizer = Tokenizer(
+        models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    )
+    prepend = [normalizers.Prepend(space)] if space_prefix else []
+    tokenizer.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", space)])
+    strip = [decoders.Strip(" ", 1, 0)] if space_prefix else []
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    tokenizer.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t in SPM_SPECIALS + SPM_ADDED]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tokenizer.get_vocab_size()

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import build_tiny_hf_model
 from tests.gguf_checks import (
     PROMPTS,
+    TEXTS,
     llama,
     llama_greedy,
     llama_logits,
@@ -63,18 +64,6 @@ GELU_FAMILIES = ("gemma2", "gemma3_text")
 # weights, KV cache and GELU table move their f16 logits up to 7.4e-2 (measured), where the
 # other families stay under 1e-2. The f32 file is checked to 2e-3 below.
 GEMMA_F16_TOLERANCE = 1e-1
-TEXTS = [
-    "Hello world", "hello  world", " leading space", "trailing space ", "", " ", "\n", "\n\n\t x",
-    "The year 2024 had 366 days; 12345678 is big.", "don't you'll we've I'M", "e-mail: a@b.cd",
-    "naïve café, Zürich", "日本語のテキスト", "emoji 🙂🚀 ok", "tabs\tand\nnewlines\r\n",
-    "<|begin_of_text|>", "<|eot_id|>", "a<|eot_id|>b", "<|start_header_id|>user<|end_header_id|>",
-    "x <|end_of_text|> y", "<|pad|>", "((nested)) [brackets] {braces}", "snake_case and CamelCase",
-    "1+1=2", "3.14159", "$100.00", "50%", "C:\\path\\to\\file", "http://example.com/a?b=c",
-    "    indented code", "def f(x):\n    return x", "SHOUTING TEXT", "MiXeD cAsE",
-    "repeated repeated repeated", "punctuation!!! ???", "'quoted' \"double\"", "a\u00a0b",
-    "Ω≈ç√∫", "---", "...", "word", "ab", "a", "the the the", "The cat sat on the mat.",
-    "New\nline", "  two leading", "z" * 40, "12 34 567 8901", "it's 5 o'clock",
-]  # fmt: skip
 
 
 def _tiny_family(root, family):

@@ -146,6 +146,46 @@ def test_sliding_window_is_refused(tiny):
         export_gguf(tiny)
 
 
+_SPACE = "\u2581"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": {"type": "Unigram", "vocab": [["<unk>", 0.0]], "unk_id": 0}}, "is Unigram"),
+        ({"normalizer": {"type": "NFKC"}}, "normalizer step NFKC"),
+        ({"normalizer": None, "pre_tokenizer": {"type": "Whitespace"}}, "pre-tokenizer Whitespace"),
+        ({"normalizer": None}, "keeps spaces as they are"),
+        (
+            {
+                "normalizer": None,
+                "pre_tokenizer": {
+                    "type": "Metaspace",
+                    "replacement": _SPACE,
+                    "split": True,
+                    "prepend_scheme": "always",
+                },
+            },
+            "splits words",
+        ),
+    ],
+)
+def test_sentencepiece_tokenizers_llama_cpp_splits_otherwise_are_refused(tiny, change, message):
+    data = json.loads((tiny / "tokenizer.json").read_text())
+    vocab = {**data["model"]["vocab"], f"a{_SPACE}b": len(data["model"]["vocab"])}
+    data["model"].update(byte_fallback=True, vocab=vocab)
+    data.update(
+        normalizer={"type": "Replace", "pattern": {"String": " "}, "content": _SPACE},
+        pre_tokenizer=None,
+    )
+    data = {**data, **change, "model": {**data["model"], **change.get("model", {})}}
+    (tiny / "tokenizer.json").write_text(json.dumps(data))
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, "vocab_size": len(vocab)}))
+    with pytest.raises(CheckpointError, match=message):
+        export_gguf(tiny)
+
+
 def test_a_step_checkpoint_is_refused(tmp_path):
     (tmp_path / "step_3").mkdir()
     result = _cli("export", tmp_path / "step_3", "--to", "gguf")

@@ -1,18 +1,31 @@
-"""The tokenizer a GGUF file carries: vocabulary, merges, token types, special ids, template.
+"""The tokenizer a GGUF file carries: vocabulary, merges or scores, types, special ids, template.
 
 llama.cpp tokenizes with its own implementation, so the file must say everything
-``tokenizer.json`` does: the byte-level BPE vocabulary (``tokenizer.ggml.model = gpt2``) with
-its merges, each token's type (added special tokens are control tokens, other added tokens
-user-defined, as llama.cpp's converter marks them), the special ids and whether BOS is added
-(as tunelab's ``Tokenizer`` reads them from the config files), the chat template, and the
-name of the pre-tokenizer. llama.cpp implements each pre-tokenizer regex in C++ under a name
-(``llama-bpe``, ``qwen2``, ``gpt-2``); the name is chosen by the regex ``tokenizer.json``
-holds, and a regex llama.cpp does not know is refused rather than guessed.
+``tokenizer.json`` does. Two kinds of ``tokenizer.json`` BPE models are written:
+
+- Byte-level BPE (Llama 3, Qwen, GPT-2): ``tokenizer.ggml.model = gpt2`` with the merges and the
+  name of the pre-tokenizer. llama.cpp implements each pre-tokenizer regex in C++ under a name
+  (``llama-bpe``, ``qwen2``, ``gpt-2``); the name is chosen by the regex ``tokenizer.json``
+  holds, and a regex llama.cpp does not know is refused rather than guessed.
+- SentencePiece-style BPE (Llama 2, Mistral, Gemma, Phi-3: byte fallback, spaces as ``▁``):
+  llama.cpp's ``llama`` vocabulary, which merges the adjacent pair whose joined text is the
+  highest-scored token. A token made by the merge of rank ``r`` is scored ``-r`` (the first
+  merge that makes it), every other token 0, so llama.cpp merges in the order of
+  ``tokenizer.json``'s merges; the ``<0xNN>`` tokens are byte tokens (llama.cpp's fallback for
+  text no token covers), the unknown token is typed so. Whether a ``▁`` is put before the text
+  (``add_space_prefix``) follows the normalizer's ``Prepend`` or the Metaspace pre-tokenizer's
+  ``prepend_scheme``; a normalizer or pre-tokenizer llama.cpp does not reproduce is refused.
+  Unigram models are refused (llama.cpp's ``llama`` vocabulary does not run Viterbi).
+
+Each token's type: added special tokens are control tokens, other added tokens user-defined,
+as llama.cpp's converter marks them. The special ids and whether BOS is added come from
+tunelab's ``Tokenizer`` (as it reads them from the config files), then the chat template.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +75,75 @@ def _looks_special(token: str) -> bool:
     return (token.startswith("<|") and token.endswith("|>")) or token in ("<pad>", "<mask>")
 
 
+_SPACE = "\u2581"  # SentencePiece's visible space
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _steps(spec: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """A normalizer or pre-tokenizer as its list of steps (a Sequence flattened)."""
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        return [step for inner in spec[key] for step in _steps(inner, key)]
+    return [spec]
+
+
+def _space_prefix(data: dict[str, Any], tokens: dict[int, str], source: Path) -> bool:
+    """Whether a SentencePiece-style tokenizer puts ``▁`` first (``add_space_prefix``).
+
+    Checks first that it writes spaces as ``▁`` the way llama.cpp does.
+    """
+    prefix, spaces = False, False
+    for step in _steps(data.get("normalizer"), "normalizers"):
+        if step.get("type") == "Prepend" and step.get("prepend") == _SPACE:
+            prefix = True
+        elif (
+            step.get("type") == "Replace"
+            and step.get("pattern") == {"String": " "}
+            and step.get("content") == _SPACE
+        ):
+            spaces = True
+        else:
+            raise CheckpointError(
+                f"{source}: GGUF export: llama.cpp's SentencePiece tokenizer has no equivalent "
+                f"of the normalizer step {step.get('type')} (supported: Prepend and Replace of "
+                "spaces with \u2581)"
+            )
+    for step in _steps(data.get("pre_tokenizer"), "pretokenizers"):
+        if step.get("type") != "Metaspace" or step.get("replacement", _SPACE) != _SPACE:
+            raise CheckpointError(
+                f"{source}: GGUF export: llama.cpp's SentencePiece tokenizer has no equivalent "
+                f"of the pre-tokenizer {step.get('type')} (supported: Metaspace, none)"
+            )
+        spaces = True
+        prefix = prefix or step.get("prepend_scheme", "always") != "never"
+        # Splitting at each ▁ changes nothing unless a token holds a ▁ past its start.
+        if step.get("split", True) and any(_SPACE in token[1:] for token in tokens.values()):
+            raise CheckpointError(
+                f"{source}: GGUF export: the Metaspace pre-tokenizer splits words, and "
+                "llama.cpp's SentencePiece tokenizer does not (tokens span a \u2581)"
+            )
+    if not spaces:
+        raise CheckpointError(
+            f"{source}: GGUF export: this byte-fallback tokenizer keeps spaces as they are; "
+            "llama.cpp's SentencePiece tokenizer writes them as \u2581"
+        )
+    return prefix
+
+
+def _spm_scores(model: dict[str, Any], tokens: dict[int, str]) -> dict[int, float]:
+    """``-rank`` of the first merge that makes each token; 0 for the others."""
+    ids = {token: i for i, token in tokens.items()}
+    scores = dict.fromkeys(tokens, 0.0)
+    made: set[int] = set()
+    for rank, merge in enumerate(_merges(model)):
+        token_id = ids.get(merge.replace(" ", "", 1))
+        if token_id is not None and token_id not in made:
+            made.add(token_id)
+            scores[token_id] = -float(rank)
+    return scores
+
+
 def write_vocab(
     writer: gguf.GGUFWriter, folder: Path, tokenizer: Tokenizer, vocab_size: int
 ) -> None:
@@ -74,20 +156,30 @@ def write_vocab(
         vocab_size: The model's vocabulary size (ids past the tokenizer's are unused).
 
     Raises:
-        CheckpointError: If the tokenizer is not byte-level BPE, its pre-tokenizer has no
-            llama.cpp name, or it has more tokens than the model.
+        CheckpointError: If the tokenizer is neither byte-level nor SentencePiece-style BPE,
+            llama.cpp would split or normalize its text differently, or it has more tokens
+            than the model.
     """
     source = folder / "tokenizer.json"
     data = json.loads(read_model_text(source, folder))
     model = data.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    if model.get("type") != "BPE":
         raise CheckpointError(
-            f"{source}: GGUF export supports byte-level BPE tokenizers only (this one is "
-            f"{model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''})"
+            f"{source}: GGUF export supports BPE tokenizers only (byte-level or with byte "
+            f"fallback, SentencePiece-style); this one is {model.get('type')}"
         )
+    sentencepiece = bool(model.get("byte_fallback"))
     tokens: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     types = dict.fromkeys(tokens, gguf.TokenType.NORMAL)
+    if sentencepiece:
+        for i, token in tokens.items():
+            if _BYTE_TOKEN.fullmatch(token):
+                types[i] = gguf.TokenType.BYTE
+        if model.get("unk_token") in model["vocab"]:
+            types[model["vocab"][model["unk_token"]]] = gguf.TokenType.UNKNOWN
     for added in data.get("added_tokens", []):
+        if types.get(added["id"]) in (gguf.TokenType.BYTE, gguf.TokenType.UNKNOWN):
+            continue
         tokens[added["id"]] = added["content"]
         special = added.get("special") or _looks_special(added["content"])
         types[added["id"]] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
@@ -95,11 +187,20 @@ def write_vocab(
         raise CheckpointError(
             f"{source}: token id {max(tokens)} does not fit the model's vocab_size {vocab_size}"
         )
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer(data.get("pre_tokenizer"), source))
+    if sentencepiece:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_add_space_prefix(_space_prefix(data, tokens, source))
+        scores = _spm_scores(model, tokens)
+        writer.add_token_scores([scores.get(i, -1000.0) for i in range(vocab_size)])
+        if types.get(model["vocab"].get(model.get("unk_token"), -1)) == gguf.TokenType.UNKNOWN:
+            writer.add_unk_token_id(model["vocab"][model["unk_token"]])
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_pre_tokenizer(data.get("pre_tokenizer"), source))
+        writer.add_token_merges(_merges(model))
     writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)])
     writer.add_token_types([types.get(i, gguf.TokenType.UNUSED) for i in range(vocab_size)])
-    writer.add_token_merges(_merges(model))
     if tokenizer.bos_id is not None:
         writer.add_bos_token_id(tokenizer.bos_id)
     writer.add_eos_token_id(tokenizer.eos_id)
