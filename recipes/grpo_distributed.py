@@ -20,6 +20,7 @@ completions.
 """
 
 import time
+from collections.abc import Iterator
 from functools import partial
 
 import tunelab.peft as peft
@@ -35,8 +36,11 @@ from tunelab.rl import (
     GroupSampler,
     ModelRolloutEngine,
     Rewards,
+    RolloutPipeline,
     RolloutValidation,
+    ScoredGroups,
     bound_prompt_lengths,
+    check_correction,
     check_policy_loss,
     global_sums,
     grpo_metrics,
@@ -163,8 +167,20 @@ def main(args: GRPOArgs) -> None:
         guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
     )
 
+    # Asynchronous GRPO (rollout.mode async): each batch sampled by the policy max_lag updates
+    # older, a fixed depth (RolloutPipeline); its token losses weighed by rollout.off_policy.
+    # The batches in flight go into every step checkpoint. Sync is the depth-0 pipeline.
+    max_lag = args.rollout.max_lag if args.rollout.mode == "async" else 0
+    pipeline = RolloutPipeline(max_lag, device)
+    correction = check_correction(instantiate(args.rollout.off_policy))
+    if max_lag:
+        data.progress_extras["rollouts_in_flight"] = pipeline.state_text
+
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
+    in_flight_record = (data.resumed_progress or {}).get("rollouts_in_flight")
+    if max_lag and in_flight_record is not None:
+        pipeline.load_text(in_flight_record, where=f"{run.step_dir(global_step)}")
     after_step = AfterStep(
         checkpoints,
         data,
@@ -180,24 +196,38 @@ def main(args: GRPOArgs) -> None:
     )
 
     # -- train ----------------------------------------------------------------------------
+    def sample(batches: Iterator, step: int) -> list[ScoredGroups]:
+        # G completions per prompt of the step's micro-batches, scored, advantages per group;
+        # with dynamic sampling, groups of equal rewards left out and (optionally) refilled.
+        scored = [
+            groups.sample(next(batches)["index"].tolist(), step)
+            for _ in range(data.gradient_accumulation_steps)
+        ]
+        if args.rollout.dynamic_sampling_refill_rounds:
+            scored += groups.refill(
+                scored,
+                step,
+                prompts_per_round=data.loader.batch_size,
+                max_rounds=args.rollout.dynamic_sampling_refill_rounds,
+            )
+        return scored
+
     model.train()
     for epoch in range(start_epoch, args.schedule.epochs):
         batches = data.epoch(epoch)
+        epoch_start = epoch * data.steps_per_epoch
+        # Resumed mid-epoch: the batches in flight drew the prompts after the saved position.
+        for _ in range(pipeline.num_micro_batches()):
+            next(batches)
         for step_in_epoch in range(data.step_in_epoch() + 1, data.steps_per_epoch + 1):
             after_step.start_step()
-            # 1. Rollouts: G completions per prompt, scored, advantages per group; with
-            # dynamic sampling, groups of equal rewards left out and (optionally) refilled.
-            scored = [
-                groups.sample(next(batches)["index"].tolist(), global_step)
-                for _ in range(data.gradient_accumulation_steps)
-            ]
-            if args.rollout.dynamic_sampling_refill_rounds:
-                scored += groups.refill(
-                    scored,
-                    global_step,
-                    prompts_per_round=data.loader.batch_size,
-                    max_rounds=args.rollout.dynamic_sampling_refill_rounds,
-                )
+            # 1. Rollouts: every batch up to max_lag steps ahead sampled with the live policy
+            # (max_lag 0: this step's batch, synchronous GRPO), then this step's taken.
+            sample_start = time.perf_counter()
+            pipeline.fill(global_step, epoch_start + data.steps_per_epoch, partial(sample, batches))
+            sample_seconds = time.perf_counter() - sample_start
+            in_flight = pipeline.take(global_step)
+            scored = in_flight.parts
             records = [record for part in scored for record in part.records]
             write_completions(run.step_log("completions.jsonl"), global_step + 1, records)
             rollouts = [part.rollout for part in scored]
@@ -221,6 +251,7 @@ def main(args: GRPOArgs) -> None:
                     output,
                     scale=dist_info.world_size / divisor,
                     keep_old=iteration == 0 and args.rollout.num_iterations > 1,
+                    correction=correction,
                 )
                 step_totals = global_sums(step_sums, device)
                 metrics = optimizer_step(loss=step_totals["loss"] / divisor, step=global_step + 1)
@@ -234,6 +265,8 @@ def main(args: GRPOArgs) -> None:
                 world_size=dist_info.world_size,
                 train_seconds=time.perf_counter() - train_start,
             )
+            metrics["off_policy/lag"] = global_step - 1 - in_flight.behaviour_step
+            metrics["off_policy/sample_seconds"] = sample_seconds
             after_step(
                 global_step, epoch, step_in_epoch, metrics, num_tokens=counts["completion_tokens"]
             )

@@ -378,6 +378,11 @@ class GRPOArgs(LoRARecipeArgs):
         """The rollout and reward sections' checks, and prompt + completion within the context."""
         problems = super().check_settings()
         problems += self.rollout.check_settings() + self.rewards.check_settings()
+        if self.rollout.mode == "async" and self.agentic is not None:
+            problems.append(
+                "key 'rollout.mode': async rollouts are not built for agentic episodes yet "
+                "(their tool-output tokens have no behaviour log-probs); use rollout.mode: sync"
+            )
         return problems + self._length_problems()
 
     def _length_problems(self) -> list[str]:

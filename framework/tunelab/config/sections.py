@@ -205,6 +205,12 @@ class RolloutArgs:
     """LoRA/DoRA: the rollout phase runs each adapter merged into a temporary copy of its weight, W + scale * B A (one linear per projection instead of three; the live weights untouched); costs a copy of the adapted weights while generating, and tokens may differ from the unmerged path's by rounding. Not for an NF4 base (QLoRA keeps it unmerged), nor under FSDP2 with gather_once false (the weights are never whole)."""
     compile: bool = False
     """torch.compile the decode step (inductor on CPU, CUDA graphs on CUDA), once per shape bucket; tokens equal the eager step's; a failed compile decodes eagerly with one logged line. Off by default: compiling takes minutes on a small CPU, for 1.04x (768-wide model) to 1.36x (tiny) faster decode steps there."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: each step trains on completions its own policy sampled; async: the batch of step s is sampled by the policy of step s - max_lag (a fixed pipeline depth within an epoch, so the schedule depends on the step and max_lag only; the batches in flight go into step checkpoints) and corrected with off_policy."""
+    max_lag: Annotated[int, Range(ge=0)] = 1
+    """mode async: policy updates between the policy that samples a batch and the update that trains on it (0: synchronous GRPO, bit for bit)."""
+    off_policy: Component = component(default="tunelab.rl.TruncatedIS")
+    """mode async: the importance weight on each token loss of a batch sampled by an older policy, a tunelab.rl.OffPolicyCorrection: tunelab.rl.TruncatedIS (cap) or tunelab.rl.MaskedIS (low, high)."""
 
     def check_settings(self) -> list[str]:
         """Refills need dynamic sampling; greedy sampling trains nothing."""

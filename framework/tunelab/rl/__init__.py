@@ -13,6 +13,9 @@ One module per concern, in the order a step uses them:
 - losses: :class:`PolicyLoss`, the base chosen with ``loss: _component_``
   (``policy_loss.py``), :class:`GRPOLoss` (GRPO, DAPO, Dr. GRPO; ``grpo_loss.py``) and
   :class:`GSPOLoss` (``gspo_loss.py``); a new loss is one subclass in one file;
+- asynchronous GRPO: :class:`RolloutPipeline` and :func:`behaviour_step` (the fixed-depth
+  schedule, ``async_rollouts.py``), :class:`OffPolicyCorrection`, :class:`TruncatedIS`,
+  :class:`MaskedIS`, :func:`behaviour_sums` (``off_policy.py``);
 - the step: :class:`Rollout`, :func:`rollout_batch`, :func:`completion_logps`,
   :func:`store_logps`, :func:`policy_gradient_pass`, :class:`FrozenReference`,
   :func:`global_sums`, :func:`write_completions` (``step.py``); :class:`RolloutValidation`
@@ -28,14 +31,23 @@ from tunelab.rl.advantages import (
     ScoredGroups,
     group_advantages,
     grpo_metrics,
+    off_policy_metrics,
     refill_indices,
     step_counts,
 )
 from tunelab.rl.agentic import Environment, EpisodeGroupSampler, EpisodeRunner
+from tunelab.rl.async_rollouts import InFlight, RolloutPipeline, behaviour_step
 from tunelab.rl.grpo_loss import GRPOLoss
 from tunelab.rl.gspo_loss import GSPOLoss
 from tunelab.rl.learned_reward import learned_reward
 from tunelab.rl.lengths import bound_prompt_lengths, cut_prompts
+from tunelab.rl.off_policy import (
+    MaskedIS,
+    OffPolicyCorrection,
+    TruncatedIS,
+    behaviour_sums,
+    check_correction,
+)
 from tunelab.rl.policy_loss import (
     AGGREGATIONS,
     PolicyLoss,
@@ -55,6 +67,7 @@ from tunelab.rl.rollout import ModelRolloutEngine, RolloutEngine, SamplingSettin
 from tunelab.rl.step import (
     FrozenReference,
     Rollout,
+    behaviour_logps_batch,
     completion_logps,
     global_sums,
     policy_gradient_pass,
@@ -74,16 +87,25 @@ __all__ = [
     "GRPOLoss",
     "GSPOLoss",
     "GroupSampler",
+    "InFlight",
+    "MaskedIS",
     "MAX_REWARD",
     "ModelRolloutEngine",
+    "OffPolicyCorrection",
     "PolicyLoss",
     "Rewards",
     "Rollout",
     "RolloutEngine",
+    "RolloutPipeline",
     "RolloutValidation",
     "SamplingSettings",
     "ScoredGroups",
+    "TruncatedIS",
+    "behaviour_logps_batch",
+    "behaviour_step",
+    "behaviour_sums",
     "bound_prompt_lengths",
+    "check_correction",
     "check_policy_loss",
     "completion_length_reward",
     "completion_logps",
@@ -96,6 +118,7 @@ __all__ = [
     "learned_reward",
     "loss_normalizer",
     "math_verify_reward",
+    "off_policy_metrics",
     "policy_gradient_pass",
     "refill_indices",
     "regex_reward",

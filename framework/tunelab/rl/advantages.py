@@ -24,13 +24,20 @@ from tunelab.config.sections import RolloutArgs
 from tunelab.distributed import all_reduce_sum
 from tunelab.rl.rewards import Rewards
 from tunelab.rl.rollout import ModelRolloutEngine
-from tunelab.rl.step import Rollout, global_sums, rollout_batch, sampling_seeds
+from tunelab.rl.step import (
+    Rollout,
+    behaviour_logps_batch,
+    global_sums,
+    rollout_batch,
+    sampling_seeds,
+)
 
 __all__ = [
     "GroupSampler",
     "group_advantages",
     "ScoredGroups",
     "grpo_metrics",
+    "off_policy_metrics",
     "refill_indices",
     "step_counts",
 ]
@@ -204,6 +211,10 @@ class GroupSampler:
                 **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
             }
         rollout = Rollout(batch, advantages.to(self.device), keep.to(self.device))
+        recorded = getattr(self.engine, "last_logps", None)
+        if recorded and len(recorded) == len(completions):  # an engine may record none
+            width = batch["tokens"].shape[1]
+            rollout.behaviour_logps = behaviour_logps_batch(prompts, recorded, width, self.device)
         return ScoredGroups(rollout, records, sums)
 
     def refill(
@@ -312,8 +323,8 @@ def grpo_metrics(
 
     Returns:
         ``loss``, ``reward``, ``reward_std``, ``rewards/<name>``, ``completion_length``,
-        ``entropy``, ``kept_fraction``, ``clip_fraction``, ``kl``, the refill count and the
-        two throughputs.
+        ``entropy``, ``kept_fraction``, ``clip_fraction``, ``kl``, the refill count, the
+        two throughputs and :func:`off_policy_metrics`.
     """
     num_completions = counts["num_completions"]
     reward_mean = counts["reward"] / num_completions
@@ -340,4 +351,24 @@ def grpo_metrics(
     }
     if rollout.dynamic_sampling_refill_rounds > 0:
         metrics["refill_prompts"] = counts.get("refill_prompts", 0.0)
-    return metrics
+    return metrics | off_policy_metrics(step_totals)
+
+
+def off_policy_metrics(step_totals: dict[str, float]) -> dict[str, float]:
+    """The trainer-vs-behaviour health metrics of a pass (none where no log-probs were recorded).
+
+    ``off_policy/kl`` (k3 estimate of ``KL(behaviour || trainer)`` per token: ~1e-7 at lag 0,
+    rounding only), ``off_policy/log_ratio_mean`` and ``_std`` (``log pi_old - log mu``), and
+    ``off_policy/clip_fraction`` (tokens the correction truncated or masked; 0 at lag 0).
+    """
+    tokens = step_totals.get("off_policy/tokens", 0.0)
+    if tokens <= 0:
+        return {}
+    mean = step_totals["off_policy/log_ratio"] / tokens
+    squares = step_totals["off_policy/log_ratio_squares"] / tokens
+    return {
+        "off_policy/kl": step_totals["off_policy/kl"] / tokens,
+        "off_policy/log_ratio_mean": mean,
+        "off_policy/log_ratio_std": max(squares - mean**2, 0.0) ** 0.5,
+        "off_policy/clip_fraction": step_totals["off_policy/clipped"] / tokens,
+    }

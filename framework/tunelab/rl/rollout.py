@@ -164,8 +164,10 @@ class ModelRolloutEngine:
     rounding, so a token may differ from the unmerged path's where two are nearly tied; the
     choice is deterministic, so a resumed run samples the same tokens.
 
-    After each call, ``last_generation_seconds``, ``last_generated_tokens`` and
-    ``last_entropy_sum`` (the policy's entropy summed over the sampled positions) describe it.
+    After each call, ``last_generation_seconds``, ``last_generated_tokens``,
+    ``last_entropy_sum`` (the policy's entropy summed over the sampled positions) and
+    ``last_logps`` (each sampled token's log-prob at temperature 1: the behaviour log-probs of
+    :mod:`tunelab.rl.off_policy`) describe it.
 
     Args:
         model: A ``TransformerDecoder`` (plain or FSDP2-sharded), the policy.
@@ -207,6 +209,7 @@ class ModelRolloutEngine:
         self.last_generation_seconds = 0.0
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
+        self.last_logps: list[list[float]] = []
 
     @classmethod
     def from_rollout(
@@ -319,6 +322,7 @@ class ModelRolloutEngine:
         cache_length = bucket_length(width + settings.max_new_tokens, step_fn.compiled)
         model.setup_caches(len(unique), cache_length, device=device)
         out = torch.full((rows, settings.max_new_tokens), self.pad_id, dtype=torch.long)
+        out_logps = torch.zeros((rows, settings.max_new_tokens), dtype=torch.float32)
         out_lengths = torch.zeros(rows, dtype=torch.long)
         stop_ids = torch.tensor(sorted(settings.stop_ids), dtype=torch.long)
         held = contextlib.nullcontext()
@@ -344,6 +348,10 @@ class ModelRolloutEngine:
                     next_tokens = sample_tokens(logits, settings, batch.generators, live.tolist())
                     sampled = next_tokens.cpu()
                     out[batch.rows[live], step] = sampled[live]
+                    # The behaviour log-prob (temperature 1, as the trainer computes it),
+                    # recorded here so an off-policy correction never recomputes it.
+                    chosen = log_probs.gather(-1, next_tokens[:, None])[:, 0].cpu()
+                    out_logps[batch.rows[live], step] = chosen[live]
                     out_lengths[batch.rows[live]] = step + 1
                     finished = live & torch.isin(sampled, stop_ids)
                     if settings.stop_strings:
@@ -362,6 +370,9 @@ class ModelRolloutEngine:
             # No-grad forwards leave the root's parameters gathered; the optimizer edits shards.
             reshard_all(model)
         completions = [row[:length] for row, length in zip(out.tolist(), out_lengths.tolist())]
+        self.last_logps = [
+            row[:length] for row, length in zip(out_logps.tolist(), out_lengths.tolist())
+        ]
         self.last_generation_seconds = time.perf_counter() - start
         self.last_generated_tokens = sum(len(c) for c in completions)
         self.last_entropy_sum = float(entropy)

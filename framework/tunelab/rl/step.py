@@ -19,6 +19,7 @@ from torch import nn
 
 from tunelab.distributed import all_reduce_sum
 from tunelab.losses import OutputLayer, token_logps
+from tunelab.rl.off_policy import OffPolicyCorrection, behaviour_sums
 from tunelab.rl.policy_loss import PolicyLoss
 from tunelab.rl.shared_prompts import shared_prompt_forward
 from tunelab.training.loop import forward, output_layer
@@ -26,6 +27,7 @@ from tunelab.training.loop import forward, output_layer
 __all__ = [
     "FrozenReference",
     "Rollout",
+    "behaviour_logps_batch",
     "completion_logps",
     "global_sums",
     "policy_gradient_pass",
@@ -35,6 +37,7 @@ __all__ = [
     "write_completions",
 ]
 
+_OFF_POLICY_SUMS = ("tokens", "clipped", "log_ratio", "log_ratio_squares", "kl")
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads nearby integers over the seed space
 
 
@@ -81,6 +84,10 @@ class Rollout:
         old_logps: ``[rows, seq - 1]`` the sampling policy's log-probs (``num_iterations`` >
             1), or None: the policy's own, detached (ratio 1).
         ref_logps: ``[rows, seq - 1]`` the reference's, or None (``beta`` 0).
+        behaviour_logps: ``[rows, seq - 1]`` the log-probs the rollout engine recorded while
+            sampling (:func:`behaviour_logps_batch`), or None (an engine that records none).
+        lag: Policy updates between the policy that sampled and the one that trains (0 in
+            synchronous GRPO; ``rollout.max_lag`` bounds it in asynchronous GRPO).
     """
 
     batch: dict[str, torch.Tensor]
@@ -88,6 +95,8 @@ class Rollout:
     keep: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    behaviour_logps: torch.Tensor | None = None
+    lag: int = 0
 
 
 def rollout_batch(
@@ -111,6 +120,31 @@ def rollout_batch(
         tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
         labels[row, len(prompt) : len(prompt) + len(completion)] = torch.tensor(completion)
     return {"tokens": tokens.to(device), "labels": labels.to(device)}
+
+
+def behaviour_logps_batch(
+    prompts: list[list[int]], logps: list[list[float]], width: int, device: torch.device
+) -> torch.Tensor:
+    """The sampling policy's recorded log-probs, aligned with :func:`completion_logps`.
+
+    Position ``j`` of a row holds the log-prob of its token ``j + 1`` (0 where no completion
+    token is predicted), as in :func:`tunelab.losses.token_logps`.
+
+    Args:
+        prompts: Prompt token ids, one per row.
+        logps: The recorded log-prob of each completion token, one list per row.
+        width: The :func:`rollout_batch`'s sequence length.
+        device: Where the tensor goes.
+
+    Returns:
+        ``[rows, width - 1]`` float32.
+    """
+    out = torch.zeros((len(prompts), width - 1), dtype=torch.float32)
+    for row, (prompt, values) in enumerate(zip(prompts, logps, strict=True)):
+        out[row, len(prompt) - 1 : len(prompt) - 1 + len(values)] = torch.tensor(
+            values, dtype=torch.float32
+        )
+    return out.to(device)
 
 
 def completion_logps(
@@ -175,6 +209,7 @@ def policy_gradient_pass(
     *,
     scale: float,
     keep_old: bool = False,
+    correction: OffPolicyCorrection | None = None,
 ) -> dict[str, float]:
     """One pass over the rollouts: the clipped policy-gradient loss, backward per micro-batch.
 
@@ -199,11 +234,17 @@ def policy_gradient_pass(
             normalizer).
         keep_old: Store the detached log-probs as ``old_logps`` where a rollout has none
             (call it so in the first pass only, before any optimizer step on the rollouts).
+        correction: Weighs the token losses of a rollout sampled by an older policy
+            (``lag`` > 0) by the trainer-vs-behaviour ratio (:mod:`tunelab.rl.off_policy`);
+            a rollout of lag 0 is left as it is (the ratio is 1 up to rounding).
 
     Returns:
-        This rank's sums: ``loss`` (unscaled), ``clipped`` tokens and ``kl``.
+        This rank's sums: ``loss`` (unscaled), ``clipped`` tokens, ``kl``, and over the rows
+        with recorded behaviour log-probs ``off_policy/tokens``, ``off_policy/clipped``
+        (tokens the correction cut) and :func:`~tunelab.rl.off_policy.behaviour_sums`.
     """
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
+    sums |= {f"off_policy/{key}": 0.0 for key in _OFF_POLICY_SUMS}
     for rollout in rollouts:
         logps, mask = completion_logps(model, rollout.batch, output)
         mask = mask & rollout.keep[:, None]
@@ -213,6 +254,17 @@ def policy_gradient_pass(
         losses, metric_sums = loss_fn.token_losses(
             logps, old, rollout.advantages, mask, rollout.ref_logps
         )
+        if rollout.behaviour_logps is not None:
+            behaviour = rollout.behaviour_logps
+            metric_sums |= {
+                f"off_policy/{key}": value
+                for key, value in behaviour_sums(old, behaviour, mask).items()
+            }
+            metric_sums["off_policy/tokens"] = mask.sum().double()
+            if correction is not None and rollout.lag > 0:
+                weights, cut = correction.weights((old - behaviour).masked_fill(~mask, 0.0))
+                losses = losses * weights.detach()
+                metric_sums["off_policy/clipped"] = (cut & mask).sum().double()
         loss_sum = loss_fn.loss_sum(losses, mask)
         (loss_sum * scale).backward()
         sums["loss"] += loss_sum.item()

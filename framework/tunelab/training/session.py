@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -59,6 +59,10 @@ class TrainingData:
     """Micro-batches per optimizer step (resume may have chosen it: ``keep_global_batch``)."""
     samples_per_step: int
     """This rank's samples per optimizer step: ``batch_size * gradient_accumulation_steps``."""
+    progress_extras: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    """Recipe state each step checkpoint records beside the position: name -> a call (every rank makes it) returning JSON data whose numbers are non-negative."""
+    resumed_progress: dict[str, Any] | None = None
+    """The progress record ``resume`` restored (the recipe reads its own entries from it), or None."""
 
     def step_in_epoch(self) -> int:
         """Optimizer steps already taken in the sampler's epoch (non-zero after a resume)."""
@@ -80,7 +84,7 @@ class TrainingData:
             "epoch_done": epoch_done,
             # Samples per optimizer step over all ranks: a resume on another world size keeps it.
             "global_batch": self.sampler.samples_per_step(self.samples_per_step),
-        }
+        } | {name: get() for name, get in self.progress_extras.items()}
 
 
 @dataclass(frozen=True)
@@ -452,6 +456,7 @@ def resume(checkpoints: CheckpointClient, data: TrainingData, mode: bool | str) 
             print(f"{said}no checkpoint in {checkpoints.run}: starting fresh", flush=True)
         return 0, 0
     data.sampler.load_state_dict(resumed.progress["sampler"])
+    data.resumed_progress = resumed.progress
     start_epoch = resumed.epoch + 1 if resumed.progress["epoch_done"] else resumed.epoch
     if is_main:
         step_in_epoch = 0 if resumed.progress["epoch_done"] else data.step_in_epoch()

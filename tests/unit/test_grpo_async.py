@@ -1,0 +1,191 @@
+"""Asynchronous GRPO's parts: recorded behaviour log-probs, the corrections, the fixed-depth schedule."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.test_grpo_old_logps import model_and_rollouts  # noqa: F401 (a fixture)
+from tunelab.data import load_tokenizer, prompt_dataset
+from tunelab.errors import CheckpointError, ConfigError
+from tunelab.peft import get_adapter_params
+from tunelab.rl import (
+    GRPOLoss,
+    MaskedIS,
+    ModelRolloutEngine,
+    Rollout,
+    RolloutPipeline,
+    SamplingSettings,
+    ScoredGroups,
+    TruncatedIS,
+    behaviour_logps_batch,
+    behaviour_step,
+    check_correction,
+    completion_logps,
+    off_policy_metrics,
+    policy_gradient_pass,
+    rollout_batch,
+)
+from tunelab.training import output_layer
+
+TINY = Path(__file__).resolve().parents[2] / "framework" / "tunelab" / "assets" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny(model_and_rollouts):  # noqa: F811 (the fixture imported above)
+    """test_grpo_old_logps's tiny LoRA model (B randomized), the tokenizer and four prompts."""
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=256)
+    data = prompt_dataset(
+        tokenizer, source="json", data_files=str(TINY / "grpo_prompts.jsonl"), template="instruct"
+    )
+    return model_and_rollouts[0], tokenizer, [data.tokens[i] for i in range(4)]
+
+
+def test_corrections_by_hand():
+    log_ratio = torch.log(torch.tensor([[0.25, 1.0, 1.5, 3.0]]))
+    weights, cut = TruncatedIS(cap=2.0).weights(log_ratio)
+    assert torch.allclose(weights, torch.tensor([[0.25, 1.0, 1.5, 2.0]]))
+    assert cut.tolist() == [[False, False, False, True]]
+    weights, cut = MaskedIS(low=0.5, high=2.0).weights(log_ratio)
+    assert torch.allclose(weights, torch.tensor([[0.0, 1.0, 1.5, 0.0]]))
+    assert cut.tolist() == [[True, False, False, True]]
+    with pytest.raises(ValueError, match="cap"):
+        TruncatedIS(cap=0.0)
+    with pytest.raises(ValueError, match="low"):
+        MaskedIS(low=1.5)
+    with pytest.raises(ConfigError, match="rollout.off_policy"):
+        check_correction(GRPOLoss())
+
+
+def test_engine_records_the_log_probs_the_trainer_computes(tiny):
+    """At lag 0 the recorded behaviour log-probs are the training forward's, up to rounding."""
+    model, tokenizer, prompts = tiny
+    engine = ModelRolloutEngine(model, SamplingSettings(max_new_tokens=8), pad_id=tokenizer.pad_id)
+    rows = [p for p in prompts for _ in range(2)]
+    completions = engine.generate(rows, seeds=list(range(len(rows))))
+    assert [len(values) for values in engine.last_logps] == [len(c) for c in completions]
+    batch = rollout_batch(rows, completions, tokenizer.pad_id, torch.device("cpu"))
+    recorded = behaviour_logps_batch(rows, engine.last_logps, batch["tokens"].shape[1], "cpu")
+    with torch.no_grad():
+        logps, mask = completion_logps(model, batch, output_layer(model))
+    assert mask.sum() == sum(len(c) for c in completions)
+    assert (recorded[~mask] == 0).all()
+    # Merged adapters and the KV cache round differently from the training forward (fp32).
+    torch.testing.assert_close(recorded[mask], logps[mask], atol=2e-5, rtol=0)
+    assert (logps[mask] < -1e-3).any()  # not a trivially certain model
+
+
+def test_lagged_loss_and_gradients_equal_an_fp64_tis_reference(tiny):
+    """k = 1: the pass's loss and gradients equal the TIS formula in fp64 on recorded log-probs.
+
+    ``L = -1/T sum_it min(rho A, clip(rho) A) * min(exp(logp_old - logp_mu), C)``, with
+    ``rho = exp(logp - logp_old)`` (1 in the first pass, its gradient that of ``logp``).
+    """
+    model, tokenizer, prompts = tiny
+    model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    completions = [torch.randint(3, 800, (4 + i,), generator=generator).tolist() for i in range(4)]
+    batch = rollout_batch(prompts, completions, tokenizer.pad_id, torch.device("cpu"))
+    with torch.no_grad():
+        logps, mask = completion_logps(model, batch)
+    # The behaviour policy: an older one, its log-probs off by up to +-1.
+    noise = (torch.rand(logps.shape, generator=generator) * 2 - 1).masked_fill(~mask, 0.0)
+    behaviour = (logps + noise).masked_fill(~mask, 0.0)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
+    rollout = Rollout(batch, advantages, torch.ones(4, dtype=torch.bool), lag=1)
+    rollout.behaviour_logps = behaviour
+    cap = 1.5
+    num_tokens = int(mask.sum())
+    sums = policy_gradient_pass(
+        model,
+        [rollout],
+        GRPOLoss(aggregation="token_mean"),
+        None,
+        scale=1 / num_tokens,
+        correction=TruncatedIS(cap=cap),
+    )
+    grads = {name: p.grad.clone() for name, p in get_adapter_params(model).items()}
+
+    reference = copy.deepcopy(model).double()
+    for p in reference.parameters():
+        p.grad = None
+    ref_logps, _ = completion_logps(reference, batch)
+    old = ref_logps.detach()
+    ratio = torch.exp(ref_logps - old)
+    weight = torch.exp(old - behaviour.double()).clamp(max=cap)
+    adv = advantages.double()[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    ref_loss = (-(surrogate * weight) * mask).sum()
+    (ref_loss / num_tokens).backward()
+    assert sums["loss"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-6)
+    ref_grads = {name: p.grad for name, p in get_adapter_params(reference).items()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.double(), ref_grads[name], atol=1e-6, rtol=1e-4)
+    # Some tokens were truncated (the test would not see the cap otherwise), and counted.
+    clipped = int(((torch.exp(old - behaviour.double()) > cap) & mask).sum())
+    assert clipped > 0 and sums["off_policy/clipped"] == clipped
+    metrics = off_policy_metrics(sums)
+    assert metrics["off_policy/clip_fraction"] == pytest.approx(clipped / num_tokens)
+    delta = (old - behaviour.double())[mask]
+    assert metrics["off_policy/kl"] == pytest.approx(
+        float((torch.exp(-delta) + delta - 1).mean()), rel=1e-6
+    )
+
+
+def test_lag_zero_is_not_corrected(tiny):
+    """A rollout of lag 0 gets no weight even with recorded log-probs far off (sync GRPO)."""
+    model, tokenizer, prompts = tiny
+    completions = [[5, 6, 7]] * 4
+    batch = rollout_batch(prompts, completions, tokenizer.pad_id, torch.device("cpu"))
+    losses = []
+    for behaviour in (None, torch.full((4, batch["tokens"].shape[1] - 1), -9.0)):
+        copied = copy.deepcopy(model)
+        rollout = Rollout(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, dtype=bool))
+        rollout.behaviour_logps = behaviour
+        sums = policy_gradient_pass(
+            copied, [rollout], GRPOLoss(), None, scale=0.25, correction=TruncatedIS()
+        )
+        losses.append((sums["loss"], [p.grad.clone() for p in get_adapter_params(copied).values()]))
+    assert losses[0][0] == losses[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1], strict=True))
+
+
+def _scored(step: int) -> list[ScoredGroups]:
+    batch = {"tokens": torch.full((2, 3), step), "labels": torch.full((2, 3), -100)}
+    rollout = Rollout(batch, torch.tensor([0.5, -0.5]), torch.tensor([True, False]))
+    rollout.behaviour_logps = torch.tensor([[-0.1 * step, -1.0], [-2.5, 0.0]])
+    refill = ScoredGroups(copy.deepcopy(rollout), [], {"refill_prompts": 1.0})
+    return [ScoredGroups(rollout, [{"index": step, "reward": -1.0}], {"reward": -1.0}), refill]
+
+
+def test_the_schedule_is_a_fixed_depth_and_survives_a_checkpoint():
+    pipeline = RolloutPipeline(2, torch.device("cpu"))
+    sampled, lags = [], []
+    for step in range(5):
+        pipeline.fill(step, 5, lambda s, now=step: sampled.append((s, now)) or _scored(s))
+        batch = pipeline.take(step)
+        assert batch.behaviour_step == behaviour_step(step, 2, 0)
+        lags.append(batch.parts[0].rollout.lag)
+        if step == 2:  # a step checkpoint: batches 3 and 4 in flight
+            assert sorted(pipeline.pending) == [3, 4]
+            assert pipeline.num_micro_batches() == 2  # refills drew no loader batch
+            text = pipeline.state_text()
+            restored = RolloutPipeline(2, torch.device("cpu"))
+            restored.load_text(text, where="step_3")
+            for s in (3, 4):
+                a, b = pipeline.pending[s], restored.pending[s]
+                assert a.behaviour_step == b.behaviour_step
+                for x, y in zip(a.parts, b.parts, strict=True):
+                    assert x.records == y.records and x.sums == y.sums
+                    assert torch.equal(x.rollout.behaviour_logps, y.rollout.behaviour_logps)
+                    assert torch.equal(x.rollout.batch["tokens"], y.rollout.batch["tokens"])
+                    assert torch.equal(x.rollout.keep, y.rollout.keep)
+                    assert x.rollout.keep.dtype == torch.bool
+    # Batch s sampled at step max(s - 2, 0); the epoch's end bounds the pipeline.
+    assert sampled == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 2)]
+    assert lags == [0, 1, 2, 2, 2]
+    with pytest.raises(CheckpointError, match="2 processes"):
+        RolloutPipeline(2, torch.device("cpu")).load_text('["[]", "[]"]', where="step_3")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        RolloutPipeline(2, torch.device("cpu")).load_text("[1", where="step_3")
