@@ -17,7 +17,7 @@ from tunelab.data import padded_collate_sft
 from tunelab.distributed import (
     all_reduce_sum,
     build_context_parallel,
-    data_parallel_mesh,
+    build_device_meshes,
     destroy_distributed,
     init_distributed,
 )
@@ -67,7 +67,9 @@ def main(args: FullFinetuneArgs) -> None:
     tokenizer = instantiate(args.tokenizer)
     # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
     # Context parallelism when context_parallel_size > 1: its ranks split every sequence.
-    mesh = data_parallel_mesh(device, args.parallelism)
+    # Tensor parallelism when tensor_parallel_size > 1: its ranks split every matmul.
+    meshes = build_device_meshes(device, args.parallelism)
+    mesh = meshes.data_parallel
     context = build_context_parallel(args.parallelism.context_parallel_size)
     model = build_model(
         args.model,
@@ -75,6 +77,7 @@ def main(args: FullFinetuneArgs) -> None:
         mesh=mesh,
         seed=args.seed,
         expert_parallel_size=args.parallelism.expert_parallel_size,
+        tensor_mesh=meshes.tensor,
     )
     # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
     # checked here, so a bad task stops the run before its first step.
@@ -85,7 +88,8 @@ def main(args: FullFinetuneArgs) -> None:
         seed=args.seed,
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
-        context_parallel_size=context.size,
+        # Context- and tensor-parallel ranks share their samples.
+        context_parallel_size=context.size * args.parallelism.tensor_parallel_size,
         model_context=model.args.max_seq_len,
     )
     trainable = list(model.parameters())

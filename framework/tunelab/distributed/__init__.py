@@ -9,7 +9,7 @@ from tunelab.distributed.fsdp import (
     resolve_dtype,
     shard_model,
 )
-from tunelab.distributed.mesh import data_parallel_mesh
+from tunelab.distributed.mesh import DeviceMeshes, build_device_meshes, data_parallel_mesh
 from tunelab.distributed.process_group import (
     DistInfo,
     all_reduce_sum,
@@ -20,10 +20,12 @@ from tunelab.distributed.process_group import (
 
 __all__ = [
     "ContextParallel",
+    "DeviceMeshes",
     "DistInfo",
     "all_reduce_sum",
     "apply_activation_checkpointing",
     "build_context_parallel",
+    "build_device_meshes",
     "collective_timeout",
     "data_parallel_mesh",
     "destroy_distributed",

@@ -18,6 +18,13 @@ model's :class:`OutputLayer` and computes the logits themselves chunk by chunk, 
 
 Gradient used in the backward, for target ``y`` at one position with logits ``z``:
 ``d log softmax(z)_y / dz = onehot(y) - softmax(z)``.
+
+Under tensor parallelism (``OutputLayer.vocab_group``) each rank computes the logits of its
+part of the vocabulary only; the log-softmax needs the whole row's ``max`` and ``sum exp``,
+two all-reduces of one number per position, and the target's logit comes from the rank that
+holds it (a third): ``log p_y = z_y - (m + log sum_ranks sum_v exp(z_v - m))``. The
+``[tokens, vocab]`` logits are never gathered (Megatron-LM's vocabulary-parallel
+cross-entropy).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 # Logits per piece when no number of pieces is given: 2**24 values (64 MiB in fp32). Pieces
@@ -169,12 +177,79 @@ class OutputLayer:
             states is computed in the forward, as the logits are at hand (no recomputation).
             Trainable: each chunk's logits are recomputed in the backward, which also
             accumulates the layer's own gradients (one more ``lm_head`` forward).
-        vocab_size: Size of the logits' last dimension.
+        vocab_size: Size of the whole vocabulary.
+        vocab_group: Tensor parallelism: the ranks that split the vocabulary in equal
+            consecutive parts, rank ``r`` of the group holding part ``r``; ``forward`` then
+            returns this rank's part of the logits. None: ``forward`` returns every logit.
     """
 
     forward: Callable[[torch.Tensor], torch.Tensor]
     trainable: bool
     vocab_size: int
+    vocab_group: dist.ProcessGroup | None = None
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> torch.Tensor:
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _sharded_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs of this rank's vocabulary part, and of the targets, from local logits.
+
+    Returns:
+        ``(log_probs, target_logps, local_targets, owned)``: ``log_probs`` ``[tokens,
+        vocab / N]`` in ``dtype``; the targets' log-probs ``[tokens]`` (the same on every
+        rank); each target's index in this rank's part (0 where another rank holds it) and
+        whether this rank holds it.
+    """
+    part = logits.shape[-1]
+    start = dist.get_rank(group) * part
+    z = logits.to(dtype)
+    row_max = _all_reduce(z.detach().amax(dim=-1), group, dist.ReduceOp.MAX)
+    sum_exp = _all_reduce((z - row_max.unsqueeze(-1)).exp().sum(dim=-1), group, dist.ReduceOp.SUM)
+    log_probs = z - (row_max + sum_exp.log()).unsqueeze(-1)
+    owned = (targets >= start) & (targets < start + part)
+    local_targets = (targets - start).masked_fill(~owned, 0)
+    picked = log_probs.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0)
+    return log_probs, _all_reduce(picked, group, dist.ReduceOp.SUM), local_targets, owned
+
+
+class _ShardedTargetLogProbs(torch.autograd.Function):
+    """Target log-probs from this rank's part of the logits (``_sharded_log_probs``).
+
+    Every rank of the group receives the same gradient (the loss after the all-reduces is the
+    same everywhere) and computes its own part's: ``w * (onehot(y) - softmax(z))`` on its
+    columns, the one-hot only on the rank holding ``y``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        log_probs, target_logps, local_targets, owned = _sharded_log_probs(
+            logits, targets, group, dtype
+        )
+        ctx.save_for_backward(log_probs, local_targets, owned)
+        ctx.logits_dtype = logits.dtype
+        return target_logps
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        log_probs, local_targets, owned = ctx.saved_tensors
+        weights = grad_out.to(log_probs.dtype)
+        grad = log_probs.exp_().mul_(-weights.unsqueeze(-1))
+        grad.scatter_add_(-1, local_targets.unsqueeze(-1), (weights * owned).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 def _chunk_logps(
@@ -182,12 +257,16 @@ def _chunk_logps(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     dtype: torch.dtype,
+    vocab_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # One chunk: its logits, the targets' log-probs (upcast) and the logits' vocabulary sums.
     logits = output(hidden)
-    logps = torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, targets.unsqueeze(-1))
     with torch.no_grad():
         logit_sums = logits.sum(dim=-1, dtype=torch.float32)
+    if vocab_group is not None:
+        logit_sums = _all_reduce(logit_sums, vocab_group, dist.ReduceOp.SUM)
+        return _ShardedTargetLogProbs.apply(logits, targets, vocab_group, dtype), logit_sums
+    logps = torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, targets.unsqueeze(-1))
     return logps.squeeze(-1), logit_sums
 
 
@@ -208,6 +287,7 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
         output: Callable[[torch.Tensor], torch.Tensor],
         num_chunks: int,
         with_logit_sums: bool,
+        vocab_group: dist.ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _compute_dtype(hidden.dtype)
         logps, logit_sums, grads = [], [], []
@@ -217,17 +297,29 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
             with torch.enable_grad():
                 hidden_chunk = hidden_chunk.detach().requires_grad_()
                 logits = output(hidden_chunk)
-            index = target_chunk.unsqueeze(-1)
-            log_probs = torch.log_softmax(logits.detach(), dim=-1, dtype=dtype)
-            logps.append(log_probs.gather(-1, index).squeeze(-1))
+            if vocab_group is None:
+                index = target_chunk.unsqueeze(-1)
+                log_probs = torch.log_softmax(logits.detach(), dim=-1, dtype=dtype)
+                logps.append(log_probs.gather(-1, index).squeeze(-1))
+                minus_one = torch.full_like(index, -1, dtype=dtype)
+            else:
+                # This rank's part of the vocabulary: the one-hot only where it holds y.
+                log_probs, target_logps, local, owned = _sharded_log_probs(
+                    logits.detach(), target_chunk, vocab_group, dtype
+                )
+                logps.append(target_logps)
+                index, minus_one = local.unsqueeze(-1), -owned.to(dtype).unsqueeze(-1)
             if with_logit_sums:
-                logit_sums.append(logits.detach().sum(dim=-1, dtype=torch.float32))
+                sums = logits.detach().sum(dim=-1, dtype=torch.float32)
+                if vocab_group is not None:
+                    sums = _all_reduce(sums, vocab_group, dist.ReduceOp.SUM)
+                logit_sums.append(sums)
             # d logp_y / d logits = onehot(y) - softmax. The softmax minus the one-hot goes
             # back through the layer and the (small) result is negated: one pass over the
-            # [tokens, vocab] chunk fewer than negating the chunk, and bit-identical.
-            minus_grad = log_probs.exp_().scatter_add_(
-                -1, index, torch.full_like(index, -1, dtype=dtype)
-            )
+            # [tokens, vocab] chunk fewer than negating the chunk, and bit-identical. Under
+            # tensor parallelism the result is this rank's part of the hidden states'
+            # gradient, summed over the ranks by the model (``tensor_parallel``).
+            minus_grad = log_probs.exp_().scatter_add_(-1, index, minus_one)
             (grad,) = torch.autograd.grad(logits, hidden_chunk, minus_grad.to(logits.dtype))
             grads.append(grad.neg_())
         ctx.save_for_backward(torch.cat(grads))
@@ -239,9 +331,10 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logps: torch.Tensor, _: torch.Tensor
-    ) -> tuple[torch.Tensor, None, None, None, None]:
+    ) -> tuple[torch.Tensor, None, None, None, None, None]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_logps.unsqueeze(-1).to(grad_hidden.dtype), None, None, None, None
+        scaled = grad_hidden * grad_logps.unsqueeze(-1).to(grad_hidden.dtype)
+        return scaled, None, None, None, None, None
 
 
 def hidden_target_logps(
@@ -297,20 +390,24 @@ def hidden_target_logps(
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and hidden.requires_grad and not output.trainable:
         logps, logit_sums = _FrozenOutputLogProbs.apply(
-            flat_hidden, flat_targets, output.forward, num_chunks, with_logit_sums
-        )
+            flat_hidden, flat_targets, output.forward, num_chunks, with_logit_sums,
+            output.vocab_group,
+        )  # fmt: skip
     else:
         chunks = zip(flat_hidden.tensor_split(num_chunks), flat_targets.tensor_split(num_chunks))
         if grad_enabled and output.trainable:
             # Recompute each chunk's logits in the backward, which also reaches the layer's
             # parameters; only the chunk's inputs are kept meanwhile.
+            group = output.vocab_group
             pieces = [
-                checkpoint(_chunk_logps, output.forward, h, t, dtype, use_reentrant=False)
+                checkpoint(_chunk_logps, output.forward, h, t, dtype, group, use_reentrant=False)
                 for h, t in chunks
             ]
         else:
             with torch.no_grad():
-                pieces = [_chunk_logps(output.forward, h, t, dtype) for h, t in chunks]
+                pieces = [
+                    _chunk_logps(output.forward, h, t, dtype, output.vocab_group) for h, t in chunks
+                ]
         logps = torch.cat([piece[0] for piece in pieces])
         logit_sums = torch.cat([piece[1] for piece in pieces])
     # Back to [batch, seq - 1], 0 at ignored positions (out of place: autograd flows to the

@@ -193,9 +193,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(batch, seq_len, self.num_heads, self.head_dim)
-        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        # -1: under tensor parallelism this rank computes num_heads / N of the heads.
+        q = q.view(batch, seq_len, -1, self.head_dim)
+        k = k.view(batch, seq_len, -1, self.head_dim)
+        v = v.view(batch, seq_len, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -238,7 +239,7 @@ class Attention(nn.Module):
             out = self._attend_masked_gqa(q, k, v, mask)
         else:
             out = self._attend(q, k, v, mask)
-        out = out.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
         return self.o_proj(out)
 
     def _attend_shared_prefix(

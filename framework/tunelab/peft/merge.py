@@ -134,8 +134,31 @@ def merge_weight(
             shape=weight.shape,
             stride=weight.stride(),
         )
-    # Other layouts (e.g. tensor-parallel Shard(1)): let DTensor plan the communication,
-    # then return the base's layout.
+    if magnitude is None and type(weight.to_local()) is torch.Tensor:
+        # Other layouts (tensor parallel: a block of rows and columns per rank): the small
+        # factors whole, and this rank's block W[r0:r1, c0:c1] + scale * B[r0:r1] A[:, c0:c1].
+        (rows, cols), (row0, col0) = compute_local_shape_and_global_offset(
+            weight.shape, weight.device_mesh, weight.placements
+        )
+        lora_a, lora_b = (
+            t.full_tensor() if isinstance(t, DTensor) else t for t in (lora_a, lora_b)
+        )
+        local = _merge_plain(
+            weight.to_local(),
+            lora_a[:, col0 : col0 + cols],
+            lora_b[row0 : row0 + rows],
+            scale,
+        )
+        return DTensor.from_local(
+            local,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
+    # Others (DoRA, NF4 in another layout): let DTensor plan the communication, then return
+    # the base's layout.
     return _merge_plain(dequantize(weight), lora_a, lora_b, scale, magnitude).redistribute(
         weight.device_mesh, weight.placements
     )

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from tunelab.config.sections import RouterArgs
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
+from tunelab.distributed.tensor_parallel import tensor_parallel_output
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.moe import RouterStats
@@ -36,10 +37,14 @@ def output_layer(model: nn.Module) -> OutputLayer:
     Pass it to :func:`forward` (which then returns the final hidden states) and to the loss.
     Under FSDP2 the root module keeps its parameters (``lm_head``) gathered from its forward to
     its backward (``shard_model`` does not reshard the root after forward), so the loss can
-    call the layer after the model's forward and in the backward.
+    call the layer after the model's forward and in the backward. Under tensor parallelism
+    it computes this rank's part of the vocabulary (``tensor_parallel_output``).
     """
-    output = getattr(model, "output", None) or model.lm_head
     trainable = any(param.requires_grad for param in model.lm_head.parameters())
+    sharded = tensor_parallel_output(model)
+    if sharded is not None:
+        return OutputLayer(sharded[0], trainable, model.args.vocab_size, vocab_group=sharded[1])
+    output = getattr(model, "output", None) or model.lm_head
     return OutputLayer(output, trainable, model.args.vocab_size)
 
 

@@ -25,6 +25,7 @@ from tunelab.data.streaming import StreamingDataset
 from tunelab.distributed import apply_activation_checkpointing, resolve_dtype, shard_model
 from tunelab.distributed.expert_parallel import expert_parallel_mesh, shard_experts
 from tunelab.distributed.frozen_base import choose_frozen_base
+from tunelab.distributed.tensor_parallel import parallelize_decoder
 from tunelab.errors import ConfigError
 from tunelab.models import TransformerDecoder, from_hf_config, load_hf_into_model
 from tunelab.models.classifier import SCORE_HEAD, SequenceClassifier, init_score_head
@@ -46,6 +47,7 @@ def build_model(
     adapter_dir: str | None = None,
     seed: int = 0,
     expert_parallel_size: int = 1,
+    tensor_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Build, shard and load the model a recipe's ``model`` section describes.
 
@@ -62,6 +64,8 @@ def build_model(
         expert_parallel_size: ``parallelism.expert_parallel_size``: above 1 each process
             holds only its share of every MoE layer's experts, and tokens travel to them
             (``tunelab.distributed.expert_parallel``).
+        tensor_mesh: The tensor-parallel ranks (``DeviceMeshes.tensor``): each block's
+            matmuls are split over them (``tunelab.distributed.tensor_parallel``); None: off.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
@@ -90,6 +94,13 @@ def build_model(
                 # The head is new: it trains whole beside the adapters (PEFT's modules_to_save).
                 decoder.score.requires_grad_(True)
     quantized = lora is not None and lora.quantize_base == "nf4"
+    if tensor_mesh is not None:
+        if quantized:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_size: {tensor_mesh.size()} with "
+                "lora.quantize_base: nf4 is not built yet"
+            )
+        parallelize_decoder(decoder, tensor_mesh)
     experts = set()
     if expert_mesh is not None:
         if quantized:

@@ -1,0 +1,286 @@
+"""Tensor parallelism of the dense decoder: split matmuls, sequence-parallel norms.
+
+With ``parallelism.tensor_parallel_size: N`` the N ranks of the mesh's ``"tp"`` dimension
+(``build_device_meshes``) see the same samples and split each block's matmuls, through torch's
+DTensor parallel styles (Megatron-LM, Shoeybi et al., 2019, https://arxiv.org/abs/1909.08053;
+sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198):
+
+- attention: ``q_proj``, ``k_proj``, ``v_proj`` column-wise (each rank computes
+  ``num_heads / N`` query and ``num_kv_heads / N`` key/value heads, attention runs on them
+  locally), ``o_proj`` row-wise; the MLP: ``gate_proj`` and ``up_proj`` column-wise,
+  ``down_proj`` row-wise. A row-wise output is reduce-scattered over the sequence.
+- between the blocks the residual stream is split over the sequence (``Shard(1)``): the norms
+  run on each rank's tokens (sequence parallelism), and each attention or MLP input is
+  all-gathered over the sequence first. Norm weights are replicated; their gradients are
+  summed over the ranks by DTensor.
+- the embedding is split over the vocabulary (``Shard(0)``) and so is ``lm_head``: the chunked
+  loss (``tunelab.losses``, ``OutputLayer.vocab_group``) computes each rank's logits for its
+  part of the vocabulary and combines the softmax statistics with small all-reduces; the
+  ``[tokens, vocab]`` logits are never gathered. Without the chunked loss (generation,
+  ``chunked_output: false``) ``lm_head`` gathers the logits.
+- LoRA adapters follow their base: under a column-wise base ``A`` is replicated (the base's
+  input is) and ``B`` is split like the base's output rows; under a row-wise base ``A`` is
+  split like the base's input columns and ``B`` replicated, its input being a partial sum.
+
+Every parameter is then a ``DTensor`` on the ``"tp"`` mesh, and FSDP2 shards them further
+over the data-parallel dimensions: checkpoints (DCP) and exports read the same full tensors
+whatever the layout.
+
+Sequences are padded at their end to a multiple of N (causal attention: no earlier token
+sees the padding) and the outputs cut back.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import distribute_module
+
+from tunelab.errors import ConfigError
+
+__all__ = ["check_tensor_parallel", "parallelize_decoder", "tensor_parallel_output"]
+
+
+def check_tensor_parallel(model: nn.Module, size: int) -> None:
+    """Refuse a model or setting tensor parallelism does not cover, with one line.
+
+    Args:
+        model: The decoder, built (on the meta device) with any LoRA adapters.
+        size: ``parallelism.tensor_parallel_size``.
+
+    Raises:
+        ConfigError: A size that does not divide the heads (query and key/value), the
+            intermediate size or the vocabulary; a family or adapter not covered yet.
+    """
+    from tunelab.peft.lora import LoRALinear
+
+    args = model.args
+    setting = f"parallelism.tensor_parallel_size: {size}"
+    family = f"model family {args.family!r}"
+    if args.num_experts:
+        raise ConfigError(f"{setting}: {family} is a mixture of experts; tensor parallelism covers dense models only (use parallelism.expert_parallel_size)")  # fmt: skip
+    if args.fused_projections:
+        raise ConfigError(f"{setting}: {family} fuses q/k/v and gate/up into one projection each, not split by tensor parallelism yet")  # fmt: skip
+    if args.attention_sinks:
+        raise ConfigError(f"{setting}: {family} has attention sinks, not split by tensor parallelism yet")  # fmt: skip
+    if getattr(args, "vision", None) is not None:
+        raise ConfigError(f"{setting}: {family} has a vision tower, not covered by tensor parallelism yet")  # fmt: skip
+    for name, count in (
+        ("num_attention_heads", args.num_heads),
+        ("num_key_value_heads", args.num_kv_heads),
+        ("intermediate_size", args.intermediate_dim),
+        ("vocab_size", args.vocab_size),
+    ):
+        if count % size:
+            raise ConfigError(
+                f"{setting} does not divide the model's {name} {count}: pick a size that "
+                f"divides it ({count} % {size} = {count % size})"
+            )
+    for name, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        if module.lora_magnitude_vector is not None:
+            raise ConfigError(f"{setting} with lora.use_dora: true is not built yet ({name})")
+        if not isinstance(module.dropout, nn.Identity):
+            raise ConfigError(f"{setting} with lora.dropout > 0 is not built yet ({name}): set lora.dropout: 0.0")  # fmt: skip
+        if name == "lm_head":
+            raise ConfigError(f"{setting} with an adapter on lm_head is not built yet: drop lm_head from lora.targets")  # fmt: skip
+        if type(module.weight).__name__ == "NF4Tensor" or isinstance(module.weight, DTensor):
+            raise ConfigError(f"{setting} with lora.quantize_base: nf4 is not built yet")
+
+
+def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Split a dense decoder's matmuls over ``mesh`` (the ``"tp"`` ranks), in place.
+
+    Call it on the model built on the meta device (with its adapters), before FSDP2.
+
+    Args:
+        model: A ``TransformerDecoder``; ``check_tensor_parallel`` must accept it.
+        mesh: The tensor-parallel mesh (``DeviceMeshes.tensor``).
+    """
+    check_tensor_parallel(model, mesh.size())
+    args = model.args
+    for block in model.layers:
+        plan: dict[str, Any] = {
+            "self_attn": _gather_sequence(5),
+            "self_attn.q_proj": _colwise(block.self_attn.q_proj),
+            "self_attn.k_proj": _colwise(block.self_attn.k_proj),
+            "self_attn.v_proj": _colwise(block.self_attn.v_proj),
+            "self_attn.o_proj": _rowwise(block.self_attn.o_proj),
+            "mlp": _gather_sequence(1),
+            "mlp.gate_proj": _colwise(block.mlp.gate_proj),
+            "mlp.up_proj": _colwise(block.mlp.up_proj),
+            "mlp.down_proj": _rowwise(block.mlp.down_proj),
+        }
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if args.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        plan |= {name: SequenceParallel(use_local_output=True) for name in norms}
+        if args.qk_norm:
+            # Per-head norms see this rank's heads ([batch, seq, heads / N, head_dim]).
+            plan |= {
+                f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                for name in ("q_norm", "k_norm")
+            }
+        parallelize_module(block, mesh, plan)
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1)
+            ),
+            "model.norm": SequenceParallel(use_local_output=True),
+            # Only forwards that want the logits call it (the chunked loss does not).
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    model.tie_weights()  # both are Shard(0) over the vocabulary: they can stay one tensor
+    model.register_forward_pre_hook(partial(_pad_sequence, mesh.size()), with_kwargs=True)
+    model.register_forward_hook(partial(_gather_output, mesh), with_kwargs=True)
+    model.tensor_parallel_mesh = mesh
+
+
+def tensor_parallel_output(model: nn.Module) -> tuple[Any, Any] | None:
+    """The vocabulary-sharded output layer of a tensor-parallel decoder, or None.
+
+    Returns:
+        ``(forward, group)``: ``forward`` maps hidden states ``[..., dim]`` to this rank's
+        logits ``[..., vocab / N]`` (its rows of ``lm_head``, then any final soft-cap), the
+        vocabulary split in N equal consecutive parts, rank ``r`` holding part ``r``; and the
+        tensor-parallel process group. None when the model is not tensor-parallel.
+    """
+    mesh = getattr(model, "tensor_parallel_mesh", None)
+    if mesh is None:
+        return None
+    lm_head, cap = model.lm_head, model.args.final_logit_softcap
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, lm_head.weight.to_local())
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    return forward, mesh.get_group()
+
+
+def _gather_sequence(num_inputs: int) -> PrepareModuleInput:
+    # The first input arrives split over the sequence (this rank's tokens): all-gather it.
+    # The others (rotary tables, masks, positions) are whole already.
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest),
+        desired_input_layouts=(Replicate(), *rest),
+        use_local_output=True,
+    )
+
+
+def _colwise(module: nn.Module) -> ColwiseParallel:
+    return _LoRAColwise() if _is_lora(module) else ColwiseParallel()
+
+
+def _rowwise(module: nn.Module) -> RowwiseParallel:
+    return _LoRARowwise(output_layouts=Shard(1)) if _is_lora(module) else RowwiseParallel(output_layouts=Shard(1))  # fmt: skip
+
+
+def _is_lora(module: nn.Module) -> bool:
+    from tunelab.peft.lora import LoRALinear
+
+    return isinstance(module, LoRALinear)
+
+
+def _place_lora(placements: dict[str, Any], name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    # distribute_module calls this for the LoRALinear ("") and each submodule: place each
+    # one's own parameters (the base weight and bias; lora_A's and lora_B's weight).
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        key = param_name if name == "" else name
+        placed = distribute_tensor(param, mesh, [placements[key]])
+        module.register_parameter(param_name, nn.Parameter(placed, param.requires_grad))
+
+
+class _LoRAColwise(ColwiseParallel):
+    """``ColwiseParallel`` for a ``LoRALinear``: ``A`` replicated, ``B`` split like the base."""
+
+    _placements = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partial(_place_lora, self._placements),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _LoRARowwise(RowwiseParallel):
+    """``RowwiseParallel`` for a ``LoRALinear``: ``A`` split like the base, ``B`` replicated.
+
+    ``A``'s output is then a partial sum over the ranks, and so is ``B``'s (a linear map of
+    it), added to the base's partial output before the one reduction of the layer.
+    """
+
+    _placements = {
+        "weight": Shard(1),
+        "bias": Replicate(),
+        "lora_A": Shard(1),
+        "lora_B": Replicate(),
+    }
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            partial(_place_lora, self._placements),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _pad_sequence(
+    size: int, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    # Pad tokens (and document ids and positions) at the end to a multiple of the tp size, so
+    # each rank holds as many tokens; _gather_output cuts the outputs back.
+    tokens = args[0] if args else kwargs["tokens"]
+    seq_len = tokens.shape[1]
+    extra = -seq_len % size
+    module._tensor_parallel_seq_len = seq_len
+    if extra == 0:
+        return args, kwargs
+    if kwargs.get("mask") is not None or kwargs.get("context_parallel") is not None:
+        raise ValueError("tensor parallelism pads sequences: no explicit mask, no context parallelism")  # fmt: skip
+    tokens = F.pad(tokens, (0, extra))
+    for key in ("document_ids", "input_pos"):
+        value = kwargs.get(key)
+        if value is not None:
+            # Repeat the last document id; positions go on counting (the padding is never read).
+            last = value[:, -1:]
+            step = torch.arange(1, extra + 1, device=value.device) if key == "input_pos" else 0
+            kwargs[key] = torch.cat([value, last + step], dim=1)
+    return (tokens, *args[1:]), kwargs
+
+
+def _gather_output(
+    mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor
+) -> torch.Tensor:
+    seq_len = module._tensor_parallel_seq_len
+    if kwargs.get("return_hidden"):
+        # Final hidden states, split over the sequence: gathered whole (dim wide), each rank
+        # then computes its part of the vocabulary's logits from all of them. Their gradient
+        # is each rank's part (a partial sum), reduce-scattered back to the sequence split.
+        hidden = DTensor.from_local(output, mesh, [Shard(1)], run_check=False)
+        output = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    return output[:, :seq_len]
