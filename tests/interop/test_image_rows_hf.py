@@ -1,0 +1,239 @@
+"""Chat rows with images: ids and trained masks equal transformers' processor.
+
+A tiny byte-level BPE with Qwen2.5-VL's special tokens and a Qwen2.5-VL style chat template
+(its assistant text inside ``{% generation %}`` blocks, so transformers'
+``return_assistant_tokens_mask`` gives the trained tokens). Rows name their images as content
+parts (``image`` and ``path`` keys) or through an ``images`` column with ``<image>``
+placeholders; ``Qwen2_5_VLProcessor.apply_chat_template`` gets the same conversations with the
+images in content parts. Bad rows are refused with one line each.
+"""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tunelab.data.chat import chat_template_of
+from tunelab.data.image_rows import ImageChatRows, read_image_messages
+from tunelab.data.images import ImageProcessing
+from tunelab.data.rows import IGNORE_INDEX, BadRow
+from tunelab.data.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Qwen2.5-VL's template, with {% generation %} around what the assistant generates.
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>{% endgeneration %}\n"
+    "{% elif message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tokenizer files, a preprocessor config and four images."""
+    path = tmp_path_factory.mktemp("vl_tokenizer")
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["What colour is the square? It is red. Which shape is it? A circle, blue."] * 20
+    tokenizer.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    for name, size, colour in [
+        ("red.png", (40, 30), (255, 0, 0)),
+        ("wide.png", (200, 60), (0, 0, 255)),
+        ("tall.png", (50, 130), (0, 255, 0)),
+        ("grey.png", (90, 90), (128, 128, 128)),
+    ]:
+        Image.new("RGB", size, colour).save(path / name)
+    return path
+
+
+def _hf_processor(folder):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    class Processor(transformers.Qwen2_5_VLProcessor):
+        """The processor without its video processor, whose class needs torchvision (absent)."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name != "video_processor":
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    return Processor(
+        image_processor=Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        tokenizer=tokenizer,
+        chat_template=TEMPLATE,
+    )
+
+
+def _rows_function(folder, **overrides):
+    tokenizer = load_tokenizer(folder)
+    settings = dict(
+        tokenizer=tokenizer,
+        template=chat_template_of(tokenizer),
+        column="messages",
+        processing=ImageProcessing(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        image_dir=str(folder),
+        max_image_pixels=100_000,
+    )
+    return ImageChatRows(**{**settings, **overrides})
+
+
+def _parts(folder, *items):
+    """Content parts: strings are text, ``Path``-like names are images."""
+    return [
+        {"type": "image", "image": str(folder / item)}
+        if item.endswith(".png")
+        else {"type": "text", "text": item}
+        for item in items
+    ]
+
+
+def _theirs(folder, messages):
+    out = _hf_processor(folder).apply_chat_template(
+        messages,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        return_tensors="pt",
+    )
+    ids = out["input_ids"][0].tolist()
+    labels = [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"][0].tolist())]
+    return ids, labels, out["image_grid_thw"].tolist()
+
+
+CONVERSATIONS = {
+    "one image": lambda f: [
+        {"role": "user", "content": _parts(f, "red.png", "What colour is the square?")},
+        {"role": "assistant", "content": "It is red."},
+    ],
+    "two images, two turns": lambda f: [
+        {"role": "user", "content": _parts(f, "wide.png", "Which shape?", "tall.png")},
+        {"role": "assistant", "content": "A circle."},
+        {"role": "user", "content": _parts(f, "Colour?", "grey.png")},
+        {"role": "assistant", "content": "It is blue."},
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_ids_masks_and_grids_equal_transformers(folder, name):
+    messages = CONVERSATIONS[name](folder)
+    (sample,) = _rows_function(folder)({"messages": messages})
+    ids, labels, grids = _theirs(folder, messages)
+    assert sample["tokens"] == ids
+    assert sample["labels"] == labels
+    assert sample["image_grids"] == grids
+    assert any(label != IGNORE_INDEX for label in sample["labels"])
+
+
+def test_path_parts_and_placeholder_column_give_the_same_sample(folder):
+    """The three ways of naming images make one sample (relative paths from image_dir)."""
+    rows = _rows_function(folder)
+    parts = CONVERSATIONS["two images, two turns"](folder)
+    by_path = json.loads(json.dumps(parts).replace('"image": ', '"path": '))
+    placeholder = {
+        "messages": [
+            {"role": "user", "content": "<image>Which shape?<image>"},
+            {"role": "assistant", "content": "A circle."},
+            {"role": "user", "content": "Colour?<image>"},
+            {"role": "assistant", "content": "It is blue."},
+        ],
+        "images": ["wide.png", "tall.png", "grey.png"],
+    }
+    expected = rows({"messages": parts})
+    assert rows({"messages": by_path}) == expected
+    assert rows(placeholder) == expected
+
+
+def test_bad_rows_are_one_line_each(folder):
+    rows = _rows_function(folder)
+    (folder / "empty.png").write_bytes(b"")
+    (folder / "cut.png").write_bytes((folder / "wide.png").read_bytes()[:-40])
+    Image.new("RGB", (400, 400)).save(folder / "big.png")
+    user = {"role": "user", "content": "<image>Colour?"}
+    answer = {"role": "assistant", "content": "Red."}
+    cases = {
+        "missing.png": "not found",
+        "empty.png": "empty",
+        "cut.png": "truncated",
+        "big.png": "over the limit",
+    }
+    for file, problem in cases.items():
+        with pytest.raises(BadRow, match=problem) as caught:
+            rows({"messages": [user, answer], "images": [file]})
+        assert "\n" not in str(caught.value.problem)
+    with pytest.raises(BadRow, match="1 <image> placeholders in the messages but 2 images"):
+        rows({"messages": [user, answer], "images": ["red.png", "red.png"]})
+    with pytest.raises(BadRow, match="text-only"):
+        _rows_function(folder, processing=None)({"messages": [user, answer], "images": ["red.png"]})
+    with pytest.raises(BadRow, match="would cut an image"):
+        _rows_function(folder, max_seq_len=10)({"messages": [user, answer], "images": ["red.png"]})
+
+
+def test_placeholders_split_into_parts():
+    messages, files = read_image_messages(
+        [{"role": "user", "content": "a<image>b<image>"}], "messages", ["x.png", "y.png"], "images"
+    )
+    assert files == ["x.png", "y.png"]
+    assert messages[0]["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "image"},
+        {"type": "text", "text": "b"},
+        {"type": "image"},
+    ]
+
+
+def test_image_tokens_match_the_pixels(folder):
+    """Each sample's image tokens equal its images' patches / 4, so the model's scatter fits."""
+    rows = _rows_function(folder)
+    (sample,) = rows({"messages": CONVERSATIONS["two images, two turns"](folder)})
+    processing = rows.processing
+    patches = sum(processing(Image.open(path))[0].shape[0] for path in sample["images"])
+    image_token = load_tokenizer(folder).token_to_id("<|image_pad|>")
+    assert sample["tokens"].count(image_token) * 4 == patches
+    assert torch.tensor(sample["image_grids"]).prod(-1).sum() == patches
