@@ -1,0 +1,136 @@
+"""Asynchronous GRPO (rollout.mode async): real 2-process ``tunelab run``s of tiny/grpo.
+
+k = 0 is synchronous GRPO bit for bit; with k = 2 two runs are identical, the lag follows the
+fixed schedule, and a run whose rank 1 is SIGKILLed after a checkpoint resumes to the
+uninterrupted run's completions, metrics and exports (the batches in flight restored).
+"""
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.recipes.conftest import (
+    RECIPE_TIMEOUT_S,
+    TUNELAB,
+    assert_same_exports,
+    read_metrics,
+    run_env,
+    tunelab_run,
+    wait_for,
+)
+from tests.recipes.test_grpo import (
+    _completion_steps,
+    _rank,
+    _workers,
+    assert_step_logs_equal,
+    completions,
+)
+
+pytestmark = pytest.mark.slow
+
+# Two optimizer passes per batch (stored old log-probs) and a KL to the reference.
+COMMON = ("schedule.batch_size=2", "loss.beta=0.04", "rollout.num_iterations=2")
+# k = 2: at step_3's checkpoint the batches of steps 4 and 5 are in flight; dynamic sampling
+# with a refill round puts refill micro-batches (which draw no loader batch) among them.
+ASYNC = (
+    *COMMON,
+    "rollout.mode=async",
+    "rollout.max_lag=2",
+    "rollout.dynamic_sampling=true",
+    "rollout.dynamic_sampling_refill_rounds=1",
+    "schedule.max_steps_per_epoch=6",
+    "checkpoint.save_every_n_steps=3",
+)
+TIMINGS = ("tokens_per_second", "generation_tokens_per_second", "train_tokens_per_second",
+           "off_policy/sample_seconds", "peak_memory_gib")  # fmt: skip
+
+
+def run(out: Path, *overrides: str) -> Path:
+    tunelab_run("grpo_distributed", "tiny/grpo", f"output_dir={out}", *overrides)
+    return out
+
+
+def untimed(output_dir: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in read_metrics(output_dir)]
+
+
+def test_lag_zero_is_synchronous_grpo_bit_for_bit(tmp_path):
+    steps = ("schedule.max_steps_per_epoch=2", "checkpoint.save_every_n_steps=null")
+    sync = run(tmp_path / "sync", *COMMON, *steps)
+    lag_zero = run(tmp_path / "k0", *COMMON, *steps, "rollout.mode=async", "rollout.max_lag=0")
+    assert (sync / "logs/completions.jsonl").read_bytes() == (
+        lag_zero / "logs/completions.jsonl"
+    ).read_bytes()
+    ours, theirs = untimed(lag_zero), untimed(sync)
+    assert ours == theirs  # loss, grad_norm, kl, off_policy/*: every number equal
+    assert [m["off_policy/lag"] for m in ours] == [0, 0]
+    # The recorded behaviour log-probs are the trainer's up to rounding: KL ~1e-13 measured.
+    assert all(0 <= m["off_policy/kl"] < 1e-9 for m in ours)
+    assert all(m["off_policy/clip_fraction"] == 0 for m in ours)
+    assert_same_exports(lag_zero, sync)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    return run(tmp_path_factory.mktemp("grpo_async") / "full", *ASYNC)
+
+
+def test_the_lag_follows_the_schedule_and_is_corrected(async_run):
+    metrics = read_metrics(async_run)
+    # Batch s is sampled by the policy of step max(s - 2, 0).
+    assert [m["off_policy/lag"] for m in metrics] == [0, 1, 2, 2, 2, 2]
+    assert metrics[0]["off_policy/kl"] < 1e-9
+    # A lagged batch: the policy moved (lr 3e-3), the trainer and behaviour log-probs differ.
+    assert all(m["off_policy/kl"] > 1e-6 for m in metrics[1:])
+    assert all(0 <= m["off_policy/clip_fraction"] <= 1 for m in metrics)
+    assert any(key[1] > 0 for key in completions(async_run))  # refill rounds ran
+
+
+def test_two_async_runs_with_one_seed_are_identical(async_run, tmp_path):
+    again = run(tmp_path / "again", *ASYNC)
+    assert (again / "logs/completions.jsonl").read_bytes() == (
+        async_run / "logs/completions.jsonl"
+    ).read_bytes()
+    assert untimed(again) == untimed(async_run)
+    assert_same_exports(again, async_run)
+
+
+def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(async_run, tmp_path):
+    """Rank 1 SIGKILLed in step 4 (step_3 committed, steps 4 and 5 in flight); resume in place."""
+    out = tmp_path / "killed"
+    command = [TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config",
+               "tiny/grpo", f"output_dir={out}", *ASYNC]  # fmt: skip
+    with open(tmp_path / "killed.out", "w+") as printed:
+        launched = subprocess.Popen(
+            command, env=run_env(), stdout=printed, stderr=printed, start_new_session=True
+        )
+        try:
+            wait_for(
+                lambda: launched.poll() is not None or 4 in _completion_steps(out),
+                RECIPE_TIMEOUT_S,
+                "step 4's completions",
+            )
+            rank_1 = [pid for pid in _workers(out) if _rank(pid) == "1"]
+            assert launched.poll() is None and len(rank_1) == 1, printed.name
+            os.kill(rank_1[0], signal.SIGKILL)
+            launched.wait(RECIPE_TIMEOUT_S)
+        finally:
+            if launched.poll() is None:
+                os.killpg(launched.pid, signal.SIGKILL)
+                launched.wait()
+    assert launched.returncode != 0
+    committed = sorted(int(p.parent.name[5:]) for p in out.glob("step_*/tunelab_manifest.json"))
+    assert committed == [3]
+    state = json.loads((out / "step_3" / "trainer_state.json").read_text())
+    in_flight = json.loads(state["progress"]["rollouts_in_flight"])
+    assert len(in_flight) == 2  # one record per rank
+    assert sorted(batch["step"] for batch in json.loads(in_flight[0])) == [3, 4]  # 0-based
+    run(out, *ASYNC, "checkpoint.resume_from_checkpoint=true")
+    assert_step_logs_equal(out, async_run)
+    after = [m for m in untimed(out) if m["step"] > 3]
+    assert after == [m for m in untimed(async_run) if m["step"] > 3]
+    assert_same_exports(out, async_run)
