@@ -237,3 +237,77 @@ def test_image_tokens_match_the_pixels(folder):
     image_token = load_tokenizer(folder).token_to_id("<|image_pad|>")
     assert sample["tokens"].count(image_token) * 4 == patches
     assert torch.tensor(sample["image_grids"]).prod(-1).sum() == patches
+
+
+def _tiny_model(tokenizer):
+    from tunelab.models import ModelArgs
+    from tunelab.models.vision_language import VisionLanguageDecoder
+    from tunelab.modules.vision import VisionArgs
+
+    vision = VisionArgs(
+        depth=2,
+        dim=32,
+        intermediate_dim=48,
+        num_heads=2,
+        out_dim=64,
+        window_size=56,
+        full_attention_blocks=[1],
+        image_token_id=tokenizer.token_to_id("<|image_pad|>"),
+    )
+    args = ModelArgs(
+        vocab_size=tokenizer.vocab_size,
+        dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_dim=96,
+        qkv_bias=True,
+        family="qwen2_5_vl",
+        mrope_section=[2, 3, 3],
+        vision=vision,
+    )
+    torch.manual_seed(0)
+    return VisionLanguageDecoder(args)
+
+
+def test_lora_training_steps_on_image_rows(folder):
+    """Rows -> collate (images read here) -> LoRA steps: the language model's adapters learn,
+    the vision tower and projector stay frozen unless a target names them."""
+    from tunelab.config.lora import LoRAArgs
+    from tunelab.data.image_rows import padded_collate_images
+    from tunelab.losses import CrossEntropyLoss
+    from tunelab.peft import apply_lora
+    from tunelab.training.loop import batch_loss
+
+    rows = _rows_function(folder)
+    samples = [
+        *rows({"messages": CONVERSATIONS["one image"](folder)}),
+        *rows({"messages": CONVERSATIONS["two images, two turns"](folder)}),
+    ]
+    batch = padded_collate_images(samples, pad_id=0, processing=rows.processing)
+    assert batch["image_grid_thw"].tolist() == [g for s in samples for g in s["image_grids"]]
+    image_token = rows.tokenizer.token_to_id("<|image_pad|>")
+    assert not bool((batch["labels"] == image_token).any())  # image tokens are never trained
+
+    model = _tiny_model(rows.tokenizer)
+    adapted = apply_lora(model, LoRAArgs(rank=4, alpha=8, targets=["all-linear"]))
+    assert adapted and not any(name.startswith("visual.") for name in adapted)
+    assert not any(p.requires_grad for p in model.visual.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    loss_fn = CrossEntropyLoss()
+    losses = []
+    for _ in range(4):
+        loss_sum, num_tokens = batch_loss(loss_fn, model, batch)
+        (loss_sum / num_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss_sum.detach() / num_tokens))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+    projector = _tiny_model(rows.tokenizer)
+    named = apply_lora(
+        projector, LoRAArgs(rank=4, alpha=8, targets=["q_proj", "visual.merger.mlp.0"])
+    )
+    assert "visual.merger.mlp.0" in named
+    assert not any(name.startswith("visual.blocks") for name in named)

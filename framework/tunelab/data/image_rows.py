@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
+from tunelab.data.collate import padded_collate_sft
 from tunelab.data.images import ImageError, ImageProcessing, open_image
 from tunelab.data.rows import BadRow, to_sample
 from tunelab.data.tokenizer import Tokenizer
@@ -251,3 +254,51 @@ class ImageChatRows:
                 }
             )
         return samples
+
+
+def padded_collate_images(
+    batch: list[dict[str, Any]],
+    pad_id: int,
+    processing: ImageProcessing,
+    ignore_index: int = -100,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> dict[str, torch.Tensor]:
+    """``padded_collate_sft``, plus the batch's images read and cut into patches.
+
+    Images are read here, in the data loader's workers, not when the rows were tokenised.
+
+    Args:
+        batch: ``ImageChatRows`` samples (``images`` and ``image_grids`` beside the tokens).
+        pad_id: token id of padding.
+        processing: how images become patches (the one the rows were tokenised with).
+        ignore_index: label of padding.
+        max_image_pixels: the pixel limit (checked again: a file may change after the check).
+
+    Returns:
+        ``padded_collate_sft``'s tensors, and when any item has images ``pixel_values``
+        ``[patches, features]`` and ``image_grid_thw`` ``[images, 3]``, row after row.
+
+    Raises:
+        ImageError: an image that cannot be read, or whose grid differs from the one its tokens
+            were counted for (the file changed since).
+    """
+    out = padded_collate_sft(
+        [{"tokens": item["tokens"], "labels": item["labels"]} for item in batch],
+        pad_id,
+        ignore_index,
+    )
+    pixels, grids = [], []
+    for item in batch:
+        for path, expected in zip(item.get("images") or [], item.get("image_grids") or []):
+            values, grid = processing(open_image(path, max_image_pixels))
+            if list(grid) != list(expected):
+                raise ImageError(
+                    f"{path}: the image is now {list(grid)} patches, not the {list(expected)} "
+                    "its tokens were counted for (the file changed after tokenising)"
+                )
+            pixels.append(values)
+            grids.append(grid)
+    if pixels:
+        out["pixel_values"] = torch.cat(pixels)
+        out["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+    return out

@@ -128,6 +128,9 @@ class VisionLanguageDecoder(TransformerDecoder):
         args: the model's arguments, ``args.vision`` and ``args.mrope_section`` set.
     """
 
+    vision_prefix = "visual."
+    """Where the vision tower and projector live; LoRA leaves them frozen unless named."""
+
     def __init__(self, args: ModelArgs) -> None:
         if args.vision is None or args.mrope_section is None:
             raise ValueError("a vision-language model needs args.vision and args.mrope_section")
@@ -173,6 +176,7 @@ class VisionLanguageDecoder(TransformerDecoder):
         image_grid_thw: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
         **unsupported: object,
     ) -> torch.Tensor:
@@ -187,6 +191,8 @@ class VisionLanguageDecoder(TransformerDecoder):
                 image lies inside one document.
             positions: long ``[3, batch, seq]`` M-RoPE positions; None computes them
                 (``multimodal_positions``).
+            input_pos: 1D positions ``[batch, seq]`` of rows without images (a text batch),
+                the same on all three axes; ignored when the batch holds images.
             return_hidden: return the final normed hidden states instead of the logits.
             **unsupported: other ``TransformerDecoder.forward`` arguments (masks, KV caches,
                 context parallelism, shared prefixes) are refused.
@@ -207,6 +213,8 @@ class VisionLanguageDecoder(TransformerDecoder):
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw go together")
         vision = self.args.vision
+        if positions is None and input_pos is not None and pixel_values is None:
+            positions = input_pos[None].expand(3, *input_pos.shape)
         if positions is None:
             positions = multimodal_positions(
                 tokens,

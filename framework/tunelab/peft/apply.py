@@ -152,6 +152,17 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
     if selected_experts and problems:
         raise ConfigError(problems[0])
     linears = _linear_modules(model)
+    # A vision-language model's vision tower and projector (``visual.``) stay frozen unless a
+    # target names them by their path there (``visual.merger.mlp.0``): bare names and
+    # ``all-linear`` adapt the language model.
+    tower = getattr(model, "vision_prefix", None)
+    if tower:
+        named = [t for t in other_targets if isinstance(t, str) and t.startswith(tower)]
+        linears = {
+            name: linear
+            for name, linear in linears.items()
+            if not name.startswith(tower) or any(_matches(name, t) for t in named)
+        }
     selected = (
         _select_targets(linears, other_targets, bool(expert_weights))
         if other_targets or not selected_experts

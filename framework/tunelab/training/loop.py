@@ -83,6 +83,15 @@ def forward(
             context_parallel=context,
             **routing,
         )
+    if "pixel_values" in batch:
+        # Images (a vision-language model): it computes its own M-RoPE positions.
+        return model(
+            batch["tokens"],
+            pixel_values=batch["pixel_values"],
+            image_grid_thw=batch["image_grid_thw"],
+            document_ids=batch.get("document_ids"),
+            return_hidden=hidden,
+        )
     if "document_ids" in batch:
         return model(
             batch["tokens"],
