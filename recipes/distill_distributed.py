@@ -25,6 +25,7 @@ from tunelab.data import padded_collate_sft
 from tunelab.distill import (
     OnPolicyBatches,
     Teacher,
+    TeacherTopKCache,
     distill_batch,
     evaluate_distillation,
     step_metrics,
@@ -83,22 +84,40 @@ def main(args: DistillArgs) -> None:
         adapter_dir=args.adapter_dir,
         seed=args.seed,
     )
-    # The frozen teacher: its own folder and dtype, the student's vocabulary (else one line).
-    chunked = args.model.chunked_output
-    teacher = Teacher(
-        build_model(args.teacher, device=device, mesh=mesh, seed=args.seed),
-        model,
-        chunked=chunked,
-        teacher_path=args.teacher.path,
-    )
+    loss_fn = instantiate(args.loss)
     benchmarks = TrainingEval(args.eval, model, tokenizer)
+    # teacher.precompute_top_k: batches carry their dataset index, to find their cached rows.
+    precompute = args.teacher.precompute_top_k
     data = build_data(
-        Datasets(args.dataset, tokenizer, padded_collate_sft, args.val_dataset),
+        Datasets(
+            args.dataset, tokenizer, padded_collate_sft, args.val_dataset, index_pairs=precompute
+        ),
         args.schedule,
         seed=args.seed,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         model_context=model.args.max_seq_len,
     )
+    # The teacher's top-k stored with the dataset cache: found, or computed below.
+    spot = None
+    if precompute:
+        spot = TeacherTopKCache.locate(
+            data.loader.dataset, tokenizer, loss_fn, args.teacher.path, args.teacher.dtype
+        )
+    # The frozen teacher: its own folder and dtype, the student's vocabulary (else one line).
+    # With a finished cache it is loaded only for validation or on-policy steps.
+    chunked = args.model.chunked_output
+    teacher = None
+    validates = data.val_loader is not None
+    if spot is None or not spot.exists or validates or args.on_policy.lmbda > 0:
+        teacher = Teacher(
+            build_model(args.teacher, device=device, mesh=mesh, seed=args.seed),
+            model,
+            chunked=chunked,
+            teacher_path=args.teacher.path,
+        )
+    top_k_cache = spot.open_or_build(teacher, loss_fn, data.loader, device) if spot else None
+    if teacher is None and dist_info.is_main:
+        print(f"the teacher is not loaded: its top-k is read from {spot.folder}", flush=True)
     if args.lora is not None:
         trainable = list(peft.get_adapter_params(model).values())
     else:
@@ -109,7 +128,6 @@ def main(args: DistillArgs) -> None:
         lr_scheduler=args.lr_scheduler,
         num_training_steps=data.steps_per_epoch * args.schedule.epochs,
     )
-    loss_fn = instantiate(args.loss)
     # Both output layers run inside the loss, chunk by chunk: no [batch, seq, vocab] logits.
     output = output_layer(model) if chunked else None
     checkpoints = build_checkpoint_client(
@@ -169,8 +187,10 @@ def main(args: DistillArgs) -> None:
             num_tokens = global_token_count(micro_batches)
             total_loss = torch.zeros((), dtype=torch.float64, device=device)
             metric_sums: dict[str, torch.Tensor] = {}
+            # Offline steps with teacher.precompute_top_k read the teacher from its cache.
+            source = top_k_cache if top_k_cache is not None and not sampled else teacher
             for batch in micro_batches:
-                sums = distill_batch(loss_fn, model, teacher, batch, output)
+                sums = distill_batch(loss_fn, model, source, batch, output)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 (sums.loss_sum * dist_info.world_size / num_tokens).backward()
                 total_loss += sums.loss_sum.detach()

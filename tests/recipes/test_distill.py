@@ -191,3 +191,30 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_pat
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "vocabulary" in line]
     assert len(lines) == 1 and "teacher.path" in lines[0], result.stderr[-2000:]
+
+
+def test_precomputed_teacher_top_k_gives_the_live_losses_and_then_needs_no_teacher(
+    teacher, tmp_path
+):
+    # Offline, top-k 8, no validation: the live teacher's top-k, then the same run computing
+    # the cache (one teacher pass) and training from it, then a run that only reads it.
+    common = [
+        f"teacher.path={teacher}", "loss.top_k=8", "~val_dataset", "schedule.batch_size=4",
+        f"dataset.cache_dir={tmp_path / 'data_cache'}", "schedule.max_steps_per_epoch=4",
+    ]  # fmt: skip
+    runs = {}
+    for name, extra in [("live", []), ("builds", ["teacher.precompute_top_k=true"]),
+                        ("reads", ["teacher.precompute_top_k=true"])]:  # fmt: skip
+        result = tunelab_run(
+            "distill_distributed", "tiny/distill", f"output_dir={tmp_path / name}", *SETTINGS,
+            *common, *extra,
+        )  # fmt: skip
+        runs[name] = (_train_rows(tmp_path / name), result.stdout + result.stderr)
+    live, (built, built_log), (read, read_log) = runs["live"][0], runs["builds"], runs["reads"]
+    assert sorted(live) == sorted(built) == sorted(read) == [1, 2, 3, 4]
+    for step in live:
+        for key in ("loss", "distill", "nll", "student_entropy", "scored_tokens"):
+            assert math.isclose(built[step][key], live[step][key], rel_tol=1e-6), (step, key)
+            assert read[step][key] == built[step][key], (step, key)
+    assert built_log.count("teacher top-k (k=8) of 1600 samples") == 1, built_log[-3000:]
+    assert "teacher top-k (k=8) of" not in read_log and "the teacher is not loaded" in read_log

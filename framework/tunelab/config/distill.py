@@ -21,6 +21,8 @@ class TeacherArgs(ModelSetupArgs):
 
     reshard_after_forward: bool = True
     """FSDP2: free the teacher's gathered weights after each block's forward (false: gather each block once and keep it: a replicated teacher, for a teacher small enough to fit every process)."""
+    precompute_top_k: bool = False
+    """Offline steps read the teacher's top-k log-probs (loss.top_k, at loss.temperature) from a checksummed cache stored with the dataset's tokenized cache, computed once by one teacher pass over the dataset and reused by runs of the same teacher weights, dtype, tokenizer, top_k and temperature; the teacher is then loaded only for validation or on-policy steps."""
 
 
 @dataclass(kw_only=True)

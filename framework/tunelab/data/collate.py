@@ -32,6 +32,8 @@ def padded_collate_sft(
         router's load-balancing loss counts); for packed items also ``input_pos`` and
         ``document_ids`` ``[batch, seq]``. Padded positions of packed items (only when packs
         differ in length) take their column index as position and a document id of their own.
+        Items that carry ``pair_index`` (their dataset index, ``IndexedPairs``) give
+        ``pair_index`` LongTensor ``[batch]``.
     """
     length = max(len(item["tokens"]) for item in batch)
     lengths = torch.tensor([len(item["tokens"]) for item in batch])
@@ -50,6 +52,8 @@ def padded_collate_sft(
             document_ids[i, n:] = max(item["document_ids"], default=-1) + 1
         out["input_pos"] = input_pos
         out["document_ids"] = document_ids
+    if "pair_index" in batch[0]:
+        out["pair_index"] = torch.tensor([item["pair_index"] for item in batch], dtype=torch.long)
     return out
 
 

@@ -11,6 +11,7 @@ read from the table when asked for.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,7 @@ class TokenizedDataset(Dataset):
         num_dropped: Preference pairs dropped because truncation left no completion token.
         packed: Whether items are packs (with ``input_pos`` and ``document_ids``).
         kind: ``sft`` or ``preference``.
+        cache_folder: The tokenized table's cache folder (None when it is in memory).
     """
 
     def __init__(
@@ -100,6 +102,10 @@ class TokenizedDataset(Dataset):
         """
         self.kind = kind
         self.packed = packed
+        # The folder of the memory-mapped table (None for an in-memory one): a precomputed
+        # teacher top-k is stored under it (tunelab.distill.TeacherTopKCache).
+        files = getattr(table, "cache_files", None)
+        self.cache_folder = Path(files[0]["filename"]).parent if files else None
         self._max_seq_len = max_seq_len
         self._pad_id = pad_id
         malformed = _flags(table, "problem")

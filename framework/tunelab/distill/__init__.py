@@ -11,10 +11,14 @@ from tunelab.distill.step import (
     evaluate_distillation,
     step_metrics,
 )
+from tunelab.distill.top_k_cache import TeacherTopKCache, TopKCacheKey, TopKCacheSpot
 
 __all__ = [
     "OnPolicyBatches",
     "Teacher",
+    "TeacherTopKCache",
+    "TopKCacheKey",
+    "TopKCacheSpot",
     "distill_batch",
     "evaluate_distillation",
     "step_metrics",

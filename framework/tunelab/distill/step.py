@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tunelab.config.distill import OnPolicyArgs
+from tunelab.distill.top_k_cache import TeacherTopKCache
 from tunelab.distributed import all_reduce_sum, reshard
 from tunelab.errors import ConfigError
 from tunelab.losses import DistillationLoss, DistillationSums, OutputLayer, token_logps
@@ -67,7 +68,7 @@ class Teacher:
 def distill_batch(
     loss_fn: DistillationLoss,
     model: nn.Module,
-    teacher: Teacher,
+    teacher: Teacher | TeacherTopKCache,
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None,
 ) -> DistillationSums:
@@ -76,13 +77,17 @@ def distill_batch(
     Args:
         loss_fn: The distillation loss.
         model: The student.
-        teacher: The frozen teacher.
+        teacher: The frozen teacher, or its precomputed top-k (then no teacher forward runs;
+            the batch carries ``pair_index``).
         batch: ``tokens`` and ``labels`` (a collated SFT batch, or an on-policy one).
         output: The student's output layer (chunked logits), or None: whole logits.
 
     Returns:
         The loss sum (differentiable), the scored tokens and the metric sums.
     """
+    if isinstance(teacher, TeacherTopKCache):
+        cached = teacher.rows(batch, loss_fn.ignore_index)
+        return loss_fn(forward(model, batch, output), cached, batch["labels"], output)
     teacher_states = teacher.states(batch)
     student_states = forward(model, batch, output)
     return loss_fn(student_states, teacher_states, batch["labels"], output, teacher.output)

@@ -90,6 +90,15 @@ def _identity(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def _split(
+    rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor], num_chunks: int
+) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
+    # Chunks of a teacher's rows: a tensor, or a cached top-k's (index, logps) pair.
+    if isinstance(rows, tuple):
+        return list(zip(*(part.tensor_split(num_chunks) for part in rows), strict=True))
+    return list(rows.tensor_split(num_chunks))
+
+
 class DistillationLoss(nn.Module):
     """Base of the distillation losses: chunking, temperature, top-k, the NLL mix and metrics.
 
@@ -151,33 +160,61 @@ class DistillationLoss(nn.Module):
         """
         raise NotImplementedError
 
+    def teacher_support(
+        self, teacher_logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The teacher's side of the divergence: its support and log-probs on it.
+
+        Args:
+            teacher_logits: ``[rows, vocab]`` (detached; computed in at least fp32).
+
+        Returns:
+            ``(index, logps)``: with ``top_k`` below the vocabulary, ``index [rows, k]`` (the
+            teacher's ``k`` most likely tokens at the loss temperature) and the teacher's
+            log-probs renormalised over them ``[rows, k]``; otherwise ``None`` and the
+            log-probs over the whole vocabulary. This is what a precomputed teacher top-k
+            cache stores (``tunelab.distill.TeacherTopKCache``).
+        """
+        scaled = teacher_logits / self.temperature if self.temperature != 1 else teacher_logits
+        index = None
+        if self.top_k is not None and self.top_k < scaled.shape[-1]:
+            index = scaled.topk(self.top_k, dim=-1).indices
+            scaled = scaled.gather(-1, index)
+        return index, torch.log_softmax(scaled, dim=-1)
+
     def token_terms(
-        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        targets: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token loss and metrics of ``[rows, vocab]`` logits (one chunk).
 
         Args:
             student_logits: Differentiable.
-            teacher_logits: Detached.
+            teacher_logits: Detached logits, or a cached teacher top-k ``(index [rows, k],
+                logps [rows, k])`` as :meth:`teacher_support` gives them.
             targets: ``[rows]`` label of each row (for the NLL).
 
         Returns:
             ``(loss [rows], metrics [rows, 4])``; the metrics are detached, in the order of
-            ``METRIC_NAMES``.
+            ``METRIC_NAMES``. With a cached top-k the teacher's whole distribution is unknown:
+            ``teacher_kl`` is then KL(teacher || student) over the cached support, both
+            renormalised, at the loss temperature.
         """
         dtype = torch.promote_types(student_logits.dtype, torch.float32)
         student = student_logits.to(dtype)
-        teacher = teacher_logits.detach().to(dtype)
-        scaled_student, scaled_teacher = student, teacher
-        if self.temperature != 1:
-            scaled_student, scaled_teacher = student / self.temperature, teacher / self.temperature
-        if self.top_k is not None and self.top_k < teacher.shape[-1]:
-            index = scaled_teacher.topk(self.top_k, dim=-1).indices
+        teacher = None
+        if isinstance(teacher_logits, tuple):
+            index, teacher_support_logps = teacher_logits[0], teacher_logits[1].to(dtype)
+        else:
+            teacher = teacher_logits.detach().to(dtype)
+            index, teacher_support_logps = self.teacher_support(teacher)
+        scaled_student = student / self.temperature if self.temperature != 1 else student
+        if index is not None:
             scaled_student = scaled_student.gather(-1, index)
-            scaled_teacher = scaled_teacher.gather(-1, index)
-        divergence = self.divergence(
-            torch.log_softmax(scaled_student, dim=-1), torch.log_softmax(scaled_teacher, dim=-1)
-        )
+        student_support_logps = torch.log_softmax(scaled_student, dim=-1)
+        divergence = self.divergence(student_support_logps, teacher_support_logps)
         student_logps = torch.log_softmax(student, dim=-1)
         nll = -student_logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         loss = (
@@ -187,17 +224,19 @@ class DistillationLoss(nn.Module):
         )
         with torch.no_grad():
             student_logps = student_logps.detach()
-            teacher_logps = torch.log_softmax(teacher, dim=-1)
-            student_probs = student_logps.exp()
-            teacher_kl = (teacher_logps.exp() * (teacher_logps - student_logps)).sum(-1)
-            entropy = -(student_probs * student_logps).sum(-1)
+            if teacher is not None:
+                teacher_logps = torch.log_softmax(teacher, dim=-1)
+                teacher_kl = (teacher_logps.exp() * (teacher_logps - student_logps)).sum(-1)
+            else:
+                teacher_kl = _kl(teacher_support_logps, student_support_logps.detach())
+            entropy = -(student_logps.exp() * student_logps).sum(-1)
             metrics = torch.stack([divergence.detach(), nll.detach(), teacher_kl, entropy], dim=-1)
         return loss, metrics
 
     def forward(
         self,
         student: torch.Tensor,
-        teacher: torch.Tensor,
+        teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         labels: torch.Tensor,
         output: OutputLayer | None = None,
         teacher_output: OutputLayer | None = None,
@@ -211,10 +250,14 @@ class DistillationLoss(nn.Module):
             student: The student's logits ``[batch, seq, vocab]``, or with ``output`` its final
                 hidden states ``[batch, seq, dim]``.
             teacher: The teacher's logits, or with ``teacher_output`` its hidden states
-                ``[batch, seq, teacher_dim]`` (no gradient flows to it).
+                ``[batch, seq, teacher_dim]`` (no gradient flows to it); or a precomputed
+                teacher top-k of the scored positions in row-major order, ``(index [scored,
+                k], logps [scored, k])`` as :meth:`teacher_support_rows` gives them (then
+                ``teacher_output`` is None).
             labels: ``[batch, seq]`` aligned with the tokens.
             output: The student's output layer, applied here chunk by chunk.
-            teacher_output: The teacher's output layer (needed with ``output``).
+            teacher_output: The teacher's output layer (needed with ``output`` and live
+                teacher states).
 
         Returns:
             The loss sum, the number of scored tokens and the metric sums.
@@ -222,29 +265,34 @@ class DistillationLoss(nn.Module):
         Raises:
             ValueError: Shapes that do not line up, or one output layer without the other.
         """
-        if (output is None) != (teacher_output is None):
+        cached = isinstance(teacher, tuple)
+        if not cached and (output is None) != (teacher_output is None):
             raise ValueError("give both output layers (chunked logits) or neither (whole logits)")
+        teacher_shape = teacher[1].shape if cached else teacher.shape
         if (
             student.dim() != 3
             or labels.shape != student.shape[:2]
-            or teacher.shape[:2] != labels.shape
+            or (not cached and teacher_shape[:2] != labels.shape)
         ):
             raise ValueError(
                 f"expected student [batch, seq, *], teacher [batch, seq, *] and labels "
-                f"[batch, seq], got {tuple(student.shape)}, {tuple(teacher.shape)} and "
+                f"[batch, seq], got {tuple(student.shape)}, {tuple(teacher_shape)} and "
                 f"{tuple(labels.shape)}"
             )
         student_forward = output.forward if output is not None else _identity
         teacher_forward = teacher_output.forward if teacher_output is not None else _identity
         vocab = output.vocab_size if output is not None else student.shape[-1]
-        targets = labels[:, 1:]
-        mask = targets != self.ignore_index
-        scored = mask.reshape(-1).nonzero().squeeze(-1)
-        batch, seq = labels.shape
-        rows = scored + scored // max(seq - 1, 1)
-        student_rows = student.reshape(batch * seq, -1).index_select(0, rows)
-        teacher_rows = teacher.detach().reshape(batch * seq, -1).index_select(0, rows)
-        flat_targets = targets.reshape(-1).index_select(0, scored)
+        rows, flat_targets, mask = self._scored_rows(labels)
+        student_rows = student.reshape(-1, student.shape[-1]).index_select(0, rows)
+        if cached:
+            if teacher[0].shape != teacher_shape or teacher_shape[0] != rows.numel():
+                raise ValueError(
+                    f"the cached teacher top-k holds {tuple(teacher_shape)} rows for "
+                    f"{rows.numel()} scored positions"
+                )
+            teacher_rows = (teacher[0], teacher[1])
+        else:
+            teacher_rows = teacher.detach().reshape(-1, teacher.shape[-1]).index_select(0, rows)
         num_rows = max(flat_targets.numel(), 1)
         num_chunks = self.num_chunks or -(-num_rows * vocab // CHUNK_LOGITS)
         num_chunks = chunk_count(num_chunks, num_rows, vocab)
@@ -273,12 +321,65 @@ class DistillationLoss(nn.Module):
             metrics=dict(zip(METRIC_NAMES, totals.unbind(), strict=True)),
         )
 
+    def _scored_rows(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The flat [batch * seq] rows that predict a scored label (row-major), their targets,
+        # and the [batch, seq - 1] mask of scored next labels.
+        targets = labels[:, 1:]
+        mask = targets != self.ignore_index
+        scored = mask.reshape(-1).nonzero().squeeze(-1)
+        rows = scored + scored // max(labels.shape[1] - 1, 1)
+        return rows, targets.reshape(-1).index_select(0, scored), mask
+
+    @torch.no_grad()
+    def teacher_support_rows(
+        self,
+        teacher: torch.Tensor,
+        labels: torch.Tensor,
+        teacher_output: OutputLayer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's top-k at every scored position of a batch: what a cache stores.
+
+        The same rows, chunks and operations as :meth:`forward` with the live teacher, so a
+        loss computed from the result equals the live one.
+
+        Args:
+            teacher: The teacher's logits, or with ``teacher_output`` its hidden states.
+            labels: ``[batch, seq]``.
+            teacher_output: The teacher's output layer, applied chunk by chunk.
+
+        Returns:
+            ``(index [scored, k] int64, logps [scored, k])`` in row-major order of the scored
+            positions.
+
+        Raises:
+            ConfigError: Without ``top_k`` (a cache of the whole vocabulary is the logits).
+        """
+        if self.top_k is None:
+            raise ConfigError("loss.top_k: a precomputed teacher top-k needs top_k set")
+        rows, _, _ = self._scored_rows(labels)
+        teacher_rows = teacher.reshape(-1, teacher.shape[-1]).index_select(0, rows)
+        vocab = teacher_output.vocab_size if teacher_output is not None else teacher.shape[-1]
+        num_rows = max(rows.numel(), 1)
+        num_chunks = self.num_chunks or -(-num_rows * vocab // CHUNK_LOGITS)
+        num_chunks = chunk_count(num_chunks, num_rows, vocab)
+        forward = teacher_output.forward if teacher_output is not None else _identity
+        indices, logps = [], []
+        for chunk in teacher_rows.tensor_split(num_chunks):
+            logits = forward(chunk)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            index, chunk_logps = self.teacher_support(logits)
+            if index is None:  # top_k covers the whole vocabulary
+                index = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
+            indices.append(index)
+            logps.append(chunk_logps)
+        return torch.cat(indices), torch.cat(logps)
+
     def _chunks(
         self,
         student_forward: Callable[[torch.Tensor], torch.Tensor],
         teacher_forward: Callable[[torch.Tensor], torch.Tensor],
         student_rows: torch.Tensor,
-        teacher_rows: torch.Tensor,
+        teacher_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         targets: torch.Tensor,
         num_chunks: int,
         needs_grad: bool,
@@ -288,7 +389,7 @@ class DistillationLoss(nn.Module):
         losses, metrics = [], []
         for student_chunk, teacher_chunk, target_chunk in zip(
             student_rows.tensor_split(num_chunks),
-            teacher_rows.tensor_split(num_chunks),
+            _split(teacher_rows, num_chunks),
             targets.tensor_split(num_chunks),
         ):
             args = (student_forward, teacher_forward, student_chunk, teacher_chunk, target_chunk)
@@ -305,10 +406,12 @@ class DistillationLoss(nn.Module):
         student_forward: Callable[[torch.Tensor], torch.Tensor],
         teacher_forward: Callable[[torch.Tensor], torch.Tensor],
         student_rows: torch.Tensor,
-        teacher_rows: torch.Tensor,
+        teacher_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         targets: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         student_logits = student_forward(student_rows)
+        if isinstance(teacher_rows, tuple):  # a cached top-k: no teacher computation
+            return self.token_terms(student_logits, teacher_rows, targets)
         with torch.no_grad():
             teacher_logits = teacher_forward(teacher_rows)
         if teacher_logits.shape[-1] != student_logits.shape[-1]:
@@ -339,7 +442,7 @@ class _FrozenOutputDistillation(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         student_rows: torch.Tensor,
-        teacher_rows: torch.Tensor,
+        teacher_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         targets: torch.Tensor,
         loss: DistillationLoss,
         student_forward: Callable[[torch.Tensor], torch.Tensor],
@@ -349,7 +452,7 @@ class _FrozenOutputDistillation(torch.autograd.Function):
         losses, metrics, grads = [], [], []
         for student_chunk, teacher_chunk, target_chunk in zip(
             student_rows.tensor_split(num_chunks),
-            teacher_rows.tensor_split(num_chunks),
+            _split(teacher_rows, num_chunks),
             targets.tensor_split(num_chunks),
         ):
             with torch.enable_grad():
