@@ -189,3 +189,20 @@ def test_the_schedule_is_a_fixed_depth_and_survives_a_checkpoint():
         RolloutPipeline(2, torch.device("cpu")).load_text('["[]", "[]"]', where="step_3")
     with pytest.raises(CheckpointError, match="unreadable"):
         RolloutPipeline(2, torch.device("cpu")).load_text("[1", where="step_3")
+
+
+def test_validate_refuses_async_agentic_episodes(tmp_path, monkeypatch, capsys):
+    from tunelab.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNELAB_DEBUG", raising=False)
+    errors = {}
+    for config in ("tiny/agentic_grpo", "tiny/grpo"):
+        with pytest.raises(SystemExit) as info:
+            main(["validate", config, f"output_dir={tmp_path}/out", f"model.path={TINY}",
+                  "rollout.mode=async"])  # fmt: skip
+        errors[config] = (info.value.code, capsys.readouterr().err)
+    code, err = errors["tiny/agentic_grpo"]
+    assert code == 1 and "key 'rollout.mode': async rollouts are not built for agentic" in err, err
+    assert "Traceback" not in err
+    assert errors["tiny/grpo"][0] == 0, errors["tiny/grpo"][1]
