@@ -56,6 +56,28 @@ def test_tensors_read_back_as_written_and_q_k_rows_permuted(tiny):
     assert fields["llama.attention.head_count_kv"].contents() == 2
 
 
+def test_experts_are_stacked_per_projection_and_the_router_stays_f32(tmp_path):
+    folder = tmp_path / "epoch_0"
+    shutil.copytree(assets_dir() / "tiny_moe", folder)
+    reader = gguf.GGUFReader(export_gguf(folder, quant="f16"))
+    tensors = {t.name: t for t in reader.tensors}
+    weights = load_file(folder / "model.safetensors")
+    for gguf_name, hf_name in [("gate", "w1"), ("up", "w3"), ("down", "w2")]:
+        stacked = [weights[f"model.layers.1.block_sparse_moe.experts.{e}.{hf_name}.weight"]
+                   for e in range(4)]  # fmt: skip
+        expected = np.stack(stacked).astype(np.float16)
+        assert np.array_equal(
+            np.array(tensors[f"blk.1.ffn_{gguf_name}_exps.weight"].data), expected
+        )
+    router = tensors["blk.1.ffn_gate_inp.weight"]
+    assert router.tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.array_equal(
+        np.array(router.data), weights["model.layers.1.block_sparse_moe.gate.weight"]
+    )
+    assert reader.fields["llama.expert_count"].contents() == 4
+    assert reader.fields["llama.expert_used_count"].contents() == 2
+
+
 def test_norms_stay_f32_and_matrices_take_the_quantization(tiny):
     reader = gguf.GGUFReader(export_gguf(tiny, quant="q8_0"))
     types = {t.name: t.tensor_type for t in reader.tensors}
@@ -77,7 +99,15 @@ def test_checksums_are_verified(tiny):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "mixtral"}, "model_type 'mixtral'"),
+        ({"model_type": "gpt_oss"}, "model_type 'gpt_oss'"),
+        (
+            {"model_type": "qwen3_moe", "num_experts": 4, "mlp_only_layers": [1]},
+            "some layers are dense",
+        ),
+        (
+            {"model_type": "qwen3_moe", "num_experts": 4, "norm_topk_prob": False},
+            "norm_topk_prob is false",
+        ),
         (
             {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
             "cannot export phi3 to GGUF: LongRoPE",

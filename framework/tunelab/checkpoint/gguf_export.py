@@ -20,6 +20,7 @@ whole at the end: an interrupted export leaves the previous GGUF folder or none.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from tunelab.errors import CheckpointError, TunelabError
 from tunelab.formats.gguf_model import (
     QUANTIZATIONS,
     PlannedTensor,
+    expert_stacks,
     family_of,
     permute_rows,
     plan_tensor,
@@ -81,10 +83,17 @@ def _plan(export_dir: Path, config: dict, quant: str) -> list[PlannedTensor]:
             PlannedTensor(None, "rope_freqs.weight", freqs.shape, gguf.GGMLQuantizationType.F32, 0)
         )
     with HFCheckpointReader(export_dir) as reader:
-        for key in sorted(reader.keys()):
-            planned = plan_tensor(key, reader.shape(key), config, family, qtype)
-            if planned is not None:
-                plan.append(planned)
+        plain, stacks = expert_stacks(sorted(reader.keys()), str(export_dir))
+        shapes = {key: tuple(reader.shape(key)) for key in plain}
+        for stacked, experts in stacks.items():
+            shape = {tuple(reader.shape(key)) for key in experts}
+            if len(shape) != 1:
+                raise CheckpointError(f"{export_dir}: the experts of {stacked} differ in shape")
+            shapes[stacked] = (len(experts), *shape.pop())
+    for key in sorted(shapes):
+        planned = plan_tensor(key, shapes[key], config, family, qtype)
+        if planned is not None:
+            plan.append(dataclasses.replace(planned, sources=stacks.get(key, ())))
     return plan
 
 
@@ -115,6 +124,8 @@ def _stored(reader: HFCheckpointReader, tensor: PlannedTensor, config: dict) -> 
     """The tensor's data as stored in the file (its bytes, unpadded)."""
     if tensor.hf_name is None:
         data = torch.from_numpy(rope_freqs(config))
+    elif tensor.sources:  # an MoE layer's experts, stacked
+        data = torch.stack([reader.get(key, dtype=torch.float32) for key in tensor.sources])
     else:
         data = reader.get(tensor.hf_name, dtype=torch.float32)
     if tensor.offset:

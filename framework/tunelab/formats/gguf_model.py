@@ -18,6 +18,14 @@ they follow llama.cpp's). Two differences from a plain rename, both as llama.cpp
   sliding and global layers (every 2nd, resp. 6th layer global) and Gemma 3's local rope base
   (10000); a config that differs is refused.
 
+- Mixture-of-experts layers (``mixtral`` as llama.cpp's ``llama`` with experts, ``qwen3_moe`` as
+  ``qwen3moe``): the export's per-expert tensors (``experts.N.w1`` / ``experts.N.gate_proj``)
+  are stacked into one ``[experts, rows, columns]`` tensor per projection
+  (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``), the router is ``ffn_gate_inp``
+  (float32, as llama.cpp's converter keeps it). llama.cpp's MoE layers renormalize the top-k
+  routing weights and have no dense layers, so a ``qwen3_moe`` config that says otherwise is
+  refused.
+
 A family llama.cpp does not support, or a feature of a supported one it would compute
 differently (a sliding window on every layer of qwen2/qwen3), is refused with one line.
 This module imports no torch.
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,6 +49,7 @@ __all__ = [
     "QUANTIZATIONS",
     "GGUFFamily",
     "PlannedTensor",
+    "expert_stacks",
     "family_of",
     "permute_rows",
     "plan_tensor",
@@ -159,6 +169,28 @@ def _phi3_check(config: Mapping[str, Any]) -> str | None:
     return _window_covers_context(config)
 
 
+def _mixtral_check(config: Mapping[str, Any]) -> str | None:
+    return _window_covers_context(config)
+
+
+def _qwen3_moe_check(config: Mapping[str, Any]) -> str | None:
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        return (
+            "some layers are dense (mlp_only_layers / decoder_sparse_step; llama.cpp's qwen3moe "
+            "has experts in every layer)"
+        )
+    if not config.get("norm_topk_prob", True):
+        return "norm_topk_prob is false (llama.cpp renormalizes the top-k routing weights)"
+    return _no_sliding_window(config)
+
+
+def _moe_hparams(writer: gguf.GGUFWriter, config: Mapping[str, Any]) -> None:
+    writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
 _FAMILIES = {
     "llama": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, lambda config: None),
     "mistral": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, _window_covers_context),
@@ -167,6 +199,8 @@ _FAMILIES = {
     "gemma2": GGUFFamily(gguf.MODEL_ARCH.GEMMA2, False, _gemma_check, 1.0, _gemma_hparams),
     "gemma3_text": GGUFFamily(gguf.MODEL_ARCH.GEMMA3, False, _gemma_check, 1.0, _gemma_hparams),
     "phi3": GGUFFamily(gguf.MODEL_ARCH.PHI3, False, _phi3_check),
+    "mixtral": GGUFFamily(gguf.MODEL_ARCH.LLAMA, True, _mixtral_check, 0.0, _moe_hparams),
+    "qwen3_moe": GGUFFamily(gguf.MODEL_ARCH.QWEN3MOE, False, _qwen3_moe_check, 0.0, _moe_hparams),
 }
 
 
@@ -295,6 +329,8 @@ class PlannedTensor:
     """Permute rows in this many heads (0: no permutation)."""
     offset: float = 0.0
     """Added to every value before it is stored (Gemma's norm weights: 1)."""
+    sources: tuple[str, ...] = ()
+    """The per-expert safetensors keys stacked into it, in expert order (empty: ``hf_name``)."""
 
     @property
     def nbytes(self) -> int:
@@ -348,6 +384,36 @@ def plan_tensor(
         heads = config.get("num_key_value_heads", config["num_attention_heads"])
     offset = family.norm_offset if name.endswith("norm.weight") else 0.0
     return PlannedTensor(hf_name, name, tuple(shape), stored, heads, offset)
+
+
+_EXPERT_KEY = re.compile(r"^(?P<moe>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def expert_stacks(keys: list[str], source: str) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+    """Split safetensors keys into plain ones and per-expert ones stacked by projection.
+
+    Returns:
+        ``(plain keys, {stacked name: per-expert keys in expert order})``, the stacked name
+        being the per-expert one without the expert number (``...experts.w1.weight``).
+
+    Raises:
+        CheckpointError: If a projection's experts are not numbered 0 to N-1 without gaps.
+    """
+    plain, stacks = [], {}
+    for key in keys:
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            plain.append(key)
+            continue
+        stacked = f"{match['moe']}.{match['proj']}.weight"
+        stacks.setdefault(stacked, {})[int(match["expert"])] = key
+    for stacked, experts in stacks.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise CheckpointError(
+                f"{source}: the experts of {stacked} are numbered {sorted(experts)}, not 0 to "
+                f"{len(experts) - 1}"
+            )
+    return plain, {name: tuple(e[i] for i in range(len(e))) for name, e in stacks.items()}
 
 
 def permute_rows(data: ArrayT, heads: int) -> ArrayT:
