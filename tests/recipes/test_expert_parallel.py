@@ -1,0 +1,132 @@
+"""Expert parallelism in real 2-process runs (``parallelism.expert_parallel_size=2``, gloo).
+
+Full fine-tuning of the embedded tiny Mixtral (4 experts, top-2) with the router term: each
+process holds 2 experts and sends tokens to the other's. The run equals one process at the
+same micro-batches (1 x 2 accumulated = 2 x 1) within 1e-5: losses, gradient norms and the
+router loss. A checkpoint saved with experts split resumes exactly under plain FSDP, and one
+saved by one process resumes exactly with experts split (DCP reshards: expert weights are
+``Shard(0)`` DTensors either way). A tiny Qwen3-MoE run with experts split exports the same
+bytes as the FSDP run (the learning rate 1e-30 leaves the weights as loaded, so the two
+exports can be compared byte for byte). A size that does not divide the processes stops
+the run with one line. Per-rank ownership (shapes, values) and the all-to-all bytes are
+checked in tests/unit/test_expert_parallel.py.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.recipes.conftest import interrupted_copy, read_metrics, tunelab_run
+from tests.recipes.moe_runs import copy_tiny_tokenizer
+from tunelab._paths import assets_dir
+
+pytestmark = pytest.mark.slow
+
+RUN = (
+    "~lora",
+    "~val_dataset",
+    "dataset.packed=true",
+    "schedule.batch_size=1",
+    "schedule.epochs=1",
+    "schedule.max_steps_per_epoch=3",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=2",
+    "checkpoint.enable_async_checkpointing=false",
+    "router.aux_loss_coef=0.01",
+)
+"""Full fine-tuning of ``tiny/moe_lora``'s model: 3 steps of one pack per process, saved at 2."""
+EXPERT_PARALLEL = "parallelism.expert_parallel_size=2"
+ONE_PROCESS = "schedule.gradient_accumulation_steps=2"  # the 2 processes' micro-batches
+RESUME = "checkpoint.resume_from_checkpoint=true"
+METRICS = ("loss", "grad_norm", "router_aux_loss")
+
+
+def _run(out, *overrides, nproc=2, check=True):
+    return tunelab_run(
+        "full_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", *RUN, *overrides,
+        nproc=nproc, check=check,
+    )  # fmt: skip
+
+
+def _steps(out) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out) if "loss" in r}
+
+
+def _assert_same_steps(run, reference, steps):
+    for step in steps:
+        for name in METRICS:
+            ours, expected = run[step][name], reference[step][name]
+            assert abs(ours - expected) <= 1e-5 * max(1.0, abs(expected)), (step, name, ours)
+
+
+@pytest.fixture(scope="module")
+def mixtral_runs(tmp_path_factory):
+    """The Mixtral run with experts split (2 processes) and on 1 process: their folders."""
+    root = tmp_path_factory.mktemp("expert_parallel")
+    _run(root / "split", EXPERT_PARALLEL)
+    _run(root / "one", ONE_PROCESS, nproc=1)
+    return root / "split", root / "one"
+
+
+def test_split_experts_train_as_one_process_router_loss_included(mixtral_runs):
+    split, one = map(_steps, mixtral_runs)
+    assert sorted(split) == sorted(one) == [1, 2, 3]
+    assert all(split[step]["router_aux_loss"] > 0 for step in split)
+    assert split[3]["loss"] < split[1]["loss"]  # it trains
+    _assert_same_steps(split, one, [1, 2, 3])
+
+
+def test_checkpoints_reshard_between_split_experts_and_fsdp(mixtral_runs, tmp_path):
+    split, one = mixtral_runs
+    # Saved with experts split, resumed under plain FSDP on 2 processes.
+    to_fsdp = interrupted_copy(split, tmp_path / "to_fsdp", after_step=2)
+    _run(to_fsdp, RESUME)
+    _assert_same_steps(_steps(to_fsdp), _steps(split), [3])
+    # Saved by one process (whole experts), resumed with experts split.
+    to_split = interrupted_copy(one, tmp_path / "to_split", after_step=2)
+    _run(to_split, EXPERT_PARALLEL, RESUME)
+    _assert_same_steps(_steps(to_split), _steps(one), [3])
+    assert sorted(_steps(to_fsdp)) == sorted(_steps(to_split)) == [3]
+
+
+def _qwen3_moe(path):
+    import transformers
+
+    tiny = json.loads((assets_dir() / "tiny" / "config.json").read_text())
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=tiny["vocab_size"], hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], bos_token_id=tiny["bos_token_id"],
+        eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"],
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    copy_tiny_tokenizer(path)
+
+
+def test_qwen3_moe_split_experts_export_the_fsdp_runs_bytes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeConfig"):
+        pytest.skip("this transformers has no Qwen3-MoE")
+    _qwen3_moe(tmp_path / "base")
+    same = (f"model.path={tmp_path / 'base'}", "schedule.max_steps_per_epoch=2")
+    frozen = "optimizer.lr=1e-30"  # the weights stay as loaded: the exports must be equal
+    _run(tmp_path / "split", *same, frozen, EXPERT_PARALLEL)
+    _run(tmp_path / "fsdp", *same, frozen)
+    _assert_same_steps(_steps(tmp_path / "split"), _steps(tmp_path / "fsdp"), [1, 2])
+    exported = sorted(path.name for path in (tmp_path / "fsdp" / "epoch_0").iterdir())
+    assert "model.safetensors" in exported
+    for name in exported:
+        if name.endswith((".safetensors", ".json")) and name != "tunelab_manifest.json":
+            ours = (tmp_path / "split" / "epoch_0" / name).read_bytes()
+            assert ours == (tmp_path / "fsdp" / "epoch_0" / name).read_bytes(), name
+
+
+def test_a_size_that_does_not_divide_the_processes_stops_the_run_with_one_line(tmp_path):
+    result = _run(tmp_path / "out", "parallelism.expert_parallel_size=3", check=False)
+    assert result.returncode != 0
+    line = "parallelism.expert_parallel_size: 3 does not divide the 2 processes of this run"
+    assert line in result.stderr and "Traceback" not in result.stderr
