@@ -11,7 +11,8 @@
 # 4. the CUDA bench rows (bench_attention.py: sdpa vs flex, forward and backward, bf16);
 # 5. activation offloading (issue 30): its CUDA test (a skip is a failure) and a LoRA run with
 #    offload_activations and selective checkpointing; with two GPUs, context parallelism:
-#    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32);
+#    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32); tensor
+#    parallelism: tp 2 over NCCL against one GPU, LoRA and full (losses within 1e-4, fp32);
 # 6. the vLLM rollout engine's pieces (bench/gpu_vllm_engine.py; a skip without vllm);
 # 7. bench_scale.py at 2 GB: checkpoint I/O against that machine's disk, buffered and direct
 #    raw baselines (issue 31).
@@ -127,6 +128,28 @@ assert all(abs(losses[0][s] - losses[1][s]) <= 1e-4 for s in losses[0]), losses
 PYEOF
     }
     step context_parallel_2gpu context_parallel
+    # Issue 45: tensor parallelism over NCCL (tp 2: split matmuls, sequence-parallel norms,
+    # the vocabulary-split loss) against one GPU, LoRA and full fine-tuning (fp32, 1e-4).
+    tensor_parallel() {
+        local recipe=$1 config=$2
+        "$TUNELAB" run "$recipe" --config "$config" "output_dir=$OUT/tp1_$recipe" \
+            "${COMMON[@]}" model.dtype=fp32 &&
+        "$TUNELAB" run --nproc_per_node 2 "$recipe" --config "$config" \
+            "output_dir=$OUT/tp2_$recipe" "${COMMON[@]}" model.dtype=fp32 \
+            parallelism.tensor_parallel_size=2 &&
+        "$PY" - "$OUT/tp1_$recipe" "$OUT/tp2_$recipe" <<'PYEOF'
+import json, sys
+losses = [
+    {r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/logs/metrics.jsonl")) if "loss" in r}
+    for d in sys.argv[1:]
+]
+print(losses)
+assert losses[0].keys() == losses[1].keys() and losses[0]
+assert all(abs(losses[0][s] - losses[1][s]) <= 1e-4 for s in losses[0]), losses
+PYEOF
+    }
+    step tensor_parallel_2gpu_lora tensor_parallel lora_finetune_distributed tiny/lora
+    step tensor_parallel_2gpu_full tensor_parallel full_finetune_distributed tiny/full
 fi
 
 # 6. issue 40, item 6: the vLLM rollout engine's pieces (docs/vllm.md) on the tiny model:

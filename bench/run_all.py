@@ -39,6 +39,7 @@ BENCHMARKS = {
     "qlora": ("bench_qlora.py", True, [], ["--size-mb", "1100", "--dim", "2048"]),
     "attention": ("bench_attention.py", False, [], []),
     "context": ("bench_context.py", True, [], []),
+    "parallel": ("bench_parallel.py", True, [], ["--seq-len", "8192"]),
     "moe": ("bench_moe.py", False, [], ["--tokens", "4096"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),

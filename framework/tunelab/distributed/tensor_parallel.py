@@ -113,6 +113,8 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
     """
     check_tensor_parallel(model, mesh.size())
     args = model.args
+    # SequenceParallel makes trainable parameters of the norms it places: keep frozen ones so.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     for block in model.layers:
         plan: dict[str, Any] = {
             "self_attn": _gather_sequence(5),
@@ -149,6 +151,9 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
         },
     )
     model.tie_weights()  # both are Shard(0) over the vocabulary: they can stay one tensor
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     model.register_forward_pre_hook(partial(_pad_sequence, mesh.size()), with_kwargs=True)
     model.register_forward_hook(partial(_gather_output, mesh), with_kwargs=True)
     model.tensor_parallel_mesh = mesh
