@@ -206,3 +206,8 @@ def test_validate_refuses_async_agentic_episodes(tmp_path, monkeypatch, capsys):
     assert code == 1 and "key 'rollout.mode': async rollouts are not built for agentic" in err, err
     assert "Traceback" not in err
     assert errors["tiny/grpo"][0] == 0, errors["tiny/grpo"][1]
+    with pytest.raises(SystemExit) as info:
+        main(["validate", "tiny/grpo", f"output_dir={tmp_path}/out", "rollout.max_lag=2"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1, err
+    assert "key 'rollout.max_lag': 2 is read only with rollout.mode: async" in err, err

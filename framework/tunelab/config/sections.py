@@ -213,7 +213,7 @@ class RolloutArgs:
     """mode async: the importance weight on each token loss of a batch sampled by an older policy, a tunelab.rl.OffPolicyCorrection: tunelab.rl.TruncatedIS (cap) or tunelab.rl.MaskedIS (low, high)."""
 
     def check_settings(self) -> list[str]:
-        """Refills need dynamic sampling; greedy sampling trains nothing."""
+        """Refills need dynamic sampling; greedy sampling trains nothing; max_lag needs async."""
         problems = []
         if self.dynamic_sampling_refill_rounds and not self.dynamic_sampling:
             problems.append(
@@ -226,6 +226,11 @@ class RolloutArgs:
                 f"{self.num_generations} completions of a prompt are the same tokens with the "
                 "same reward: every advantage is 0 and every loss and gradient 0.0, nothing "
                 "trains; set temperature > 0 (1.0 samples the policy as it is)"
+            )
+        if self.mode == "sync" and self.max_lag != 1:
+            problems.append(
+                f"key 'rollout.max_lag': {self.max_lag} is read only with rollout.mode: async "
+                "(sync samples every batch with the policy it trains); set rollout.mode: async"
             )
         return problems
 
