@@ -203,3 +203,51 @@ def test_export_loads_in_transformers_with_equal_logits(models, tmp_path):
             input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **kwargs
         ).logits
     assert float((ours - theirs).abs().max()) <= TOLERANCE
+
+
+def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path):
+    """LoRA on every linear layer of the language model (the tower stays frozen), exported by
+    ``export_hf`` as the recipes do: PEFT loads the adapter onto transformers' model, and
+    transformers the merged weights, both with our logits on an image row."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from tunelab.checkpoint.export import ADAPTER_DIR_NAME, export_hf
+    from tunelab.config.lora import LoRAArgs
+    from tunelab.peft import apply_lora, get_adapter_params
+
+    model = load_pretrained(tiny_vl_dir)
+    lora = LoRAArgs(targets=["all-linear"], rank=4, alpha=8.0)
+    swapped = apply_lora(model, lora)
+    assert not any(name.startswith("visual.") for name in swapped)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in get_adapter_params(model).items():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    grids = [(1, 6, 8)]
+    tokens = torch.tensor([_row(grids)])
+    kwargs = dict(pixel_values=_pixels(grids), image_grid_thw=torch.tensor(grids))
+    hf_kwargs = dict(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **kwargs)
+    with torch.no_grad():
+        expected = model(tokens, **kwargs)
+    export = export_hf(model, tmp_path / "epoch_0", base_checkpoint_dir=tiny_vl_dir, lora=lora)
+
+    def hf(path):
+        return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+    adapter_dir = export / ADAPTER_DIR_NAME
+    adapted = peft.PeftModel.from_pretrained(hf(tiny_vl_dir), adapter_dir).eval()
+    theirs = peft.get_peft_model_state_dict(adapted, save_embedding_layers=False)
+    # PEFT adapted exactly our modules (none of the tower's like-named linears), and every
+    # weight it holds was in our file.
+    assert set(theirs) == set(load_file(adapter_dir / "adapter_model.safetensors"))
+    assert len(theirs) == 2 * len(swapped)
+    with torch.no_grad():
+        assert float((adapted(**hf_kwargs).logits - expected).abs().max()) <= TOLERANCE
+        merged = hf(export)(**hf_kwargs).logits
+        assert float((merged - expected).abs().max()) <= TOLERANCE
+        base = hf(tiny_vl_dir)(**hf_kwargs).logits
+        assert float((base - expected).abs().max()) > 1e-2

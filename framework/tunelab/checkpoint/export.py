@@ -29,6 +29,7 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import gather_full_tensors
 from tunelab.formats.hf import HFCheckpointReader
 from tunelab.models.families import read_hf_config
+from tunelab.peft.apply import peft_target_modules
 from tunelab.peft.merge import lazy_merged_state_dict
 
 ADAPTER_DIR_NAME = "adapter"
@@ -67,6 +68,7 @@ def export_hf(
         # One collective for the whole (small) adapter; the merge reuses its gathered A's.
         adapter = gather_full_tensors(peft.adapter_state_dict(model))
         config = lora.peft_config(peft.lora_target_names(model), str(base_checkpoint_dir))
+        config["target_modules"] = peft_target_modules(model)
         config["task_type"] = model.peft_task_type
         if model.modules_to_save:
             # Whole trained modules (a reward model's score head) travel in the adapter, as
@@ -76,7 +78,10 @@ def export_hf(
 
         def write_adapter(new_export: Path) -> None:
             # Into the new export's folder, first: the two are replaced together, whole.
-            peft.save_peft_adapter(adapter, config, new_export / ADAPTER_DIR_NAME)
+            # Under the module names of transformers' model (a vision-language model's differ
+            # from its checkpoint keys).
+            named = {model.peft_module_path(key): value for key, value in adapter.items()}
+            peft.save_peft_adapter(named, config, new_export / ADAPTER_DIR_NAME)
 
         # The merges run inside the writer, one weight at a time, as each is written.
         state_dict, merges = lazy_merged_state_dict(model, full_adapter=adapter)

@@ -183,6 +183,10 @@ class TransformerDecoder(nn.Module):
         if self.args.tie_embeddings and self.lm_head.weight is not embedding:
             self.lm_head.weight = embedding
 
+    def peft_module_path(self, native_key: str) -> str:
+        """A parameter's name in transformers' model, as PEFT adapters name it (the same here)."""
+        return native_key
+
     def hf_config_updates(self) -> dict[str, Any]:
         """What an export changes in the base model's ``config.json`` (nothing here)."""
         return {}

@@ -137,6 +137,19 @@ class VisionLanguageDecoder(TransformerDecoder):
         super().__init__(args)
         self.visual = VisionTransformer(args.vision)
 
+    def peft_module_path(self, native_key: str) -> str:
+        """Where a parameter lives in transformers' model, as a PEFT adapter names it.
+
+        Checkpoint files keep the hub's keys (``model.layers.0...``, ``visual...``), but
+        transformers (4.52 on, and 5) holds the language model under ``model.language_model``
+        and the tower under ``model.visual``, and PEFT names adapter weights by those modules.
+        """
+        if native_key.startswith(self.vision_prefix):
+            return "model." + native_key
+        if native_key.startswith("model."):
+            return "model.language_model." + native_key.removeprefix("model.")
+        return native_key
+
     def embed(
         self,
         tokens: torch.Tensor,
