@@ -245,7 +245,17 @@ def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path):
     # weight it holds was in our file.
     assert set(theirs) == set(load_file(adapter_dir / "adapter_model.safetensors"))
     assert len(theirs) == 2 * len(swapped)
+    # And the adapter reads back into a fresh LoRA model here (as adapter_dir does).
+    from tunelab.peft import load_peft_adapter
+
+    fresh = load_pretrained(tiny_vl_dir)
+    reread = LoRAArgs.from_peft_config(
+        json.loads((adapter_dir / "adapter_config.json").read_text())
+    )
+    assert sorted(apply_lora(fresh, reread)) == sorted(swapped)
+    load_peft_adapter(fresh, adapter_dir)
     with torch.no_grad():
+        assert float((fresh(tokens, **kwargs) - expected).abs().max()) == 0.0
         assert float((adapted(**hf_kwargs).logits - expected).abs().max()) <= TOLERANCE
         merged = hf(export)(**hf_kwargs).logits
         assert float((merged - expected).abs().max()) <= TOLERANCE

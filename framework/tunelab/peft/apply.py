@@ -9,7 +9,6 @@ mixture-of-experts model's stacked expert weights are targets too (``experts.gat
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator, Sequence
 
 from torch import nn
@@ -262,35 +261,27 @@ def lora_target_names(model: nn.Module) -> list[str]:
     )
 
 
-def peft_target_modules(model: nn.Module) -> list[str] | str:
+def peft_target_modules(model: nn.Module) -> list[str]:
     """``adapter_config.json``'s ``target_modules`` for a LoRA-applied model.
 
     ``lora_target_names``, except for a vision-language model (one with a ``vision_prefix``):
     PEFT adapts every module a short name matches, the vision tower's like-named linears too
-    (``visual.blocks.0.mlp.gate_proj``), so there it is a regex PEFT matches against whole
-    module names: the adapted short names outside the tower, and each adapted tower module by
-    its path.
+    (``visual.blocks.0.mlp.gate_proj``), so there each adapted module is named by a path
+    suffix that matches it both here and in transformers' model, where the language model
+    sits under ``model.language_model``: ``layers.0.self_attn.q_proj``,
+    ``visual.merger.mlp.0``, ``lm_head``.
 
     Args:
         model: A LoRA-applied model.
 
     Returns:
-        The short names, or the regex.
+        The names, sorted.
     """
     tower = getattr(model, "vision_prefix", None)
-    names = lora_target_names(model)
     if not tower:
-        return names
+        return lora_target_names(model)
     modules = _require_lora(model, "peft_target_modules")
-    outside = sorted({n.rpartition(".")[2] for n in modules if not n.startswith(tower)})
-    inside = sorted(n for n in modules if n.startswith(tower))
-    tower_pattern = rf"(?:.*\.)?{re.escape(tower)}"
-    patterns = []
-    if outside:
-        short = "|".join(map(re.escape, outside))
-        patterns.append(rf"(?!{tower_pattern}).*\.(?:{short})")
-    patterns += [rf"(?:.*\.)?{re.escape(name)}" for name in inside]
-    return "|".join(f"(?:{pattern})" for pattern in patterns)
+    return sorted(clean_fqn(name).removeprefix("model.") for name in modules)
 
 
 def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear | ExpertLoRA]:

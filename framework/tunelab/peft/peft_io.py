@@ -161,7 +161,12 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
     except SafetensorError as error:
         raise CheckpointError(f"cannot read {weights_path}: {error}") from error
     targets = adapter_state_dict(model)
-    loaded = from_peft_state_dict(stored, targets)
+    # PEFT names weights by transformers' modules (``peft_module_path``; a vision-language
+    # model's differ from its native names).
+    path_of = getattr(model, "peft_module_path", lambda key: key)  # plain modules: the same
+    native_of = {path_of(key): key for key in targets}
+    loaded = from_peft_state_dict(stored, native_of)
+    loaded = {native_of.get(key, key): value for key, value in loaded.items()}
     missing = sorted(set(targets) - set(loaded))
     unexpected = sorted(set(loaded) - set(targets))
     if missing or unexpected:
