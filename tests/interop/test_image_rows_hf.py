@@ -9,6 +9,7 @@ images in content parts. Bad rows are refused with one line each.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,8 @@ def folder(tmp_path_factory):
         "chat_template": TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    preprocessor = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14}
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     for name, size, colour in [
         ("red.png", (40, 30), (255, 0, 0)),
         ("wide.png", (200, 60), (0, 0, 255)),
@@ -311,3 +314,54 @@ def test_lora_training_steps_on_image_rows(folder):
     )
     assert "visual.merger.mlp.0" in named
     assert not any(name.startswith("visual.blocks") for name in named)
+
+
+def test_image_chat_dataset_checks_rows_before_training(folder, tmp_path):
+    """Bad images are one line with the file and line; skip_malformed skips them; the cached
+    items collate into the model's inputs; a text-only model's tokenizer refuses images."""
+    import shutil
+
+    from tunelab.data.image_dataset import image_chat_dataset
+    from tunelab.data.image_rows import padded_collate_images
+    from tunelab.errors import DataError
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("red.png", "wide.png"):
+        shutil.copy(folder / name, data / name)
+    answer = {"role": "assistant", "content": "It is red."}
+    rows = [
+        {"messages": [{"role": "user", "content": _parts(data, "red.png", "Colour?")}, answer]},
+        {
+            "messages": [{"role": "user", "content": "<image>Colour?"}, answer],
+            "images": ["nope.png"],
+        },
+        {
+            "messages": [{"role": "user", "content": "<image>Shape?"}, answer],
+            "images": ["wide.png"],
+        },
+        {"messages": [{"role": "user", "content": "Colour?"}, answer], "images": ["red.png"]},
+    ]
+    file = data / "train.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = load_tokenizer(folder, max_seq_len=256)
+    build = dict(source="json", data_files=str(file), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError) as caught:
+        image_chat_dataset(tokenizer, **build)
+    message = str(caught.value)
+    assert message.startswith(f"{file}:2: row 1") and "nope.png: image file not found" in message
+    assert "\n" not in message
+    dataset = image_chat_dataset(tokenizer, skip_malformed=True, **build)
+    assert (len(dataset), dataset.num_skipped) == (2, 2)
+    items = [dataset[0], dataset[1]]
+    assert [Path(p).name for item in items for p in item["images"]] == ["red.png", "wide.png"]
+    batch = padded_collate_images(items, 0, ImageProcessing(MIN_PIXELS, MAX_PIXELS))
+    image_token = tokenizer.token_to_id("<|image_pad|>")
+    assert int((batch["tokens"] == image_token).sum()) * 4 == batch["pixel_values"].shape[0]
+
+    text_only = tmp_path / "text_only"
+    text_only.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, text_only / name)
+    with pytest.raises(DataError, match="text-only"):
+        image_chat_dataset(load_tokenizer(text_only, max_seq_len=256), **build)

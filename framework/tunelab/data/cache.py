@@ -64,7 +64,11 @@ SAMPLE_COLUMNS = {
     ),  # fmt: skip
     # KTO's labelled completions; ``desirable`` is ``[1]`` or ``[0]`` (a list like the others).
     "unpaired": ("tokens", "labels", "desirable"),
+    # Chat samples with images: each image's file and patch grid (``tunelab.data.image_rows``).
+    "sft_images": ("tokens", "labels", "images", "image_grids"),
 }
+# Columns of another type than a list of int32.
+_COLUMN_TYPES = {"margin": "float64", "images": "string", "image_grids": "grids"}
 # Per row of the table: was it cut to max_seq_len, does it keep a trained token on every side
 # (preference pairs), and where it came from. ``problem`` and ``column`` are set for a
 # malformed row only.
@@ -90,10 +94,13 @@ def features(kind: str) -> Any:
     from datasets import Features, Sequence, Value
 
     # int32 ids: every vocabulary fits, and the labels' -100; half the bytes of int64.
-    columns = {
-        name: Sequence(Value("float64" if name == "margin" else "int32"))
-        for name in SAMPLE_COLUMNS[kind]
-    }
+    def column(name: str) -> Any:
+        kind_of = _COLUMN_TYPES.get(name, "int32")
+        if kind_of == "grids":
+            return Sequence(Sequence(Value("int32")))
+        return Sequence(Value(kind_of))
+
+    columns = {name: column(name) for name in SAMPLE_COLUMNS[kind]}
     columns.update(
         truncated=Value("bool"),
         completion=Value("bool"),

@@ -1,0 +1,136 @@
+"""``image_chat_dataset``: chat rows with images as SFT samples, tokenised and cached.
+
+The rows are read as ``tunelab.data.image_rows`` describes (content parts or an ``images``
+column with ``<image>`` placeholders); every image is opened and decoded when the dataset is
+built, once per machine, so a bad image stops the build with its file and line before any
+worker starts (or, with ``skip_malformed``, the row is skipped). The cached samples hold each
+image's file and patch grid; the pixels are read by the collate
+(``tunelab.data.image_rows.padded_collate_images``), in the loader's workers.
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tunelab.data.chat import chat_template_of
+from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows
+from tunelab.data.images import ImageProcessing
+from tunelab.data.sources import resolve_sources
+from tunelab.data.tokenized import TokenizedDataset, build_tokenized
+from tunelab.data.tokenizer import Tokenizer
+from tunelab.errors import ConfigError
+
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+def image_processing_for(tokenizer: Tokenizer) -> ImageProcessing | None:
+    """The image preprocessing of the model the tokenizer belongs to, or None (text-only).
+
+    Read from ``preprocessor_config.json`` beside the tokenizer's files, which a
+    vision-language checkpoint carries and a text-only one does not.
+    """
+    path = Path(tokenizer.source).parent / PREPROCESSOR_CONFIG
+    if not path.is_file():
+        return None
+    return ImageProcessing.from_preprocessor_config(json.loads(path.read_text()))
+
+
+def image_chat_dataset(
+    tokenizer: Tokenizer,
+    *,
+    source: str,
+    data_files: Any = None,
+    split: str = "train",
+    conversation_column: str = "messages",
+    images_column: str = "images",
+    image_token: str = "<|image_pad|>",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    template_kwargs: dict[str, Any] | None = None,
+    max_seq_len: int | None = None,
+    skip_malformed: bool = False,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
+) -> TokenizedDataset:
+    """Conversations with images as SFT samples; only the assistant's text is trained.
+
+    Args:
+        tokenizer: The tokenizer (passed by the recipe), with its chat template.
+        source: As for ``chat_dataset`` (``json`` with ``data_files``, a file, a hub id).
+        data_files: File path(s) for a loader ``source``; relative image paths are read from
+            the folder of the file that names them.
+        split: Split to read.
+        conversation_column: The column of OpenAI-style messages.
+        images_column: The column of image files for ``<image>`` placeholders.
+        image_token: The token the chat template writes once per image.
+        min_pixels: Smallest image area after resizing (None: the model's
+            ``preprocessor_config.json``).
+        max_pixels: Largest image area after resizing (None: the model's).
+        max_image_pixels: Largest area an image file may declare (a decompression bomb).
+        template_kwargs: Extra variables for the chat template.
+        max_seq_len: Cut samples to this many tokens (default: the tokenizer's); a cut inside
+            an image is a malformed row.
+        skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
+        num_proc: Tokenizing processes (default: as ``chat_dataset``).
+        cache_dir: Root of the tokenized cache.
+
+    Returns:
+        The dataset, items ``{"tokens", "labels", "images", "image_grids"}``.
+
+    Raises:
+        ConfigError: No chat template.
+        DataError: A malformed row or image (file, line, 0-based row, column).
+    """
+    processing = image_processing_for(tokenizer)
+    if processing is not None and (min_pixels is not None or max_pixels is not None):
+        processing = ImageProcessing(
+            **{
+                **asdict(processing),
+                **({"min_pixels": min_pixels} if min_pixels is not None else {}),
+                **({"max_pixels": max_pixels} if max_pixels is not None else {}),
+            }
+        )
+    max_seq_len = max_seq_len or tokenizer.max_seq_len
+    if max_seq_len is None:
+        raise ConfigError("image_chat_dataset needs max_seq_len (or the tokenizer's)")
+    template = chat_template_of(tokenizer)
+    sources = resolve_sources(source, data_files, split)
+
+    def rows_for(name: str, present: list[str]) -> ImageChatRows:
+        folder = Path(name).parent if Path(name).is_file() else None
+        return ImageChatRows(
+            tokenizer=tokenizer,
+            template=template,
+            column=conversation_column,
+            processing=processing,
+            image_token=image_token,
+            image_dir=None if folder is None else str(folder),
+            images_column=images_column,
+            max_image_pixels=max_image_pixels,
+            max_seq_len=max_seq_len,
+            template_kwargs=template_kwargs,
+        )
+
+    settings = dict(
+        conversation_column=conversation_column,
+        images_column=images_column,
+        image_token=image_token,
+        processing=None if processing is None else asdict(processing),
+        max_image_pixels=max_image_pixels,
+        template_kwargs=template_kwargs,
+        max_seq_len=max_seq_len,
+    )
+    return build_tokenized(
+        tokenizer,
+        builder="image_chat_dataset",
+        settings=settings,
+        rows_for=rows_for,
+        sources=sources,
+        skip_malformed=skip_malformed,
+        kind="sft_images",
+        max_seq_len=max_seq_len,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+    )
