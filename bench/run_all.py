@@ -40,6 +40,7 @@ BENCHMARKS = {
     "attention": ("bench_attention.py", False, [], []),
     "context": ("bench_context.py", True, [], []),
     "parallel": ("bench_parallel.py", True, [], ["--seq-len", "8192"]),
+    "expert_parallel": ("bench_expert_parallel.py", True, [], ["--tokens", "4096"]),
     "moe": ("bench_moe.py", False, [], ["--tokens", "4096"]),
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
