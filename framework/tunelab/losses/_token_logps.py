@@ -209,8 +209,10 @@ def _sharded_log_probs(
     start = dist.get_rank(group) * part
     z = logits.to(dtype)
     row_max = _all_reduce(z.detach().amax(dim=-1), group, dist.ReduceOp.MAX)
-    sum_exp = _all_reduce((z - row_max.unsqueeze(-1)).exp().sum(dim=-1), group, dist.ReduceOp.SUM)
-    log_probs = z - (row_max + sum_exp.log()).unsqueeze(-1)
+    shifted = z - row_max.unsqueeze(-1)
+    sum_exp = _all_reduce(shifted.exp().sum(dim=-1), group, dist.ReduceOp.SUM)
+    # (z - max) - log(sum): log_softmax's order; z - (max + log(sum)) rounds at max's scale.
+    log_probs = shifted - sum_exp.log().unsqueeze(-1)
     owned = (targets >= start) & (targets < start + part)
     local_targets = (targets - start).masked_fill(~owned, 0)
     picked = log_probs.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0)
