@@ -15,7 +15,8 @@ One module per concern, in the order a step uses them:
   :class:`GSPOLoss` (``gspo_loss.py``); a new loss is one subclass in one file;
 - asynchronous GRPO: :class:`RolloutPipeline` and :func:`behaviour_step` (the fixed-depth
   schedule, ``async_rollouts.py``), :class:`OffPolicyCorrection`, :class:`TruncatedIS`,
-  :class:`MaskedIS`, :func:`behaviour_sums` (``off_policy.py``);
+  :class:`MaskedIS`, :func:`behaviour_sums` (``off_policy.py``); :func:`send_weights` and
+  :func:`receive_weights` (checksummed, bounded transfers to rollout ranks, ``weight_sync.py``);
 - the step: :class:`Rollout`, :func:`rollout_batch`, :func:`completion_logps`,
   :func:`store_logps`, :func:`policy_gradient_pass`, :class:`FrozenReference`,
   :func:`global_sums`, :func:`write_completions` (``step.py``); :class:`RolloutValidation`
@@ -77,6 +78,12 @@ from tunelab.rl.step import (
     write_completions,
 )
 from tunelab.rl.validation import RolloutValidation
+from tunelab.rl.weight_sync import (
+    TransferStats,
+    WeightTransferError,
+    receive_weights,
+    send_weights,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -99,8 +106,10 @@ __all__ = [
     "RolloutPipeline",
     "RolloutValidation",
     "SamplingSettings",
+    "TransferStats",
     "ScoredGroups",
     "TruncatedIS",
+    "WeightTransferError",
     "behaviour_logps_batch",
     "behaviour_step",
     "behaviour_sums",
@@ -120,11 +129,13 @@ __all__ = [
     "math_verify_reward",
     "off_policy_metrics",
     "policy_gradient_pass",
+    "receive_weights",
     "refill_indices",
     "regex_reward",
     "rollout_batch",
     "sample_tokens",
     "sampling_seeds",
+    "send_weights",
     "step_counts",
     "store_logps",
     "write_completions",
