@@ -18,6 +18,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -106,12 +107,20 @@ def main() -> None:
             os.fsync(handle.fileno())
 
     times: dict[str, list[float]] = {"tunelab": [], "raw": []}
+    cpu: dict[str, list[float]] = {"tunelab": [], "raw": []}  # this process's CPU seconds
+
+    def timed(name: str, action) -> None:
+        start = time.process_time()
+        times[name].append(time_collective(action))
+        cpu[name].append(time.process_time() - start)
+
     tunelab_export()  # untimed warm-ups: imports, page cache, the output size for raw
     raw_write()
     for _ in range(args.repeats):
-        times["tunelab"].append(time_collective(tunelab_export))
-        times["raw"].append(time_collective(raw_write))
+        timed("tunelab", tunelab_export)
+        timed("raw", raw_write)
     t_tunelab, t_raw = (statistics.median(times[name]) for name in ("tunelab", "raw"))
+    c_tunelab, c_raw = (statistics.median(cpu[name]) for name in ("tunelab", "raw"))
     if rank == 0:
         gib = size[0] / 2**30
         rows = [
@@ -126,6 +135,9 @@ def main() -> None:
             notes=[
                 f"{gib:.2f} GiB f16 GGUF from fp32 safetensors, {dist.get_world_size()} ranks, "
                 f"fsync on, median of {args.repeats} after one untimed warm-up of each",
+                f"rank 0's CPU time (median): export {c_tunelab:.3f} s, raw write "
+                f"{c_raw:.3f} s; load average {os.getloadavg()[0]:.1f} at the end "
+                "(the wall ratio is noisy under load; the CPU times less so)",
                 "convert_hf_to_gguf.py is not in the gguf package nor any registry package "
                 "installed here (it lives in llama.cpp's repository): not measured, so 'no'.",
             ],
