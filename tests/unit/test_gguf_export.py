@@ -1,5 +1,6 @@
 """GGUF export without llama.cpp: file layout, checksums, refusals, crash safety, the Modelfile."""
 
+import functools
 import json
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tunelab._paths import assets_dir
+from tunelab.checkpoint import gguf_export
 from tunelab.checkpoint.gguf_export import export_gguf
 from tunelab.checkpoint.ollama import modelfile
 from tunelab.data.chat_template import ChatTemplate
@@ -214,6 +216,26 @@ def test_sentencepiece_tokenizers_llama_cpp_splits_otherwise_are_refused(tiny, c
     (tiny / "config.json").write_text(json.dumps({**config, "vocab_size": len(vocab)}))
     with pytest.raises(CheckpointError, match=message):
         export_gguf(tiny)
+
+
+@pytest.mark.parametrize("keep_name", [False, True])
+def test_a_phi3_name_without_phi3_tokens_still_loads_in_llama_cpp(tmp_path, keep_name, monkeypatch):
+    """llama.cpp looks up </s>, <unk>, <s> and <|endoftext|> for a model whose general.name
+    contains phi3 or phi-3; the tiny vocabulary has none, so the name is written phi_3."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if keep_name:  # the control: the folder's own name, as written before
+        monkeypatch.setattr(gguf_export, "model_name", lambda name, tokens: name)
+    folder = tmp_path / "Phi-3-mini-tuned"
+    shutil.copytree(TINY, folder)
+    path = export_gguf(folder, quant="f16")
+    name = gguf.GGUFReader(path).fields["general.name"].contents()
+    load = functools.partial(llama_cpp.Llama, str(path), vocab_only=True, verbose=False)
+    if keep_name:
+        with pytest.raises(ValueError):
+            load()
+    else:
+        assert name == "Phi_3-mini-tuned"
+        assert load().tokenize(b"hi")
 
 
 def test_a_step_checkpoint_is_refused(tmp_path):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tunelab._model_files import read_model_text
 from tunelab.checkpoint._safetensors_layout import pwrite_all, start_writeback
 from tunelab.checkpoint.consolidate import temp_name
-from tunelab.checkpoint.gguf_vocab import write_vocab
+from tunelab.checkpoint.gguf_vocab import model_name, write_vocab
 from tunelab.checkpoint.hf_sharded import _swap_into_place
 from tunelab.checkpoint.ollama import modelfile
 from tunelab.data.tokenizer import load_tokenizer
@@ -104,9 +104,9 @@ def _header(
     family = family_of(config, str(export_dir / "config.json"))
     writer = gguf.GGUFWriter(None, family.name)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(export_dir.resolve().name)
     write_hparams(writer, config, family, QUANTIZATIONS[quant][1], str(export_dir / "config.json"))
-    write_vocab(writer, export_dir, load_tokenizer(export_dir), config["vocab_size"])
+    tokens = write_vocab(writer, export_dir, load_tokenizer(export_dir), config["vocab_size"])
+    writer.add_name(model_name(export_dir.resolve().name, set(tokens)))
     for tensor in plan:
         writer.add_tensor_info(
             tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from tunelab._model_files import read_model_text
 from tunelab.data.tokenizer import Tokenizer
 from tunelab.errors import CheckpointError
 
-__all__ = ["write_vocab"]
+__all__ = ["model_name", "write_vocab"]
 
 # llama.cpp's pre-tokenizer names by the split regex of tokenizer.json.
 _PRE_TOKENIZERS = {
@@ -144,9 +145,27 @@ def _spm_scores(model: dict[str, Any], tokens: dict[int, str]) -> dict[int, floa
     return scores
 
 
+# llama.cpp reads general.name: one containing "phi3" or "phi-3" (any case) makes its loader
+# look these tokens up (to set Phi-3's strip-after-special-token flags), and a vocabulary
+# without one of them fails to load ("unordered_map::at").
+_PHI3_NAME = re.compile(r"(?i)(phi)-?3")
+_PHI3_LOOKUPS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def model_name(name: str, tokens: Collection[str]) -> str:
+    """The ``general.name`` to write for a model called ``name`` with vocabulary ``tokens``.
+
+    ``name`` itself, unless llama.cpp would take it for a Phi-3 name and the vocabulary lacks
+    a token its loader then looks up: ``phi3``/``phi-3`` become ``phi_3``, so it loads.
+    """
+    if _PHI3_NAME.search(name) and not all(token in tokens for token in _PHI3_LOOKUPS):
+        return _PHI3_NAME.sub(r"\1_3", name)
+    return name
+
+
 def write_vocab(
     writer: gguf.GGUFWriter, folder: Path, tokenizer: Tokenizer, vocab_size: int
-) -> None:
+) -> list[str]:
     """Add the tokenizer of the model folder ``folder`` to ``writer``.
 
     Args:
@@ -154,6 +173,9 @@ def write_vocab(
         folder: The model folder holding ``tokenizer.json``.
         tokenizer: tunelab's tokenizer of that folder (special ids, BOS rule, chat template).
         vocab_size: The model's vocabulary size (ids past the tokenizer's are unused).
+
+    Returns:
+        The tokens written, by id.
 
     Raises:
         CheckpointError: If the tokenizer is neither byte-level nor SentencePiece-style BPE,
@@ -199,7 +221,8 @@ def write_vocab(
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_pre_tokenizer(data.get("pre_tokenizer"), source))
         writer.add_token_merges(_merges(model))
-    writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)])
+    token_list = [tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    writer.add_token_list(token_list)
     writer.add_token_types([types.get(i, gguf.TokenType.UNUSED) for i in range(vocab_size)])
     if tokenizer.bos_id is not None:
         writer.add_bos_token_id(tokenizer.bos_id)
@@ -209,3 +232,4 @@ def write_vocab(
     writer.add_add_eos_token(False)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template.text)
+    return token_list
