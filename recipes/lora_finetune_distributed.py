@@ -14,7 +14,7 @@ import torch
 
 import tunelab.peft as peft
 from tunelab.config import LoRAFinetuneArgs, instantiate
-from tunelab.data import padded_collate_sft
+from tunelab.data import sft_collate
 from tunelab.distributed import (
     all_reduce_sum,
     build_context_parallel,
@@ -86,7 +86,8 @@ def main(args: LoRAFinetuneArgs) -> None:
     # checked here, so a bad task stops the run before its first step.
     benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
-        Datasets(args.dataset, tokenizer, padded_collate_sft, args.val_dataset),
+        # A vision-language model's collate also reads each batch's images.
+        Datasets(args.dataset, tokenizer, sft_collate(tokenizer), args.val_dataset),
         args.schedule,
         seed=args.seed,
         # A resume on another number of processes keeps the run's global batch.

@@ -57,6 +57,18 @@ def read_json(path: Path) -> tuple[Any, str | None]:
         return None, f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
 
 
+def _read_model_config(path: Path) -> tuple[Any, str | None]:
+    """``read_json`` of a model's ``config.json``, with a multimodal model's language keys.
+
+    A vision-language config (transformers 5) keeps ``vocab_size`` and the other language
+    model keys under ``text_config``; they are read as if at the top level (which wins).
+    """
+    config, problem = read_json(path)
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], **config}
+    return config, problem
+
+
 def repo_hint(folder: Path) -> str | None:
     """Guess the hub repository a model folder was meant to hold.
 
@@ -354,7 +366,7 @@ def model_dir_problems(path: str) -> list[str]:
     links = bad_links(folder)
     if links:  # Before anything in the folder is read.
         return links
-    config, problem = read_json(config_file)
+    config, problem = _read_model_config(config_file)
     if problem:
         return [problem]
     if not isinstance(config, dict):
@@ -384,7 +396,7 @@ def model_context_length(model_dir: str | Path) -> int | None:
     config_file = Path(model_dir).expanduser() / "config.json"
     if not config_file.is_file():
         return None
-    config, problem = read_json(config_file)
+    config, problem = _read_model_config(config_file)
     value = config.get("max_position_embeddings") if isinstance(config, dict) else None
     if problem or isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return None
@@ -410,7 +422,7 @@ def tokenizer_fits_model(tokenizer: Path, model_dir: Path) -> list[str]:
     if not file.is_file() or file.resolve() == (model_dir / "tokenizer.json").resolve():
         return []
     config_file = model_dir / "config.json"
-    config, problem = read_json(config_file) if config_file.is_file() else (None, None)
+    config, problem = _read_model_config(config_file) if config_file.is_file() else (None, None)
     vocab_size = config.get("vocab_size") if isinstance(config, dict) else None
     if problem or isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         return []

@@ -17,6 +17,7 @@ batches are split over ranks with a saved stream position (``stream_loader``).
 from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_dpo, padded_collate_kto, padded_collate_sft
+from tunelab.data.image_dataset import image_chat_dataset, sft_collate
 from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
@@ -44,6 +45,7 @@ __all__ = [
     "Tokenizer",
     "apply_chat_template",
     "chat_dataset",
+    "image_chat_dataset",
     "get_template",
     "instruct_dataset",
     "load_tokenizer",
@@ -53,6 +55,7 @@ __all__ = [
     "padded_collate_kto",
     "padded_collate_prompts",
     "padded_collate_sft",
+    "sft_collate",
     "preference_dataset",
     "kto_dataset",
     "prompt_dataset",

@@ -9,12 +9,14 @@ image's file and patch grid; the pixels are read by the collate
 """
 
 import json
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tunelab.data.chat import chat_template_of
-from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows
+from tunelab.data.collate import padded_collate_sft
+from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, padded_collate_images
 from tunelab.data.images import ImageProcessing
 from tunelab.data.sources import resolve_sources
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
@@ -36,6 +38,30 @@ def image_processing_for(tokenizer: Tokenizer) -> ImageProcessing | None:
     return ImageProcessing.from_preprocessor_config(json.loads(path.read_text()))
 
 
+@dataclass(frozen=True)
+class ImageCollate:
+    """``padded_collate_images`` with its preprocessing bound (picklable, for workers)."""
+
+    processing: ImageProcessing
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    def __call__(self, batch: list[dict[str, Any]], pad_id: int, ignore_index: int = -100) -> Any:
+        """Collate ``batch`` and read its images (see ``padded_collate_images``)."""
+        return padded_collate_images(
+            batch, pad_id, self.processing, ignore_index, self.max_image_pixels
+        )
+
+
+def sft_collate(tokenizer: Tokenizer) -> Callable[..., Any]:
+    """The SFT collate for the tokenizer's model (``Datasets``' ``collate_fn``).
+
+    ``padded_collate_sft``, or for a vision-language model (its ``preprocessor_config.json``
+    beside the tokenizer) an ``ImageCollate`` that also reads each batch's images.
+    """
+    processing = image_processing_for(tokenizer)
+    return padded_collate_sft if processing is None else ImageCollate(processing)
+
+
 def image_chat_dataset(
     tokenizer: Tokenizer,
     *,
@@ -45,8 +71,6 @@ def image_chat_dataset(
     conversation_column: str = "messages",
     images_column: str = "images",
     image_token: str = "<|image_pad|>",
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
@@ -65,9 +89,6 @@ def image_chat_dataset(
         conversation_column: The column of OpenAI-style messages.
         images_column: The column of image files for ``<image>`` placeholders.
         image_token: The token the chat template writes once per image.
-        min_pixels: Smallest image area after resizing (None: the model's
-            ``preprocessor_config.json``).
-        max_pixels: Largest image area after resizing (None: the model's).
         max_image_pixels: Largest area an image file may declare (a decompression bomb).
         template_kwargs: Extra variables for the chat template.
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's); a cut inside
@@ -83,15 +104,8 @@ def image_chat_dataset(
         ConfigError: No chat template.
         DataError: A malformed row or image (file, line, 0-based row, column).
     """
+    # The model's own preprocessing (its preprocessor_config.json), which the collate uses too.
     processing = image_processing_for(tokenizer)
-    if processing is not None and (min_pixels is not None or max_pixels is not None):
-        processing = ImageProcessing(
-            **{
-                **asdict(processing),
-                **({"min_pixels": min_pixels} if min_pixels is not None else {}),
-                **({"max_pixels": max_pixels} if max_pixels is not None else {}),
-            }
-        )
     max_seq_len = max_seq_len or tokenizer.max_seq_len
     if max_seq_len is None:
         raise ConfigError("image_chat_dataset needs max_seq_len (or the tokenizer's)")

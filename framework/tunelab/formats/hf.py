@@ -24,7 +24,8 @@ from tunelab.errors import CheckpointError
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-# Files copied next to exported weights: config, tokenizer, generation settings, licence.
+# Files copied next to exported weights: config, tokenizer, generation settings, a
+# vision-language model's image preprocessing, licence.
 MODEL_FILE_PATTERNS = (
     "config.json",
     "generation_config.json",
@@ -38,6 +39,7 @@ MODEL_FILE_PATTERNS = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",
     "*.tiktoken",
     "LICENSE*",
 )

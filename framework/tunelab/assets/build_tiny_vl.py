@@ -1,0 +1,182 @@
+"""Regenerate the embedded tiny vision-language default in ``framework/tunelab/assets/tiny_vl/``.
+
+Run ``python -m tunelab.assets.build_tiny_vl`` (needs ``transformers``, a dev dependency). It
+writes, deterministically (fixed seeds):
+
+- ``tokenizer.json``, ``tokenizer_config.json``: a byte-level BPE trained on the task text,
+  with Qwen2.5-VL's special tokens and a Qwen2.5-VL style chat template (one
+  ``<|vision_start|><|image_pad|><|vision_end|>`` per image); EOS ``<|im_end|>``;
+- ``preprocessor_config.json``: Qwen2-VL preprocessing with images kept between 56 x 56 and
+  112 x 112 pixels (4 to 16 image tokens);
+- ``config.json``, ``model.safetensors``: a random tiny ``Qwen2_5_VLForConditionalGeneration``
+  (2 language layers of width 64; a vision tower of 2 blocks, one windowed, one full);
+- ``images/*.png``: coloured squares and circles on white, of two sizes;
+- ``chat.jsonl``: questions about an image's colour or shape and their one-word answers, half
+  with content parts, half with an ``images`` column and ``<image>`` placeholders.
+"""
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+OUTPUT_DIR = Path(__file__).resolve().parent / "tiny_vl"
+SEED = 1234
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}  # fmt: skip
+SHAPES = ("square", "circle")
+SIZES = ((56, 56), (112, 56))
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "Which shape is it?"}
+PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 56 * 56,
+    "max_pixels": 112 * 112,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def _image(colour: str, shape: str, size: tuple[int, int]) -> Image.Image:
+    image = Image.new("RGB", size, (255, 255, 255))
+    width, height = size
+    side = min(width, height) - 12
+    left, top = (width - side) // 2, (height - side) // 2
+    box = (left, top, left + side, top + side)
+    draw = ImageDraw.Draw(image)
+    (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLOURS[colour])
+    return image
+
+
+def _rows(rng: random.Random) -> list[dict]:
+    rows = []
+    for colour in COLOURS:
+        for shape in SHAPES:
+            for index, _ in enumerate(SIZES):
+                name = f"images/{colour}_{shape}_{index}.png"
+                for kind, question in QUESTIONS.items():
+                    answer = (colour if kind == "colour" else shape).capitalize() + "."
+                    if len(rows) % 2:
+                        user = {"role": "user", "content": f"<image>{question}"}
+                        row = {"messages": [user], "images": [name]}
+                    else:
+                        parts = [{"type": "image", "image": name}, {"type": "text", "text": question}]  # fmt: skip
+                        row = {"messages": [{"role": "user", "content": parts}]}
+                    row["messages"].append({"role": "assistant", "content": answer})
+                    rows.append(row)
+    rng.shuffle(rows)
+    return rows
+
+
+def _tokenizer(out: Path, rows: list[dict]) -> Tokenizer:
+    corpus = [CHAT_TEMPLATE, "You are a helpful assistant.", *QUESTIONS.values()]
+    corpus += [row["messages"][-1]["content"] for row in rows]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus * 4, trainer=trainer)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tokenizer
+
+
+def _model(out: Path, tokenizer: Tokenizer) -> None:
+    import transformers
+
+    ids = {name: tokenizer.token_to_id(f"<|{name}|>") for name in ("image_pad", "video_pad")}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=tokenizer.get_vocab_size(),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "rope_theta": 1e4,
+            },  # fmt: skip
+            max_position_embeddings=512,
+            bos_token_id=None,
+            eos_token_id=tokenizer.token_to_id("<|im_end|>"),
+            pad_token_id=tokenizer.token_to_id("<|endoftext|>"),
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            window_size=56,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids["image_pad"],
+        video_token_id=ids["video_pad"],
+        vision_start_token_id=tokenizer.token_to_id("<|vision_start|>"),
+        vision_end_token_id=tokenizer.token_to_id("<|vision_end|>"),
+    )
+    torch.manual_seed(SEED)
+    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+
+
+def main() -> None:
+    """Write the tiny VL assets into ``OUTPUT_DIR``."""
+    rng = random.Random(SEED)
+    out = OUTPUT_DIR
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    for colour in COLOURS:
+        for shape in SHAPES:
+            for index, size in enumerate(SIZES):
+                _image(colour, shape, size).save(out / f"images/{colour}_{shape}_{index}.png")
+    rows = _rows(rng)
+    (out / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = _tokenizer(out, rows)
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+    _model(out, tokenizer)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
