@@ -16,7 +16,10 @@ are the sampling policy's: kept for the next passes); 4.
 The reference (``loss.beta`` > 0) is the model with its adapters disabled, or for full fine-tuning
 (``lora: null``) a frozen copy of the base. Sampling seeds derive from the seed, the step and
 the prompt's index, so a resumed run or another number of processes samples the same
-completions.
+completions. With ``rollout.mode: async`` step ``s`` trains on a batch the policy of step
+``s - rollout.max_lag`` sampled (``RolloutPipeline``: a fixed depth, the batches in flight in
+every checkpoint), its token losses weighed by ``rollout.off_policy`` (truncated importance
+sampling by default) against the log-probs recorded while sampling.
 """
 
 import time
