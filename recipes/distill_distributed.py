@@ -103,7 +103,8 @@ def main(args: DistillArgs) -> None:
         spot = TeacherTopKCache.locate(
             data.loader.dataset, tokenizer, loss_fn, args.teacher.path, args.teacher.dtype
         )
-    # The frozen teacher: its own folder and dtype, the student's vocabulary (else one line).
+    # The frozen teacher: its own folder and dtype, the student's vocabulary (special tokens
+    # mapped by content, in one line; any other difference refused in one line).
     # With a finished cache it is loaded only for validation or on-policy steps.
     chunked = args.model.chunked_output
     teacher = None
@@ -114,6 +115,7 @@ def main(args: DistillArgs) -> None:
             model,
             chunked=chunked,
             teacher_path=args.teacher.path,
+            student_tokenizer=args.student_tokenizer_dir(),
         )
     top_k_cache = spot.open_or_build(teacher, loss_fn, data.loader, device) if spot else None
     if teacher is None and dist_info.is_main:

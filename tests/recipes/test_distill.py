@@ -4,6 +4,7 @@ The teacher is built once per session by a short SFT run of a 2x wider tiny Llam
 (``tunelab.assets.build_tiny_teacher``); the runs are shared between the assertions.
 """
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -177,10 +178,14 @@ def test_validation_loss_falls_toward_the_teacher_and_not_at_a_vanishing_lr(
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_path):
+    # Two ordinary tokens with each other's ids: another tokenizer, not a special-token
+    # difference that could be mapped by content (tests/unit/test_teacher_vocabulary.py).
     other = tmp_path / "other_teacher"
     shutil.copytree(teacher, other)
-    config = (other / "config.json").read_text().replace('"vocab_size": 810', '"vocab_size": 900')
-    (other / "config.json").write_text(config)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["red"], vocab["blue"] = vocab["blue"], vocab["red"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     result = tunelab_run(
         "distill_distributed",
         "tiny/distill",
@@ -189,7 +194,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_pat
         check=False,
     )
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if "vocabulary" in line]
+    lines = [line for line in result.stderr.splitlines() if "beyond special tokens" in line]
     assert len(lines) == 1 and "teacher.path" in lines[0], result.stderr[-2000:]
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from tunelab.config._args import Component, component
 from tunelab.config._model_dir import read_json
+from tunelab.config._teacher_vocab import map_vocabularies
 from tunelab.config.constraints import Finite, Range
 from tunelab.config.lora import LoRAArgs
 from tunelab.config.recipe_args import LoRARecipeArgs
@@ -60,7 +61,7 @@ class DistillArgs(LoRARecipeArgs):
     lora: LoRAArgs | None = field(default_factory=LoRAArgs)
     """The student's LoRA adapters (the lora.* keys of lora_finetune_distributed, lora.quantize_base: nf4 for QLoRA); null: full fine-tuning of the student."""
     teacher: TeacherArgs
-    """The frozen teacher: a model of the student's tokenizer family (same vocabulary), its own folder and dtype."""
+    """The frozen teacher: a model of the student's tokenizer family (the same ordinary tokens; special tokens are mapped by content), its own folder and dtype."""
     dataset: Component = component(call_args=("tokenizer",))
     """An SFT or chat dataset (masks as in SFT); on-policy steps take each row's prompt (the tokens before its first target) and sample a completion."""
     val_dataset: Component | None = component(required=False, call_args=("tokenizer",))
@@ -71,13 +72,17 @@ class DistillArgs(LoRARecipeArgs):
     """On-policy steps: their share (lmbda) and how the student samples."""
 
     def check_settings(self) -> list[str]:
-        """Teacher and student must share one vocabulary."""
+        """Teacher and student must share one tokenizer family (special tokens may differ)."""
         problems = super().check_settings() + self.teacher.check_settings()
         student, teacher = _vocab_size(self.model.path), _vocab_size(self.teacher.path)
-        if student is not None and teacher is not None and student != teacher:
-            problems.append(
-                f"key 'teacher.path': the teacher's vocabulary ({teacher} tokens, "
-                f"{self.teacher.path}/config.json) differs from the student's ({student}, "
-                f"{self.model.path}/config.json); distillation needs one tokenizer family"
-            )
+        if student is not None and teacher is not None:
+            try:
+                map_vocabularies(self.student_tokenizer_dir(), self.teacher.path, student, teacher)
+            except (ValueError, OSError) as error:
+                problems.append(f"key 'teacher.path': {error} ({self.teacher.path})")
         return problems
+
+    def student_tokenizer_dir(self) -> str:
+        """The folder of the student's ``tokenizer.json``: ``tokenizer.path``, else the model's."""
+        path = self.tokenizer.get("path") if hasattr(self.tokenizer, "get") else None
+        return path if isinstance(path, str) and path else self.model.path

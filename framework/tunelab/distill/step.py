@@ -12,9 +12,11 @@ import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tunelab.config._teacher_vocab import VocabularyMap, map_vocabularies
 from tunelab.config.distill import OnPolicyArgs
 from tunelab.distill.top_k_cache import TeacherTopKCache
 from tunelab.distributed import all_reduce_sum, reshard
@@ -37,32 +39,85 @@ __all__ = [
 class Teacher:
     """The frozen teacher: no gradient, eval mode, its output layer applied by the loss.
 
+    Its logits come in the student's vocabulary order: where the two tokenizers differ only in
+    special tokens (or in padding rows), the teacher's logits are gathered by content
+    (``tunelab.config._teacher_vocab.map_vocabularies``) and rank 0 says what was mapped in
+    one line; any other difference is refused.
+
     Args:
         model: The teacher as ``build_model`` made it (sharded like the student, or kept
             gathered with ``teacher.reshard_after_forward: false``).
-        student: The student, whose vocabulary the teacher's must equal.
+        student: The student.
         chunked: Whether the loss applies both output layers chunk by chunk
             (``model.chunked_output``).
-        teacher_path: The teacher's folder, for the message.
+        teacher_path: The teacher's folder (its ``tokenizer.json``), for the map and messages.
+        student_tokenizer: The folder of the student's ``tokenizer.json`` (None: the
+            vocabulary sizes must be equal).
 
     Raises:
-        ConfigError: The vocabularies differ.
+        ConfigError: The vocabularies differ beyond special tokens and padding rows.
     """
 
-    def __init__(self, model: nn.Module, student: nn.Module, *, chunked: bool, teacher_path: str):
-        if model.args.vocab_size != student.args.vocab_size:
-            raise ConfigError(
-                f"teacher.path: the teacher's vocabulary ({model.args.vocab_size} tokens, "
-                f"{teacher_path}) differs from the student's ({student.args.vocab_size}); "
-                "distillation needs one tokenizer family"
+    def __init__(
+        self,
+        model: nn.Module,
+        student: nn.Module,
+        *,
+        chunked: bool,
+        teacher_path: str,
+        student_tokenizer: str | None = None,
+    ):
+        student_size, teacher_size = student.args.vocab_size, model.args.vocab_size
+        try:
+            if student_tokenizer is None and student_size != teacher_size:
+                raise ValueError(
+                    f"the teacher's vocabulary ({teacher_size} tokens) differs from the "
+                    f"student's ({student_size})"
+                )
+            vocabulary = (
+                map_vocabularies(student_tokenizer, teacher_path, student_size, teacher_size)
+                if student_tokenizer is not None
+                else VocabularyMap(None, [], [])
             )
+        except ValueError as error:
+            raise ConfigError(f"teacher.path: {error} ({teacher_path})") from None
         self.model = model.requires_grad_(False).eval()
-        self.output: OutputLayer | None = output_layer(model) if chunked else None
+        self.index: torch.Tensor | None = None
+        if vocabulary.teacher_ids is not None:
+            self.index = torch.tensor(vocabulary.teacher_ids, dtype=torch.long)
+            # The teacher reads the student's tokens in its own ids (a padding row, which no
+            # tokenizer produces, is clamped into range).
+            self.input_index = self.index.clamp(max=teacher_size - 1)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"teacher vocabulary: {vocabulary.describe()}", flush=True)
+        self.output: OutputLayer | None = None
+        if chunked:
+            layer = output_layer(model)
+            self.output = layer
+            if self.index is not None:
+                self.output = OutputLayer(
+                    forward=lambda hidden: self._to_student(layer.forward(hidden)),
+                    trainable=False,
+                    vocab_size=student_size,
+                )
+
+    def _to_student(self, logits: torch.Tensor) -> torch.Tensor:
+        # The teacher's logits in the student's vocabulary order; a student padding row (index
+        # one past the teacher's rows) takes the position's smallest teacher logit.
+        smallest = logits.min(dim=-1, keepdim=True).values
+        index = self.index.to(logits.device)
+        return torch.cat([logits, smallest], dim=-1).index_select(-1, index)
 
     @torch.no_grad()
     def states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The teacher's final hidden states (chunked) or logits of a batch."""
-        return forward(self.model, batch, self.output)
+        """The teacher's final hidden states (chunked) or logits of a batch (student order)."""
+        if self.index is not None:
+            tokens = batch["tokens"]
+            batch = {**batch, "tokens": self.input_index.to(tokens.device)[tokens]}
+        states = forward(self.model, batch, self.output)
+        if self.output is None and self.index is not None:
+            states = self._to_student(states)
+        return states
 
 
 def distill_batch(
