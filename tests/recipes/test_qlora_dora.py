@@ -6,7 +6,8 @@ of one shard, give the same losses, a
 kill-and-resume continues exactly, and the merged export loads in transformers with the
 logits of our NF4 model + adapter, as does PEFT with the adapter on the NF4-rounded base. A
 QLoRA + DoRA DPO run starts at loss ln 2 (the reference, adapters off, is the policy at step
-0), and its DoRA adapter loads in PEFT with our logits, which its merged export has too.
+0), and its DoRA adapter loads in PEFT with our logits, which its merged export has too, and
+llama.cpp the f16 GGUF export of that merged model (within 1e-2).
 DoRA on a plain base against PEFT, both ways, is tests/interop/test_peft_dora.py.
 """
 
@@ -195,3 +196,11 @@ def test_qlora_dora_dpo_adapter_loads_in_peft_with_our_logits_and_the_merged_exp
         assert (peft_model(TOKENS).logits - expected).abs().max() < 1e-4
         merged = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_0")
         assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
+    # The GGUF export is made from that merged model: llama.cpp computes our logits too.
+    pytest.importorskip("llama_cpp")
+    from tests.gguf_checks import llama, llama_logits
+    from tunelab.checkpoint.gguf_export import export_gguf
+
+    gguf_model = llama(export_gguf(out / "epoch_0", quant="f16"))
+    for row, logits in zip(TOKENS.tolist(), expected, strict=True):
+        assert abs(llama_logits(gguf_model, row) - logits.double().numpy()).max() < 1e-2
