@@ -13,7 +13,7 @@ the settings it uses, so a copy may declare its own settings dataclass in place 
 import torch
 
 from tunelab.config import FullFinetuneArgs, instantiate
-from tunelab.data import padded_collate_sft
+from tunelab.data import sft_collate
 from tunelab.distributed import (
     all_reduce_sum,
     build_context_parallel,
@@ -83,7 +83,8 @@ def main(args: FullFinetuneArgs) -> None:
     # checked here, so a bad task stops the run before its first step.
     benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
-        Datasets(args.dataset, tokenizer, padded_collate_sft, args.val_dataset),
+        # A vision-language model's collate also reads each batch's images.
+        Datasets(args.dataset, tokenizer, sft_collate(tokenizer), args.val_dataset),
         args.schedule,
         seed=args.seed,
         # A resume on another number of processes keeps the run's global batch.

@@ -160,6 +160,13 @@ def test_the_image_changes_the_logits(models):
     assert float((a[0, -1] - b[0, -1]).abs().max()) > 1e-3
 
 
+def test_image_tokens_without_pixels_are_refused(models):
+    """A batch collated without its images would train image tokens as text: refused."""
+    _, model = models
+    with pytest.raises(ValueError, match="no pixel_values"):
+        model(torch.tensor([_row([(1, 4, 4)])]))
+
+
 def test_positions_follow_the_image_grid():
     """Hand-checked M-RoPE positions: 2 text, start, a 2 x 3 merged grid, end, 1 text."""
     tokens = torch.tensor([[7, 8, START] + [IMAGE] * 6 + [END, 9]])

@@ -171,6 +171,11 @@ class VisionLanguageDecoder(TransformerDecoder):
         """
         h = self.model.embed_tokens(tokens)
         if pixel_values is None:
+            if bool((tokens == self.args.vision.image_token_id).any()):
+                raise ValueError(
+                    "the tokens hold image tokens but no pixel_values were given (a batch "
+                    "collated without its images: use tunelab.data.sft_collate)"
+                )
             return h
         images = self.visual(pixel_values, image_grid_thw).to(h.dtype)
         is_image = tokens == self.args.vision.image_token_id
