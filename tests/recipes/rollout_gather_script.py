@@ -4,7 +4,10 @@ Generates the same completions with the parameters held gathered for the call
 (``gather_once``), then gathered per forward, on a LoRA model (frozen base sharded) and a full
 one, and prints one ``GATHERS`` JSON line per rank: the all-gathers each way (all, and of blocks) (counted from
 FSDP2's own ``FSDP::all_gather`` profiler ranges, no patching), the number of FSDP2 groups,
-the forwards of the phase and whether the completions are equal.
+the forwards of the phase and whether the completions are equal. Then, held, rank ``r`` samples
+``MAX_NEW_TOKENS + 3 r`` tokens: the ranks run different numbers of decode forwards, which
+only works (no hang) when a held forward runs no collective, and the line counts the
+all-reduces of that call and of the per-forward one (where ranks must step together).
 
 Usage: rollout_gather_script.py
 """
@@ -35,7 +38,8 @@ def all_gathers(engine: ModelRolloutEngine, prompts: list[list[int]], seeds: lis
         completions = engine.generate(prompts, seeds)
     # One "FSDP::all_gather (<group>)" range per group all-gather (the root's has no name).
     names = [event.name for event in prof.events() if GATHER.fullmatch(event.name)]
-    return completions, len(names), sum("layers." in name for name in names)
+    all_reduces = sum(event.name == "c10d::allreduce_" for event in prof.events())
+    return completions, len(names), sum("layers." in name for name in names), all_reduces
 
 
 def main() -> None:
@@ -61,8 +65,13 @@ def main() -> None:
             model, settings, pad_id=tokenizer.pad_id, gather_once=False
         )
         held = ModelRolloutEngine(model, settings, pad_id=tokenizer.pad_id)
-        first, gathers_held, blocks_held = all_gathers(held, prompts, seeds)
-        second, gathers_per_forward, blocks_per_forward = all_gathers(per_forward, prompts, seeds)
+        first, gathers_held, blocks_held, _ = all_gathers(held, prompts, seeds)
+        second, gathers_per_forward, blocks_per_forward, reduces_per_forward = all_gathers(
+            per_forward, prompts, seeds
+        )
+        uneven = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS + 3 * info.rank, temperature=1.0)
+        held_uneven = ModelRolloutEngine(model, uneven, pad_id=tokenizer.pad_id)
+        third, _, _, reduces_uneven = all_gathers(held_uneven, prompts, seeds)
         report[name] = {
             "groups": sum(isinstance(m, FSDPModule) for m in model.modules()),
             "layers": len(model.layers),
@@ -72,6 +81,9 @@ def main() -> None:
             "held_blocks": blocks_held,
             "per_forward_blocks": blocks_per_forward,
             "equal": first == second,
+            "per_forward_all_reduces": reduces_per_forward,
+            "uneven_all_reduces": reduces_uneven,
+            "uneven_lengths": sorted({len(c) for c in third}),
         }
     # One write per line (atomic on a pipe): two ranks' print() calls can interleave their
     # text and newline writes into one line.

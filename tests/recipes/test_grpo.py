@@ -320,6 +320,12 @@ def test_rollouts_gather_the_shards_once_per_phase():
         for name in ("lora", "full"):
             r = report[name]
             assert r["equal"], name  # the same tokens either way
+            # Gathered per forward, the ranks agree to stop after each token (one all-reduce
+            # per decode step); held, a forward is local and each rank runs as many as its
+            # own rows need (here 3 more on rank 1), with no all-reduce at all.
+            assert r["per_forward_all_reduces"] == r["forwards"] - 1, (name, r)
+            assert r["uneven_all_reduces"] == 0, (name, r)
+            assert r["uneven_lengths"] == [r["forwards"] + 3 * report["rank"]], (name, r)
             # Held: each group at most once for the whole phase (the root's stays gathered
             # between phases when it holds nothing trainable, as after any no_grad forward).
             assert r["held_blocks"] == r["layers"], (name, r)

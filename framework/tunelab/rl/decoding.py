@@ -16,7 +16,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["DecodeBatch", "DecodeStep", "bucket_length", "distinct_prompts"]
+__all__ = [
+    "DecodeBatch",
+    "DecodeStep",
+    "bucket_length",
+    "distinct_prompts",
+    "forwards_communicate",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,17 @@ def bucket_length(length: int, compiled: bool) -> int:
     return -(-length // CACHE_LENGTH_BUCKET) * CACHE_LENGTH_BUCKET
 
 
+def forwards_communicate(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` as it stands runs collectives, so ranks must step together.
+
+    A parameter that is still a ``DTensor`` is gathered (FSDP2 shards not held), split over
+    ranks (tensor parallelism) or routed to (expert parallelism) inside the forward. Once every
+    parameter is a plain tensor (one process, or FSDP2 groups held gathered), a forward is
+    local and each rank may run as many as its own rows need.
+    """
+    return any(type(param).__name__ == "DTensor" for param in model.parameters())
+
+
 def _decode(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     # One new token per row against the KV cache: the next-token logits [rows, vocab].
     hidden = model(tokens, input_pos=positions, return_hidden=True)
@@ -76,7 +93,7 @@ class DecodeStep:
         self.compiled = compile and self._compilable()
 
     def _compilable(self) -> bool:
-        sharded = any(type(param).__name__ == "DTensor" for param in self.model.parameters())
+        sharded = forwards_communicate(self.model)
         if sharded:
             logger.warning(
                 "rollout.compile: the decode step is not compiled for an FSDP2-sharded model; "

@@ -30,7 +30,13 @@ from tunelab.distributed import hold_gathered
 from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.errors import ConfigError
 from tunelab.peft import merged_adapters
-from tunelab.rl.decoding import DecodeBatch, DecodeStep, bucket_length, distinct_prompts
+from tunelab.rl.decoding import (
+    DecodeBatch,
+    DecodeStep,
+    bucket_length,
+    distinct_prompts,
+    forwards_communicate,
+)
 from tunelab.training.reference import reshard_all
 
 __all__ = ["ModelRolloutEngine", "RolloutEngine", "SamplingSettings", "sample_tokens"]
@@ -149,13 +155,15 @@ class ModelRolloutEngine:
     ``compile`` the decode step runs ``torch.compile``d (:mod:`tunelab.rl.decoding`). None of
     these changes a token: each row's computation does not depend on its neighbours.
 
-    Under FSDP2 every rank must run the same forwards: the ranks agree (one all-reduce per
-    token) to stop only once every sequence of every rank has stopped. With ``gather_once``
-    (the default) each FSDP2 group is all-gathered once per ``generate`` call, at the prefill,
-    and held until the last token (:func:`~tunelab.distributed.hold_gathered`): every rank
-    then holds the whole model while it generates. Without it every forward gathers the
-    shards block by block, as a training forward does: one all-gather per block per token,
-    and only about one block gathered at a time.
+    With ``gather_once`` (the default) each FSDP2 group is all-gathered once per ``generate``
+    call, at the prefill, and held until the last token
+    (:func:`~tunelab.distributed.hold_gathered`): every rank then holds the whole model while
+    it generates, its decode forwards run no collective, and each rank stops when its own
+    sequences have (no per-token synchronisation). Without it every forward gathers the shards
+    block by block, as a training forward does (one all-gather per block per token, and only
+    about one block gathered at a time), so every rank must run the same forwards: the ranks
+    agree (one all-reduce per token) to stop only once every sequence of every rank has
+    stopped; so do models whose forward communicates anyway (tensor or expert parallelism).
 
     With ``merge_adapters`` (the default) and the weights whole for the call (one process, or
     ``gather_once``), each LoRA/DoRA layer runs one linear with ``W + scale * B A`` merged on
@@ -337,6 +345,9 @@ class ModelRolloutEngine:
                 logits = model.output(last)[of_row_index]
                 for layer in model.layers:
                     layer.self_attn.kv_cache.select_rows(of_row_index)
+                # Held gathered (or one process), a decode forward is local: each rank stops
+                # when its own rows do, with no per-token all-reduce holding it to the others.
+                lockstep = forwards_communicate(model)
                 entropy = torch.zeros((), dtype=torch.float64, device=device)
                 for step in range(settings.max_new_tokens):
                     # The policy's entropy at each sampled position (before temperature and
@@ -360,7 +371,7 @@ class ModelRolloutEngine:
                             finished[slot] = self._stops(out[row, : step + 1].tolist())
                     batch.done |= finished
                     remaining = int((~batch.done).sum())
-                    if step == settings.max_new_tokens - 1 or _all_done(remaining):
+                    if step == settings.max_new_tokens - 1 or _all_done(remaining, lockstep):
                         break
                     (next_tokens,) = batch.compact(model, next_tokens)
                     logits = step_fn(next_tokens[:, None], (batch.positions + step)[:, None])
@@ -385,9 +396,10 @@ class ModelRolloutEngine:
         return any(stop in text for stop in self.settings.stop_strings)
 
 
-def _all_done(remaining: int) -> bool:
-    # Every rank runs the same number of forwards (FSDP2's all-gathers): stop together.
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def _all_done(remaining: int, lockstep: bool) -> bool:
+    # With ``lockstep`` every rank runs the same number of forwards (their collectives):
+    # stop together.
+    if lockstep and dist.is_initialized() and dist.get_world_size() > 1:
         total = torch.tensor(float(remaining), dtype=torch.float64)
         dist.all_reduce(total)
         remaining = int(total)
