@@ -158,8 +158,12 @@ def main() -> None:
             "saved": max(gather_floats(max(run[2] for run in runs))),
             "memory": max(gather_floats(max(run[1] for run in runs))),
             "state": max(gather_floats(state_bytes(model))),
-            # Tokens of the global batch per second: FSDP trains two rows at a time, TP one.
-            "throughput": min(gather_floats(args.seq_len / median(run[0] for run in runs))),
+            # Each process's share of the tokens per second: FSDP a row each, TP half a row.
+            "throughput": min(
+                gather_floats(
+                    args.seq_len / (2 if name == "tp 2" else 1) / median(run[0] for run in runs)
+                )
+            ),
         }
     if is_main():
         ours, theirs = figures["tp 2"], figures["fsdp 2"]
@@ -193,9 +197,9 @@ def main() -> None:
                 f"{args.dim // 64} query and {max(2, args.dim // 256)} K/V heads of 64, "
                 f"feed-forward {args.dim * 7 // 2}, vocabulary {args.vocab_size}, fp32, sdpa, "
                 "chunked cross-entropy; 2 processes (gloo), one thread each, both layouts on "
-                "both processes. FSDP trains two rows per step (one per process), TP one: "
-                "tokens/s per process compares the work each process does, not the model's "
-                "step time.",
+                "both processes. FSDP trains two rows per step (one per process), TP one "
+                "(half a row's tokens per process): tokens/s per process is each process's "
+                "share of the tokens over its step time.",
             ],
         )
     dist.destroy_process_group()

@@ -7,12 +7,14 @@ run's remaining losses and export. FSDP=2 x TP=2 on 4 processes equals 1 process
 The unit part checks the one-line refusals.
 """
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import build_tiny_hf_model
 from tests.recipes.conftest import (
     assert_same_exports,
     interrupted_copy,
@@ -20,6 +22,7 @@ from tests.recipes.conftest import (
     torchrun,
     tunelab_run,
 )
+from tunelab._paths import assets_dir
 from tunelab.config.lora import LoRAArgs
 from tunelab.config.sections import SFTParallelismArgs
 from tunelab.distributed import build_device_meshes
@@ -106,6 +109,18 @@ def test_lora_tp2_checkpoint_resumes_under_fsdp2(lora_runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_one_process_checkpoint_resumes_under_tp2(lora_runs, tmp_path):
+    # And the other way: the 1-process run's step-6 checkpoint (plain tensors) loads into the
+    # TP=2 layout and the run goes on as the 1-process run did.
+    one, _ = lora_runs
+    out = interrupted_copy(one, tmp_path / "tp2", after_step=6)
+    _run(out, "lora_finetune_distributed", "tiny/lora", TP2,
+         "checkpoint.resume_from_checkpoint=true", nproc=2)  # fmt: skip
+    _assert_same_training(out, one, steps=range(7, STEPS + 1))
+    assert_same_exports(out, one, atol=EXPORT_TOLERANCE)
+
+
+@pytest.mark.slow
 def test_full_finetune_tp2_equals_one_process(tmp_path):
     # At tiny/full's lr 1e-3 with clipping on, 12 steps amplify rounding: FSDP=2 itself
     # departs from 1 process by 8e-5 in loss at step 6 (measured). At 1e-4 every run stays
@@ -124,6 +139,29 @@ def test_fsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, tmp_path):
                "schedule.batch_size=4", TP2, "model.frozen_base=shard", nproc=4)  # fmt: skip
     _assert_same_training(out, one)
     assert_same_exports(out, one, atol=EXPORT_TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_lora_tp2_on_other_families_equals_one_process(tmp_path, family):
+    # Gemma 2: soft-capped attention and logits, sandwich norms, the embedding scale, tied
+    # embeddings; Gemma 3: per-head q/k norms (placed over this rank's heads) and sliding
+    # windows. Packed rows, so attention runs under document masks.
+    base = tmp_path / "base"
+    build_tiny_hf_model(family, vocab_size=810, bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(base)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(assets_dir() / "tiny" / name, base / name)
+    settings = [
+        f"model.path={base}", "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+        "dataset.packed=true", "dataset.max_seq_len=120", "tokenizer.max_seq_len=120",
+        "schedule.batch_size=2", "schedule.max_steps_per_epoch=3", "~val_dataset",
+        "checkpoint.save_every_n_steps=null",
+    ]  # fmt: skip
+    recipe = ("lora_finetune_distributed", "tiny/lora")
+    one = _run(tmp_path / "one", *recipe, *settings, nproc=1)
+    tp2 = _run(tmp_path / "tp2", *recipe, *settings, TP2, nproc=2)
+    _assert_same_training(tp2, one, steps=range(1, 4))
+    assert_same_exports(tp2, one, atol=EXPORT_TOLERANCE)
 
 
 # -- refusals (no process group) --------------------------------------------------------
