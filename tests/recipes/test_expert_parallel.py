@@ -5,21 +5,23 @@ process holds 2 experts and sends tokens to the other's. The run equals one proc
 same micro-batches (1 x 2 accumulated = 2 x 1) within 1e-5: losses, gradient norms and the
 router loss. A checkpoint saved with experts split resumes exactly under plain FSDP, and one
 saved by one process resumes exactly with experts split (DCP reshards: expert weights are
-``Shard(0)`` DTensors either way). A tiny Qwen3-MoE run with experts split exports the same
+``Shard(0)`` DTensors either way). LoRA on the experts with experts split trains and exports
+as one process. A tiny Qwen3-MoE run with experts split exports the same
 bytes as the FSDP run (the learning rate 1e-30 leaves the weights as loaded, so the two
 exports can be compared byte for byte). A size that does not divide the processes stops
 the run with one line. Per-rank ownership (shapes, values) and the all-to-all bytes are
 checked in tests/unit/test_expert_parallel.py.
 """
 
-import json
-
 import pytest
-import torch
 
-from tests.recipes.conftest import interrupted_copy, read_metrics, tunelab_run
-from tests.recipes.moe_runs import copy_tiny_tokenizer
-from tunelab._paths import assets_dir
+from tests.recipes.conftest import (
+    assert_same_exports,
+    interrupted_copy,
+    read_metrics,
+    tunelab_run,
+)
+from tests.recipes.moe_runs import build_tiny_qwen3_moe
 
 pytestmark = pytest.mark.slow
 
@@ -90,28 +92,30 @@ def test_checkpoints_reshard_between_split_experts_and_fsdp(mixtral_runs, tmp_pa
     assert sorted(_steps(to_fsdp)) == sorted(_steps(to_split)) == [3]
 
 
-def _qwen3_moe(path):
-    import transformers
-
-    tiny = json.loads((assets_dir() / "tiny" / "config.json").read_text())
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=tiny["vocab_size"], hidden_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
-        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[1], bos_token_id=tiny["bos_token_id"],
-        eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"],
-        tie_word_embeddings=False,
+def test_lora_on_split_experts_trains_as_one_process(tmp_path):
+    """LoRA on attention and on the experts (its factors FSDP2's, each process using its
+    experts' slices): 2 steps equal 1 process's, and so do the exports (1e-4: Adam turns
+    rounding-level differences of near-zero gradients into updates of up to lr)."""
+    lora = (
+        "~val_dataset", "dataset.packed=true", "schedule.batch_size=1", "schedule.epochs=1",
+        "schedule.max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
+        "checkpoint.save_every_n_steps=null", "router.aux_loss_coef=0.01",
+        "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
     )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    copy_tiny_tokenizer(path)
+    for name, nproc, setting in (("split", 2, EXPERT_PARALLEL), ("one", 1, ONE_PROCESS)):
+        tunelab_run(
+            "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={tmp_path / name}",
+            *lora, setting, nproc=nproc,
+        )  # fmt: skip
+    _assert_same_steps(_steps(tmp_path / "split"), _steps(tmp_path / "one"), [1, 2])
+    assert_same_exports(tmp_path / "split", tmp_path / "one", atol=1e-4)
 
 
 def test_qwen3_moe_split_experts_export_the_fsdp_runs_bytes(tmp_path):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3MoeConfig"):
         pytest.skip("this transformers has no Qwen3-MoE")
-    _qwen3_moe(tmp_path / "base")
+    build_tiny_qwen3_moe(tmp_path / "base")
     same = (f"model.path={tmp_path / 'base'}", "schedule.max_steps_per_epoch=2")
     frozen = "optimizer.lr=1e-30"  # the weights stay as loaded: the exports must be equal
     _run(tmp_path / "split", *same, frozen, EXPERT_PARALLEL)

@@ -4,8 +4,10 @@ A MoE block's 4 experts split 2 + 2 (``shard_experts``): each rank's expert weig
 own slices only (shape and values), its tokens' outputs and the experts' gradients equal one
 process's over all tokens, and the rows and bytes sent to the other rank are exactly the
 routed (token, expert) pairs whose expert lives there: nothing padded, nothing extra. The
-stacked layout and gpt-oss's (transposed, with biases) both run. Sizes that do not divide
-are refused with one line naming the numbers.
+stacked layout and gpt-oss's (transposed, with biases) both run, and so does LoRA on the
+experts, whose factors stay whole on every rank (FSDP2's in a run): their gradients, averaged
+over the ranks as FSDP2 does, equal one process's. Sizes that do not divide are refused with
+one line naming the numbers.
 """
 
 import pytest
@@ -22,18 +24,23 @@ from tunelab.distributed.expert_parallel import (
 )
 from tunelab.errors import ConfigError
 from tunelab.modules.moe import MoEBlock
+from tunelab.peft import ExpertLoRA
 
 WORLD_SIZE = 2
 NUM_EXPERTS, DIM, TOKENS = 4, 16, 11
 LAYOUTS = {
     "stacked": {},
     "gpt_oss": {"layout": "gpt_oss", "bias": True, "swiglu_limit": 7.0, "router_bias": True},
+    "stacked_lora": {},
 }
 
 
 def _block(layout: str) -> MoEBlock:
     torch.manual_seed(0)
     block = MoEBlock(DIM, 8, NUM_EXPERTS, 2, normalize_top_k=True, **LAYOUTS[layout])
+    if layout.endswith("_lora"):
+        for name, (in_dim, out_dim) in {"gate_up_proj": (DIM, 16), "down_proj": (8, DIM)}.items():
+            block.experts.lora[name] = ExpertLoRA(NUM_EXPERTS, in_dim, out_dim, rank=4, alpha=8)
     with torch.no_grad():  # biases away from zero, so a wrong expert's bias shows
         for param in block.parameters():
             param.normal_(0.0, 0.5)
@@ -80,10 +87,10 @@ def _worker(rank: int, init_file: str, references: dict) -> None:
 def _check_layout(rank: int, mesh, layout: str, reference: dict) -> None:
     block = _block(layout)
     owned = shard_experts(block, mesh)
-    assert owned == set(block.experts.parameters())
+    assert owned == set(block.experts.parameters(recurse=False))
     local = NUM_EXPERTS // WORLD_SIZE
     mine = slice(rank * local, (rank + 1) * local)
-    for name, param in block.experts.named_parameters():
+    for name, param in block.experts.named_parameters(recurse=False):
         # Only this rank's experts: their shape and their values.
         assert param.to_local().shape == (local, *param.shape[1:]), name
         assert torch.equal(param.to_local(), reference["params"][name][mine]), name
@@ -97,7 +104,12 @@ def _check_layout(rank: int, mesh, layout: str, reference: dict) -> None:
         x.grad, reference["x_grad"][rank : rank + 1] * WORLD_SIZE, rtol=1e-5, atol=1e-5
     )
     for name, param in block.experts.named_parameters():
-        grad = param.grad.full_tensor()
+        if param in owned:
+            grad = param.grad.full_tensor()
+        else:  # the LoRA factors: whole on each rank, averaged as FSDP2 would
+            grad = param.grad.clone()
+            dist.all_reduce(grad)
+            grad /= WORLD_SIZE
         torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-5, atol=1e-6)
     # The traffic: a routed pair goes out once and its output comes back once, forward,
     # and both gradients travel once in backward; rows for local experts stay here.

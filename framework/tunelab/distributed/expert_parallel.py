@@ -119,6 +119,10 @@ class ExpertParallel:
         self.rank = dist.get_rank(self.group)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.size
+        self.experts = slice(
+            self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
+        )
+        """The experts this process holds."""
         self.traffic = ExpertTraffic()
 
     def local(self, weight: DTensor) -> torch.Tensor:
@@ -210,9 +214,14 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     Returns:
         The expert parameters, for FSDP2 to ignore.
 
+    LoRA on the experts (``ExpertLoRA``) stays with FSDP2: its factors are small, gathered
+    whole, and each process uses its experts' slices (``ExpertParallel.experts``). Their
+    gradients then come only from the owner, carrying the world-size factor, which FSDP2's
+    average over processes removes.
+
     Raises:
-        ConfigError: The model has no MoE layer, its experts carry LoRA, or the mesh size
-            does not divide the number of experts.
+        ConfigError: The model has no MoE layer, or the mesh size does not divide the number
+            of experts.
     """
     from tunelab.modules.moe import MoEExperts
 
@@ -228,11 +237,6 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
         raise ConfigError(
             f"parallelism.expert_parallel_size: {size} does not divide the model's "
             f"{num_experts} experts"
-        )
-    if any(len(layer.lora) for layer in layers):
-        raise ConfigError(
-            f"parallelism.expert_parallel_size: {size} with LoRA on the experts "
-            "(lora.targets experts.*) is not built yet: adapt attention only, or use plain FSDP"
         )
     exchange = ExpertParallel(mesh, num_experts)
     owned: set[nn.Parameter] = set()

@@ -393,7 +393,10 @@ class MoEExperts(nn.Module):
                 rows, weight, counts, grouped=self.grouped, transposed=self.transposed
             )
         if name in self.lora and not self.lora[name].disabled:
-            out = out + self.lora[name].delta(rows, counts, self.grouped)
+            # Under expert parallelism the factors are FSDP2's (small, gathered whole); the
+            # rows are for this process's experts only.
+            here = slice(None) if self.expert_parallel is None else self.expert_parallel.experts
+            out = out + self.lora[name].delta(rows, counts, self.grouped, here)
         return out if bias is None else out + bias[experts]
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:

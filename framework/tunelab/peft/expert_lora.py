@@ -107,18 +107,27 @@ class ExpertLoRA(nn.Module):
         """``(A [E, r, in], B [E, out, r])``, the per-expert factors."""
         return expert_factors(self.lora_A.weight, self.lora_B.weight, self.num_experts)
 
-    def delta(self, rows: torch.Tensor, counts: torch.Tensor, grouped: bool | None) -> torch.Tensor:
+    def delta(
+        self,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        grouped: bool | None,
+        experts: slice = slice(None),
+    ) -> torch.Tensor:
         """``scale * rows[i] A_g^T B_g^T`` for rows sorted by expert ``g``.
 
         Args:
             rows: ``[S, in]`` sorted by expert (the experts' own order).
-            counts: int ``[E]``, rows per expert.
+            counts: int, rows per expert of ``experts``.
             grouped: ``grouped_linear``'s choice of kernel (None: where available).
+            experts: The experts the rows are for (expert parallelism: this process's own);
+                every expert by default.
 
         Returns:
             ``[S, out]`` in ``rows``' dtype.
         """
         lora_a, lora_b = self.factors()
+        lora_a, lora_b = lora_a[experts], lora_b[experts]
         lora_a, lora_b = lora_a.to(rows.dtype), lora_b.to(rows.dtype)
         low = grouped_linear(rows, lora_a, counts, grouped=grouped and _aligned(lora_a))
         return (
