@@ -1,10 +1,10 @@
-"""tiny/reward_model learns: held-out accuracy well above chance, and not without learning.
+"""tiny/reward_model learns: held-out accuracy above 0.8, and not without learning.
 
-The run is the config as shipped (2 processes, 6 epochs); the control is the same run with a
-learning rate of 1e-12 (AdamW refuses 0), cut to its first two steps, whose validation is the
-fresh head's. Held-out accuracy reaches 0.72-0.84 across world sizes and rounding (see
-docs/recipes.md: a quarter of the pairs ask for the successor of numbers the training pairs
-never show), so the bar here is 0.7, not 0.8.
+The run is the config as shipped (2 processes, 8 epochs of 8 pairs a step); the control is the
+same run with a learning rate of 1e-12 (AdamW refuses 0), cut to its first two steps, whose
+validation is the fresh head's. The held-out pairs are new prompts of the reversal, sort and
+count tasks (docs/recipes.md says why no next-number pairs). Measured with seeds 0-3 on 2
+processes: 0.854, 0.865, 0.823, 0.865; the control 0.51.
 """
 
 import pytest
@@ -30,7 +30,7 @@ def test_validation_accuracy_rises_and_lr_near_zero_stays_at_chance(tmp_path_fac
     )  # fmt: skip
     learned, chance = final_validation(trained), final_validation(control)
     print(f"trained {learned}\ncontrol {chance}")  # shown with -s: the figures docs quote
-    assert learned["val_accuracy"] >= 0.7, learned
+    assert learned["val_accuracy"] > 0.8, learned
     assert learned["val_margin"] > 0.2, learned
     assert 0.35 <= chance["val_accuracy"] <= 0.65, chance
     assert abs(chance["val_margin"]) < 0.1, chance

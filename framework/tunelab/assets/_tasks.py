@@ -80,7 +80,7 @@ def _sort(rng: random.Random) -> Example:
     )
 
 
-def _next_number(rng: random.Random) -> Example:
+def next_number(rng: random.Random) -> Example:
     number = rng.randint(0, MAX_NUMBER - 1)
     wrong = rng.choice([number, number + 2, max(number - 1, 0) if number else number + 3])
     if rng.random() < 0.5:
@@ -99,11 +99,16 @@ def _count(rng: random.Random) -> Example:
     )
 
 
-TASKS = (_reverse, _sort, _next_number, _count)
+TASKS = (_reverse, _sort, next_number, _count)
 
 
 def make_examples(
-    rng: random.Random, count: int, *, distinct: bool = True, exclude: set[str] | None = None
+    rng: random.Random,
+    count: int,
+    *,
+    distinct: bool = True,
+    exclude: set[str] | None = None,
+    tasks: tuple = TASKS,
 ) -> list[Example]:
     """Draw ``count`` examples, cycling through the tasks.
 
@@ -113,6 +118,7 @@ def make_examples(
         distinct: Whether no two examples may share instruction and input.
         exclude: ``instruction + input`` keys not to produce (keeps a validation split
             disjoint from training).
+        tasks: The task functions to cycle through (default: all four).
 
     Returns:
         The examples, in generation order.
@@ -120,7 +126,7 @@ def make_examples(
     seen = set(exclude or ())
     examples: list[Example] = []
     while len(examples) < count:
-        example = TASKS[len(examples) % len(TASKS)](rng)
+        example = tasks[len(examples) % len(tasks)](rng)
         key = example_key(example)
         if distinct and key in seen:
             continue

@@ -173,12 +173,19 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     (out / "tools_chat_template.jinja").write_text(_tools.TOOLS_CHAT_TEMPLATE)
 
 
-def held_out_pairs(train_prompts: set[str], count: int = 100) -> list[dict[str, str]]:
-    """Validation pairs none of whose prompts is a training pair's (tiny/reward_model).
+def held_out_pairs(train_prompts: set[str], count: int = 96) -> list[dict[str, str]]:
+    """Validation pairs of new prompts, of the tasks whose rule carries over (tiny/reward_model).
 
-    From a random source of their own, so the other files and the model stay as they were.
+    Reversals, sorts and counts, none of whose prompts is a training pair's: a reward model
+    that learned a task's rule from the training pairs ranks them. No next-number pairs: every
+    number is one token of the tiny vocabulary, so a new next-number prompt asks for the
+    successor of a token no training pair shows, a fact neither the pairs nor the base model
+    hold (the base model's own log-probs rank such pairs at 0.47, a trained reward model at
+    about 0.4-0.5). From a random source of their own, so the other files and the model stay
+    as they were.
     """
-    candidates = _tasks.make_examples(random.Random(31), 2 * count)
+    tasks = tuple(task for task in _tasks.TASKS if task is not _tasks.next_number)
+    candidates = _tasks.make_examples(random.Random(31), 2 * count, tasks=tasks)
     kept = [e for e in candidates if e.prompt not in train_prompts][:count]
     return [{"prompt": e.prompt, "chosen": e.output, "rejected": e.wrong} for e in kept]
 
