@@ -111,16 +111,22 @@ def with_float16_gelu(model: torch.nn.Module) -> torch.nn.Module:
 
 SPM_SPECIALS = ("<unk>", "<s>", "</s>")
 SPM_ADDED = ("<start_of_turn>", "<end_of_turn>")
+# Phi-3's: added tokens that strip the whitespace after them, but for <|endoftext|>.
+PHI3_ADDED = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
 
 
-def build_sentencepiece_tokenizer(folder: Path, space_prefix: bool = True) -> int:
+def build_sentencepiece_tokenizer(
+    folder: Path, space_prefix: bool = True, phi3: bool = False
+) -> int:
     """Write a tiny SentencePiece-style ``tokenizer.json`` and config into ``folder``.
 
     Laid out as transformers' conversion of a SentencePiece BPE model (Llama 2, Mistral, Gemma):
     ``<unk> <s> </s>``, the 256 byte tokens ``<0xNN>`` (byte fallback), then pieces trained on
     the tiny SFT data; every split of a piece into two pieces is a merge, ranked by the piece's
     id; spaces become ``▁``. ``space_prefix``: Llama 2's ``Prepend("▁")`` normalizer (else
-    Gemma's, without). ``<start_of_turn>``/``<end_of_turn>`` are added special tokens.
+    Gemma's, without). ``<start_of_turn>``/``<end_of_turn>`` are added special tokens, or with
+    ``phi3`` Phi-3's (``PHI3_ADDED``), which like ``</s>`` strip the whitespace after them
+    (``rstrip``) but for ``<|endoftext|>``.
 
     Returns:
         The vocabulary size.
@@ -165,8 +171,10 @@ def build_sentencepiece_tokenizer(folder: Path, space_prefix: bool = True) -> in
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
     )
+    added = SPM_SPECIALS + (PHI3_ADDED if phi3 else SPM_ADDED)
+    strips = {"</s>", *PHI3_ADDED[1:]} if phi3 else set()
     tokenizer.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t in SPM_SPECIALS + SPM_ADDED]
+        [AddedToken(t, normalized=False, special=True, rstrip=t in strips) for t in added]
     )
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", 1)]

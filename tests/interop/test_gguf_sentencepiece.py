@@ -3,8 +3,8 @@
 Llama 2, Mistral, Gemma and Phi-3 ship ``tokenizer.json`` BPE models with byte fallback and
 spaces written as ``▁``, which the GGUF file carries as llama.cpp's ``llama`` vocabulary
 (scores, byte tokens). A tiny such tokenizer (``build_sentencepiece_tokenizer``) with a tiny
-Mistral model is exported once per layout: Llama 2's (a ``▁`` put before the text) and Gemma's
-(none).
+Mistral model is exported once per layout: Llama 2's (a ``▁`` put before the text), Gemma's
+(none) and Phi-3's (Llama 2's, with added tokens that strip the whitespace after them).
 """
 
 import shutil
@@ -26,9 +26,11 @@ from tests.gguf_checks import (
     tunelab_greedy,
     tunelab_logits,
 )
+from tunelab.checkpoint import gguf_export
 from tunelab.checkpoint.gguf_export import export_gguf
 from tunelab.models import load_pretrained
 
+pytestmark = pytest.mark.slow  # three exports and a control export: over 20 s
 pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
 
@@ -42,25 +44,27 @@ SPM_PROMPTS = (
     "Question: what is 2 + 3?\nAnswer: 5, naïve 日本",
     "<start_of_turn>user\nReverse the words: ship milk<end_of_turn>\n<start_of_turn>model\n",
 )
-LAYOUTS = {"llama2": True, "gemma": False}  # layout -> a ▁ put before the text
+# Layout -> (a ▁ put before the text, Phi-3's added tokens that strip the space after them).
+LAYOUTS = {"llama2": (True, False), "gemma": (False, False), "phi3": (True, True)}
+PHI3_TEXTS = [
+    "<|user|>\nHi there<|end|>\n<|assistant|>\n Hello", "<|end|>   x", "</s> y", "<s> z",
+    "<|endoftext|> keep", "a <|user|>\t\n b",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """Layout -> (model folder, its f16 GGUF, transformers' tokenizer), made once."""
     root, result = tmp_path_factory.mktemp("gguf_spm"), {}
-    for layout, prefix in LAYOUTS.items():
-        folder = root / layout / "epoch_0"
-        vocab = build_sentencepiece_tokenizer(folder, space_prefix=prefix)
-        if layout == "llama2":
-            ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-            model = build_tiny_hf_model("mistral", vocab_size=vocab, sliding_window=None, **ids)
-            model.save_pretrained(folder)
-        else:  # the same weights: only the tokenizer differs
-            for file in root.glob("llama2/epoch_0/*.json"):
-                if not file.name.startswith("tokenizer"):
-                    shutil.copy(file, folder)
-            shutil.copy(root / "llama2/epoch_0/model.safetensors", folder)
+    folders = {layout: root / layout / "epoch_0" for layout in LAYOUTS}
+    vocab = max(
+        build_sentencepiece_tokenizer(folders[layout], space_prefix=prefix, phi3=phi3)
+        for layout, (prefix, phi3) in LAYOUTS.items()
+    )
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    model = build_tiny_hf_model("mistral", vocab_size=vocab, sliding_window=None, **ids)
+    for layout, folder in folders.items():  # the same weights: only the tokenizer differs
+        model.save_pretrained(folder)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         result[layout] = (folder, export_gguf(folder, quant="f16"), tokenizer)
     return result
@@ -71,9 +75,26 @@ def test_token_ids_equal_transformers(exported, layout):
     _, path, hf_tokenizer = exported[layout]
     model = llama(path, vocab_only=True)
     assert model.metadata["tokenizer.ggml.model"] == "llama"
-    for text in TEXTS + SPECIAL_TEXTS:
+    for text in TEXTS + (PHI3_TEXTS if layout == "phi3" else SPECIAL_TEXTS):
         ours = model.tokenize(text.encode(), add_bos=True, special=True)
         assert ours == hf_tokenizer(text)["input_ids"], (layout, text)
+
+
+def test_phi3_added_tokens_get_llama_cpps_phi3_name(exported, tmp_path, monkeypatch):
+    """llama.cpp strips the whitespace after special tokens only for a general.name containing
+    phi3: Phi-3's tokenizer flags (rstrip) get the name "phi3-epoch_0", and without it (the
+    control) llama.cpp keeps the whitespace transformers strips."""
+    folder, path, hf_tokenizer = exported["phi3"]
+    assert llama(path, vocab_only=True).metadata["general.name"] == "phi3-epoch_0"
+    monkeypatch.setattr(gguf_export, "model_name", lambda name, added: name)
+    plain = tmp_path / "epoch_0"
+    shutil.copytree(folder, plain, ignore=shutil.ignore_patterns("gguf"))
+    model = llama(export_gguf(plain, quant="f16"), vocab_only=True)
+    differ = [
+        text for text in PHI3_TEXTS
+        if model.tokenize(text.encode(), add_bos=True, special=True) != hf_tokenizer(text)["input_ids"]
+    ]  # fmt: skip
+    assert len(differ) >= 3, differ
 
 
 def test_llama_cpp_logits_and_greedy_equal_tunelab(exported):

@@ -224,7 +224,7 @@ def test_a_phi3_name_without_phi3_tokens_still_loads_in_llama_cpp(tmp_path, keep
     contains phi3 or phi-3; the tiny vocabulary has none, so the name is written phi_3."""
     llama_cpp = pytest.importorskip("llama_cpp")
     if keep_name:  # the control: the folder's own name, as written before
-        monkeypatch.setattr(gguf_export, "model_name", lambda name, tokens: name)
+        monkeypatch.setattr(gguf_export, "model_name", lambda name, added: name)
     folder = tmp_path / "Phi-3-mini-tuned"
     shutil.copytree(TINY, folder)
     path = export_gguf(folder, quant="f16")

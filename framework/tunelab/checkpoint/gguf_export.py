@@ -105,8 +105,8 @@ def _header(
     writer = gguf.GGUFWriter(None, family.name)
     writer.add_type(gguf.GGUFType.MODEL)
     write_hparams(writer, config, family, QUANTIZATIONS[quant][1], str(export_dir / "config.json"))
-    tokens = write_vocab(writer, export_dir, load_tokenizer(export_dir), config["vocab_size"])
-    writer.add_name(model_name(export_dir.resolve().name, set(tokens)))
+    added = write_vocab(writer, export_dir, load_tokenizer(export_dir), config["vocab_size"])
+    writer.add_name(model_name(export_dir.resolve().name, added))
     for tensor in plan:
         writer.add_tensor_info(
             tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -146,26 +145,41 @@ def _spm_scores(model: dict[str, Any], tokens: dict[int, str]) -> dict[int, floa
 
 
 # llama.cpp reads general.name: one containing "phi3" or "phi-3" (any case) makes its loader
-# look these tokens up (to set Phi-3's strip-after-special-token flags), and a vocabulary
-# without one of them fails to load ("unordered_map::at").
+# strip the whitespace after every special token but these three (as Phi-3's tokenizer.json
+# flags them: rstrip), looking each of them and </s> up by text; a vocabulary without one of
+# them fails to load ("unordered_map::at").
 _PHI3_NAME = re.compile(r"(?i)(phi)-?3")
-_PHI3_LOOKUPS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+_PHI3_KEEPS_SPACE = ("<unk>", "<s>", "<|endoftext|>")
+_PHI3_LOOKUPS = ("</s>", *_PHI3_KEEPS_SPACE)
 
 
-def model_name(name: str, tokens: Collection[str]) -> str:
-    """The ``general.name`` to write for a model called ``name`` with vocabulary ``tokens``.
+def model_name(name: str, added_tokens: list[dict[str, Any]]) -> str:
+    """The ``general.name`` to write for a model called ``name``.
 
-    ``name`` itself, unless llama.cpp would take it for a Phi-3 name and the vocabulary lacks
-    a token its loader then looks up: ``phi3``/``phi-3`` become ``phi_3``, so it loads.
+    Args:
+        name: The model's name (the export folder's).
+        added_tokens: ``tokenizer.json``'s added tokens.
+
+    Returns:
+        ``name``, with ``phi3-`` put before it when its added tokens strip the whitespace after
+        them exactly as llama.cpp does for a Phi-3 name (so llama.cpp tokenizes as
+        transformers does), or with ``phi3``/``phi-3`` written ``phi_3`` when llama.cpp would
+        take it for a Phi-3 name but the tokens it then looks up are not all there.
     """
-    if _PHI3_NAME.search(name) and not all(token in tokens for token in _PHI3_LOOKUPS):
+    flags = {token["content"]: bool(token.get("rstrip")) for token in added_tokens}
+    phi3_rule = all(token in flags for token in _PHI3_LOOKUPS) and all(
+        strip == (token not in _PHI3_KEEPS_SPACE) for token, strip in flags.items()
+    )
+    if phi3_rule:
+        return name if _PHI3_NAME.search(name) else f"phi3-{name}"
+    if _PHI3_NAME.search(name) and not all(token in flags for token in _PHI3_LOOKUPS):
         return _PHI3_NAME.sub(r"\1_3", name)
     return name
 
 
 def write_vocab(
     writer: gguf.GGUFWriter, folder: Path, tokenizer: Tokenizer, vocab_size: int
-) -> list[str]:
+) -> list[dict[str, Any]]:
     """Add the tokenizer of the model folder ``folder`` to ``writer``.
 
     Args:
@@ -175,7 +189,7 @@ def write_vocab(
         vocab_size: The model's vocabulary size (ids past the tokenizer's are unused).
 
     Returns:
-        The tokens written, by id.
+        ``tokenizer.json``'s added tokens (for :func:`model_name`).
 
     Raises:
         CheckpointError: If the tokenizer is neither byte-level nor SentencePiece-style BPE,
@@ -221,8 +235,7 @@ def write_vocab(
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_pre_tokenizer(data.get("pre_tokenizer"), source))
         writer.add_token_merges(_merges(model))
-    token_list = [tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    writer.add_token_list(token_list)
+    writer.add_token_list([tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)])
     writer.add_token_types([types.get(i, gguf.TokenType.UNUSED) for i in range(vocab_size)])
     if tokenizer.bos_id is not None:
         writer.add_bos_token_id(tokenizer.bos_id)
@@ -232,4 +245,4 @@ def write_vocab(
     writer.add_add_eos_token(False)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template.text)
-    return token_list
+    return data.get("added_tokens", [])
