@@ -24,10 +24,12 @@ from tests.recipes.conftest import (
 )
 from tunelab._paths import assets_dir
 from tunelab.config.lora import LoRAArgs
+from tunelab.config.recipe_args import TrainingEvalArgs
 from tunelab.config.sections import SFTParallelismArgs
 from tunelab.distributed import build_device_meshes
 from tunelab.distributed.tensor_parallel import check_tensor_parallel
 from tunelab.errors import ConfigError
+from tunelab.eval import TrainingEval
 from tunelab.models import TransformerDecoder
 from tunelab.models.args import ModelArgs
 from tunelab.peft import apply_lora
@@ -223,3 +225,16 @@ def test_tp2_export_is_byte_identical_to_the_fsdp2_export(tmp_path):
     for name in files:
         assert (tp / name).read_bytes() == (fsdp / name).read_bytes(), name
     assert load_file(tp / "adapter" / "adapter_model.safetensors").keys()  # not empty
+
+
+def test_eval_tasks_during_training_are_refused_under_tensor_parallelism():
+    # Checked in a real 2-process run too (one line, before the first step). Here the model
+    # carries the attribute parallelize_decoder sets; a stand-in for its mesh (its size).
+    class _TwoRanks:
+        def size(self) -> int:
+            return 2
+
+    model = _model()
+    model.tensor_parallel_mesh = _TwoRanks()
+    with pytest.raises(ConfigError, match="'eval.tasks' with parallelism.tensor_parallel_size: 2"):
+        TrainingEval(TrainingEvalArgs(tasks=["arc_easy"]), model, tokenizer=None)

@@ -63,6 +63,13 @@ class TrainingEval:
         self._lm: Any = None
         if not settings.tasks:
             return
+        tensor_parallel = getattr(model, "tensor_parallel_mesh", None)
+        if tensor_parallel is not None:
+            # Its forwards pad rows to the tp size and its KV caches are not split by heads.
+            raise ConfigError(
+                f"key 'eval.tasks' with parallelism.tensor_parallel_size: "
+                f"{tensor_parallel.size()} is not built yet: drop eval.tasks (evaluate the export)"
+            )
         world_size = _collectives.world()[1]
         if settings.limit is not None and settings.limit < world_size:
             raise ConfigError(
