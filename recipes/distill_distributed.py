@@ -42,7 +42,6 @@ from tunelab.training import (
     AfterStep,
     Datasets,
     MetricLoggers,
-    NonFiniteGuard,
     OptimizerStep,
     Schedule,
     StepProfiler,
@@ -140,13 +139,8 @@ def main(args: DistillArgs) -> None:
         tokenizer=tokenizer,
         config_hash=config_fingerprint(args),
     )
-    optimizer_step = OptimizerStep(
-        optimizer,
-        trainable,
-        lr_scheduler=lr_scheduler,
-        clip_grad_norm=args.schedule.clip_grad_norm,
-        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
-    )
+    # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
+    optimizer_step = OptimizerStep.from_schedule(optimizer, trainable, lr_scheduler, args.schedule)
     # On-policy steps (on_policy.lmbda > 0): the student samples completions of the prompts.
     on_policy = OnPolicyBatches.from_settings(model, args.on_policy, tokenizer, args.seed)
 

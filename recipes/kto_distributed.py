@@ -27,7 +27,6 @@ from tunelab.training import (
     AfterStep,
     Datasets,
     MetricLoggers,
-    NonFiniteGuard,
     OptimizerStep,
     PrecomputedReference,
     ReferenceModel,
@@ -111,14 +110,11 @@ def main(args: LoRAKTOArgs) -> None:
     # The mismatched pairs are fixed by dataset index, so their reference log-probs can be too.
     precomputed = None
     if args.reference_logps == "precompute" and loss_fn.needs_reference:
-        precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
-    optimizer_step = OptimizerStep(
-        optimizer,
-        trainable,
-        lr_scheduler=lr_scheduler,
-        clip_grad_norm=args.schedule.clip_grad_norm,
-        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
-    )
+        precomputed = PrecomputedReference.compute(
+            reference, data.loader, device, output=output, unit="rows"
+        )
+    # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
+    optimizer_step = OptimizerStep.from_schedule(optimizer, trainable, lr_scheduler, args.schedule)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)

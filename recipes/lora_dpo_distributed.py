@@ -25,7 +25,6 @@ from tunelab.training import (
     AfterStep,
     Datasets,
     MetricLoggers,
-    NonFiniteGuard,
     OptimizerStep,
     PrecomputedReference,
     ReferenceModel,
@@ -120,13 +119,7 @@ def main(args: LoRADPOArgs) -> None:
     if args.reference_logps == "precompute" and loss_fn.needs_reference:
         precomputed = PrecomputedReference.compute(reference, data.loader, device, output=output)
     # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
-    optimizer_step = OptimizerStep(
-        optimizer,
-        trainable,
-        lr_scheduler=lr_scheduler,
-        clip_grad_norm=args.schedule.clip_grad_norm,
-        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
-    )
+    optimizer_step = OptimizerStep.from_schedule(optimizer, trainable, lr_scheduler, args.schedule)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)

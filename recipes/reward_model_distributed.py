@@ -20,14 +20,12 @@ the chosen and rejected rows of each micro-batch, loss and backward, then clip a
 from tunelab.config import RewardModelArgs, instantiate
 from tunelab.data import padded_collate_dpo
 from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
-from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
 from tunelab.training import (
     AfterStep,
     Datasets,
     MetricLoggers,
-    NonFiniteGuard,
     OptimizerStep,
     Schedule,
     StepProfiler,
@@ -76,9 +74,6 @@ def main(args: RewardModelArgs) -> None:
     )
     # The score is read at each row's last non-pad token, and exports record the pad id.
     model.pad_token_id = pad_id = tokenizer.pad_id
-    # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
-    # checked here, so a bad task stops the run before its first step.
-    benchmarks = TrainingEval(args.eval, model, tokenizer)
     data = build_data(
         Datasets(args.dataset, tokenizer, padded_collate_dpo, args.val_dataset),
         args.schedule,
@@ -104,13 +99,7 @@ def main(args: RewardModelArgs) -> None:
         config_hash=config_fingerprint(args),
     )
     # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
-    optimizer_step = OptimizerStep(
-        optimizer,
-        trainable,
-        lr_scheduler=lr_scheduler,
-        clip_grad_norm=args.schedule.clip_grad_norm,
-        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
-    )
+    optimizer_step = OptimizerStep.from_schedule(optimizer, trainable, lr_scheduler, args.schedule)
 
     # -- resume ---------------------------------------------------------------------------
     global_step, start_epoch = resume(checkpoints, data, args.checkpoint.resume_from_checkpoint)
@@ -127,7 +116,6 @@ def main(args: RewardModelArgs) -> None:
             MetricLoggers(args.metric_loggers, enabled=dist_info.is_main),
             StepProfiler(run.profile_dir, args.profile),
             validate=validate if data.val_loader is not None else None,
-            benchmarks=benchmarks,
         ),
         global_step=global_step,
         device=device,

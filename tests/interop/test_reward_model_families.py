@@ -1,7 +1,7 @@
 """Reward models of every family against transformers' ``*ForSequenceClassification``.
 
 For each dense family (tests/conftest.py's tiny random checkpoints) and each MoE family that
-transformers has a sequence classifier for (Qwen3-MoE, Mixtral): a hub-layout classifier
+transformers has a sequence classifier for (Qwen3-MoE, Mixtral, gpt-oss): a hub-layout classifier
 folder loads into tunelab with the scores transformers computes, tunelab's export of it loads
 back in transformers with the same scores, and a causal-LM folder becomes a classifier with a
 fresh head (its ``lm_head`` left out) whose export transformers loads too.
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_FAMILIES, build_tiny_hf_model
+from tests.interop.test_models_gpt_oss import build_tiny_gpt_oss
 from tests.interop.test_models_moe import MOE_FAMILIES, build_tiny_moe
 from tunelab.checkpoint.export import export_hf
 from tunelab.config.sections import RewardModelSetupArgs
@@ -21,12 +22,14 @@ from tunelab.training import build_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = [*TINY_FAMILIES, *MOE_FAMILIES]
+FAMILIES = [*TINY_FAMILIES, *MOE_FAMILIES, "gpt_oss"]
 PAD = 0
 TOLERANCE = 1e-5
 
 
 def _causal_model(family: str):
+    if family == "gpt_oss":  # sinks, biases, alternating sliding window (dense expert weights)
+        return build_tiny_gpt_oss()[0]
     return build_tiny_moe(family) if family in MOE_FAMILIES else build_tiny_hf_model(family)
 
 

@@ -94,13 +94,15 @@ def test_kto_precomputed_reference_and_validation(tmp_path_factory, tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text("".join((assets_dir() / "tiny" / "kto.jsonl").open().readlines()[:16]))
     out = tmp_path / "precomputed"
-    tunelab_run(
+    result = tunelab_run(
         *RUNS["kto"], f"output_dir={out}", "schedule.max_steps_per_epoch=3",
         "checkpoint.save_every_n_steps=null", "reference_logps=precompute",
         "val_dataset._component_=tunelab.data.kto_dataset", "val_dataset.source=json",
         f"val_dataset.data_files={val}", "val_dataset.template=instruct",
         "schedule.run_val_every_n_steps=3",
     )  # fmt: skip
+    # KTO's items are labelled rows, not pairs (its 400 rows, each with a mismatched partner).
+    assert "reference log-probs of 400 rows precomputed" in result.stdout, result.stdout[-2000:]
     live, precomputed = _rows(two), _rows(out)
     for step in (1, 2, 3):  # the warm-up steps: the same learning rates as the 6-step run
         for name in ("loss", "kl", "rewards/margins"):

@@ -396,22 +396,24 @@ class GRPOArgs(LoRARecipeArgs):
         if context is None:
             return []
         where = f"max_position_embeddings {context} of {self.model.path}/config.json"
-        if self.rollout.max_new_tokens >= context:
+        # What follows a prompt: one completion, or a whole episode (replies, tool results).
+        name, length = "rollout.max_new_tokens", self.rollout.max_new_tokens
+        if self.agentic is not None:
+            name, length = "agentic.max_episode_tokens", self.agentic.max_episode_tokens
+        if length >= context:
             return [
-                f"key 'rollout.max_new_tokens': {self.rollout.max_new_tokens} tokens leave no room for a prompt "
-                f"in the model's context ({where}); lower rollout.max_new_tokens below {context}"
+                f"key '{name}': {length} tokens leave no room for a prompt in the model's "
+                f"context ({where}); lower {name} below {context}"
             ]
         problems = []
         for key, node in (("dataset", self.dataset), ("val_dataset", self.val_dataset)):
             cap = node.get("max_prompt_tokens") if isinstance(node, DictConfig) else None
             if isinstance(cap, int) and not isinstance(cap, bool):
-                if cap + self.rollout.max_new_tokens > context:
+                if cap + length > context:
                     problems.append(
-                        f"key '{key}.max_prompt_tokens': {cap} prompt tokens + rollout.max_new_tokens "
-                        f"{self.rollout.max_new_tokens} = {cap + self.rollout.max_new_tokens} exceed the model's "
-                        f"context ({where}); lower one of them (at most "
-                        f"{context - self.rollout.max_new_tokens} prompt tokens with this "
-                        "max_new_tokens)"
+                        f"key '{key}.max_prompt_tokens': {cap} prompt tokens + {name} {length} = "
+                        f"{cap + length} exceed the model's context ({where}); lower one of them "
+                        f"(at most {context - length} prompt tokens with this {name})"
                     )
         return problems
 
@@ -430,3 +432,13 @@ class RewardModelArgs(LoRARecipeArgs):
     """An optional preference dataset whose loss, accuracy and margin are logged with a val_ prefix."""
     loss: Component = component(default="tunelab.losses.BradleyTerryLoss")
     """The reward-model loss, a tunelab.losses.PairwiseRewardLoss: tunelab.losses.BradleyTerryLoss (center_rewards_coefficient); left out: its defaults."""
+
+    def check_settings(self) -> list[str]:
+        """lm-eval tasks need a language-model head, which a reward model does not have."""
+        problems = super().check_settings()
+        if self.eval.tasks:
+            problems.append(
+                "key 'eval.tasks': a reward model (a sequence classifier) has no language-model "
+                "head for lm-eval to score; remove eval.tasks (val_dataset gives val_accuracy)"
+            )
+        return problems

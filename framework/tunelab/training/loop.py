@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tunelab.config.sections import RouterArgs
+from tunelab.config.sections import RouterArgs, ScheduleArgs
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
 from tunelab.distributed.tensor_parallel import tensor_parallel_output
 from tunelab.errors import DataError, TrainingError
@@ -384,6 +384,34 @@ class OptimizerStep:
     ) -> None:
         self.optimizer, self.params, self.lr_scheduler = optimizer, params, lr_scheduler
         self.clip_grad_norm, self.guard = clip_grad_norm, guard
+
+    @classmethod
+    def from_schedule(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        schedule: ScheduleArgs,
+    ) -> "OptimizerStep":
+        """The step the ``schedule`` section describes (what every training recipe builds).
+
+        Its ``clip_grad_norm``, and a ``NonFiniteGuard`` of its ``skip_nonfinite_steps``: a
+        NaN/inf loss or gradient stops the run before the update, or is skipped within that
+        budget.
+
+        Args:
+            optimizer: The optimizer.
+            params: The parameters it updates.
+            lr_scheduler: Stepped after the optimizer, if given.
+            schedule: The recipe's ``schedule`` section.
+        """
+        return cls(
+            optimizer,
+            params,
+            lr_scheduler=lr_scheduler,
+            clip_grad_norm=schedule.clip_grad_norm,
+            guard=NonFiniteGuard(schedule.skip_nonfinite_steps),
+        )
 
     def __call__(self, loss: float = 0.0, step: int = 0) -> dict[str, float]:
         """Take one optimizer step.

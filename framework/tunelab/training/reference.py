@@ -271,6 +271,7 @@ class PrecomputedReference:
         *,
         num_chunks: int | None = None,
         output: OutputLayer | None = None,
+        unit: str = "pairs",
     ) -> "PrecomputedReference":
         """Run the reference over every pair of ``loader.dataset`` (a collective: all ranks).
 
@@ -281,6 +282,7 @@ class PrecomputedReference:
             device: The model's device.
             num_chunks: Chunks of the fp32 log-softmax (None: by size, see ``sequence_logps``).
             output: The model's ``output_layer``, for chunked logits.
+            unit: What the log line calls a dataset item (KTO: ``rows``).
 
         Returns:
             The table, the same on every rank, on ``device``. Rank 0 says how long it took.
@@ -304,7 +306,7 @@ class PrecomputedReference:
         if rank == 0:
             seconds = time.perf_counter() - began
             print(
-                f"reference log-probs of {total} pairs precomputed in {seconds:.1f} s", flush=True
+                f"reference log-probs of {total} {unit} precomputed in {seconds:.1f} s", flush=True
             )
         return cls(table)
 
