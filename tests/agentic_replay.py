@@ -20,6 +20,7 @@ class ReplayPolicy:
         self.settings = SamplingSettings(max_new_tokens=400, stop_ids=frozenset(stop_ids))
         self.model = SimpleNamespace(args=SimpleNamespace(max_seq_len=8192))
         self.prefill_tokens = self.generated_tokens = 0
+        self.entropy_sum = 0.0  # a replay samples nothing
         rows = len(self.references)
         self.fed = [[] for _ in range(rows)]
         self.replies = [[] for _ in range(rows)]

@@ -18,7 +18,7 @@ from tunelab.rl.agentic import (
     parse_assistant,
     tool_from_function,
 )
-from tunelab.rl.agentic.episodes import _timed_call
+from tunelab.rl.agentic.episodes import MAX_RUNNING_AFTER_TIMEOUT, _timed_call
 
 
 def test_calculator_is_arithmetic_only():
@@ -59,8 +59,10 @@ def test_every_failure_is_a_result_with_its_kind():
     assert call_tool(tools, ToolCall("calculator", "not json", "c")).error == "bad_arguments"
 
 
-def test_a_hung_tool_times_out():
-    def wait(seconds: float) -> str:
+def sleeper(name: str):
+    """A tool called ``name`` that sleeps (each test its own name: hung calls are per name)."""
+
+    def sleep(seconds: float) -> str:
         """Sleep.
 
         Args:
@@ -69,7 +71,12 @@ def test_a_hung_tool_times_out():
         time.sleep(seconds)
         return "woke"
 
-    tools = Toolbox([wait]).shared
+    sleep.__name__ = sleep.__qualname__ = name
+    return sleep
+
+
+def test_a_hung_tool_times_out():
+    tools = Toolbox([sleeper("wait")]).shared
     start = time.perf_counter()
     outcome = _timed_call(tools, ToolCall("wait", {"seconds": 30}, "c"), 0.3)
     assert outcome.error == "timeout" and time.perf_counter() - start < 5
@@ -205,3 +212,16 @@ def test_tool_call_reward_reads_the_episode():
 
     rows = [row(0, {}), row(1, {"unknown_tool": 1}), row(2, {"timeout": 1}), row(1, {})]
     assert tool_call_reward([""] * 4, [""] * 4, rows) == [0.0, 0.5, 1.0, 1.0]
+
+
+def test_a_tool_whose_timed_out_calls_still_run_is_refused_until_one_returns():
+    tools = Toolbox([sleeper("nap")]).shared
+    hung = ToolCall("nap", {"seconds": 1.5}, "c")
+    for _ in range(MAX_RUNNING_AFTER_TIMEOUT):  # each leaves a thread running for 1.5 s
+        assert _timed_call(tools, hung, 0.05).error == "timeout"
+    start = time.perf_counter()
+    refused = _timed_call(tools, ToolCall("nap", {"seconds": 0}, "c"), 5.0)
+    assert refused.error == "timeout" and "are still running" in refused.content
+    assert time.perf_counter() - start < 0.5  # refused at once, no third thread
+    time.sleep(2.0)  # the hung calls return
+    assert _timed_call(tools, ToolCall("nap", {"seconds": 0}, "c"), 5.0).content == "woke"

@@ -33,6 +33,7 @@ from tunelab.rl.step import (
 )
 
 __all__ = [
+    "Completions",
     "GroupSampler",
     "group_advantages",
     "ScoredGroups",
@@ -87,6 +88,32 @@ class ScoredGroups:
     rollout: Rollout
     records: list[dict[str, Any]]
     sums: dict[str, float]
+
+
+@dataclass
+class Completions:
+    """What a rollout phase generated for the repeated prompts, before it is scored.
+
+    Attributes:
+        texts: What the reward functions read as each completion.
+        rows: The row each reward function reads with it.
+        batch: The rows for the policy-gradient passes (``rollout_batch``).
+        lengths: Trained tokens per completion (float64).
+        records: Per completion, its ``completions.jsonl`` fields (before the reward).
+        sums: The rollout's own sums for the step's metrics (``generation_seconds``,
+            ``entropy``, ...).
+        extra_rewards: Rewards added to the weighted sum: name -> (weight, values).
+        behaviour_logps: The sampled tokens' log-probs as a batch, when recorded.
+    """
+
+    texts: list[str]
+    rows: list[dict[str, Any]]
+    batch: dict[str, torch.Tensor]
+    lengths: torch.Tensor
+    records: list[dict[str, Any]]
+    sums: dict[str, float]
+    extra_rewards: dict[str, tuple[float, torch.Tensor]]
+    behaviour_logps: torch.Tensor | None = None
 
 
 class GroupSampler:
@@ -171,51 +198,75 @@ class GroupSampler:
         Returns:
             The scored micro-batch.
         """
-        num_generations, data = self.num_generations, self.prompts
+        num_generations = self.num_generations
         repeated = [index for index in indices for _ in range(num_generations)]
-        prompts = [data.tokens[index] for index in repeated]
         seeds = sampling_seeds(self.seed, step, indices, num_generations, refill_round=refill_round)
-        completions = self.engine.generate(prompts, seeds)
-        texts = [self.decode(completion) for completion in completions]
-        total, each = self.rewards(
-            [data.prompts[index] for index in repeated], texts, [data.rows[i] for i in repeated]
-        )
+        done = self.complete(repeated, seeds)
+        prompts = [self.prompts.prompts[index] for index in repeated]
+        total, each = self.rewards(prompts, done.texts, done.rows)
+        for name, (weight, values) in done.extra_rewards.items():
+            total = total + weight * values.to(total.dtype)
+            each = each | {name: values}
         advantages = group_advantages(total, num_generations, scale_rewards=self.scale_rewards)
-        keep = torch.ones(len(completions), dtype=torch.bool)
+        keep = torch.ones(len(done.texts), dtype=torch.bool)
         if self.dynamic_sampling:  # groups of equal rewards teach nothing: leave them out
             keep = (total.view(-1, num_generations).std(dim=1) > 0).repeat_interleave(
                 num_generations
             )
-        batch = rollout_batch(prompts, completions, self.pad_id, self.device)
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         extra = {"round": refill_round} if refill_round else {}
-        # The token ids too: decoded text does not always encode back to them (a byte-level
-        # BPE splits differently, a stop token is not in the text), and the loss is theirs.
         records = [
-            {"index": indices[i // num_generations], "sample": i % num_generations, **extra, "completion": text,
-             "completion_ids": list(completions[i]), "reward": float(total[i])}
-            for i, text in enumerate(texts)
+            {"index": indices[i // num_generations], "sample": i % num_generations, **extra,
+             **record, "reward": float(total[i])}
+            for i, record in enumerate(done.records)
         ]  # fmt: skip
-        sums: dict[str, float] = {"num_tokens": float((lengths * keep).sum())}
+        sums: dict[str, float] = {"num_tokens": float((done.lengths * keep).sum())}
         sums["num_sequences"] = float(keep.sum())
         if refill_round:
             sums["refill_prompts"] = float(len(indices))
         else:  # the reward metrics describe the step's own prompts only
             sums |= {
-                "num_completions": float(len(completions)),
-                "completion_tokens": float(lengths.sum()),
+                "num_completions": float(len(done.texts)),
+                "completion_tokens": float(done.lengths.sum()),
                 "reward": float(total.sum()),
                 "reward_squares": float((total**2).sum()),
-                "generation_seconds": self.engine.last_generation_seconds,
-                "entropy": self.engine.last_entropy_sum,
                 **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
+                **done.sums,
             }
-        rollout = Rollout(batch, advantages.to(self.device), keep.to(self.device))
+        rollout = Rollout(done.batch, advantages.to(self.device), keep.to(self.device))
+        rollout.behaviour_logps = done.behaviour_logps
+        return ScoredGroups(rollout, records, sums)
+
+    def complete(self, repeated: list[int], seeds: list[int]) -> Completions:
+        """Generate one completion per entry of ``repeated`` (dataset indices), each from its seed."""
+        data = self.prompts
+        prompts = [data.tokens[index] for index in repeated]
+        completions = self.engine.generate(prompts, seeds)
+        texts = [self.decode(completion) for completion in completions]
+        # The token ids too: decoded text does not always encode back to them (a byte-level
+        # BPE splits differently, a stop token is not in the text), and the loss is theirs.
+        records = [
+            {"completion": text, "completion_ids": list(completion)}
+            for text, completion in zip(texts, completions, strict=True)
+        ]
+        batch = rollout_batch(prompts, completions, self.pad_id, self.device)
+        behaviour = None
         recorded = getattr(self.engine, "last_logps", None)
         if recorded and len(recorded) == len(completions):  # an engine may record none
             width = batch["tokens"].shape[1]
-            rollout.behaviour_logps = behaviour_logps_batch(prompts, recorded, width, self.device)
-        return ScoredGroups(rollout, records, sums)
+            behaviour = behaviour_logps_batch(prompts, recorded, width, self.device)
+        return Completions(
+            texts=texts,
+            rows=[data.rows[index] for index in repeated],
+            batch=batch,
+            lengths=torch.tensor([len(c) for c in completions], dtype=torch.float64),
+            records=records,
+            sums={
+                "generation_seconds": self.engine.last_generation_seconds,
+                "entropy": self.engine.last_entropy_sum,
+            },
+            extra_rewards={},
+            behaviour_logps=behaviour,
+        )
 
     def refill(
         self, scored: list[ScoredGroups], step: int, *, prompts_per_round: int, max_rounds: int

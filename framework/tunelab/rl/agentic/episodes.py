@@ -345,6 +345,7 @@ class EpisodeRunner:
             "episode_seconds": time.perf_counter() - start_time,
             "prefill_tokens": float(self.sampler.prefill_tokens),
             "generated_tokens": float(self.sampler.generated_tokens),
+            "entropy_sum": self.sampler.entropy_sum,
         }
         return episodes
 
@@ -452,8 +453,31 @@ def _delta_text(before: str, after: str, stop_texts: Sequence[str]) -> str | Non
     return rest[min(ends) :] if ends else None
 
 
+MAX_RUNNING_AFTER_TIMEOUT = 2
+"""Timed-out calls of one tool that may still run before its further calls are refused."""
+_running_after_timeout: dict[str, list[threading.Thread]] = {}
+_running_lock = threading.Lock()
+
+
 def _timed_call(tools: Mapping[str, Any], call: ToolCall, timeout_s: float) -> ToolResult:
-    """``call_tool`` in a daemon thread, waited on for ``timeout_s``."""
+    """``call_tool`` in a daemon thread, waited on for ``timeout_s``.
+
+    Python cannot stop a thread, so a plain function that hangs keeps running after its
+    timeout (the sandbox's process group is killed instead). The damage is bounded: while
+    :data:`MAX_RUNNING_AFTER_TIMEOUT` timed-out calls of a tool still run, its further calls
+    fail at once as timeouts, so hung threads never pile up; a call is taken again once one
+    of them has returned.
+    """
+    with _running_lock:
+        running = [t for t in _running_after_timeout.get(call.name, []) if t.is_alive()]
+        _running_after_timeout[call.name] = running
+    if len(running) >= MAX_RUNNING_AFTER_TIMEOUT:
+        return ToolResult(
+            f"Error: {call.name} is unavailable: {len(running)} earlier calls that took longer "
+            f"than {timeout_s:g} s are still running",
+            "timeout",
+            0.0,
+        )
     outcome: list[ToolResult] = []
     start = time.perf_counter()
     thread = threading.Thread(target=lambda: outcome.append(call_tool(tools, call)), daemon=True)
@@ -461,6 +485,8 @@ def _timed_call(tools: Mapping[str, Any], call: ToolCall, timeout_s: float) -> T
     thread.join(timeout_s)
     seconds = time.perf_counter() - start
     if not outcome:
+        with _running_lock:
+            _running_after_timeout.setdefault(call.name, []).append(thread)
         return ToolResult(
             f"Error: {call.name} took longer than {timeout_s:g} s", "timeout", seconds
         )

@@ -25,11 +25,10 @@ from tunelab.config.sections import RolloutArgs
 from tunelab.data.conversations import read_part
 from tunelab.data.rows import BadRow
 from tunelab.errors import DataError
-from tunelab.rl.advantages import GroupSampler, ScoredGroups, group_advantages
+from tunelab.rl.advantages import Completions, GroupSampler
 from tunelab.rl.agentic.episodes import STOP_REASONS, Episode, EpisodeRunner, episode_batch
 from tunelab.rl.agentic.tools import ERROR_KINDS
 from tunelab.rl.rewards import Rewards
-from tunelab.rl.step import Rollout, sampling_seeds
 
 __all__ = ["EpisodeGroupSampler", "episode_sums"]
 
@@ -106,56 +105,36 @@ class EpisodeGroupSampler(GroupSampler):
         except BadRow as bad:
             raise DataError(f"prompt row {index}: {bad.column}: {bad.problem}") from None
 
-    def sample(self, indices: list[int], step: int, refill_round: int = 0) -> ScoredGroups:
-        """Roll out, score and keep the episodes of the prompts ``indices`` (see ``GroupSampler``)."""
-        num_generations, data = self.num_generations, self.prompts
-        repeated = [index for index in indices for _ in range(num_generations)]
-        seeds = sampling_seeds(self.seed, step, indices, num_generations, refill_round=refill_round)
+    def complete(self, repeated: list[int], seeds: list[int]) -> Completions:
+        """Roll out one episode per entry of ``repeated`` (dataset indices), each from its seed."""
+        data = self.prompts
         episodes = self.runner.run([(self._messages(i), data.rows[i]) for i in repeated], seeds)
-        answers = [_answer(episode) for episode in episodes]
-        rows = [
-            dict(data.rows[i], episode=e.record()) for i, e in zip(repeated, episodes, strict=True)
-        ]
-        total, each = self.rewards([data.prompts[i] for i in repeated], answers, rows)
-        environment = torch.tensor(
-            [e.environment_reward or 0.0 for e in episodes], dtype=total.dtype
-        )
+        timings = self.runner.last_metrics
+        extra_rewards = {}
         if any(e.environment_reward is not None for e in episodes):
-            total = total + self.environment_weight * environment
-            each = each | {"environment": environment}
-        advantages = group_advantages(total, num_generations, scale_rewards=self.scale_rewards)
-        keep = torch.ones(len(episodes), dtype=torch.bool)
-        if self.dynamic_sampling:
-            keep = (total.view(-1, num_generations).std(dim=1) > 0).repeat_interleave(
-                num_generations
+            environment = [e.environment_reward or 0.0 for e in episodes]
+            extra_rewards["environment"] = (
+                self.environment_weight,
+                torch.tensor(environment, dtype=torch.float64),
             )
-        batch = episode_batch(episodes, self.pad_id, self.device)
-        lengths = torch.tensor([sum(e.trained) for e in episodes], dtype=torch.float64)
-        extra = {"round": refill_round} if refill_round else {}
-        records = [
-            {"index": indices[i // num_generations], "sample": i % num_generations, **extra,
-             **episode.record(), "completion_ids": episode.tokens, "trained": episode.trained,
-             "reward": float(total[i])}
-            for i, episode in enumerate(episodes)
-        ]  # fmt: skip
-        sums: dict[str, float] = {"num_tokens": float((lengths * keep).sum())}
-        sums["num_sequences"] = float(keep.sum())
-        if refill_round:
-            sums["refill_prompts"] = float(len(indices))
-        else:
-            timings = self.runner.last_metrics
-            sums |= {
-                "num_completions": float(len(episodes)),
-                "completion_tokens": float(lengths.sum()),
-                "reward": float(total.sum()),
-                "reward_squares": float((total**2).sum()),
+        return Completions(
+            texts=[_answer(episode) for episode in episodes],
+            rows=[
+                dict(data.rows[i], episode=e.record())
+                for i, e in zip(repeated, episodes, strict=True)
+            ],
+            batch=episode_batch(episodes, self.pad_id, self.device),
+            lengths=torch.tensor([sum(e.trained) for e in episodes], dtype=torch.float64),
+            records=[
+                {**e.record(), "completion_ids": e.tokens, "trained": e.trained} for e in episodes
+            ],
+            sums={
                 "generation_seconds": timings["generation_seconds"],
-                "entropy": 0.0,
-                **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
+                "entropy": timings["entropy_sum"],
                 **episode_sums(episodes, timings),
-            }
-        rollout = Rollout(batch, advantages.to(self.device), keep.to(self.device))
-        return ScoredGroups(rollout, records, sums)
+            },
+            extra_rewards=extra_rewards,
+        )
 
 
 def _answer(episode: Episode) -> str:

@@ -77,6 +77,7 @@ class CachedTurnSampler:
         self.capacity = 0
         self.prefill_tokens = 0
         self.generated_tokens = 0
+        self.entropy_sum = 0.0
 
     @contextlib.contextmanager
     def session(self, rows: int, capacity: int) -> Iterator[CachedTurnSampler]:
@@ -90,6 +91,7 @@ class CachedTurnSampler:
         self.lengths = [0] * rows
         self.pending = [None] * rows
         self.prefill_tokens = self.generated_tokens = 0
+        self.entropy_sum = 0.0
         model.setup_caches(rows, capacity + 1, device=device)  # +1: the scratch slot
         held = hold_gathered(model, gather_now=self.merge_adapters) if self.gather_once else None
         merged = merged_adapters(model) if self.merge_adapters else contextlib.nullcontext()
@@ -177,6 +179,11 @@ class CachedTurnSampler:
         active = [bool(inputs[row]) and max_new_tokens[row] > 0 for row in range(rows)]
         stop_ids = self.settings.stop_ids
         while True:
+            # The policy's entropy at each sampled position, as ModelRolloutEngine logs it
+            # (before temperature and filtering).
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            entropy = -(log_probs.exp() * log_probs).sum(dim=-1).double().cpu()
+            self.entropy_sum += float(entropy[torch.tensor(active, dtype=torch.bool)].sum())
             next_tokens = sample_tokens(logits, self.settings, generators, active)
             for row, token in enumerate(next_tokens.tolist()):
                 if not active[row]:
