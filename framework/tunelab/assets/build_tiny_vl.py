@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 OUTPUT_DIR = Path(__file__).resolve().parent / "tiny_vl"
 SEED = 1234
+LM_HEAD_STD = 0.3
 SPECIALS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -157,7 +158,13 @@ def _model(out: Path, tokenizer: Tokenizer) -> None:
         vision_end_token_id=tokenizer.token_to_id("<|vision_end|>"),
     )
     torch.manual_seed(SEED)
-    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    with torch.no_grad():
+        # transformers' std 0.02 output layer on width-64 hidden states (norm 8, the final
+        # RMSNorm's) caps a logit near 1.3: no answer could become likely, however LoRA moved
+        # the hidden states. A wider output layer lets a fine-tune express what it learns.
+        model.lm_head.weight.normal_(std=LM_HEAD_STD)
+    model.save_pretrained(out)
     (out / "generation_config.json").unlink(missing_ok=True)
 
 
