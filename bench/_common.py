@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,73 +22,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+# The launching helpers live in _launch; the scripts import them from here too.
+from _launch import free_port, launch_env, relaunch_under_torchrun, torchrun  # noqa: F401
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+# Before any torch import in this process. torch itself is imported in the functions that use
+# it, so that an orchestrating process that only launches workers never loads it (seconds of CPU).
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 MiB = 2**20
 GiB = 2**30
 
 
-# -- launching ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for torchrun's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_env(nproc: int) -> dict[str, str]:
-    """The environment of a benchmark launch: one share of the cores per process."""
-    env = dict(os.environ)
-    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    env.setdefault("PYTHONFAULTHANDLER", "1")  # a worker that aborts shows where it was
-    # torchrun would set 1 thread per process with a warning; say it explicitly instead, and
-    # give a lone process every core.
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    return env
-
-
-def torchrun(script: str | os.PathLike, args: Sequence[str], nproc: int, **kwargs: Any):
-    """Run ``script`` under ``python -m torch.distributed.run`` with ``nproc`` processes.
-
-    Returns:
-        The ``subprocess.CompletedProcess`` (stdout and stderr go where ``kwargs`` say).
-    """
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--master-port", str(free_port()),
-        str(script), *args,
-    ]  # fmt: skip
-    return subprocess.run(command, env=launch_env(nproc), **kwargs)
-
-
-def relaunch_under_torchrun(nproc: int = 2) -> None:
-    """Re-run the calling script under torchrun unless it already runs under it.
-
-    Exits the launching process with torchrun's exit status.
-    """
-    if "LOCAL_RANK" in os.environ:
-        return
-    sys.exit(torchrun(sys.argv[0], sys.argv[1:], nproc).returncode)
+# -- collectives -------------------------------------------------------------------------
 
 
 def is_main() -> bool:
     """Whether this process is rank 0 (or the only process)."""
+    import torch.distributed as dist
+
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def barrier() -> None:
     """A barrier when a process group exists."""
+    import torch.distributed as dist
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
 def gather_floats(value: float) -> list[float]:
     """``value`` of every rank, in rank order (on every rank)."""
+    import torch
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         return [value]
     values = torch.zeros(dist.get_world_size(), dtype=torch.float64)

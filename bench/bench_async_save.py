@@ -21,6 +21,11 @@ Both clients use the library's default writer (fsync on). Target: blocked <= 5% 
 import argparse
 import shutil
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 
@@ -32,7 +37,6 @@ from _common import (
     is_main,
     median,
     print_table,
-    relaunch_under_torchrun,
     seconds,
     time_collective,
 )
@@ -161,5 +165,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

@@ -26,6 +26,11 @@ unsplit one, throughput per process at least 0.8x.
 import argparse
 import time
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 
@@ -38,7 +43,6 @@ from _common import (
     median,
     parse_bench_args,
     print_table,
-    relaunch_under_torchrun,
 )
 from _system import PeakRSS
 from tunelab.distributed import build_context_parallel
@@ -187,5 +191,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

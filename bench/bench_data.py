@@ -48,12 +48,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000, help="synthetic chat rows")
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizing workers (after)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per launch")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    return parse_bench_args(parser, smoke=["--rows", "200"])
+    # Smoke: 1 rank per launch (the 2-rank wait is run by tests/recipes/test_data_once_per_machine).
+    return parse_bench_args(parser, smoke=["--rows", "200", "--nproc", "1"])
 
 
 def write_rows(path: Path, num_rows: int) -> None:
@@ -158,14 +160,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(mode: str, args: argparse.Namespace, data: Path, cache: Path, out: Path) -> list:
-    """Run one mode under torchrun (2 processes); return every rank's figures."""
+    """Run one mode under torchrun (``--nproc`` processes); return every rank's figures."""
     result = out / f"{mode}.json"
     extra = ["--num-proc", str(args.num_proc)] if args.num_proc else []
     done = torchrun(
         Path(__file__),
         ["--worker", mode, "--data", str(data), "--cache", str(cache), "--result", str(result),
          *extra],
-        2,
+        args.nproc,
         capture_output=True,
         text=True,
     )  # fmt: skip
@@ -236,13 +238,14 @@ def report(args: argparse.Namespace, runs: dict, cache_bytes: int) -> None:
         else "After: rank 0 tokenized in its own process (too few rows for worker processes)."
     )
     notes = [
-        f"{args.rows} synthetic chat rows, {before[0]['items']} samples; 2 ranks under torchrun; "
+        f"{args.rows} synthetic chat rows, {before[0]['items']} samples; {args.nproc} rank(s) under "
+        "torchrun; "
         f"baseline RSS after imports {mib(before[0]['baseline_rss'])} (in both modes).",
         f"Per rank: {per_rank}.",
         f"{worker_note} The tokenized cache holds {mib(cache_bytes)} of Arrow files, "
         "memory-mapped by every rank and shared through the page cache.",
     ]
-    print_table("data: tokenizing once per machine (2 ranks)", rows, notes)
+    print_table(f"data: tokenizing once per machine ({args.nproc} ranks)", rows, notes)
 
 
 if __name__ == "__main__":

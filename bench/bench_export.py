@@ -27,6 +27,11 @@ import json
 import shutil
 from pathlib import Path
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -41,7 +46,6 @@ from _common import (
     mebibytes,
     median,
     print_table,
-    relaunch_under_torchrun,
     seconds,
     time_collective,
 )
@@ -194,5 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker", choices=["tunelab", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--shape-file", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    smoke = ["--shapes", "wide-16", "--layouts", "2x1", "--rounds", "1", "--steps", "1",
+    smoke = ["--shapes", "wide-16", "--layouts", "1x1", "--rounds", "1", "--steps", "1",
              "--prompts", "2", "--num-generations", "2", "--max-new-tokens", "4", "--dim", "128",
              "--layers", "1", "--vocab-size", "512", "--logps-vocab-size", "1024",
              "--logps-completion-tokens", "16", "--logps-dim", "64"]  # fmt: skip

@@ -22,12 +22,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-from _common import Row, parse_bench_args, print_table, relaunch_under_torchrun, seconds
+from _common import Row, parse_bench_args, print_table, seconds
 from tunelab.checkpoint.consolidate import HFSafetensorsWriter
 
 COLUMNS = 1024
@@ -156,5 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

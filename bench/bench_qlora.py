@@ -20,6 +20,11 @@ not a target: it compares NF4's byte count with fp32's and holds by construction
 import argparse
 import shutil
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +36,6 @@ from _common import (
     mebibytes,
     median,
     print_table,
-    relaunch_under_torchrun,
     seconds,
     time_collective,
 )
@@ -145,5 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

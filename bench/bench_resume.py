@@ -23,6 +23,11 @@ import argparse
 import shutil
 from pathlib import Path
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 
@@ -33,7 +38,6 @@ from _common import (
     is_main,
     median,
     print_table,
-    relaunch_under_torchrun,
     seconds,
     time_collective,
 )
@@ -154,5 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

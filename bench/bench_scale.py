@@ -44,6 +44,11 @@ import shutil
 import time
 from pathlib import Path
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -57,7 +62,6 @@ from _common import (
     is_main,
     median,
     print_table,
-    relaunch_under_torchrun,
     seconds,
     time_collective,
 )
@@ -416,5 +420,4 @@ def raw_times(out: Path, num_bytes: int, repeats: int) -> list[float]:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()
