@@ -97,6 +97,8 @@ def test_parquet_shards_stream_the_same_samples(tokenizer, shards, parquet_shard
 
 
 LOCATION = ("window", "source", "row", "taken", "sample")
+# 3 of window 3's 7 rows read (the resumed 2-rank case).
+RESUMED_AT = {"window": 3, "source": 1, "row": 6, "taken": 3, "sample": 0}
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -183,7 +185,7 @@ def test_mixing_a_stream_is_a_clear_error(tokenizer, shards):
         )  # fmt: skip
 
 
-def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7, location=None):
+def _stream_pass(rank, folder, result_dir, counts=False, window=7, location=None):
     """One of 2 gloo ranks: stream ``folder`` from ``location`` (default: the start) to the
     end; write the items, or the error.
 
@@ -191,42 +193,72 @@ def _two_ranks(rank, init_file, folder, result_dir, counts=False, window=7, loca
     """
     import dataclasses
 
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
+    try:  # the first windows are read when the dataset is built (check_tokens_fit)
+        dataset = stream(tokenizer, folder, shuffle_buffer_size=window, allow_unknown_tokens=counts)
+        start = location or dict.fromkeys(LOCATION, 0)
+        outcome = [item["tokens"] for item, _ in dataset.items(0, 5, start)]
+        if counts:
+            outcome = dataclasses.asdict(dataset.decoded)
+    except DataError as error:
+        outcome = str(error)
+    (result_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def _two_rank_jobs(rank, init_file, jobs):
+    """One of 2 gloo ranks running ``jobs`` ((function, keyword arguments) pairs) in order."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
-        try:  # the first windows are read when the dataset is built (check_tokens_fit)
-            dataset = stream(
-                tokenizer, folder, shuffle_buffer_size=window, allow_unknown_tokens=counts
-            )
-            start = location or dict.fromkeys(LOCATION, 0)
-            outcome = [item["tokens"] for item, _ in dataset.items(0, 5, start)]
-            if counts:
-                outcome = dataclasses.asdict(dataset.decoded)
-        except DataError as error:
-            outcome = str(error)
-        (result_dir / f"rank{rank}.json").write_text(json.dumps(outcome))
+        for job, kwargs in jobs:
+            job(rank, **kwargs)
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(tmp_path, folder, counts=False, window=7, location=None):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, shards, parquet_row_groups):
+    """Every 2-rank case of this module in one spawn of 2 real gloo ranks (one import each).
+
+    Returns each case's result folder by name; :func:`rank_results` reads it.
+    """
     import torch.multiprocessing as mp
 
-    init = str(tmp_path / "init")
-    args = (init, folder, tmp_path, counts, window, location)
-    mp.spawn(_two_ranks, args=args, nprocs=2, join=True)
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    root = tmp_path_factory.mktemp("two_ranks")
+    broken = root / "broken_data"
+    shutil.copytree(shards, broken)
+    lines = (broken / "part-003.jsonl").read_text().splitlines()
+    lines[4] = '{"instruction": "x", "output": ""}'
+    (broken / "part-003.jsonl").write_text("\n".join(lines) + "\n")
+    cases = {
+        "json_counts": (_stream_pass, {"folder": shards, "counts": True}),
+        "row_groups": (_stream_pass, {"folder": parquet_row_groups, "counts": True, "window": 30}),
+        "gather": (_stream_pass, {"folder": shards}),
+        "resumed": (_stream_pass, {"folder": shards, "location": RESUMED_AT}),
+        "coverage": (_coverage_pass, {"folder": shards}),
+        # Last: the error stops this case on both ranks, after which nothing else runs.
+        "malformed": (_stream_pass, {"folder": broken}),
+    }
+    jobs = []
+    for name, (job, kwargs) in cases.items():
+        (root / name).mkdir()
+        jobs.append((job, {**kwargs, "result_dir": root / name}))
+    mp.spawn(_two_rank_jobs, args=(str(root / "init"), jobs), nprocs=2, join=True)
+    return {name: root / name for name in cases}
 
 
-def test_each_rank_json_decodes_only_its_share_of_the_lines(shards, tmp_path):
+def rank_results(folder, prefix="rank"):
+    return [json.loads((folder / f"{prefix}{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_each_rank_json_decodes_only_its_share_of_the_lines(shards, two_ranks):
     # Rank r decodes the r-th half of each window's rows: together every row once.
     lines = [
         line for path in sorted(shards.iterdir()) for line in path.read_bytes().splitlines(True)
     ]
     total_bytes = sum(len(line) for line in lines)
-    decoded = _run_two_ranks(tmp_path, shards, counts=True)
+    decoded = rank_results(two_ranks["json_counts"])
     # 25 windows of 7 rows (3 + 4) and one of 5 (2 + 3).
     assert [d["rows"] for d in decoded] == [77, 103]
     assert sum(d["json_bytes"] for d in decoded) == total_bytes
@@ -252,11 +284,11 @@ def parquet_row_groups(tmp_path_factory, shards):
 
 
 def test_each_rank_reads_only_the_parquet_row_groups_of_its_share(
-    tokenizer, shards, parquet_row_groups, tmp_path
+    tokenizer, shards, parquet_row_groups, two_ranks
 ):
     # Windows of 30 rows: each rank's run of 15 rows is 3 of the window's 6 row groups, and
     # those are all it reads. The stream is the one the JSON Lines give.
-    decoded = _run_two_ranks(tmp_path, parquet_row_groups, counts=True, window=30)
+    decoded = rank_results(two_ranks["row_groups"])
     assert [d["rows"] for d in decoded] == [90, 90]
     assert [d["table_rows"] for d in decoded] == [90, 90]
     location = dict.fromkeys(LOCATION, 0)
@@ -267,29 +299,23 @@ def test_each_rank_reads_only_the_parquet_row_groups_of_its_share(
     assert [item for item, _ in from_groups] == [item for item, _ in from_json]
 
 
-def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards, tmp_path):
+def test_ranks_share_the_tokenizing_and_gather_the_same_stream(tokenizer, shards, two_ranks):
     single = [item["tokens"] for item, _ in stream(tokenizer, shards, shuffle_buffer_size=7).items(
         0, 5, dict.fromkeys(LOCATION, 0)
     )]  # fmt: skip
-    assert _run_two_ranks(tmp_path, shards) == [single, single]
+    assert rank_results(two_ranks["gather"]) == [single, single]
 
 
-def test_ranks_resumed_mid_window_share_its_unread_rows(tokenizer, shards, tmp_path):
+def test_ranks_resumed_mid_window_share_its_unread_rows(tokenizer, shards, two_ranks):
     # 3 of window 3's 7 rows are read: the ranks split the other 4 and gather the stream.
-    location = {"window": 3, "source": 1, "row": 6, "taken": 3, "sample": 0}
     dataset = stream(tokenizer, shards, shuffle_buffer_size=7, num_proc=0)
-    single = [item["tokens"] for item, _ in dataset.items(0, 5, location)]
-    assert _run_two_ranks(tmp_path, shards, location=location) == [single, single]
+    single = [item["tokens"] for item, _ in dataset.items(0, 5, dict(RESUMED_AT))]
+    assert rank_results(two_ranks["resumed"]) == [single, single]
 
 
-def test_a_malformed_row_tokenized_by_one_rank_stops_both(shards, tmp_path):
-    folder = tmp_path / "data"
-    shutil.copytree(shards, folder)
-    broken = folder / "part-003.jsonl"
-    lines = broken.read_text().splitlines()
-    lines[4] = '{"instruction": "x", "output": ""}'
-    broken.write_text("\n".join(lines) + "\n")
-    outcomes = _run_two_ranks(tmp_path, folder)
+def test_a_malformed_row_tokenized_by_one_rank_stops_both(two_ranks):
+    # Row 4 of part-003.jsonl has an empty output (the fixture writes it).
+    outcomes = rank_results(two_ranks["malformed"])
     assert outcomes[0] == outcomes[1]
     assert isinstance(outcomes[0], str) and "part-003.jsonl:5: row 4" in outcomes[0]
 
@@ -478,27 +504,18 @@ def test_every_row_once_per_epoch_over_every_window_and_epoch(
         assert items[windows[-1]] != in_order[windows[-1]]
 
 
-def _coverage_rank(rank, init_file, folder, result_dir):
+def _coverage_pass(rank, folder, result_dir):
     """One of 2 gloo ranks: its items of 2 whole epochs through its own StreamLoader."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
-        dataset = stream(tokenizer, folder, shuffle_buffer_size=7)
-        epochs = _epochs_through_loaders(dataset, 2, 12, 2, rank=rank)
-        (result_dir / f"coverage{rank}.json").write_text(json.dumps(epochs))
-    finally:
-        dist.destroy_process_group()
+    tokenizer = load_tokenizer(str(TINY), max_seq_len=64)
+    dataset = stream(tokenizer, folder, shuffle_buffer_size=7)
+    epochs = _epochs_through_loaders(dataset, 2, 12, 2, rank=rank)
+    (result_dir / f"coverage{rank}.json").write_text(json.dumps(epochs))
 
 
-def test_two_ranks_together_train_every_row_once_per_epoch(tokenizer, shards, tmp_path):
+def test_two_ranks_together_train_every_row_once_per_epoch(tokenizer, shards, two_ranks, tmp_path):
     """Two real gloo ranks (each tokenizes its share of a window and gathers the rest):
     their micro-batches together hold every row exactly once in each of two epochs."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_coverage_rank, args=(str(tmp_path / "init"), shards, tmp_path), nprocs=2, join=True)
-    per_rank = [json.loads((tmp_path / f"coverage{r}.json").read_text()) for r in range(2)]
+    per_rank = rank_results(two_ranks["coverage"], prefix="coverage")
     # Global order: step k's micro-batch item i of rank r is global item 2 * (6k + i) + r.
     epochs = [
         [tokens for pair in zip(*(ranks[e] for ranks in per_rank), strict=True) for tokens in pair]
