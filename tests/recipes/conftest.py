@@ -269,6 +269,7 @@ SHIPPED_PREREQUISITES = {
     "distill": ("full", "epoch_0", "outputs/tiny_teacher"),
     "distill_on_policy": ("full", "epoch_0", "outputs/tiny_teacher"),
     "grpo_learned_reward": ("reward_model", "epoch_0", "outputs/tiny_reward_model/epoch_0"),
+    "agentic_grpo": ("agentic_sft", "epoch_0", "outputs/tiny_agentic_sft/epoch_4"),
 }
 """Shipped tiny configs that read another run's output (their headers say which)."""
 

@@ -115,3 +115,58 @@ def tool_rows(rng: random.Random, count: int) -> list[dict]:
         messages.append({"role": "assistant", "content": "\n".join(e.output for e in examples)})
         rows.append({"tools": TOOL_SCHEMAS, "messages": messages})
     return rows
+
+
+def calculator_rows(
+    rng: random.Random, count: int, low: int = 10, high: int = 89
+) -> tuple[list[dict], list[dict]]:
+    """Additions, half answered through ``tunelab.rl.agentic.calculator`` (tiny/agentic_*).
+
+    Each conversation asks ``What is a + b?`` (two numbers from ``low`` to ``high``: every
+    number the task writes is one tiny token), rendered as agentic GRPO renders its episodes
+    (no system turn, no reasoning). Half of them call the calculator with the expression, read
+    its result and answer with it; the other half answer at once. A model fine-tuned on them
+    calls the tool about half the time, and cannot add on its own: agentic GRPO's reward then
+    teaches it to call.
+
+    Args:
+        rng: The random source (conversations first, then prompts).
+        count: Conversations, and prompts, to make.
+        low: The smallest number added.
+        high: The largest number added.
+
+    Returns:
+        ``count`` SFT rows of ``{"tools", "messages"}`` and ``count`` GRPO prompts of
+        ``{"prompt", "answer"}`` (other numbers from the same source).
+    """
+    from transformers.utils import get_json_schema
+
+    from tunelab.rl.agentic import calculator
+
+    tools = [get_json_schema(calculator)]
+
+    def addition() -> tuple[str, str, str]:
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        return f"What is {a} + {b}?", f"{a} + {b}", str(a + b)
+
+    conversations = []
+    for number in range(count):
+        prompt, expression, answer = addition()
+        messages: list[dict] = [{"role": "user", "content": prompt}]
+        if number % 2 == 0:
+            call = {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": expression}},
+            }
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": answer},
+            ]
+        messages.append({"role": "assistant", "content": answer})
+        conversations.append({"tools": tools, "messages": messages})
+    prompts = []
+    for _ in range(count):
+        prompt, _, answer = addition()
+        prompts.append({"prompt": prompt, "answer": answer})
+    return conversations, prompts

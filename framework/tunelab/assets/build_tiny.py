@@ -13,7 +13,9 @@ writes, deterministically (fixed seeds, one CPU thread):
 - ``sft.jsonl``, ``sft_val.jsonl`` (alpaca instruction/input/output), ``chat.jsonl``
   (``messages``), ``preference.jsonl`` and ``preference_val.jsonl`` (prompt/chosen/rejected);
 - ``tool_calls.jsonl`` (``tools`` and ``messages`` with tool calls, results and reasoning) and
-  ``tools_chat_template.jinja``, a ChatML tool template that renders them (``_tools``).
+  ``tools_chat_template.jinja``, a ChatML tool template that renders them (``_tools``);
+- ``calculator_calls.jsonl`` and ``calculator_prompts.jsonl``: additions, half answered
+  through the calculator tool, and prompts of other additions with their answers (``_tools``).
 """
 
 import argparse
@@ -171,6 +173,10 @@ def write_datasets(out: Path, rng: random.Random) -> None:
     # Tool-calling conversations (tiny/chat_tools_lora), from a random source of their own too.
     _write_jsonl(out / "tool_calls.jsonl", _tools.tool_rows(random.Random(29), 300))
     (out / "tools_chat_template.jinja").write_text(_tools.TOOLS_CHAT_TEMPLATE)
+    # Additions through the calculator (tiny/agentic_sft, tiny/agentic_grpo), likewise.
+    calls, prompts = _tools.calculator_rows(random.Random(41), 512)
+    _write_jsonl(out / "calculator_calls.jsonl", calls)
+    _write_jsonl(out / "calculator_prompts.jsonl", prompts)
 
 
 def held_out_pairs(train_prompts: set[str], count: int = 96) -> list[dict[str, str]]:
