@@ -223,9 +223,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
         ConfigError: The model has no MoE layer, or the mesh size does not divide the number
             of experts.
     """
-    from tunelab.modules.moe import MoEExperts
-
-    layers = [module for module in model.modules() if isinstance(module, MoEExperts)]
+    layers = _expert_layers(model)
     size = mesh.size()
     if not layers:
         raise ConfigError(
@@ -262,9 +260,18 @@ def _split(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 def expert_traffic(model: nn.Module) -> ExpertTraffic | None:
     """The ``ExpertTraffic`` of a model's exchange (None: its experts are not split)."""
-    from tunelab.modules.moe import MoEExperts
-
-    for module in model.modules():
-        if isinstance(module, MoEExperts) and module.expert_parallel is not None:
+    for module in _expert_layers(model):
+        if module.expert_parallel is not None:
             return module.expert_parallel.traffic
     return None
+
+
+def _expert_layers(model: nn.Module) -> list[nn.Module]:
+    # The layers that take an exchange: an ``expert_parallel`` attribute (None until split)
+    # beside ``num_experts``, as ``tunelab.modules.moe.MoEExperts`` has. Found by those
+    # attributes, not by class: modules and distributed are one layer and import neither.
+    return [
+        module
+        for module in model.modules()
+        if hasattr(module, "expert_parallel") and hasattr(module, "num_experts")
+    ]

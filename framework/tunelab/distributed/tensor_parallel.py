@@ -65,8 +65,6 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         ConfigError: A size that does not divide the heads (query and key/value), the
             intermediate size or the vocabulary; a family or adapter not covered yet.
     """
-    from tunelab.peft.lora import LoRALinear
-
     args = model.args
     setting = f"parallelism.tensor_parallel_size: {size}"
     family = f"model family {args.family!r}"
@@ -90,7 +88,7 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
                 f"divides it ({count} % {size} = {count % size})"
             )
     for name, module in model.named_modules():
-        if not isinstance(module, LoRALinear):
+        if not _is_lora(module):
             continue
         if module.lora_magnitude_vector is not None:
             raise ConfigError(f"{setting} with lora.use_dora: true is not built yet ({name})")
@@ -200,9 +198,11 @@ def _rowwise(module: nn.Module) -> RowwiseParallel:
 
 
 def _is_lora(module: nn.Module) -> bool:
-    from tunelab.peft.lora import LoRALinear
-
-    return isinstance(module, LoRALinear)
+    # A LoRA linear by its adapter's parts (PEFT's names, which tunelab.peft's LoRALinear
+    # keeps): not imported from tunelab.peft, which itself builds on this package.
+    return isinstance(getattr(module, "lora_A", None), nn.Linear) and isinstance(
+        getattr(module, "lora_B", None), nn.Linear
+    )
 
 
 def _place_lora(placements: dict[str, Any], name: str, module: nn.Module, mesh: DeviceMesh) -> None:
