@@ -20,7 +20,8 @@ embedded tiny tokenizer). Three kinds of process:
   ``num_proc`` 1, as the streamed pass uses one process) and then every pack read once: what
   the first epoch of a run costs the map-style path. The target compares the median of
   ``--repeats`` interleaved passes of each over a ``--time-mb`` corpus (20 MB): the streamed
-  pass within 10% of the materialised one. Both are also run once on the smaller corpus.
+  pass within 10% of the materialised one. Both are also run once on the smaller corpus (the
+  first timed passes, when ``--time-mb`` is its size, as in ``--smoke``).
 - ranks: one pass of the stream on 2 gloo ranks (torchrun) over a ``--ranks-mb`` corpus (10 MB):
   the characters each rank hands to ``json.loads`` (counted by wrapping it, in the rank and in
   its DataLoader workers, which share the counter), and the pass time of the slower rank, bare
@@ -68,10 +69,11 @@ def parse_args() -> argparse.Namespace:
         "--worker", choices=("stream", "materialised", "ranks"), help=argparse.SUPPRESS
     )
     parser.add_argument("--data", help=argparse.SUPPRESS)
-    return parse_bench_args(
-        parser,
-        smoke=["--sizes-mb", "1", "2", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1"],
-    )
+    # Smoke: the timed passes serve the small corpus's rows too (the same size), and one
+    # 2-rank launch (no simulated step): 3 single processes and 1 torchrun launch.
+    smoke = ["--sizes-mb", "1", "2", "--time-mb", "1", "--repeats", "1", "--ranks-mb", "1",
+             "--step-ms", "0"]  # fmt: skip
+    return parse_bench_args(parser, smoke)
 
 
 def write_corpus(folder: Path, size_mb: float) -> tuple[int, int]:
@@ -188,9 +190,10 @@ def ranks_rows(args: argparse.Namespace, root: Path) -> tuple[list[Row], list[st
     corpus, shards = write_corpus(data, args.ranks_mb)
     here = str(Path(__file__).resolve().parent.parent / "framework")
     codes = {"after": here, **({"before": args.before} if args.before else {})}
+    steps_ms = sorted({0, args.step_ms})  # bare, and with the simulated step when there is one
     runs: dict[tuple[str, float], list[dict]] = {}
     for _ in range(args.repeats):
-        for step_ms in (0, args.step_ms):
+        for step_ms in steps_ms:
             for name in sorted(codes, reverse=True) if len(codes) > 1 else codes:  # before first
                 runs.setdefault((name, step_ms), []).append(
                     launch_ranks(data, codes[name], step_ms)
@@ -216,7 +219,7 @@ def ranks_rows(args: argparse.Namespace, root: Path) -> tuple[list[Row], list[st
             f"{parsed / MiB:.1f} MB", f"{parsed_before / MiB:.1f} MB",
             f"{parsed / parsed_before:.2f}x", "-", None,
         ))  # fmt: skip
-        for step_ms in (0, args.step_ms):
+        for step_ms in steps_ms:
             after, before = (
                 median("after", step_ms, "seconds"),
                 median("before", step_ms, "seconds"),
@@ -279,18 +282,23 @@ def main() -> None:
         # Timed passes on a smaller corpus, interleaved (A, B, A, B, ...) so a burst of load
         # hits both paths alike; the median of each.
         timed = root / "timed" / "data"
-        timed_bytes, _ = write_corpus(timed, args.time_mb)
+        timed_bytes, timed_shards = write_corpus(timed, args.time_mb)
         passes: dict[str, list[dict]] = {"stream": [], "materialised": []}
         for _ in range(args.repeats):
             for mode, runs in passes.items():
                 shutil.rmtree(timed.parent / "cache", ignore_errors=True)
                 runs.append(launch(mode, timed))
         shutil.rmtree(root / "timed")
-        small, large = root / "small" / "data", root / "large" / "data"
-        small_bytes, small_shards = write_corpus(small, small_mb)
-        stream_small = launch("stream", small)
-        materialised = launch("materialised", small)
-        shutil.rmtree(root / "small")
+        if args.time_mb == small_mb:  # the same corpus (seeded): its first passes serve
+            small_bytes, small_shards = timed_bytes, timed_shards
+            stream_small, materialised = passes["stream"][0], passes["materialised"][0]
+        else:
+            small = root / "small" / "data"
+            small_bytes, small_shards = write_corpus(small, small_mb)
+            stream_small = launch("stream", small)
+            materialised = launch("materialised", small)
+            shutil.rmtree(root / "small")
+        large = root / "large" / "data"
         large_bytes, large_shards = write_corpus(large, large_mb)
         stream_large = launch("stream", large)
     finally:
