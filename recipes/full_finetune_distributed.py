@@ -28,7 +28,6 @@ from tunelab.training import (
     AfterStep,
     Datasets,
     MetricLoggers,
-    NonFiniteGuard,
     OptimizerStep,
     RouterLoss,
     Schedule,
@@ -114,13 +113,7 @@ def main(args: FullFinetuneArgs) -> None:
         config_hash=config_fingerprint(args),
     )
     # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
-    optimizer_step = OptimizerStep(
-        optimizer,
-        trainable,
-        lr_scheduler=lr_scheduler,
-        clip_grad_norm=args.schedule.clip_grad_norm,
-        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
-    )
+    optimizer_step = OptimizerStep.from_schedule(optimizer, trainable, lr_scheduler, args.schedule)
     # offload_activations: the forward's saved activations wait in pinned host memory (CUDA).
     offload = ActivationOffload(args.model.offload_activations, device)
 

@@ -56,7 +56,6 @@ from tunelab.training import (
     AfterStep,
     Datasets,
     MetricLoggers,
-    NonFiniteGuard,
     OptimizerStep,
     ReferenceModel,
     Schedule,
@@ -162,13 +161,7 @@ def main(args: GRPOArgs) -> None:
     # The loss applies the output layer chunk by chunk: the logits never exist whole.
     output = output_layer(model) if args.model.chunked_output else None
     # Clip (schedule.clip_grad_norm); a NaN/inf loss or gradient stops the run before the update.
-    optimizer_step = OptimizerStep(
-        optimizer,
-        trainable,
-        lr_scheduler=lr_scheduler,
-        clip_grad_norm=args.schedule.clip_grad_norm,
-        guard=NonFiniteGuard(args.schedule.skip_nonfinite_steps),
-    )
+    optimizer_step = OptimizerStep.from_schedule(optimizer, trainable, lr_scheduler, args.schedule)
 
     # Asynchronous GRPO (rollout.mode async): each batch sampled by the policy max_lag updates
     # older, a fixed depth (RolloutPipeline); its token losses weighed by rollout.off_policy.
