@@ -167,8 +167,8 @@ def main(args: GRPOArgs) -> None:
     # older, a fixed depth (RolloutPipeline); its token losses weighed by rollout.off_policy.
     # The batches in flight go into every step checkpoint. Sync is the depth-0 pipeline.
     max_lag = args.rollout.max_lag if args.rollout.mode == "async" else 0
-    pipeline = RolloutPipeline(max_lag, device)
     correction = check_correction(instantiate(args.rollout.off_policy))
+    pipeline = RolloutPipeline(max_lag, device, correction)
     if max_lag:
         data.progress_extras["rollouts_in_flight"] = pipeline.state_text
 
@@ -247,7 +247,6 @@ def main(args: GRPOArgs) -> None:
                     output,
                     scale=dist_info.world_size / divisor,
                     keep_old=iteration == 0 and args.rollout.num_iterations > 1,
-                    correction=correction,
                 )
                 step_totals = global_sums(step_sums, device)
                 metrics = optimizer_step(loss=step_totals["loss"] / divisor, step=global_step + 1)

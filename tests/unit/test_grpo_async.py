@@ -96,6 +96,7 @@ def test_lagged_loss_and_gradients_equal_an_fp64_tis_reference(tiny):
     rollout = Rollout(batch, advantages, torch.ones(4, dtype=torch.bool), lag=1)
     rollout.behaviour_logps = behaviour
     cap = 1.5
+    rollout.correction = TruncatedIS(cap=cap)
     num_tokens = int(mask.sum())
     sums = policy_gradient_pass(
         model,
@@ -103,7 +104,6 @@ def test_lagged_loss_and_gradients_equal_an_fp64_tis_reference(tiny):
         GRPOLoss(aggregation="token_mean"),
         None,
         scale=1 / num_tokens,
-        correction=TruncatedIS(cap=cap),
     )
     grads = {name: p.grad.clone() for name, p in get_adapter_params(model).items()}
 
@@ -143,9 +143,8 @@ def test_lag_zero_is_not_corrected(tiny):
         copied = copy.deepcopy(model)
         rollout = Rollout(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, dtype=bool))
         rollout.behaviour_logps = behaviour
-        sums = policy_gradient_pass(
-            copied, [rollout], GRPOLoss(), None, scale=0.25, correction=TruncatedIS()
-        )
+        rollout.correction = TruncatedIS()
+        sums = policy_gradient_pass(copied, [rollout], GRPOLoss(), None, scale=0.25)
         losses.append((sums["loss"], [p.grad.clone() for p in get_adapter_params(copied).values()]))
     assert losses[0][0] == losses[1][0]
     assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1], strict=True))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from tunelab.errors import CheckpointError
 from tunelab.rl.advantages import ScoredGroups
+from tunelab.rl.off_policy import OffPolicyCorrection
 from tunelab.rl.step import Rollout
 
 __all__ = ["InFlight", "RolloutPipeline", "behaviour_step"]
@@ -75,11 +76,16 @@ class RolloutPipeline:
     Args:
         max_lag: ``rollout.max_lag`` (0: each batch sampled right before its update).
         device: Where restored rollout tensors go.
+        correction: ``rollout.off_policy``: weighs the token losses of the batches taken with
+            a lag (each lagged rollout's ``correction``); None: no weights.
     """
 
-    def __init__(self, max_lag: int, device: torch.device) -> None:
+    def __init__(
+        self, max_lag: int, device: torch.device, correction: OffPolicyCorrection | None = None
+    ) -> None:
         self.max_lag = max_lag
         self.device = device
+        self.correction = correction
         self.pending: dict[int, InFlight] = {}
         self.sample_seconds = 0.0
 
@@ -99,6 +105,9 @@ class RolloutPipeline:
     def take(self, step: int) -> InFlight:
         """The batch of ``step``; its rollouts carry their lag (``step - behaviour_step``).
 
+        A lagged rollout also carries the pipeline's ``correction``, which the
+        policy-gradient pass applies.
+
         In a run started (or resumed from an async checkpoint) with this ``max_lag`` the batch
         came from :func:`behaviour_step`; a synchronous checkpoint resumed as async starts with
         an empty pipeline, so its first batches have smaller lags.
@@ -106,6 +115,7 @@ class RolloutPipeline:
         batch = self.pending.pop(step)
         for part in batch.parts:
             part.rollout.lag = step - batch.behaviour_step
+            part.rollout.correction = self.correction if part.rollout.lag > 0 else None
         return batch
 
     def num_micro_batches(self) -> int:

@@ -88,6 +88,10 @@ class Rollout:
             sampling (:func:`behaviour_logps_batch`), or None (an engine that records none).
         lag: Policy updates between the policy that sampled and the one that trains (0 in
             synchronous GRPO; ``rollout.max_lag`` bounds it in asynchronous GRPO).
+        correction: Weighs the token losses of a rollout sampled by an older policy (``lag``
+            > 0) by the trainer-vs-behaviour ratio (``rollout.off_policy``,
+            :mod:`tunelab.rl.off_policy`); set with the lag by ``RolloutPipeline.take``. None,
+            or a rollout of lag 0: left as it is (the ratio is 1 up to rounding).
     """
 
     batch: dict[str, torch.Tensor]
@@ -97,6 +101,7 @@ class Rollout:
     ref_logps: torch.Tensor | None = None
     behaviour_logps: torch.Tensor | None = None
     lag: int = 0
+    correction: OffPolicyCorrection | None = None
 
 
 def rollout_batch(
@@ -209,7 +214,6 @@ def policy_gradient_pass(
     *,
     scale: float,
     keep_old: bool = False,
-    correction: OffPolicyCorrection | None = None,
 ) -> dict[str, float]:
     """One pass over the rollouts: the clipped policy-gradient loss, backward per micro-batch.
 
@@ -234,9 +238,6 @@ def policy_gradient_pass(
             normalizer).
         keep_old: Store the detached log-probs as ``old_logps`` where a rollout has none
             (call it so in the first pass only, before any optimizer step on the rollouts).
-        correction: Weighs the token losses of a rollout sampled by an older policy
-            (``lag`` > 0) by the trainer-vs-behaviour ratio (:mod:`tunelab.rl.off_policy`);
-            a rollout of lag 0 is left as it is (the ratio is 1 up to rounding).
 
     Returns:
         This rank's sums: ``loss`` (unscaled), ``clipped`` tokens, ``kl``, and over the rows
@@ -261,8 +262,8 @@ def policy_gradient_pass(
                 for key, value in behaviour_sums(old, behaviour, mask).items()
             }
             metric_sums["off_policy/tokens"] = mask.sum().double()
-            if correction is not None and rollout.lag > 0:
-                weights, cut = correction.weights((old - behaviour).masked_fill(~mask, 0.0))
+            if rollout.correction is not None and rollout.lag > 0:
+                weights, cut = rollout.correction.weights((old - behaviour).masked_fill(~mask, 0.0))
                 losses = losses * weights.detach()
                 metric_sums["off_policy/clipped"] = (cut & mask).sum().double()
         loss_sum = loss_fn.loss_sum(losses, mask)
