@@ -92,7 +92,7 @@ def main(args: FullFinetuneArgs) -> None:
         context_parallel_size=context.size * args.parallelism.tensor_parallel_size,
         model_context=model.args.max_seq_len,
     )
-    trainable = list(model.parameters())
+    trainable = [param for param in model.parameters() if param.requires_grad]
     optimizer, lr_scheduler = build_optimizer(
         args.optimizer,
         trainable,

@@ -212,10 +212,13 @@ def test_export_loads_in_transformers_with_equal_logits(models, tmp_path):
     assert float((ours - theirs).abs().max()) <= TOLERANCE
 
 
-def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path):
-    """LoRA on every linear layer of the language model (the tower stays frozen), exported by
-    ``export_hf`` as the recipes do: PEFT loads the adapter onto transformers' model, and
-    transformers the merged weights, both with our logits on an image row."""
+@pytest.mark.parametrize("vision", [(), ("visual.blocks.", "visual.merger.")])
+def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path, vision):
+    """LoRA on every linear layer of the language model (the tower frozen, or with
+    ``model.vision_tower: lora`` and ``model.projector: lora`` every linear layer of the
+    tower's blocks and of the projector adapted too), exported by ``export_hf`` as the
+    recipes do: PEFT loads the adapter onto transformers' model, and transformers the merged
+    weights, both with our logits on an image row."""
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
@@ -225,8 +228,11 @@ def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path):
 
     model = load_pretrained(tiny_vl_dir)
     lora = LoRAArgs(targets=["all-linear"], rank=4, alpha=8.0)
-    swapped = apply_lora(model, lora)
-    assert not any(name.startswith("visual.") for name in swapped)
+    linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    swapped = apply_lora(model, lora, adapt_under=vision)
+    in_tower = {name for name in swapped if name.startswith("visual.")}
+    assert in_tower == {name for name in linears if name.startswith(vision)}
+    assert bool(in_tower) == bool(vision)
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in get_adapter_params(model).items():

@@ -73,6 +73,10 @@ class LoRAModelSetupArgs(ModelSetupArgs):
 
     frozen_base: Literal["auto", "replicate", "shard"] = "auto"
     """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
+    vision_tower: Literal["frozen", "lora"] = "frozen"
+    """A vision-language model's vision tower (patch embedding and blocks): frozen, or lora (every linear layer of its blocks adapted, whatever lora.targets says; the patch embedding stays frozen)."""
+    projector: Literal["frozen", "lora"] = "frozen"
+    """A vision-language model's projector (the patch merger into the language model): frozen, or lora (its linear layers adapted)."""
 
 
 @dataclass(kw_only=True)
@@ -86,6 +90,11 @@ class RewardModelSetupArgs(LoRAModelSetupArgs):
 @dataclass(kw_only=True)
 class SFTModelSetupArgs(ModelSetupArgs):
     """The model of the full fine-tuning recipe, which can offload activations."""
+
+    vision_tower: Literal["frozen", "full"] = "full"
+    """A vision-language model's vision tower (patch embedding and blocks): full (trained) or frozen."""
+    projector: Literal["frozen", "full"] = "full"
+    """A vision-language model's projector (the patch merger into the language model): full (trained) or frozen."""
 
     offload_activations: bool = False
     """Keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu), copied back in backward: less GPU memory, more host traffic; CUDA only (on CPU a no-op, said in one line)."""

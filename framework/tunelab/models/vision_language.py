@@ -130,6 +130,11 @@ class VisionLanguageDecoder(TransformerDecoder):
 
     vision_prefix = "visual."
     """Where the vision tower and projector live; LoRA leaves them frozen unless named."""
+    vision_parts = {
+        "vision_tower": ("visual.patch_embed.", "visual.blocks."),
+        "projector": ("visual.merger.",),
+    }
+    """The module prefixes of the parts ``model.vision_tower`` and ``model.projector`` set."""
 
     def __init__(self, args: ModelArgs) -> None:
         if args.vision is None or args.mrope_section is None:

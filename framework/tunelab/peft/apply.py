@@ -115,7 +115,7 @@ def _matches(fqn: str, target: str) -> bool:
     return fqn == target or fqn.endswith("." + target)
 
 
-def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
+def apply_lora(model: nn.Module, lora: LoRAArgs, adapt_under: Sequence[str] = ()) -> list[str]:
     """Put LoRA on the targets: ``LoRALinear`` swaps and ``ExpertLoRA`` factors.
 
     Each targeted ``nn.Linear`` becomes a ``LoRALinear`` over the same parameters; each
@@ -133,6 +133,9 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
             ``experts.gate_up_proj`` / ``experts.down_proj`` (any suffix of their FQN with at
             least two components; ``all-linear`` leaves them out). ``quantize_base`` is
             not applied here (``tunelab.training.build_model`` quantizes the base).
+        adapt_under: Module prefixes (``visual.blocks.``) whose every ``nn.Linear`` is
+            adapted as well, whatever ``lora.targets`` says: a vision-language model's tower
+            or projector under ``model.vision_tower: lora`` / ``model.projector: lora``.
 
     Returns:
         The FQNs of the swapped modules and adapted expert weights, in module order.
@@ -151,7 +154,7 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
     problems = lora.expert_target_problems()
     if selected_experts and problems:
         raise ConfigError(problems[0])
-    linears = _linear_modules(model)
+    all_linears = linears = _linear_modules(model)
     # A vision-language model's vision tower and projector (``visual.``) stay frozen unless a
     # target names them by their path there (``visual.merger.mlp.0``): bare names and
     # ``all-linear`` adapt the language model.
@@ -168,10 +171,16 @@ def apply_lora(model: nn.Module, lora: LoRAArgs) -> list[str]:
         if other_targets or not selected_experts
         else []
     )
+    whole_parts = [
+        name
+        for name in all_linears
+        if any(name.startswith(prefix) for prefix in adapt_under) and name not in selected
+    ]
+    selected += whole_parts
     for fqn in selected_experts:
         _add_expert_lora(fqn, expert_weights[fqn], lora)
     for fqn in selected:
-        linear = linears[fqn]
+        linear = all_linears[fqn]
         if isinstance(linear.weight, DTensor):
             raise TunelabError(
                 f"apply_lora: {fqn}.weight is already sharded; apply LoRA before fully_shard"

@@ -7,6 +7,7 @@ no rank ever holds the full model unless the world size is 1.
 
 import logging
 from collections.abc import Callable
+from dataclasses import fields
 from functools import partial
 from typing import Any, Literal
 
@@ -36,6 +37,27 @@ logger = logging.getLogger(__name__)
 
 # The parameter dtypes a model section names (``model.dtype``), for ``load_model``.
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_VISION_PARTS = ("vision_tower", "projector")
+"""The model-section keys that say how a vision-language model's parts train."""
+
+
+def _vision_training(model: ModelSetupArgs, decoder: nn.Module) -> dict[str, str]:
+    """How each part of a vision-language model trains: ``{"vision_tower": "frozen", ...}``.
+
+    Empty for a text-only model, which refuses a ``model.vision_tower`` or
+    ``model.projector`` other than its section's default in one line.
+    """
+    defaults = {f.name: f.default for f in fields(model) if f.name in _VISION_PARTS}
+    settings = {key: getattr(model, key) for key in defaults}
+    if hasattr(decoder, "vision_parts"):
+        return settings
+    for key, value in settings.items():
+        if value != defaults[key]:
+            raise ConfigError(
+                f"model.{key}: {value!r} needs a vision-language model, and {model.path} "
+                "has no vision tower"
+            )
+    return {}
 
 
 def build_model(
@@ -81,6 +103,7 @@ def build_model(
         )
         decoder.attention_backend = backend
         decoder.to(dtype)
+        vision = _vision_training(model, decoder)
         if lora is not None:
             if decoder.args.tie_embeddings and "lm_head" in lora.targets:
                 # The merged lm_head would differ from the embedding it is tied to, and an
@@ -89,10 +112,21 @@ def build_model(
                     f"lora.targets: lm_head cannot be adapted in {model.path}, whose "
                     "config ties it to the input embeddings (tie_word_embeddings: true)"
                 )
-            peft.apply_lora(decoder, lora)
+            adapted = [
+                prefix
+                for part, how in vision.items()
+                if how == "lora"
+                for prefix in decoder.vision_parts[part]
+            ]
+            peft.apply_lora(decoder, lora, adapt_under=adapted)
             if classifier:
                 # The head is new: it trains whole beside the adapters (PEFT's modules_to_save).
                 decoder.score.requires_grad_(True)
+        for part, how in vision.items():
+            if how == "frozen":
+                for name, param in decoder.named_parameters():
+                    if name.startswith(decoder.vision_parts[part]):
+                        param.requires_grad_(False)
     quantized = lora is not None and lora.quantize_base == "nf4"
     if tensor_mesh is not None:
         if quantized:
