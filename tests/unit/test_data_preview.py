@@ -1,5 +1,6 @@
 """``tunelab data preview``: the recipe's own dataset, shown without a model."""
 
+import hashlib
 import io
 import json
 import subprocess
@@ -130,3 +131,76 @@ def test_a_hub_dataset_while_the_hub_cannot_be_reached_fails_at_once_with_one_li
     assert f"http://127.0.0.1:{port} cannot be reached" in result.stderr, result.stderr
     # The retries alone slept 1 + 2 + 4 + 8 + 8 = 23 s; start-up takes 5-15 s here.
     assert elapsed < 23, elapsed
+
+
+@pytest.fixture(scope="module")
+def image_rows(tmp_path_factory):
+    """Two rows of the tiny VL model's kind: two images (one resized) in one row, one in another."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("preview_images")
+    sizes = {"wide.png": (70, 45), "square.png": (56, 56)}
+    for index, (name, size) in enumerate(sizes.items()):
+        Image.new("RGB", size, (40 * index, 200, 90)).save(folder / name)
+
+    def row(*names):
+        parts = [{"type": "image", "image": name} for name in names]
+        user = {"role": "user", "content": [*parts, {"type": "text", "text": "Colours?"}]}
+        return {"messages": [user, {"role": "assistant", "content": "Green."}]}
+
+    rows = [row("wide.png", "square.png"), row("square.png")]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder, sizes
+
+
+def test_image_rows_show_each_image_its_tokens_and_pixels(image_rows):
+    from tunelab.data.image_dataset import sft_collate
+
+    folder, sizes = image_rows
+    override = [f"dataset.data_files={folder / 'rows.jsonl'}"]
+    out = io.StringIO()
+    _data.preview("tiny/vl_lora", override, 2, as_json=True, out=out)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    tokenizer, dataset = _data.build_dataset("tiny/vl_lora", override)
+    image_id = tokenizer.token_to_id("<|image_pad|>")
+    collate = sft_collate(tokenizer)
+    assert [len(record["images"]) for record in records] == [2, 1]
+    for index, record in enumerate(records):
+        item = dataset[index]
+        assert record["input_ids"] == item["tokens"]
+        # The pixels are the training collate's, image after image.
+        batch = collate([item], tokenizer.pad_id)
+        pixels = batch["pixel_values"].float()
+        first = 0
+        for image, grid in zip(record["images"], batch["image_grid_thw"].tolist()):
+            name = Path(image["path"]).name
+            assert image["size"] == list(sizes[name]) and image["grid"] == grid
+            assert image["resized"] == [grid[2] * 14, grid[1] * 14]
+            assert image["tokens"] == grid[0] * grid[1] * grid[2] // 4
+            start, end = image["token_start"], image["token_end"]
+            assert end - start == image["tokens"]
+            ids = record["input_ids"]
+            assert set(ids[start:end]) == {image_id} and image_id not in (ids[start - 1], ids[end])
+            patches = pixels[first : first + grid[0] * grid[1] * grid[2]]
+            first += len(patches)
+            assert image["pixel_values_shape"] == list(patches.shape)
+            digest = hashlib.sha256(patches.contiguous().numpy().tobytes()).hexdigest()
+            assert image["pixel_values_sha256"] == digest
+        assert first == len(pixels)
+    # The two images of row 0 differ, so their checksums do.
+    assert len({image["pixel_values_sha256"] for image in records[0]["images"]}) == 2
+    wide, square = records[0]["images"]
+    assert wide["resized"] != wide["size"]  # 70x45 is resized to whole patches
+
+    out = io.StringIO()
+    _data.preview("tiny/vl_lora", override, 1, as_json=False, out=out)
+    text = out.getvalue()
+    for image in (wide, square):
+        assert (
+            f"{image['size'][0]}x{image['size'][1]}, resized "
+            f"{image['resized'][0]}x{image['resized'][1]}, grid "
+            f"{'x'.join(map(str, image['grid']))}: {image['tokens']} tokens at positions "
+            f"{image['token_start']}-{image['token_end'] - 1}"
+        ) in text
+    assert text.count("  image ") == 2 and "<|image_pad|><|image_pad|>" not in text
+    assert f"<|image_pad|>x{wide['tokens']}<|vision_end|>" in text

@@ -9,9 +9,11 @@ re-implementation of it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from itertools import islice
@@ -53,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.Argument
         "highlighted (bold green on a terminal, [[...]] otherwise), or with --json one JSON "
         'object per item, {"input_ids": [...], "labels": [...]} with labels -100 where not '
         "trained (preference items: chosen_input_ids, chosen_labels, rejected_input_ids, "
-        "rejected_labels).",
+        "rejected_labels). Items with images list each image: its file, size, resized size, "
+        "patch grid, token count and the positions its tokens take (with --json also the "
+        "shape and sha256 of its pixel values as the training collate makes them).",
     )
     preview.add_argument("config", metavar="CONFIG", help="built-in config name or YAML path")
     preview.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="key=value or ~key")
@@ -155,6 +159,72 @@ def _highlighted(tokenizer: Any, ids: list[int], labels: list[int], color: bool)
     return "".join(pieces)
 
 
+def _image_token(node: Any) -> str:
+    """The token an image dataset's items repeat once per image token."""
+    builder = import_component(node["_component_"])
+    default = inspect.signature(builder).parameters.get("image_token")
+    return node.get("image_token", default.default if default is not None else "<|image_pad|>")
+
+
+def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool) -> list[dict]:
+    """Each image of an item: file, sizes, grid, token count and span (and its pixel values).
+
+    The k-th run of image tokens in the item is the k-th image's. With ``pixels`` each image
+    is read and cut into patches as the training collate does (``ImageProcessing``), and the
+    record gets the pixel values' shape and the sha256 of their float32 bytes.
+    """
+    from tunelab.data.image_dataset import image_processing_for  # here: imports torch
+    from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS
+    from tunelab.data.images import open_image
+
+    processing = image_processing_for(tokenizer)
+    token_id = tokenizer.token_to_id(_image_token(node))
+    tokens = list(item["tokens"])
+    spans = []
+    for position, token in enumerate(tokens):
+        if token == token_id and (position == 0 or tokens[position - 1] != token_id):
+            spans.append([position, position])
+        if token == token_id:
+            spans[-1][1] = position + 1
+    records = []
+    for path, grid, (start, end) in zip(item["images"], item["image_grids"], spans):
+        image = open_image(path, node.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
+        frames, rows, columns = grid
+        record = {
+            "path": path,
+            "size": [image.width, image.height],
+            "resized": [columns * processing.patch_size, rows * processing.patch_size],
+            "grid": list(grid),
+            "tokens": end - start,
+            "token_start": start,
+            "token_end": end,
+        }
+        if pixels:
+            values, _ = processing(image)
+            data = values.float().contiguous().numpy().tobytes()
+            record["pixel_values_shape"] = list(values.shape)
+            record["pixel_values_sha256"] = hashlib.sha256(data).hexdigest()
+        records.append(record)
+    return records
+
+
+def _image_lines(records: list[dict]) -> str:
+    return "".join(
+        f"  image {index}: {record['path']} {record['size'][0]}x{record['size'][1]}, resized "
+        f"{record['resized'][0]}x{record['resized'][1]}, grid "
+        f"{'x'.join(map(str, record['grid']))}: {record['tokens']} tokens at positions "
+        f"{record['token_start']}-{record['token_end'] - 1}\n"
+        for index, record in enumerate(records)
+    )
+
+
+def _collapse_runs(text: str, token: str) -> str:
+    """Each run of ``token`` (an image's tokens) written once with its length: ``<t>x16``."""
+    return re.sub(
+        f"(?:{re.escape(token)}){{2,}}", lambda run: f"{token}x{len(run[0]) // len(token)}", text
+    )
+
+
 def _first_items(dataset: Any, rows: int) -> list[dict[str, Any]]:
     """The first ``rows`` items: by index, or a stream's first (epoch 0, seed 0)."""
     from tunelab.data.streaming import StreamingDataset, start_location
@@ -204,6 +274,8 @@ def preview(
             for side, ids, labels in _sequences(item):
                 prefix = f"{side}_" if side else ""
                 record[f"{prefix}input_ids"], record[f"{prefix}labels"] = ids, labels
+            if item.get("images"):
+                record["images"] = _image_records(tokenizer, node, item, pixels=True)
             out.write(json.dumps(record) + "\n")
         return
     color = out.isatty() and "NO_COLOR" not in os.environ
@@ -216,7 +288,11 @@ def preview(
             num_trained = sum(label != IGNORE_INDEX for label in labels)
             name = f"item {index}{f' {side}' if side else ''}"
             out.write(f"\n--- {name}: {len(ids)} tokens, {num_trained} trained ---\n")
-            out.write(_highlighted(tokenizer, ids, labels, color) + "\n")
+            text = _highlighted(tokenizer, ids, labels, color)
+            if item.get("images"):
+                out.write(_image_lines(_image_records(tokenizer, node, item, pixels=False)))
+                text = _collapse_runs(text, _image_token(node))
+            out.write(text + "\n")
 
 
 def run(namespace: argparse.Namespace) -> int:
