@@ -32,7 +32,7 @@ from tunelab.distill import (
 )
 from tunelab.distributed import (
     all_reduce_sum,
-    data_parallel_mesh,
+    build_device_meshes,
     destroy_distributed,
     init_distributed,
 )
@@ -73,12 +73,12 @@ def main(args: DistillArgs) -> None:
     device = dist_info.device
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
-    mesh = data_parallel_mesh(device, args.parallelism)
+    meshes = build_device_meshes(device, args.parallelism)
     # lora: null is full fine-tuning of the student (every weight trains).
     model = build_model(
         args.model,
         device=device,
-        mesh=mesh,
+        meshes=meshes,
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,
@@ -110,7 +110,7 @@ def main(args: DistillArgs) -> None:
     validates = data.val_loader is not None
     if spot is None or not spot.exists or validates or args.on_policy.lmbda > 0:
         teacher = Teacher(
-            build_model(args.teacher, device=device, mesh=mesh, seed=args.seed),
+            build_model(args.teacher, device=device, meshes=meshes, seed=args.seed),
             model,
             chunked=chunked,
             teacher_path=args.teacher.path,

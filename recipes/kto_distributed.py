@@ -19,7 +19,7 @@ per micro-batch, clip and step; then ``after_step``), clean-up.
 import tunelab.peft as peft
 from tunelab.config import LoRAKTOArgs, instantiate
 from tunelab.data import padded_collate_kto
-from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
+from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
@@ -72,7 +72,7 @@ def main(args: LoRAKTOArgs) -> None:
     model = build_model(
         args.model,
         device=device,
-        mesh=data_parallel_mesh(device, args.parallelism),
+        meshes=build_device_meshes(device, args.parallelism),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,

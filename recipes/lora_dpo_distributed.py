@@ -17,7 +17,7 @@ policy forwards, loss and backward over its micro-batches, then clip and step; t
 import tunelab.peft as peft
 from tunelab.config import LoRADPOArgs, instantiate
 from tunelab.data import padded_collate_dpo
-from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
+from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
@@ -72,7 +72,7 @@ def main(args: LoRADPOArgs) -> None:
         args.model,
         device=device,
         # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
-        mesh=data_parallel_mesh(device, args.parallelism),
+        meshes=build_device_meshes(device, args.parallelism),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,

@@ -69,17 +69,14 @@ def main(args: LoRAFinetuneArgs) -> None:
     # Context parallelism when context_parallel_size > 1: its ranks split every sequence.
     # Tensor parallelism when tensor_parallel_size > 1: its ranks split every matmul.
     meshes = build_device_meshes(device, args.parallelism)
-    mesh = meshes.data_parallel
     context = build_context_parallel(args.parallelism.context_parallel_size)
     model = build_model(
         args.model,
         device=device,
-        mesh=mesh,
+        meshes=meshes,
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,
-        expert_parallel_size=args.parallelism.expert_parallel_size,
-        tensor_mesh=meshes.tensor,
     )
     # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
     # checked here, so a bad task stops the run before its first step.

@@ -19,7 +19,7 @@ the chosen and rejected rows of each micro-batch, loss and backward, then clip a
 
 from tunelab.config import RewardModelArgs, instantiate
 from tunelab.data import padded_collate_dpo
-from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
+from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.losses import accumulate_metrics
 from tunelab.training import (
@@ -67,7 +67,7 @@ def main(args: RewardModelArgs) -> None:
         args.model,
         device=device,
         # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
-        mesh=data_parallel_mesh(device, args.parallelism),
+        meshes=build_device_meshes(device, args.parallelism),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
         seed=args.seed,

@@ -50,8 +50,7 @@ def main() -> None:
         model = build_model(
             LoRAModelSetupArgs(path=str(TINY), frozen_base="shard"),
             device=info.device,
-            mesh=meshes.data_parallel,
-            tensor_mesh=meshes.tensor,
+            meshes=meshes,
             lora=LORA,
         )
         set_adapters(model)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tunelab.config.sections import ParallelismArgs
+from tunelab.distributed.expert_parallel import expert_parallel_mesh
 from tunelab.errors import ConfigError
 
 REPLICATE_DIM = "replicate"
@@ -50,6 +51,9 @@ class DeviceMeshes:
     """What FSDP2 shards over (``data_parallel_mesh``); None: FSDP2's own 1-D mesh."""
     tensor: DeviceMesh | None
     """The tensor-parallel ranks (``"tp"``), or None without tensor parallelism."""
+    expert: DeviceMesh | None = None
+    """The processes each MoE layer's experts are split over (``expert_parallel_mesh``), or
+    None without expert parallelism."""
 
 
 def data_parallel_mesh(
@@ -77,8 +81,9 @@ def build_device_meshes(
             (replicas), ``data_parallel_shard_size`` (ranks each parameter is sharded over;
             None: the world size divided by the replicas and ``context_parallel_size``) and
             ``context_parallel_size`` (ranks that split each sequence; 1 in the recipes whose
-            section has no such setting) and ``tensor_parallel_size`` (ranks that split each
-            matmul; likewise). None: the defaults (plain FSDP).
+            section has no such setting), ``tensor_parallel_size`` (ranks that split each
+            matmul; likewise) and ``expert_parallel_size`` (ranks each MoE layer's experts are
+            split over; likewise). None: the defaults (plain FSDP).
 
     Returns:
         ``data_parallel``: None for plain FSDP over every rank (``replicate_size`` 1, the
@@ -86,11 +91,12 @@ def build_device_meshes(
         mesh with dimensions ``("replicate", "shard")``, the second of ``shard_size *
         context_parallel_size`` ranks; with tensor parallelism the ``"shard"`` mesh (1-D) or
         the ``("replicate", "shard")`` one, cut from the world mesh whose ``"tp"`` dimension
-        is ``tensor``.
+        is ``tensor``; ``expert``: the mesh of ``expert_parallel_mesh`` (None: off).
 
     Raises:
-        ConfigError: The sizes do not multiply to the world size, or context and tensor
-            parallelism together (not built).
+        ConfigError: The sizes do not multiply to the world size, context and tensor
+            parallelism together (not built), or an expert-parallel size the run cannot take
+            (``expert_parallel_mesh``).
     """
     parallelism = parallelism if parallelism is not None else ParallelismArgs()
     replicate_size = parallelism.data_parallel_replicate_size
@@ -99,7 +105,19 @@ def build_device_meshes(
     tp = parallelism.tensor_parallel_size
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if tp > 1:
-        return _tensor_parallel_meshes(device, replicate_size, shard_size, cp, tp, world_size)
+        meshes = _tensor_parallel_meshes(device, replicate_size, shard_size, cp, tp, world_size)
+    else:
+        meshes = DeviceMeshes(
+            _data_parallel(device, replicate_size, shard_size, cp, world_size), None
+        )
+    expert = expert_parallel_mesh(parallelism.expert_parallel_size, device, meshes.data_parallel)
+    return DeviceMeshes(meshes.data_parallel, meshes.tensor, expert)
+
+
+def _data_parallel(
+    device: torch.device, replicate_size: int, shard_size: int | None, cp: int, world_size: int
+) -> DeviceMesh | None:
+    # Plain FSDP (None: FSDP2's own 1-D mesh) or the (replicate, shard) mesh of HSDP.
     if shard_size is None:
         if world_size % (replicate_size * cp):
             what = (
@@ -125,11 +143,10 @@ def build_device_meshes(
             "number of processes"
         )
     if replicate_size == 1 or not dist.is_initialized():
-        return DeviceMeshes(None, None)
-    mesh = init_device_mesh(
+        return None
+    return init_device_mesh(
         device.type, (replicate_size, shard_size * cp), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
     )
-    return DeviceMeshes(mesh, None)
 
 
 def _tensor_parallel_meshes(

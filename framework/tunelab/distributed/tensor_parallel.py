@@ -74,7 +74,7 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         raise ConfigError(f"{setting}: {family} fuses q/k/v and gate/up into one projection each, not split by tensor parallelism yet")  # fmt: skip
     if args.attention_sinks:
         raise ConfigError(f"{setting}: {family} has attention sinks, not split by tensor parallelism yet")  # fmt: skip
-    if getattr(args, "vision", None) is not None:
+    if args.vision is not None:
         raise ConfigError(f"{setting}: {family} has a vision tower, not covered by tensor parallelism yet")  # fmt: skip
     for name, count in (
         ("num_attention_heads", args.num_heads),

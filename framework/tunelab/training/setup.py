@@ -24,8 +24,9 @@ from tunelab.data import StatefulDistributedSampler
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
 from tunelab.data.streaming import StreamingDataset
 from tunelab.distributed import apply_activation_checkpointing, resolve_dtype, shard_model
-from tunelab.distributed.expert_parallel import expert_parallel_mesh, shard_experts
+from tunelab.distributed.expert_parallel import shard_experts
 from tunelab.distributed.frozen_base import choose_frozen_base
+from tunelab.distributed.mesh import DeviceMeshes
 from tunelab.distributed.tensor_parallel import parallelize_decoder
 from tunelab.errors import ConfigError
 from tunelab.models import TransformerDecoder, from_hf_config, load_hf_into_model
@@ -64,12 +65,10 @@ def build_model(
     model: ModelSetupArgs,
     *,
     device: torch.device,
-    mesh: DeviceMesh | None = None,
+    meshes: DeviceMeshes | None = None,
     lora: LoRAArgs | None = None,
     adapter_dir: str | None = None,
     seed: int = 0,
-    expert_parallel_size: int = 1,
-    tensor_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Build, shard and load the model a recipe's ``model`` section describes.
 
@@ -78,21 +77,21 @@ def build_model(
             ``mixed_precision``, ``attention_backend``, ``compile``, activation checkpointing,
             ``reshard_after_forward`` and, in the LoRA recipes, ``frozen_base``.
         device: Where the parameters live.
-        mesh: The data-parallel mesh (``data_parallel_mesh``): 2-D for HSDP, None to shard
-            over every rank.
+        meshes: The run's meshes (``build_device_meshes``): ``data_parallel`` (2-D for
+            HSDP, None to shard over every rank); ``tensor``, the tensor-parallel ranks, each
+            block's matmuls split over them (``tunelab.distributed.tensor_parallel``);
+            ``expert``, the processes each holding only its share of every MoE layer's
+            experts, tokens travelling to them (``tunelab.distributed.expert_parallel``).
+            None: plain FSDP over every rank.
         lora: Adapter settings; only adapter parameters train when given.
         adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
         seed: Seed of the fresh adapter's initialisation.
-        expert_parallel_size: ``parallelism.expert_parallel_size``: above 1 each process
-            holds only its share of every MoE layer's experts, and tokens travel to them
-            (``tunelab.distributed.expert_parallel``).
-        tensor_mesh: The tensor-parallel ranks (``DeviceMeshes.tensor``): each block's
-            matmuls are split over them (``tunelab.distributed.tensor_parallel``); None: off.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
     """
-    expert_mesh = expert_parallel_mesh(expert_parallel_size, device, mesh)
+    meshes = meshes if meshes is not None else DeviceMeshes(None, None)
+    mesh, tensor_mesh, expert_mesh = meshes.data_parallel, meshes.tensor, meshes.expert
     dtype = resolve_dtype(model.dtype)
     backend = _attention_backend(model.attention_backend, device)
     # The reward-model section builds a sequence classifier: a score head for lm_head.
@@ -139,7 +138,7 @@ def build_model(
     if expert_mesh is not None:
         if quantized:
             raise ConfigError(
-                f"parallelism.expert_parallel_size: {expert_parallel_size} with "
+                f"parallelism.expert_parallel_size: {expert_mesh.size()} with "
                 "lora.quantize_base: nf4 is not built yet (QLoRA experts are sharded by FSDP)"
             )
         experts = shard_experts(decoder, expert_mesh)
@@ -247,7 +246,12 @@ def load_model(
         frozen_base=frozen_base,
     )
     return build_model(
-        settings, device=device, mesh=mesh, lora=lora, adapter_dir=adapter_dir, seed=seed
+        settings,
+        device=device,
+        meshes=DeviceMeshes(mesh, None),
+        lora=lora,
+        adapter_dir=adapter_dir,
+        seed=seed,
     )
 
 
