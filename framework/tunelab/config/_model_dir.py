@@ -106,10 +106,40 @@ def repo_hint(folder: Path) -> str | None:
     return None
 
 
+_OUTPUT_DIR_LINE = re.compile(r"^output_dir: (\S+)$", re.MULTILINE)
+_RECIPE_LINE = re.compile(r"^recipe: (\S+)$", re.MULTILINE)
+
+
 def download_hint(path: str) -> str:
-    """Return the ``tunelab download`` command that would fill the model folder."""
+    """Return how to fill the model folder: the shipped run that makes it, or a download."""
+    made_by = _shipped_run_making(Path(path))
+    if made_by is not None:
+        name, recipe = made_by
+        return (
+            f"it is made by the shipped config {name}: run `tunelab run --nproc_per_node 2 "
+            f"{recipe} --config {name}` first"
+        )
     repo = repo_hint(Path(path).expanduser()) or "<org>/<model>"
     return f"download it with `tunelab download {repo} --output-dir {path}`"
+
+
+def _shipped_run_making(folder: Path) -> tuple[str, str] | None:
+    # A shipped config whose run writes the folder (its output_dir, or an export under it),
+    # as tiny/agentic_grpo starts from tiny/agentic_sft's epoch export: (config, recipe).
+    if folder.is_absolute():
+        return None
+    for name, config in builtin_configs().items():
+        try:
+            text = config.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        output_dir, recipe = _OUTPUT_DIR_LINE.search(text), _RECIPE_LINE.search(text)
+        if output_dir is None or recipe is None:
+            continue
+        root = Path(output_dir.group(1))
+        if folder == root or root in folder.parents:
+            return name, recipe.group(1)
+    return None
 
 
 def _token_text(value: Any) -> str | None:
