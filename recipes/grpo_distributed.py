@@ -29,7 +29,7 @@ from functools import partial
 import tunelab.peft as peft
 from tunelab.config import GRPOArgs, instantiate
 from tunelab.data import padded_collate_prompts
-from tunelab.distributed import data_parallel_mesh, destroy_distributed, init_distributed
+from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
 from tunelab.rl import (
@@ -87,9 +87,9 @@ def main(args: GRPOArgs) -> None:
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
     # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
-    mesh = data_parallel_mesh(device, args.parallelism)
+    meshes = build_device_meshes(device, args.parallelism)
     # lora: null is full fine-tuning (every weight trains).
-    build = partial(build_model, args.model, device=device, mesh=mesh, seed=args.seed)
+    build = partial(build_model, args.model, device=device, meshes=meshes, seed=args.seed)
     model = build(lora=args.lora, adapter_dir=args.adapter_dir)
     # lm-eval tasks scored on the live model (eval.*): lm-eval, the tasks and their data are
     # checked here, so a bad task stops the run before its first step.
