@@ -126,14 +126,7 @@ def merge_weight(
         local = _merge_plain(
             weight.to_local(), lora_a_full, lora_b.to_local(), scale, local_magnitude
         )
-        return DTensor.from_local(
-            local,
-            weight.device_mesh,
-            weight.placements,
-            run_check=False,
-            shape=weight.shape,
-            stride=weight.stride(),
-        )
+        return _placed_like(weight, local)
     if magnitude is None and type(weight.to_local()) is torch.Tensor:
         # Other layouts (tensor parallel: a block of rows and columns per rank): the small
         # factors whole, and this rank's block W[r0:r1, c0:c1] + scale * B[r0:r1] A[:, c0:c1].
@@ -149,18 +142,23 @@ def merge_weight(
             lora_b[row0 : row0 + rows],
             scale,
         )
-        return DTensor.from_local(
-            local,
-            weight.device_mesh,
-            weight.placements,
-            run_check=False,
-            shape=weight.shape,
-            stride=weight.stride(),
-        )
+        return _placed_like(weight, local)
     # Others (DoRA, NF4 in another layout): let DTensor plan the communication, then return
     # the base's layout.
     return _merge_plain(dequantize(weight), lora_a, lora_b, scale, magnitude).redistribute(
         weight.device_mesh, weight.placements
+    )
+
+
+def _placed_like(weight: DTensor, local: torch.Tensor) -> DTensor:
+    # This rank's merged piece as a DTensor with the base's mesh, placements, shape and stride.
+    return DTensor.from_local(
+        local,
+        weight.device_mesh,
+        weight.placements,
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
     )
 
 
