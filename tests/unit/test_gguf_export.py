@@ -1,6 +1,7 @@
 """GGUF export without llama.cpp: file layout, checksums, refusals, crash safety, the Modelfile."""
 
 import functools
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -18,7 +19,13 @@ from tunelab.checkpoint.gguf_export import export_gguf
 from tunelab.checkpoint.ollama import modelfile
 from tunelab.data.chat_template import ChatTemplate
 from tunelab.errors import CheckpointError
-from tunelab.formats.gguf_model import QUANTIZATIONS, family_of, permute_rows, plan_tensor
+from tunelab.formats.gguf_model import (
+    QUANTIZATIONS,
+    family_of,
+    permute_rows,
+    plan_tensor,
+    quantization_problem,
+)
 from tunelab.formats.integrity import verify_folder
 
 TINY = assets_dir() / "tiny"
@@ -323,7 +330,34 @@ def test_modelfile_without_template_when_turns_are_not_separable():
 _QUANT_ERROR = {"f32": 0.0, "f16": 1e-3, "bf16": 1e-2, "q8_0": 1e-2, "q4_0": 0.2}
 
 
-@pytest.mark.parametrize("quant", list(QUANTIZATIONS))
+WRITTEN = [quant for quant in QUANTIZATIONS if quantization_problem(quant) is None]
+
+
+def test_the_gguf_package_quantizes_q8_0_and_q4_0():
+    # Not q4_k or q6_k: gguf 0.19's Q4_K and Q6_K only dequantize (quantize_blocks raises).
+    assert {"f32", "f16", "bf16", "q8_0", "q4_0"} <= set(WRITTEN)
+
+
+@pytest.mark.parametrize("quant", [q for q in QUANTIZATIONS if q not in WRITTEN])
+def test_a_quantization_the_gguf_package_cannot_write_is_refused_in_one_line(tiny, quant):
+    with pytest.raises(NotImplementedError):  # the premise: the package has no quantizer
+        gguf.quants.quantize(np.zeros((1, 256), np.float32), QUANTIZATIONS[quant][0])
+    result = _cli("export", tiny, "--to", "gguf", "--quant", quant)
+    assert result.returncode == 1 and not (tiny / "gguf").exists()
+    problem = (
+        f"GGUF quantization {quant!r}: the installed gguf package "
+        f"({importlib.metadata.version('gguf')}) has no quantizer for {quant.upper()}; write "
+        "q8_0 or q4_0, or f16 and quantize it with llama.cpp's llama-quantize"
+    )
+    assert result.stderr.strip().splitlines() == [f"tunelab: error: {problem}"], result.stderr
+    # A run that would export it is refused before it starts, not after training.
+    result = _cli("validate", "tiny/full", f"output_dir={tiny.parent / 'out'}",
+                  "checkpoint.export_formats=[hf,gguf]", f"checkpoint.gguf_quantization={quant}")  # fmt: skip
+    assert result.returncode == 1
+    assert f"key 'checkpoint.gguf_quantization': {problem}" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("quant", WRITTEN)
 def test_every_quantization_is_written_by_the_gguf_package(tiny, quant):
     tensors = {t.name: t for t in gguf.GGUFReader(export_gguf(tiny, quant=quant)).tensors}
     stored = tensors["blk.0.ffn_down.weight"]

@@ -46,6 +46,7 @@ from tunelab.formats.gguf_model import (
     family_of,
     permute_rows,
     plan_tensor,
+    quantization_problem,
     rope_freqs,
     write_hparams,
 )
@@ -204,7 +205,8 @@ def export_gguf(
     Args:
         export_dir: A Hugging Face model folder: an ``epoch_E`` export (config.json,
             safetensors, tokenizer files).
-        quant: One of ``QUANTIZATIONS`` (``f16``, ``bf16``, ``f32``, ``q8_0``, ...).
+        quant: One of ``QUANTIZATIONS`` (``f16``, ``bf16``, ``f32``, ``q8_0``, ...) that the
+            installed ``gguf`` package can write (``quantization_problem``).
         process_group: Group whose ranks share the tensors; None: the default group if one
             is initialised, else this process alone.
         sync_files: fsync the files before they are renamed into place.
@@ -217,10 +219,9 @@ def export_gguf(
             or the folder is not a model export.
     """
     export_dir = Path(export_dir)
-    if quant not in QUANTIZATIONS:
-        raise CheckpointError(
-            f"GGUF quantization {quant!r} is not one of {', '.join(QUANTIZATIONS)}"
-        )
+    problem = quantization_problem(quant)
+    if problem is not None:
+        raise CheckpointError(problem)
     config_path = export_dir / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{export_dir} is not a model export (no config.json)")

@@ -9,8 +9,9 @@ from pathlib import Path
 from tunelab.errors import TunelabError
 
 _EPOCH = re.compile(r"^epoch_(\d+)$")
-# The same names as tunelab.formats.gguf_model.QUANTIZATIONS, without importing gguf for --help.
-_QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0")
+# The same names as tunelab.formats.gguf_model.QUANTIZATIONS, without importing gguf for --help;
+# export_gguf refuses a type the installed gguf package has no quantizer for, in one line.
+_QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q6_k")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:

@@ -69,8 +69,18 @@ class CheckpointArgs:
         default_factory=lambda: ["hf"]
     )
     """What each export writes: hf (the Hugging Face model, always written: the others are made from it) and gguf (llama.cpp / Ollama file and Modelfile in epoch_E/gguf/)."""
-    gguf_quantization: Literal["f16", "bf16", "f32", "q8_0", "q4_0"] = "f16"
-    """Tensor type of the gguf export (norms and biases stay f32, as llama.cpp's converter keeps them)."""
+    gguf_quantization: Literal["f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q6_k"] = "f16"
+    """Tensor type of the gguf export (norms and biases stay f32, as llama.cpp's converter keeps them; q4_k and q6_k only where the installed gguf package has their quantizer: 0.19 has none)."""
+
+    def check_settings(self) -> list[str]:
+        """A gguf export's quantization needs the installed gguf package's quantizer for it."""
+        if "gguf" not in self.export_formats:
+            return []
+        # Imported here: the gguf package is needed only by runs that export GGUF.
+        from tunelab.formats.gguf_model import quantization_problem
+
+        problem = quantization_problem(self.gguf_quantization)
+        return [] if problem is None else [f"key 'checkpoint.gguf_quantization': {problem}"]
 
 
 @dataclass(kw_only=True)
@@ -165,13 +175,13 @@ class FinetuneArgs(RecipeArgs):
     """lm-evaluation-harness tasks scored during training (scores logged as eval/<task>/<metric>)."""
 
     def check_settings(self) -> list[str]:
-        """Check the eval schedule, the model section, streaming, and another tokenizer.
+        """Check the eval schedule, the model and checkpoint sections, streaming, another tokenizer.
 
         A streamed dataset needs schedule.max_steps_per_epoch; a tokenizer read from another
         folder must fit the model's vocabulary.
         """
         problems = super().check_settings() + self.eval.check_settings()
-        problems += self.model.check_settings()
+        problems += self.model.check_settings() + self.checkpoint.check_settings()
         problems += _streaming_problems(
             self.dataset, self.val_dataset, self.schedule.max_steps_per_epoch
         )

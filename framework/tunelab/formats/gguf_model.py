@@ -34,6 +34,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ __all__ = [
     "family_of",
     "permute_rows",
     "plan_tensor",
+    "quantization_problem",
     "rope_freqs",
     "write_hparams",
 ]
@@ -63,9 +65,33 @@ QUANTIZATIONS: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] =
     "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "q4_k": (gguf.GGMLQuantizationType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_S),
+    "q6_k": (gguf.GGMLQuantizationType.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
 }
-"""The ``--quant`` names: each is quantized by the ``gguf`` package's own quantizer (0.19 has
-none for the k-quants: ``q4_k`` and ``q6_k`` raise ``NotImplementedError`` there)."""
+"""The ``--quant`` names: each is quantized by the ``gguf`` package's own quantizer, where the
+installed package has one (``quantization_problem``: 0.19 has none for ``q4_k`` and ``q6_k``)."""
+
+
+def quantization_problem(quant: str) -> str | None:
+    """Why ``quant`` cannot be written with the installed ``gguf`` package (None: it can).
+
+    f32 and f16 are plain casts; every other type needs the package's quantizer for it (a
+    class in ``gguf.quants`` defining its own ``quantize_blocks``), never one written here.
+    """
+    if quant not in QUANTIZATIONS:
+        return f"GGUF quantization {quant!r} is not one of {', '.join(QUANTIZATIONS)}"
+    qtype = QUANTIZATIONS[quant][0]
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return None
+    quantizer = getattr(gguf.quants, qtype.name, None)
+    if quantizer is None or "quantize_blocks" not in vars(quantizer):
+        return (
+            f"GGUF quantization {quant!r}: the installed gguf package "
+            f"({importlib.metadata.version('gguf')}) has no quantizer for {qtype.name}; write "
+            "q8_0 or q4_0, or f16 and quantize it with llama.cpp's llama-quantize"
+        )
+    return None
+
 
 # Tensors that llama.cpp keeps in float32 whatever the file type (as its converter does).
 _F32_TENSORS = ("ffn_gate_inp.", "position_embd.")
