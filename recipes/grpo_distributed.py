@@ -19,7 +19,9 @@ the prompt's index, so a resumed run or another number of processes samples the 
 completions. With ``rollout.mode: async`` step ``s`` trains on a batch the policy of step
 ``s - rollout.max_lag`` sampled (``RolloutPipeline``: a fixed depth, the batches in flight in
 every checkpoint), its token losses weighed by ``rollout.off_policy`` (truncated importance
-sampling by default) against the log-probs recorded while sampling.
+sampling by default) against the log-probs recorded while sampling. With ``rollout.ranks`` N > 0
+the last N processes only sample (``rollout_rank``) and the others only train, on what they
+sampled: the same schedule, the policy sent to them after each update (``RemoteRollouts``).
 """
 
 import time
@@ -38,6 +40,8 @@ from tunelab.rl import (
     FrozenReference,
     GroupSampler,
     ModelRolloutEngine,
+    RankSplit,
+    RemoteRollouts,
     Rewards,
     RolloutPipeline,
     RolloutValidation,
@@ -47,7 +51,10 @@ from tunelab.rl import (
     check_policy_loss,
     global_sums,
     grpo_metrics,
+    lag_histogram,
     policy_gradient_pass,
+    serve_rollouts,
+    split_ranks,
     step_counts,
     store_logps,
     write_completions,
@@ -78,8 +85,13 @@ ARGS = GRPOArgs
 def main(args: GRPOArgs) -> None:
     """Train with GRPO on ``args.dataset``'s prompts (LoRA adapters or every weight) and export."""
     # -- set-up: the process group first, everything else after it -------------------------
+    # rollout.ranks > 0: the last ranks only sample; the trainers' group holds the others only.
+    timeout_s = args.parallelism.collective_timeout_s
+    split = split_ranks(args.rollout.ranks, timeout_s=timeout_s)
+    if split is not None and split.is_rollout:
+        return rollout_rank(args, split)
     dist_info = init_distributed(
-        args.device, collective_timeout_s=args.parallelism.collective_timeout_s
+        args.device, collective_timeout_s=timeout_s, store=split and split.trainer_store
     )
     run = RunFolder(args.output_dir)
     run.start(args.checkpoint.resume_from_checkpoint, may_exist=args.output_dir_may_exist)
@@ -169,6 +181,7 @@ def main(args: GRPOArgs) -> None:
     max_lag = args.rollout.max_lag if args.rollout.mode == "async" else 0
     correction = check_correction(instantiate(args.rollout.off_policy))
     pipeline = RolloutPipeline(max_lag, device, correction)
+    remote = RemoteRollouts(split, model, device) if split is not None else None
     if max_lag:
         data.progress_extras["rollouts_in_flight"] = pipeline.state_text
 
@@ -195,10 +208,10 @@ def main(args: GRPOArgs) -> None:
     def sample(batches: Iterator, step: int) -> list[ScoredGroups]:
         # G completions per prompt of the step's micro-batches, scored, advantages per group;
         # with dynamic sampling, groups of equal rewards left out and (optionally) refilled.
-        scored = [
-            groups.sample(next(batches)["index"].tolist(), step)
-            for _ in range(data.gradient_accumulation_steps)
-        ]
+        indices = [next(batches)["index"].tolist() for _ in range(data.gradient_accumulation_steps)]
+        if remote is not None:  # a rollout rank samples them with the live policy
+            return remote.request(indices, step, policy_step=global_step)
+        scored = [groups.sample(index, step) for index in indices]
         if args.rollout.dynamic_sampling_refill_rounds:
             scored += groups.refill(
                 scored,
@@ -262,15 +275,41 @@ def main(args: GRPOArgs) -> None:
             )
             metrics["off_policy/lag"] = global_step - 1 - in_flight.behaviour_step
             metrics["off_policy/sample_seconds"] = sample_seconds
+            metrics |= lag_histogram(global_step, max_lag, data.steps_per_epoch)
+            if remote is not None:
+                metrics |= remote.metrics()
             after_step(
                 global_step, epoch, step_in_epoch, metrics, num_tokens=counts["completion_tokens"]
             )
 
     # -- clean-up -------------------------------------------------------------------------
+    if remote is not None:
+        remote.close()
     after_step.close()
     if dist_info.is_main:
         print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)
     destroy_distributed()
+
+
+def rollout_rank(args: GRPOArgs, split: RankSplit) -> None:
+    """A rollout rank (``rollout.ranks``): samples and scores the batches its trainers ask for."""
+    device = split.device(args.device)
+    seed_everything(args.seed)
+    tokenizer = instantiate(args.tokenizer)
+    # Its own whole model (no process group): the trainers send the policy before each use.
+    meshes = build_device_meshes(device, args.parallelism)
+    model = build_model(
+        args.model, lora=args.lora, adapter_dir=args.adapter_dir, device=device, meshes=meshes,
+        seed=args.seed,
+    )  # fmt: skip
+    engine = ModelRolloutEngine.from_rollout(model, args.rollout, tokenizer)
+    prompts = instantiate(args.dataset, tokenizer=tokenizer)
+    groups = GroupSampler.from_settings(
+        engine, Rewards.from_settings(args.rewards), prompts, args.rollout, seed=args.seed,
+        device=device,
+    )  # fmt: skip
+    model.train()
+    serve_rollouts(split, groups, model)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ from tunelab.rl import (
     behaviour_step,
     check_correction,
     completion_logps,
+    lag_histogram,
     off_policy_metrics,
     policy_gradient_pass,
     rollout_batch,
+    split_ranks,
 )
 from tunelab.training import output_layer
 
@@ -210,3 +212,38 @@ def test_validate_refuses_async_agentic_episodes(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 1, err
     assert "key 'rollout.max_lag': 2 is read only with rollout.mode: async" in err, err
+
+
+def test_the_lag_histogram_follows_the_schedule_across_epochs():
+    # k = 2, 4 steps per epoch: lags 0, 1, 2, 2 in each epoch (the pipeline restarts).
+    assert lag_histogram(6, 2, 4) == {
+        "off_policy/lag_histogram/0": 2.0,
+        "off_policy/lag_histogram/1": 2.0,
+        "off_policy/lag_histogram/2": 2.0,
+    }
+    assert lag_histogram(3, 0, 4) == {"off_policy/lag_histogram/0": 3.0}
+
+
+def test_rank_split_refusals(tmp_path, monkeypatch, capsys):
+    from tunelab.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNELAB_DEBUG", raising=False)
+    refused = {
+        "rollout.ranks=1": "key 'rollout.ranks': 1 rollout ranks sample ahead of training: set "
+        "rollout.mode: async",
+        "rollout.ranks=1 rollout.mode=async rollout.dynamic_sampling=true "
+        "rollout.dynamic_sampling_refill_rounds=1": "key 'rollout.dynamic_sampling_refill_rounds'"
+        ": refills agree on their groups over every sampling rank",
+    }
+    for overrides, message in refused.items():
+        with pytest.raises(SystemExit) as info:
+            main(["validate", "tiny/grpo", f"output_dir={tmp_path}/out", *overrides.split()])
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and message in err and "Traceback" not in err, err
+    # At launch: fewer trainers than rollout ranks.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="2 rollout ranks need at least as many trainer ranks"):
+        split_ranks(2, timeout_s=10)
+    assert split_ranks(0, timeout_s=10) is None

@@ -220,6 +220,8 @@ class RolloutArgs:
     """mode async: policy updates between the policy that samples a batch and the update that trains on it (0: synchronous GRPO, bit for bit)."""
     off_policy: Component = component(default="tunelab.rl.TruncatedIS")
     """mode async: the importance weight on each token loss of a batch sampled by an older policy, a tunelab.rl.OffPolicyCorrection: tunelab.rl.TruncatedIS (cap) or tunelab.rl.MaskedIS (low, high)."""
+    ranks: Annotated[int, Range(ge=0)] = 0
+    """mode async: the last N processes of the job only sample (rollout ranks) and the others only train, on batches the rollout ranks sampled with the policy max_lag updates older (sent after each update: LoRA the adapter, full every weight); the same schedule and results as the colocated run with as many trainers (0: every process samples and trains). Needs at least N trainers; not with dynamic_sampling_refill_rounds."""
 
     def check_settings(self) -> list[str]:
         """Refills need dynamic sampling; greedy sampling trains nothing; max_lag needs async."""
@@ -235,6 +237,17 @@ class RolloutArgs:
                 f"{self.num_generations} completions of a prompt are the same tokens with the "
                 "same reward: every advantage is 0 and every loss and gradient 0.0, nothing "
                 "trains; set temperature > 0 (1.0 samples the policy as it is)"
+            )
+        if self.ranks and self.mode == "sync":
+            problems.append(
+                f"key 'rollout.ranks': {self.ranks} rollout ranks sample ahead of training: "
+                "set rollout.mode: async, or leave rollout.ranks 0"
+            )
+        if self.ranks and self.dynamic_sampling_refill_rounds:
+            problems.append(
+                "key 'rollout.dynamic_sampling_refill_rounds': refills agree on their groups "
+                "over every sampling rank, which rollout ranks (rollout.ranks) do not do; "
+                "set it 0 or rollout.ranks 0"
             )
         if self.mode == "sync" and self.max_lag != 1:
             problems.append(

@@ -49,7 +49,10 @@ def _backend_for(device: torch.device) -> str:
 
 
 def init_distributed(
-    device: str | None = None, *, collective_timeout_s: float | None = None
+    device: str | None = None,
+    *,
+    collective_timeout_s: float | None = None,
+    store: dist.Store | None = None,
 ) -> DistInfo:
     """Initialise the default process group from the torchrun environment.
 
@@ -58,6 +61,8 @@ def init_distributed(
         collective_timeout_s: Seconds a collective waits for its peers before it raises
             (gloo and NCCL both honour it), so a hung peer ends in a restart, not a hang;
             None keeps torch's default. The recipes pass ``collective_timeout_s``.
+        store: The rendezvous store of the group (None: the torchrun environment's); an
+            asynchronous GRPO rank split (``tunelab.rl.split_ranks``) passes the trainers' own.
 
     Returns:
         The rank, world size, local rank and device of this process.
@@ -80,6 +85,7 @@ def init_distributed(
             world_size=world_size,
             device_id=torch_device if torch_device.type == "cuda" else None,
             timeout=_timeout,
+            store=store,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=torch_device)
 

@@ -17,6 +17,9 @@ One module per concern, in the order a step uses them:
   schedule, ``async_rollouts.py``), :class:`OffPolicyCorrection`, :class:`TruncatedIS`,
   :class:`MaskedIS`, :func:`behaviour_sums` (``off_policy.py``); :func:`send_weights` and
   :func:`receive_weights` (checksummed, bounded transfers to rollout ranks, ``weight_sync.py``);
+  :func:`lag_histogram`; the rollout/trainer rank split (``rollout.ranks``): :func:`split_ranks`,
+  :class:`RankSplit`, :class:`RemoteRollouts` (a trainer's side), :func:`serve_rollouts` (a
+  rollout rank's loop) (``rank_split.py``);
 - the step: :class:`Rollout`, :func:`rollout_batch`, :func:`completion_logps`,
   :func:`store_logps`, :func:`policy_gradient_pass`, :class:`FrozenReference`,
   :func:`global_sums`, :func:`write_completions` (``step.py``); :class:`RolloutValidation`
@@ -37,7 +40,7 @@ from tunelab.rl.advantages import (
     step_counts,
 )
 from tunelab.rl.agentic import Environment, EpisodeGroupSampler, EpisodeRunner
-from tunelab.rl.async_rollouts import InFlight, RolloutPipeline, behaviour_step
+from tunelab.rl.async_rollouts import InFlight, RolloutPipeline, behaviour_step, lag_histogram
 from tunelab.rl.grpo_loss import GRPOLoss
 from tunelab.rl.gspo_loss import GSPOLoss
 from tunelab.rl.learned_reward import learned_reward
@@ -56,6 +59,7 @@ from tunelab.rl.policy_loss import (
     k3_kl,
     loss_normalizer,
 )
+from tunelab.rl.rank_split import RankSplit, RemoteRollouts, serve_rollouts, split_ranks
 from tunelab.rl.rewards import (
     MAX_REWARD,
     Rewards,
@@ -100,6 +104,8 @@ __all__ = [
     "ModelRolloutEngine",
     "OffPolicyCorrection",
     "PolicyLoss",
+    "RankSplit",
+    "RemoteRollouts",
     "Rewards",
     "Rollout",
     "RolloutEngine",
@@ -123,6 +129,7 @@ __all__ = [
     "global_sums",
     "group_advantages",
     "grpo_metrics",
+    "lag_histogram",
     "k3_kl",
     "learned_reward",
     "loss_normalizer",
@@ -136,6 +143,8 @@ __all__ = [
     "sample_tokens",
     "sampling_seeds",
     "send_weights",
+    "serve_rollouts",
+    "split_ranks",
     "step_counts",
     "store_logps",
     "write_completions",

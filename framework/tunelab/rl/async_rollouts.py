@@ -34,7 +34,14 @@ from tunelab.rl.advantages import ScoredGroups
 from tunelab.rl.off_policy import OffPolicyCorrection
 from tunelab.rl.step import Rollout
 
-__all__ = ["InFlight", "RolloutPipeline", "behaviour_step"]
+__all__ = [
+    "InFlight",
+    "RolloutPipeline",
+    "behaviour_step",
+    "decode_in_flight",
+    "encode_in_flight",
+    "lag_histogram",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -55,6 +62,25 @@ def behaviour_step(step: int, max_lag: int, epoch_start: int) -> int:
     return max(step - max_lag, epoch_start)
 
 
+def lag_histogram(steps_done: int, max_lag: int, steps_per_epoch: int) -> dict[str, float]:
+    """Steps trained so far per lag, as metrics ``off_policy/lag_histogram/<lag>``.
+
+    A function of the schedule alone (no state to checkpoint): the lag of step ``s`` is
+    ``s - behaviour_step(s, max_lag, epoch_start)``, so a resumed run logs the uninterrupted
+    run's counts.
+
+    Args:
+        steps_done: Updates done (the global step after this one).
+        max_lag: ``rollout.max_lag`` (0: synchronous, every step at lag 0).
+        steps_per_epoch: Steps per epoch (the pipeline restarts at each epoch).
+    """
+    counts = dict.fromkeys(range(max_lag + 1), 0.0)
+    for step in range(steps_done):
+        epoch_start = step - step % steps_per_epoch
+        counts[step - behaviour_step(step, max_lag, epoch_start)] += 1
+    return {f"off_policy/lag_histogram/{lag}": count for lag, count in counts.items()}
+
+
 @dataclass
 class InFlight:
     """One step's sampled batch, waiting for its update.
@@ -62,12 +88,19 @@ class InFlight:
     Attributes:
         step: The step that trains on it.
         behaviour_step: The step whose policy sampled it.
-        parts: Its scored micro-batches (refills included).
+        parts: Its scored micro-batches (refills included); or, while another rank samples
+            it (``rollout.ranks``), what waits for them and returns them.
     """
 
     step: int
     behaviour_step: int
-    parts: list[ScoredGroups]
+    parts: list[ScoredGroups] | Callable[[], list[ScoredGroups]]
+
+    def received(self) -> list[ScoredGroups]:
+        """Its scored micro-batches (waiting for them if another rank samples them)."""
+        if callable(self.parts):
+            self.parts = self.parts()
+        return self.parts
 
 
 class RolloutPipeline:
@@ -96,7 +129,7 @@ class RolloutPipeline:
             step: The step about to train (its policy is the live one).
             epoch_end: One past the last step of the epoch (the pipeline does not cross it).
             sample: Samples the batch trained at a step (draws its prompts from the loader, in
-                step order).
+                step order), or asks a rollout rank to and returns what waits for it.
         """
         for target in range(step, min(step + self.max_lag + 1, epoch_end)):
             if target not in self.pending:
@@ -113,7 +146,7 @@ class RolloutPipeline:
         an empty pipeline, so its first batches have smaller lags.
         """
         batch = self.pending.pop(step)
-        for part in batch.parts:
+        for part in batch.received():
             part.rollout.lag = step - batch.behaviour_step
             part.rollout.correction = self.correction if part.rollout.lag > 0 else None
         return batch
@@ -123,7 +156,7 @@ class RolloutPipeline:
         return sum(
             1
             for batch in self.pending.values()
-            for part in batch.parts
+            for part in batch.received()
             if "refill_prompts" not in part.sums
         )
 
@@ -134,8 +167,9 @@ class RolloutPipeline:
 
         Kept as a string in the step checkpoint's progress record, whose numbers must be
         non-negative counts; tensors are base64 of their raw bytes, so values are exact.
+        Batches a rollout rank is sampling are waited for first.
         """
-        mine = json.dumps([_encode_in_flight(batch) for batch in self.pending.values()])
+        mine = json.dumps([encode_in_flight(batch) for batch in self.pending.values()])
         gathered: list[Any] = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
@@ -158,7 +192,7 @@ class RolloutPipeline:
                     f"{where}: the async rollouts in flight were saved by {len(per_rank)} "
                     f"processes; resume an async run (rollout.max_lag > 0) on as many, not {world}"
                 )
-            batches = [_decode_in_flight(item, self.device) for item in json.loads(per_rank[rank])]
+            batches = [decode_in_flight(item, self.device) for item in json.loads(per_rank[rank])]
         except (ValueError, KeyError, TypeError, IndexError) as error:
             raise CheckpointError(f"{where}: unreadable rollouts in flight ({error})") from error
         self.pending = {batch.step: batch for batch in batches}
@@ -189,9 +223,10 @@ def _decode_tensor(record: dict[str, Any] | None, device: torch.device) -> torch
 _ROLLOUT_TENSORS = ("advantages", "keep", "old_logps", "ref_logps", "behaviour_logps")
 
 
-def _encode_in_flight(batch: InFlight) -> dict[str, Any]:
+def encode_in_flight(batch: InFlight) -> dict[str, Any]:
+    """``batch`` as JSON-ready values: its tensors as base64 of their raw bytes (exact)."""
     parts = []
-    for part in batch.parts:
+    for part in batch.received():
         rollout = part.rollout
         parts.append(
             {
@@ -204,7 +239,12 @@ def _encode_in_flight(batch: InFlight) -> dict[str, Any]:
     return {"step": batch.step, "behaviour_step": batch.behaviour_step, "parts": parts}
 
 
-def _decode_in_flight(record: dict[str, Any], device: torch.device) -> InFlight:
+def decode_in_flight(record: dict[str, Any], device: torch.device) -> InFlight:
+    """The batch :func:`encode_in_flight` wrote (tensors on ``device``).
+
+    Raises:
+        KeyError, ValueError, TypeError: The record is not one (the caller names the file).
+    """
     parts = []
     for item in record["parts"]:
         tensors = {key: _decode_tensor(item[key], device) for key in _ROLLOUT_TENSORS}

@@ -72,6 +72,16 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
         ) from None
 
 
+def _isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> dist.Work:
+    # A group passed in is addressed by its own ranks: it may be one made outside the
+    # default group's registry (a rollout channel over every process, ``tunelab.rl.RankSplit``).
+    return dist.isend(tensor, peer) if group is None else group.send([tensor], peer, 0)
+
+
+def _irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> dist.Work:
+    return dist.irecv(tensor, peer) if group is None else group.recv([tensor], peer, 0)
+
+
 def _pack(tensors: dict[str, torch.Tensor], bucket_bytes: int):
     entries, buckets, current, size = [], [], [], 0
     for name, tensor in tensors.items():
@@ -103,16 +113,19 @@ def send_weights(
     timeout_s: float,
     bucket_bytes: int = 64 * 2**20,
     group: dist.ProcessGroup | None = None,
+    receiver_role: str = "rollout rank",
 ) -> TransferStats:
     """Send ``tensors`` (whole, any device) to every rank of ``receivers``, acknowledged.
 
     Args:
         tensors: Name -> tensor (for LoRA the adapter; for full fine-tuning every weight,
             gathered whole).
-        receivers: Global ranks that call :func:`receive_weights` with this rank as ``sender``.
+        receivers: Ranks (of ``group``) that call :func:`receive_weights` with this rank as
+            ``sender``.
         timeout_s: Longest wait for one receiver at each stage.
         bucket_bytes: The largest bucket (a tensor larger than it gets a bucket of its own).
-        group: The process group (None: the default one).
+        group: The process group, addressed by its own ranks (None: the default one).
+        receiver_role: What the error messages call a receiver.
 
     Returns:
         The bytes sent to one receiver and the seconds the whole transfer took.
@@ -132,17 +145,17 @@ def send_weights(
     header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     length = torch.tensor([len(header)], dtype=torch.int64)
     for rank in receivers:
-        what = f"weight transfer to rollout rank {rank}"
-        _wait(dist.isend(length, rank, group=group), timeout_s, what)
-        _wait(dist.isend(header_tensor, rank, group=group), timeout_s, what)
+        what = f"weight transfer to {receiver_role} {rank}"
+        _wait(_isend(length, rank, group), timeout_s, what)
+        _wait(_isend(header_tensor, rank, group), timeout_s, what)
         for bucket in buckets:
-            _wait(dist.isend(bucket, rank, group=group), timeout_s, what)
+            _wait(_isend(bucket, rank, group), timeout_s, what)
     for rank in receivers:
         answer = torch.zeros(1, dtype=torch.int64)
-        _wait(dist.irecv(answer, rank, group=group), timeout_s, f"rollout rank {rank}")
+        _wait(_irecv(answer, rank, group), timeout_s, f"{receiver_role} {rank}")
         if int(answer) != 1:
             raise WeightTransferError(
-                f"rollout rank {rank} received weights that do not match their SHA-256"
+                f"{receiver_role} {rank} received weights that do not match their SHA-256"
             )
     return TransferStats(sum(b.numel() for b in buckets), time.perf_counter() - start)
 
@@ -153,6 +166,7 @@ def receive_weights(
     timeout_s: float,
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
+    sender_role: str = "trainer rank",
 ) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receive the tensors :func:`send_weights` sends from ``sender``, verified.
 
@@ -160,7 +174,8 @@ def receive_weights(
         sender: The sending (trainer) rank.
         timeout_s: Longest wait at each stage.
         device: Where the tensors go.
-        group: The process group (None: the default one).
+        group: The process group, addressed by its own ranks (None: the default one).
+        sender_role: What the error messages call the sender.
 
     Returns:
         Name -> tensor, and the bytes and seconds of the transfer.
@@ -170,20 +185,20 @@ def receive_weights(
             header's checksum (the sender is told so); the message names the rank.
     """
     start = time.perf_counter()
-    what = f"weight transfer from trainer rank {sender}"
+    what = f"weight transfer from {sender_role} {sender}"
     length = torch.zeros(1, dtype=torch.int64)
-    _wait(dist.irecv(length, sender, group=group), timeout_s, what)
+    _wait(_irecv(length, sender, group), timeout_s, what)
     header_tensor = torch.empty(int(length), dtype=torch.uint8)
-    _wait(dist.irecv(header_tensor, sender, group=group), timeout_s, what)
+    _wait(_irecv(header_tensor, sender, group), timeout_s, what)
     header = json.loads(header_tensor.numpy().tobytes())
     buckets, verified = [], True
     for spec in header["buckets"]:
         bucket = torch.empty(int(spec["bytes"]), dtype=torch.uint8)
-        _wait(dist.irecv(bucket, sender, group=group), timeout_s, what)
+        _wait(_irecv(bucket, sender, group), timeout_s, what)
         verified = verified and _digest(bucket) == spec["sha256"]
         buckets.append(bucket)
     answer = torch.tensor([1 if verified else 0], dtype=torch.int64)
-    _wait(dist.isend(answer, sender, group=group), timeout_s, what)
+    _wait(_isend(answer, sender, group), timeout_s, what)
     if not verified:
         raise WeightTransferError(
             f"{what}: the bytes received do not match their SHA-256; nothing was loaded"
