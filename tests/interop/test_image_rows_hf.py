@@ -64,8 +64,11 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The tokenizer files, a preprocessor config and four images."""
-    path = tmp_path_factory.mktemp("vl_tokenizer")
+    return make_vl_folder(tmp_path_factory.mktemp("vl_tokenizer"))
+
+
+def make_vl_folder(path: Path) -> Path:
+    """The tokenizer files, a preprocessor config and four images, written into ``path``."""
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -117,6 +117,9 @@ class ModelArgs:
     mrope_section: list[int] | None = None
     """Multimodal rotary (Qwen2.5-VL M-RoPE): how many of the ``head_dim / 2`` rotary
     frequencies follow the temporal, height and width positions; None for 1D rotary."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL: the M-RoPE frequencies take the three axes in turn (``i mod 3``) instead of
+    in consecutive sections (``tunelab.models.vision_language.multimodal_rotary``)."""
     vision: VisionArgs | None = None
     """The vision tower of a vision-language model; None for a text-only model."""
 

@@ -25,6 +25,7 @@ from tunelab.models.qwen2 import Qwen2StateDictAdapter, qwen2_args_from_hf
 from tunelab.models.qwen2_5_vl import Qwen2_5_VLStateDictAdapter, qwen2_5_vl_args_from_hf
 from tunelab.models.qwen3 import Qwen3StateDictAdapter, qwen3_args_from_hf
 from tunelab.models.qwen3_moe import Qwen3MoeStateDictAdapter, qwen3_moe_args_from_hf
+from tunelab.models.qwen3_vl import Qwen3VLStateDictAdapter, qwen3_vl_args_from_hf
 from tunelab.models.state_dict_adapter import StateDictAdapter
 
 
@@ -48,6 +49,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(mixtral_args_from_hf, MixtralStateDictAdapter),
     "gpt_oss": Family(gpt_oss_args_from_hf, GptOssStateDictAdapter),
     "qwen2_5_vl": Family(qwen2_5_vl_args_from_hf, Qwen2_5_VLStateDictAdapter),
+    "qwen3_vl": Family(qwen3_vl_args_from_hf, Qwen3VLStateDictAdapter),
 }
 _ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
 

@@ -95,7 +95,7 @@ class StateDictAdapter:
         A tied checkpoint normally omits ``lm_head.weight``; some tools write it anyway, equal
         to the embedding. Readers accept it only if it equals its partner.
         """
-        return {TIED_HEAD_KEY: EMBEDDING_KEY} if self.args.tie_embeddings else {}
+        return {TIED_HEAD_KEY: self.to_hf_key(EMBEDDING_KEY)} if self.args.tie_embeddings else {}
 
     def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """Rename a native state dict to HF keys, dropping the tied ``lm_head``.

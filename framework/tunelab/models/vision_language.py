@@ -1,4 +1,4 @@
-"""A decoder that reads images: Qwen2.5-VL's vision tower, image tokens and M-RoPE.
+"""A decoder that reads images: Qwen2.5-VL's or Qwen3-VL's vision tower, image tokens, M-RoPE.
 
 The language model is tunelab's ``TransformerDecoder`` unchanged; what differs is its input:
 
@@ -20,6 +20,7 @@ from tunelab.models.args import FULL, ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.modules.masks import positions_from_document_ids
 from tunelab.modules.vision import VisionTransformer
+from tunelab.modules.vision_qwen3 import Qwen3VisionTransformer
 
 
 def multimodal_positions(
@@ -99,7 +100,11 @@ def multimodal_positions(
 
 
 def multimodal_rotary(
-    inv_freq: torch.Tensor, positions: torch.Tensor, sections: list[int], dtype: torch.dtype
+    inv_freq: torch.Tensor,
+    positions: torch.Tensor,
+    sections: list[int],
+    dtype: torch.dtype,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` ``[batch, seq, 2 * sum(sections)]`` of M-RoPE positions.
 
@@ -108,13 +113,23 @@ def multimodal_rotary(
         positions: long ``[3, batch, seq]``.
         sections: frequencies that follow the temporal, height and width positions.
         dtype: dtype of the tables.
+        interleaved: Qwen3-VL's layout: frequency ``i`` follows the height when
+            ``i % 3 == 1 and i < 3 * sections[1]``, the width when
+            ``i % 3 == 2 and i < 3 * sections[2]``, else the time. Otherwise the sections
+            are consecutive (Qwen2.5-VL).
 
     Returns:
         The tables, in the "rotate half" layout of ``tunelab.modules.rotary``.
     """
-    axis = torch.cat(
-        [torch.full((size,), index, dtype=torch.long) for index, size in enumerate(sections)]
-    ).to(positions.device)
+    if interleaved:
+        axis = torch.zeros(sum(sections), dtype=torch.long)
+        for index in (1, 2):
+            axis[index : 3 * sections[index] : 3] = index
+    else:
+        axis = torch.cat(
+            [torch.full((size,), index, dtype=torch.long) for index, size in enumerate(sections)]
+        )
+    axis = axis.to(positions.device)
     chosen = positions.float().permute(1, 2, 0)[..., axis]  # [batch, seq, head_dim / 2]
     angles = chosen * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
@@ -122,7 +137,10 @@ def multimodal_rotary(
 
 
 class VisionLanguageDecoder(TransformerDecoder):
-    """``TransformerDecoder`` plus a vision tower: HF's ``Qwen2_5_VLForConditionalGeneration``.
+    """``TransformerDecoder`` plus a vision tower: HF's Qwen2.5-VL or Qwen3-VL model.
+
+    The tower is ``args.vision.layout``'s: transformers' ``Qwen2_5_VLForConditionalGeneration``
+    or ``Qwen3VLForConditionalGeneration``.
 
     Args:
         args: the model's arguments, ``args.vision`` and ``args.mrope_section`` set.
@@ -131,8 +149,8 @@ class VisionLanguageDecoder(TransformerDecoder):
     vision_prefix = "visual."
     """Where the vision tower and projector live; LoRA leaves them frozen unless named."""
     vision_parts = {
-        "vision_tower": ("visual.patch_embed.", "visual.blocks."),
-        "projector": ("visual.merger.",),
+        "vision_tower": ("visual.patch_embed.", "visual.pos_embed.", "visual.blocks."),
+        "projector": ("visual.merger.", "visual.deepstack_merger_list."),
     }
     """The module prefixes of the parts ``model.vision_tower`` and ``model.projector`` set."""
 
@@ -140,7 +158,8 @@ class VisionLanguageDecoder(TransformerDecoder):
         if args.vision is None or args.mrope_section is None:
             raise ValueError("a vision-language model needs args.vision and args.mrope_section")
         super().__init__(args)
-        self.visual = VisionTransformer(args.vision)
+        tower = {"qwen2_5_vl": VisionTransformer, "qwen3_vl": Qwen3VisionTransformer}
+        self.visual = tower[args.vision.layout](args.vision)
 
     def peft_module_path(self, native_key: str) -> str:
         """Where a parameter lives in transformers' model, as a PEFT adapter names it.
@@ -160,7 +179,7 @@ class VisionLanguageDecoder(TransformerDecoder):
         tokens: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Token embeddings with each image's embeddings in its image tokens.
 
         Args:
@@ -169,7 +188,8 @@ class VisionLanguageDecoder(TransformerDecoder):
             image_grid_thw: long ``[images, 3]``.
 
         Returns:
-            ``[batch, seq, dim]``.
+            ``([batch, seq, dim], deepstack)``: the embeddings, and the tower's deepstack
+            features (``[image tokens, dim]`` each, for the first layers; Qwen3-VL) or ``[]``.
 
         Raises:
             ValueError: the image tokens do not match the images' sizes.
@@ -181,15 +201,15 @@ class VisionLanguageDecoder(TransformerDecoder):
                     "the tokens hold image tokens but no pixel_values were given (a batch "
                     "collated without its images: use tunelab.data.sft_collate)"
                 )
-            return h
-        images = self.visual(pixel_values, image_grid_thw).to(h.dtype)
+            return h, []
+        images, deepstack = self.visual(pixel_values, image_grid_thw)
         is_image = tokens == self.args.vision.image_token_id
         if int(is_image.sum()) != images.shape[0]:
             raise ValueError(
                 f"{int(is_image.sum())} image tokens but the images give {images.shape[0]} "
                 "embeddings"
             )
-        return h.masked_scatter(is_image[..., None], images)
+        return h.masked_scatter(is_image[..., None], images.to(h.dtype)), deepstack
 
     def forward(
         self,
@@ -246,11 +266,18 @@ class VisionLanguageDecoder(TransformerDecoder):
                 vision.spatial_merge_size,
                 document_ids,
             )
-        h = self.embed(tokens, pixel_values, image_grid_thw)
+        h, deepstack = self.embed(tokens, pixel_values, image_grid_thw)
         masks = self._described_masks(tokens, document_ids)
         inv_freq = self.model.rotary_emb._frequencies(tokens.device)
-        cos, sin = multimodal_rotary(inv_freq, positions, self.args.mrope_section, h.dtype)
-        for layer in self.model.layers:
+        cos, sin = multimodal_rotary(
+            inv_freq, positions, self.args.mrope_section, h.dtype, self.args.mrope_interleaved
+        )
+        is_image = tokens == vision.image_token_id
+        for index, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, masks[FULL])
+            if index < len(deepstack):
+                # Deepstack: the k-th feature is added at the image tokens after layer k.
+                added = h[is_image] + deepstack[index].to(h.dtype)
+                h = h.masked_scatter(is_image[..., None], added)
         h = self.model.norm(h)
         return h if return_hidden else self.output(h)

@@ -1,5 +1,8 @@
 """The Qwen2.5-VL vision tower: patches to language-model embeddings.
 
+(Qwen3-VL's tower shares the patch embedding, attention and 2D rotary defined here; it lives
+in ``tunelab.modules.vision_qwen3``. ``VisionArgs.layout`` says which tower a model has.)
+
 Qwen2.5-VL (Bai et al., 2025, https://arxiv.org/abs/2502.13923). An image of ``h x w`` patches
 (a patch is ``temporal_patch_size`` frames of ``patch_size``-square pixels, flattened) goes
 through:
@@ -19,6 +22,8 @@ processor writes them. For window attention the merge squares are regrouped wind
 window, and put back in image order after the merger.
 """
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +38,13 @@ from tunelab.modules.rotary import _rotate_half
 _NORM_EPS = 1e-6
 
 
+VISION_LAYOUTS = ("qwen2_5_vl", "qwen3_vl")
+"""The vision towers tunelab builds, by the family that introduced them."""
+
+
 @dataclass
 class VisionArgs:
-    """Shape of a Qwen2.5-VL style vision tower (HF ``vision_config``) and its token ids."""
+    """Shape of a Qwen2.5-VL or Qwen3-VL vision tower (HF ``vision_config``) and its token ids."""
 
     depth: int
     """Vision transformer blocks."""
@@ -74,19 +83,44 @@ class VisionArgs:
     """The token before an image's tokens."""
     vision_end_token_id: int = 151653
     """The token after an image's tokens."""
+    layout: str = "qwen2_5_vl"
+    """Which tower, one of ``VISION_LAYOUTS``: ``qwen2_5_vl`` (RMSNorm, gated MLP, window
+    attention; ``tunelab.modules.vision.VisionTransformer``) or ``qwen3_vl`` (LayerNorm, plain
+    MLP, full attention, learned position embeddings, deepstack;
+    ``tunelab.modules.vision_qwen3.Qwen3VisionTransformer``)."""
+    num_position_embeddings: int = 0
+    """Qwen3-VL: rows of the learned position table, a square grid resampled to each image."""
+    deepstack_blocks: list[int] = field(default_factory=list)
+    """Qwen3-VL: blocks whose output a merger of its own adds into the language model's
+    hidden states at the image tokens, after layer 0, 1, ... (HF ``deepstack_visual_indexes``)."""
 
     def __post_init__(self) -> None:
+        if self.layout not in VISION_LAYOUTS:
+            raise ConfigError(f"vision layout {self.layout!r} is not one of {VISION_LAYOUTS}")
         if self.dim % self.num_heads or (self.dim // self.num_heads) % 4:
             raise ConfigError(
                 f"vision hidden_size {self.dim} must split into {self.num_heads} heads whose "
                 "size is a multiple of 4 (2D rotary)"
             )
-        if self.window_size % (self.patch_size * self.spatial_merge_size):
+        if self.layout == "qwen2_5_vl" and self.window_size % (
+            self.patch_size * self.spatial_merge_size
+        ):
             raise ConfigError(
                 f"vision window_size {self.window_size} must be a multiple of patch_size x "
                 f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})"
             )
         self.full_attention_blocks = [int(index) for index in self.full_attention_blocks]
+        self.deepstack_blocks = [int(index) for index in self.deepstack_blocks]
+        if any(not 0 <= index < self.depth for index in self.deepstack_blocks):
+            raise ConfigError(
+                f"vision deepstack_visual_indexes {self.deepstack_blocks} must be blocks "
+                f"0..{self.depth - 1}"
+            )
+        side = round(self.num_position_embeddings**0.5)
+        if side * side != self.num_position_embeddings:
+            raise ConfigError(
+                f"vision num_position_embeddings {self.num_position_embeddings} must be a square"
+            )
 
     @property
     def merge_unit(self) -> int:
@@ -153,6 +187,26 @@ def window_order(
     return torch.cat(order).to(grid_thw.device), lengths
 
 
+def vision_rotary(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[patches, head_dim]`` of the 2D rotary embedding.
+
+    The first half of each head's rotated pairs follow the patch row, the second half the
+    column, with ``inv_freq[i] = theta ** (-4i / head_dim)``.
+
+    Args:
+        positions: long ``[patches, 2]``: each patch's row and column.
+        head_dim: features per attention head.
+        theta: the rotary base.
+    """
+    quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float, device=positions.device)
+    inv_freq = 1.0 / (theta ** (quarter / (head_dim // 2)))
+    angles = (positions[..., None].float() * inv_freq).flatten(1)  # rows' then columns'
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
 class VisionAttention(nn.Module):
     """Bidirectional multi-head attention over segments of patches, with 2D rotary.
 
@@ -201,16 +255,31 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``."""
+    """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``.
 
-    def __init__(self, args: VisionArgs) -> None:
+    Args:
+        args: the tower's shape.
+        norm: builds each norm from the width; None for RMSNorm (Qwen2.5-VL; Qwen3-VL passes
+            LayerNorm).
+        mlp: the MLP; None for the gated one with biases (Qwen2.5-VL).
+    """
+
+    def __init__(
+        self,
+        args: VisionArgs,
+        norm: Callable[[int], nn.Module] | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(args.dim, eps=_NORM_EPS)
-        self.norm2 = RMSNorm(args.dim, eps=_NORM_EPS)
+        norm = norm or functools.partial(RMSNorm, eps=_NORM_EPS)
+        self.norm1 = norm(args.dim)
+        self.norm2 = norm(args.dim)
         self.attn = VisionAttention(args.dim, args.num_heads)
-        self.mlp = FeedForward(
-            args.dim, args.intermediate_dim, bias=True, activation=args.hidden_act
-        )
+        if mlp is None:
+            mlp = FeedForward(
+                args.dim, args.intermediate_dim, bias=True, activation=args.hidden_act
+            )
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
@@ -221,9 +290,14 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """A linear map of each flattened patch, under HF's ``Conv3d`` weight shape and name."""
+    """A linear map of each flattened patch, under HF's ``Conv3d`` weight shape and name.
 
-    def __init__(self, args: VisionArgs) -> None:
+    Args:
+        args: the tower's shape.
+        bias: whether the map has a bias (Qwen3-VL's does).
+    """
+
+    def __init__(self, args: VisionArgs, bias: bool = False) -> None:
         super().__init__()
         self.features = args.patch_features
         self.proj = nn.Module()
@@ -237,11 +311,14 @@ class PatchEmbed(nn.Module):
             )
         )
         nn.init.normal_(self.proj.weight, std=0.02)
+        self.proj.bias = nn.Parameter(torch.zeros(args.dim)) if bias else None
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[patches, features]`` to ``[patches, dim]``."""
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype).view(-1, self.features), weight.flatten(1))
+        return F.linear(
+            pixels.to(weight.dtype).view(-1, self.features), weight.flatten(1), self.proj.bias
+        )
 
 
 class PatchMerger(nn.Module):
@@ -276,16 +353,9 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
         self.merger = PatchMerger(args)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``(cos, sin)`` ``[patches, head_dim]`` of the 2D rotary embedding."""
-        head_dim = self.args.dim // self.args.num_heads
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float, device=positions.device)
-        inv_freq = 1.0 / (self.args.rope_theta ** (quarter / (head_dim // 2)))
-        angles = (positions[..., None].float() * inv_freq).flatten(1)  # rows' then columns'
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Embed images for the language model.
 
         Args:
@@ -294,7 +364,8 @@ class VisionTransformer(nn.Module):
             grid_thw: long ``[images, 3]``: frames, patch rows and columns of each image.
 
         Returns:
-            ``[patches / merge_unit, out_dim]``: each image's language tokens, in order.
+            ``(embeddings, [])``: ``[patches / merge_unit, out_dim]``, each image's language
+            tokens in order, and no deepstack features (Qwen3-VL's tower has some).
         """
         args = self.args
         unit = args.merge_unit
@@ -311,8 +382,8 @@ class VisionTransformer(nn.Module):
         x = x.view(patches // unit, unit, -1)[order].view(patches, -1)
         positions = patch_positions(grid_thw, args.spatial_merge_size)
         positions = positions.view(patches // unit, unit, 2)[order].view(patches, 2)
-        cos, sin = self._rotary(positions)
+        cos, sin = vision_rotary(positions, args.dim // args.num_heads, args.rope_theta)
         full = set(args.full_attention_blocks)
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, frame_lengths if index in full else window_lengths)
-        return self.merger(x)[torch.argsort(order)]
+        return self.merger(x)[torch.argsort(order)], []
