@@ -1,7 +1,8 @@
-"""Regenerate the embedded tiny vision-language default in ``framework/tunelab/assets/tiny_vl/``.
+"""Regenerate the embedded tiny vision-language models in ``framework/tunelab/assets/``.
 
-Run ``python -m tunelab.assets.build_tiny_vl`` (needs ``transformers``, a dev dependency). It
-writes, deterministically (fixed seeds):
+Run ``python -m tunelab.assets.build_tiny_vl`` (needs ``transformers``, a dev dependency) for
+``tiny_vl/``, or ``python -m tunelab.assets.build_tiny_vl qwen3_vl`` for ``tiny_qwen3_vl/``.
+``tiny_vl`` holds, written deterministically (fixed seeds):
 
 - ``tokenizer.json``, ``tokenizer_config.json``: a byte-level BPE trained on the task text,
   with Qwen2.5-VL's special tokens and a Qwen2.5-VL style chat template (one
@@ -13,10 +14,17 @@ writes, deterministically (fixed seeds):
 - ``images/*.png``: coloured squares and circles on white, of two sizes;
 - ``chat.jsonl``: questions about an image's colour or shape and their one-word answers, half
   with content parts, half with an ``images`` column and ``<image>`` placeholders.
+
+``tiny_qwen3_vl`` holds the same tokenizer, Qwen3-VL's preprocessing (16-pixel patches, mean
+and std 0.5, images kept between 64 x 64 and 128 x 128 pixels) and a random tiny
+``Qwen3VLForConditionalGeneration`` (2 language layers of width 64; a vision tower of 2
+blocks with a 4 x 4 position table, deepstack from block 0); its runs read ``tiny_vl``'s
+images and ``chat.jsonl``.
 """
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -24,6 +32,7 @@ from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 OUTPUT_DIR = Path(__file__).resolve().parent / "tiny_vl"
+QWEN3_VL_DIR = OUTPUT_DIR.with_name("tiny_qwen3_vl")
 SEED = 1234
 LM_HEAD_STD = 0.3
 SPECIALS = [
@@ -61,6 +70,14 @@ PREPROCESSOR = {
     "merge_size": 2,
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+QWEN3_VL_PREPROCESSOR = {
+    **PREPROCESSOR,
+    "min_pixels": 64 * 64,
+    "max_pixels": 128 * 128,
+    "patch_size": 16,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 
 
@@ -121,28 +138,37 @@ def _tokenizer(out: Path, rows: list[dict]) -> Tokenizer:
     return tokenizer
 
 
+def _text_config(tokenizer: Tokenizer) -> dict:
+    """The tiny language model both families share (Qwen3-VL's adds ``head_dim``)."""
+    return dict(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=tokenizer.token_to_id("<|im_end|>"),
+        pad_token_id=tokenizer.token_to_id("<|endoftext|>"),
+    )
+
+
+def _token_ids(tokenizer: Tokenizer) -> dict:
+    return dict(
+        image_token_id=tokenizer.token_to_id("<|image_pad|>"),
+        video_token_id=tokenizer.token_to_id("<|video_pad|>"),
+        vision_start_token_id=tokenizer.token_to_id("<|vision_start|>"),
+        vision_end_token_id=tokenizer.token_to_id("<|vision_end|>"),
+    )
+
+
 def _model(out: Path, tokenizer: Tokenizer) -> None:
     import transformers
 
-    ids = {name: tokenizer.token_to_id(f"<|{name}|>") for name in ("image_pad", "video_pad")}
     config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=tokenizer.get_vocab_size(),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": [2, 3, 3],
-                "rope_theta": 1e4,
-            },  # fmt: skip
-            max_position_embeddings=512,
-            bos_token_id=None,
-            eos_token_id=tokenizer.token_to_id("<|im_end|>"),
-            pad_token_id=tokenizer.token_to_id("<|endoftext|>"),
-        ),
+        text_config=_text_config(tokenizer),
         vision_config=dict(
             depth=2,
             hidden_size=32,
@@ -152,13 +178,38 @@ def _model(out: Path, tokenizer: Tokenizer) -> None:
             out_hidden_size=64,
             fullatt_block_indexes=[1],
         ),
-        image_token_id=ids["image_pad"],
-        video_token_id=ids["video_pad"],
-        vision_start_token_id=tokenizer.token_to_id("<|vision_start|>"),
-        vision_end_token_id=tokenizer.token_to_id("<|vision_end|>"),
+        **_token_ids(tokenizer),
     )
+    _save(transformers.Qwen2_5_VLForConditionalGeneration, config, out)
+
+
+def _qwen3_vl_model(out: Path, tokenizer: Tokenizer) -> None:
+    import transformers
+
+    text = _text_config(tokenizer)
+    text["head_dim"] = 16
+    text["rope_parameters"]["mrope_interleaved"] = True
+    config = transformers.Qwen3VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        ),
+        tie_word_embeddings=False,
+        **_token_ids(tokenizer),
+    )
+    _save(transformers.Qwen3VLForConditionalGeneration, config, out)
+
+
+def _save(model_class: type, config: object, out: Path) -> None:
     torch.manual_seed(SEED)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():
         # transformers' std 0.02 output layer on width-64 hidden states (norm 8, the final
         # RMSNorm's) caps a logit near 1.3: no answer could become likely, however LoRA moved
@@ -169,15 +220,25 @@ def _model(out: Path, tokenizer: Tokenizer) -> None:
 
 
 def main() -> None:
-    """Write the tiny VL assets into ``OUTPUT_DIR``."""
+    """Write the tiny VL assets into ``OUTPUT_DIR`` (``qwen3_vl``: ``QWEN3_VL_DIR``)."""
     rng = random.Random(SEED)
+    rows = _rows(rng)
+    if sys.argv[1:] == ["qwen3_vl"]:
+        out = QWEN3_VL_DIR
+        out.mkdir(exist_ok=True)
+        tokenizer = _tokenizer(out, rows)
+        (out / "preprocessor_config.json").write_text(
+            json.dumps(QWEN3_VL_PREPROCESSOR, indent=2) + "\n"
+        )
+        _qwen3_vl_model(out, tokenizer)
+        print(f"wrote {out}")
+        return
     out = OUTPUT_DIR
     (out / "images").mkdir(parents=True, exist_ok=True)
     for colour in COLOURS:
         for shape in SHAPES:
             for index, size in enumerate(SIZES):
                 _image(colour, shape, size).save(out / f"images/{colour}_{shape}_{index}.png")
-    rows = _rows(rng)
     (out / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     tokenizer = _tokenizer(out, rows)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
