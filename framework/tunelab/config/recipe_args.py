@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from tunelab.config._args import Component, RecipeArgs, component
 from tunelab.config._component_rules import Template
+from tunelab.config._gguf import gguf_quantizer_problem
 from tunelab.config._model_dir import model_context_length, tokenizer_fits_model
 from tunelab.config._tasks import task_path_problem
 from tunelab.config.agentic_section import AgenticArgs
@@ -76,10 +77,7 @@ class CheckpointArgs:
         """A gguf export's quantization needs the installed gguf package's quantizer for it."""
         if "gguf" not in self.export_formats:
             return []
-        # Imported here: the gguf package is needed only by runs that export GGUF.
-        from tunelab.formats.gguf_model import quantization_problem
-
-        problem = quantization_problem(self.gguf_quantization)
+        problem = gguf_quantizer_problem(self.gguf_quantization)
         return [] if problem is None else [f"key 'checkpoint.gguf_quantization': {problem}"]
 
 

@@ -34,7 +34,6 @@ This module imports no torch.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -44,6 +43,7 @@ from typing import Any, TypeVar
 import gguf
 import numpy as np
 
+from tunelab.config._gguf import gguf_quantizer_problem
 from tunelab.errors import CheckpointError
 
 __all__ = [
@@ -75,22 +75,12 @@ installed package has one (``quantization_problem``: 0.19 has none for ``q4_k`` 
 def quantization_problem(quant: str) -> str | None:
     """Why ``quant`` cannot be written with the installed ``gguf`` package (None: it can).
 
-    f32 and f16 are plain casts; every other type needs the package's quantizer for it (a
-    class in ``gguf.quants`` defining its own ``quantize_blocks``), never one written here.
+    Every type but f32 and f16 (plain casts) needs the package's own quantizer for it
+    (``tunelab.config._gguf``, which config validation asks too), never one written here.
     """
     if quant not in QUANTIZATIONS:
         return f"GGUF quantization {quant!r} is not one of {', '.join(QUANTIZATIONS)}"
-    qtype = QUANTIZATIONS[quant][0]
-    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return None
-    quantizer = getattr(gguf.quants, qtype.name, None)
-    if quantizer is None or "quantize_blocks" not in vars(quantizer):
-        return (
-            f"GGUF quantization {quant!r}: the installed gguf package "
-            f"({importlib.metadata.version('gguf')}) has no quantizer for {qtype.name}; write "
-            "q8_0 or q4_0, or f16 and quantize it with llama.cpp's llama-quantize"
-        )
-    return None
+    return gguf_quantizer_problem(quant)
 
 
 # Tensors that llama.cpp keeps in float32 whatever the file type (as its converter does).
