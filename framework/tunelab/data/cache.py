@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,9 +208,23 @@ def cache_root(cache_dir: str | os.PathLike | None) -> Path:
     """``cache_dir``, or ``tunelab/`` under the ``datasets`` cache (``HF_DATASETS_CACHE``)."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    import datasets
+    return _datasets_cache() / "tunelab"
 
-    return Path(datasets.config.HF_DATASETS_CACHE) / "tunelab"
+
+def _datasets_cache() -> Path:
+    """``datasets.config.HF_DATASETS_CACHE``, without importing ``datasets`` to learn it.
+
+    Importing ``datasets`` (and pandas with it) costs every rank of every run about 0.7
+    CPU-seconds, and opening a cached table needs only pyarrow. Once ``datasets`` is imported
+    its setting is the one in force (a program may change it); before, it is what ``datasets``
+    will compute from the same environment variables.
+    """
+    loaded = sys.modules.get("datasets")
+    if loaded is not None:
+        return Path(loaded.config.HF_DATASETS_CACHE)
+    xdg_cache = os.getenv("XDG_CACHE_HOME", "~/.cache")
+    hf_home = os.path.expanduser(os.getenv("HF_HOME", os.path.join(xdg_cache, "huggingface")))
+    return Path(os.getenv("HF_DATASETS_CACHE", os.path.join(hf_home, "datasets")))
 
 
 def _versions() -> dict[str, str]:
@@ -263,7 +278,7 @@ def tokenized_table(
         cache_dir: Root of the cache (None: ``cache_root``'s default).
 
     Returns:
-        A memory-mapped ``datasets.Dataset`` with the ``features(kind)`` columns.
+        The memory-mapped table, with the ``features(kind)`` columns.
 
     Raises:
         DataError: If a source cannot be read or has no usable layout (on every rank).
@@ -401,20 +416,65 @@ def _publish(work: Path, target: Path) -> None:
         os.rename(work, target)
 
 
-def _open(folder: Path, kind: str) -> Any:
+def _open(folder: Path, kind: str) -> MappedTable:
     """Memory-map the table in ``folder``."""
-    from datasets import Dataset, concatenate_datasets
+    import pyarrow as pa
 
     try:
         manifest = json.loads((folder / _MANIFEST).read_text())
-        parts = [Dataset.from_file(str(folder / name)) for name in manifest["files"]]
-    except (OSError, ValueError, KeyError) as error:
+        return MappedTable([folder / name for name in manifest["files"]], kind)
+    except (OSError, ValueError, KeyError, pa.ArrowException) as error:
         raise DataError(
             f"tokenized dataset cache {folder} is unreadable ({error}); delete the folder"
         ) from error
-    if not parts:
-        return Dataset.from_dict({name: [] for name in features(kind)}, features=features(kind))
-    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+class MappedTable:
+    """A tokenized table's Arrow files, memory-mapped, read a row at a time.
+
+    The part of ``datasets.Dataset.from_file`` that the tokenized datasets use (rows as dicts
+    of Python values, the Arrow table, its files), with pyarrow alone: every rank of every run
+    opens one, and importing ``datasets`` for it cost each about 0.7 CPU-seconds.
+
+    Attributes:
+        data: The ``pyarrow.Table`` (zero-copy over the mapped files).
+        cache_files: ``{"filename": path}`` for each file, as ``datasets`` lists them.
+    """
+
+    def __init__(self, files: list[Path], kind: str, columns: list[str] | None = None) -> None:
+        """Map ``files`` (Arrow IPC streams, ``datasets``' cache format) as one table.
+
+        Args:
+            files: The table's parts, in order; none makes an empty table of ``kind``.
+            kind: The sample kind (``SAMPLE_COLUMNS``), for an empty table's columns.
+            columns: Keep these columns only (None: all).
+        """
+        import pyarrow as pa
+
+        self._files, self._kind, self._columns = list(files), kind, columns
+        if self._files:
+            parts = [pa.ipc.open_stream(pa.memory_map(str(path))).read_all() for path in files]
+            table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        else:
+            table = features(kind).arrow_schema.empty_table()
+        self.data = table if columns is None else table.select(columns)
+        self.cache_files = [{"filename": str(path)} for path in self._files]
+
+    def __len__(self) -> int:
+        """Number of rows."""
+        return self.data.num_rows
+
+    def __getitem__(self, row: int) -> dict[str, Any]:
+        """Row ``row`` as column name to Python value."""
+        return self.data.slice(row, 1).to_pylist()[0]
+
+    def select_columns(self, columns: list[str]) -> MappedTable:
+        """The same files with ``columns`` only."""
+        return MappedTable(self._files, self._kind, columns)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy in another process maps the files again instead of pickling their bytes.
+        return MappedTable, (self._files, self._kind, self._columns)
 
 
 def malformed_message(table: Any, row: int, source_names: list[str]) -> str:

@@ -87,7 +87,7 @@ class TokenizedDataset(Dataset):
         """Open a tokenized table.
 
         Args:
-            table: The ``datasets.Dataset`` of ``cache.tokenized_table``.
+            table: The ``MappedTable`` of ``cache.tokenized_table``.
             kind: ``sft`` or ``preference``.
             source_names: The sources' names, by the table's ``source`` index (for errors).
             skip_malformed: Skip malformed rows instead of raising on the first.
