@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
+# `--cpu-profile FILE`: per-test CPU seconds, to find what makes `make test` slow.
+pytest_plugins = ["tests.cpu_profile"]
+
 _COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
