@@ -13,6 +13,7 @@ from tunelab.losses.distillation import (
     ForwardKLLoss,
     GeneralizedJSDLoss,
     ReverseKLLoss,
+    SupportLogProbs,
 )
 from tunelab.losses.kto import KTOLoss, UnpairedPreferenceLoss
 from tunelab.losses.metrics import accumulate_metrics, preference_metrics, reduce_metrics
@@ -38,6 +39,7 @@ __all__ = [
     "PreferenceLoss",
     "ReverseKLLoss",
     "SimPOLoss",
+    "SupportLogProbs",
     "UnpairedPreferenceLoss",
     "accumulate_metrics",
     "preference_metrics",

@@ -58,6 +58,7 @@ __all__ = [
     "ForwardKLLoss",
     "GeneralizedJSDLoss",
     "ReverseKLLoss",
+    "SupportLogProbs",
 ]
 
 # Logits per chunk and model when no number of chunks is given: 2**21 (8 MiB in fp32). A chunk
@@ -65,6 +66,15 @@ __all__ = [
 # terms and the metrics'), so the cross-entropy's 2**24 would cost 16 x 64 MiB; measured at
 # vocabulary 128k: 1 GiB of live tensors for 1024 tokens, as much as the two logits tensors.
 CHUNK_LOGITS = 2**21
+
+# ...but never fewer positions than this per chunk: each chunk's output layers read their whole
+# weights, so few rows make memory-bound matmuls. Measured (2 CPUs, vocabulary 32768, hidden
+# 768, 880 positions, generalized JSD, forward and backward): 16 rows 15.4 CPU-s, 64 rows 5.9,
+# 128 rows 3.6, all at once 3.6. At vocabulary 128k a chunk is then ~64 MiB per tensor.
+MIN_CHUNK_ROWS = 128
+
+TeacherRows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A chunk's teacher: its logits, or a cached top-k ``(index [rows, k], logps [rows, k])``."""
 
 METRIC_NAMES = ("distill", "nll", "teacher_kl", "student_entropy")
 """The per-token sums a :class:`DistillationLoss` returns next to the loss."""
@@ -84,6 +94,20 @@ class DistillationSums:
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
     metrics: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SupportLogProbs:
+    """Both models' log-probabilities on a divergence's support, and their exponentials.
+
+    Each is ``[rows, support]`` and detached: the whole vocabulary, or the teacher's top-k,
+    at the loss temperature.
+    """
+
+    student_logps: torch.Tensor
+    teacher_logps: torch.Tensor
+    student_probs: torch.Tensor
+    teacher_probs: torch.Tensor
 
 
 def _identity(values: torch.Tensor) -> torch.Tensor:
@@ -110,7 +134,8 @@ class DistillationLoss(nn.Module):
             distributions renormalised over them (None: the whole vocabulary).
         nll_weight: ``w`` in ``(1 - w) D + w NLL`` (0: pure distillation).
         num_chunks: Pieces the scored positions are split into (None: pieces of at most
-            ``CHUNK_LOGITS`` (2**21) logits per model).
+            ``CHUNK_LOGITS`` (2**21) logits per model, of at least ``MIN_CHUNK_ROWS`` (128)
+            positions).
         ignore_index: Label value of a position that is not scored.
 
     Raises:
@@ -182,11 +207,25 @@ class DistillationLoss(nn.Module):
             scaled = scaled.gather(-1, index)
         return index, torch.log_softmax(scaled, dim=-1)
 
+    def divergence_with_gradient(
+        self, support: SupportLogProbs
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The divergence and its gradient with respect to the student's (scaled) logits.
+
+        A subclass that knows the gradient in closed form gives it here, and the loss then
+        runs no autograd over the ``[rows, vocab]`` tensors (about half the passes over them).
+        The default, None, makes the loss differentiate :meth:`divergence` with autograd.
+
+        Args:
+            support: Both models' log-probs on the support, and their exponentials.
+
+        Returns:
+            ``(divergence [rows], d divergence / d logits [rows, support])``, or None.
+        """
+        return None
+
     def token_terms(
-        self,
-        student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        targets: torch.Tensor,
+        self, student_logits: torch.Tensor, teacher_logits: TeacherRows, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token loss and metrics of ``[rows, vocab]`` logits (one chunk).
 
@@ -202,18 +241,13 @@ class DistillationLoss(nn.Module):
             ``teacher_kl`` is then KL(teacher || student) over the cached support, both
             renormalised, at the loss temperature.
         """
+        if self._has_closed_form_gradient():
+            return _ClosedFormTerms.apply(student_logits, teacher_logits, targets, self)
+        # A subclass with a divergence only: autograd differentiates the whole chunk.
         dtype = torch.promote_types(student_logits.dtype, torch.float32)
         student = student_logits.to(dtype)
-        teacher = None
-        if isinstance(teacher_logits, tuple):
-            index, teacher_support_logps = teacher_logits[0], teacher_logits[1].to(dtype)
-        else:
-            teacher = teacher_logits.detach().to(dtype)
-            index, teacher_support_logps = self.teacher_support(teacher)
-        scaled_student = student / self.temperature if self.temperature != 1 else student
-        if index is not None:
-            scaled_student = scaled_student.gather(-1, index)
-        student_support_logps = torch.log_softmax(scaled_student, dim=-1)
+        teacher, index, teacher_support_logps = self._teacher_rows(teacher_logits, dtype)
+        student_support_logps = torch.log_softmax(self._student_support(student, index), dim=-1)
         divergence = self.divergence(student_support_logps, teacher_support_logps)
         student_logps = torch.log_softmax(student, dim=-1)
         nll = -student_logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -232,6 +266,68 @@ class DistillationLoss(nn.Module):
             entropy = -(student_logps.exp() * student_logps).sum(-1)
             metrics = torch.stack([divergence.detach(), nll.detach(), teacher_kl, entropy], dim=-1)
         return loss, metrics
+
+    def _has_closed_form_gradient(self) -> bool:
+        return type(self).divergence_with_gradient is not DistillationLoss.divergence_with_gradient
+
+    def _teacher_rows(
+        self, teacher_logits: TeacherRows, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        # (whole teacher logits or None for a cached top-k, support index or None, log-probs on
+        # the support).
+        if isinstance(teacher_logits, tuple):
+            return None, teacher_logits[0], teacher_logits[1].to(dtype)
+        teacher = teacher_logits.detach().to(dtype)
+        index, logps = self.teacher_support(teacher)
+        return teacher, index, logps
+
+    def _student_support(self, student: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        scaled = student / self.temperature if self.temperature != 1 else student
+        return scaled.gather(-1, index) if index is not None else scaled
+
+    @torch.no_grad()
+    def _closed_form_terms(
+        self, student_logits: torch.Tensor, teacher_logits: TeacherRows, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The loss, metrics and d loss / d student logits of each row, each [rows, vocab]
+        # quantity computed once: at temperature 1 over the whole vocabulary the divergence's
+        # log-probs are also the NLL's, the entropy's and the teacher KL's.
+        dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        student = student_logits.detach().to(dtype)
+        teacher, index, teacher_logps = self._teacher_rows(teacher_logits, dtype)
+        student_logps = torch.log_softmax(self._student_support(student, index), dim=-1)
+        student_probs, teacher_probs = student_logps.exp(), teacher_logps.exp()
+        divergence, support_grad = self.divergence_with_gradient(
+            SupportLogProbs(student_logps, teacher_logps, student_probs, teacher_probs)
+        )
+        if self.temperature != 1:
+            support_grad /= self.temperature
+        if index is not None:
+            grad = torch.zeros_like(student).scatter_(-1, index, support_grad)
+        else:
+            grad = support_grad
+        whole = index is None and self.temperature == 1
+        full_logps = student_logps if whole else torch.log_softmax(student, dim=-1)
+        full_probs = student_probs if whole else full_logps.exp()
+        nll = -full_logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = divergence
+        if self.nll_weight != 0:
+            # d NLL / d logits = softmax - one_hot(target).
+            loss = (1 - self.nll_weight) * divergence + self.nll_weight * nll
+            grad = grad * (1 - self.nll_weight) + full_probs * self.nll_weight
+            grad.scatter_add_(
+                -1, targets.unsqueeze(-1), torch.full_like(nll, -self.nll_weight).unsqueeze(-1)
+            )
+        if teacher is None:
+            teacher_kl = _kl(teacher_logps, student_logps)
+        elif whole:
+            teacher_kl = _kl(teacher_logps, full_logps, teacher_probs)
+        else:
+            full_teacher = torch.log_softmax(teacher, dim=-1)
+            teacher_kl = _kl(full_teacher, full_logps)
+        entropy = -(full_probs * full_logps).sum(-1)
+        metrics = torch.stack([divergence, nll, teacher_kl, entropy], dim=-1)
+        return loss, metrics, grad.to(student_logits.dtype)
 
     def forward(
         self,
@@ -293,9 +389,7 @@ class DistillationLoss(nn.Module):
             teacher_rows = (teacher[0], teacher[1])
         else:
             teacher_rows = teacher.detach().reshape(-1, teacher.shape[-1]).index_select(0, rows)
-        num_rows = max(flat_targets.numel(), 1)
-        num_chunks = self.num_chunks or -(-num_rows * vocab // CHUNK_LOGITS)
-        num_chunks = chunk_count(num_chunks, num_rows, vocab)
+        num_chunks = self._chunk_count(flat_targets.numel(), vocab)
         needs_grad = torch.is_grad_enabled() and student.requires_grad
         if needs_grad and output is not None and not output.trainable:
             # A frozen output layer: each row's gradient is computed in the forward, while the
@@ -320,6 +414,15 @@ class DistillationLoss(nn.Module):
             num_tokens=mask.sum(),
             metrics=dict(zip(METRIC_NAMES, totals.unbind(), strict=True)),
         )
+
+    def _chunk_count(self, num_rows: int, vocab: int) -> int:
+        # num_chunks, or pieces of at most CHUNK_LOGITS logits per model but of at least
+        # MIN_CHUNK_ROWS positions.
+        num_rows = max(num_rows, 1)
+        if self.num_chunks is not None:
+            return chunk_count(self.num_chunks, num_rows, vocab)
+        by_logits = -(-num_rows * vocab // CHUNK_LOGITS)
+        return chunk_count(min(by_logits, max(1, num_rows // MIN_CHUNK_ROWS)), num_rows, vocab)
 
     def _scored_rows(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The flat [batch * seq] rows that predict a scored label (row-major), their targets,
@@ -359,9 +462,7 @@ class DistillationLoss(nn.Module):
         rows, _, _ = self._scored_rows(labels)
         teacher_rows = teacher.reshape(-1, teacher.shape[-1]).index_select(0, rows)
         vocab = teacher_output.vocab_size if teacher_output is not None else teacher.shape[-1]
-        num_rows = max(rows.numel(), 1)
-        num_chunks = self.num_chunks or -(-num_rows * vocab // CHUNK_LOGITS)
-        num_chunks = chunk_count(num_chunks, num_rows, vocab)
+        num_chunks = self._chunk_count(rows.numel(), vocab)
         forward = teacher_output.forward if teacher_output is not None else _identity
         indices, logps = [], []
         for chunk in teacher_rows.tensor_split(num_chunks):
@@ -478,10 +579,55 @@ class _FrozenOutputDistillation(torch.autograd.Function):
         return (grads * grad_losses.unsqueeze(-1).to(grads.dtype),) + (None,) * 6
 
 
-def _kl(from_logps: torch.Tensor, to_logps: torch.Tensor) -> torch.Tensor:
+def _kl(
+    from_logps: torch.Tensor, to_logps: torch.Tensor, from_probs: torch.Tensor | None = None
+) -> torch.Tensor:
     # KL(from || to) per row; a zero-probability term contributes 0 (exp(-inf) * finite).
-    probs = from_logps.exp()
+    probs = from_logps.exp() if from_probs is None else from_probs
     return (probs * (from_logps - to_logps)).nan_to_num(0.0).sum(-1)
+
+
+class _ClosedFormTerms(torch.autograd.Function):
+    """A chunk's per-row loss and metrics, with the gradient the loss gives in closed form.
+
+    The forward computes ``d loss_t / d logits_t`` with the loss (no graph over the
+    ``[rows, vocab]`` tensors) and keeps it; the backward scales it by the incoming per-row
+    weights. Under the chunks' checkpoint it is recomputed in the backward, as the logits are.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        targets: torch.Tensor,
+        loss: DistillationLoss,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, metrics, grad = loss._closed_form_terms(student_logits, teacher_logits, targets)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(metrics)
+        return rows, metrics
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_rows: torch.Tensor, _: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_rows.unsqueeze(-1).to(grad.dtype), None, None, None
+
+
+def _forward_kl(support: SupportLogProbs) -> tuple[torch.Tensor, torch.Tensor]:
+    # KL(P || S) and its gradient with respect to the student's logits: S - P.
+    divergence = _kl(support.teacher_logps, support.student_logps, support.teacher_probs)
+    return divergence, support.student_probs - support.teacher_probs
+
+
+def _reverse_kl(support: SupportLogProbs) -> tuple[torch.Tensor, torch.Tensor]:
+    # KL(S || P) = D and its gradient with respect to the student's logits: S (s - t - D).
+    ratio = support.student_logps - support.teacher_logps
+    divergence = (support.student_probs * ratio).nan_to_num(0.0).sum(-1)
+    return divergence, ratio.sub_(divergence.unsqueeze(-1)).mul_(support.student_probs)
 
 
 class ForwardKLLoss(DistillationLoss):
@@ -494,6 +640,12 @@ class ForwardKLLoss(DistillationLoss):
         """``sum_v P_v (log P_v - log S_v)``."""
         return _kl(teacher_logps, student_logps)
 
+    def divergence_with_gradient(
+        self, support: SupportLogProbs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward KL and its gradient ``S - P``."""
+        return _forward_kl(support)
+
 
 class ReverseKLLoss(DistillationLoss):
     """Reverse KL ``KL(student || teacher)`` per token (mode-seeking; on-policy distillation).
@@ -504,6 +656,12 @@ class ReverseKLLoss(DistillationLoss):
     def divergence(self, student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
         """``sum_v S_v (log S_v - log P_v)``."""
         return _kl(student_logps, teacher_logps)
+
+    def divergence_with_gradient(
+        self, support: SupportLogProbs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reverse KL ``D`` and its gradient ``S (log S - log P - D)``."""
+        return _reverse_kl(support)
 
 
 class GeneralizedJSDLoss(DistillationLoss):
@@ -538,6 +696,29 @@ class GeneralizedJSDLoss(DistillationLoss):
         return self.beta * _kl(teacher_logps, mixture) + (1 - self.beta) * _kl(
             student_logps, mixture
         )
+
+    def divergence_with_gradient(
+        self, support: SupportLogProbs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generalized JSD and its gradient ``(1 - beta) S (log S - log M - KL(S || M))``.
+
+        With ``M = beta P + (1 - beta) S``, ``d JSD / d S_v = (1 - beta) log(S_v / M_v)`` (the
+        ``P / M`` and ``S / M`` terms cancel), and the softmax's Jacobian gives the rest.
+        """
+        if self.beta == 0:
+            return _forward_kl(support)
+        if self.beta == 1:
+            return _reverse_kl(support)
+        mixture = torch.logaddexp(
+            support.student_logps + math.log1p(-self.beta),
+            support.teacher_logps + math.log(self.beta),
+        )
+        student_ratio = support.student_logps - mixture
+        student_kl = (support.student_probs * student_ratio).nan_to_num(0.0).sum(-1)
+        teacher_kl = _kl(support.teacher_logps, mixture, support.teacher_probs)
+        divergence = self.beta * teacher_kl + (1 - self.beta) * student_kl
+        grad = student_ratio.sub_(student_kl.unsqueeze(-1)).mul_(support.student_probs)
+        return divergence, grad.mul_(1 - self.beta)
 
     def extra_repr(self) -> str:
         """The settings shown by ``print(module)``."""
