@@ -32,7 +32,38 @@ def _flags(table: Any, column: str) -> np.ndarray:
     values = table.data.column(column)
     if column == "problem":
         values = pc.is_valid(values)
-    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=bool)
+    return _to_numpy(values, np.bool_)
+
+
+def _list_lengths(values: Any) -> np.ndarray:
+    """The length of each list of a pyarrow list column (0 for a null)."""
+    import pyarrow.compute as pc
+
+    return _to_numpy(pc.list_value_length(values), np.int32)
+
+
+def _to_numpy(values: Any, dtype: type) -> np.ndarray:
+    """A pyarrow (chunked) array of bools or int32 as numpy, a null as False or 0.
+
+    Read from the Arrow buffers: pyarrow's own ``to_numpy`` imports pandas, which cost every
+    rank of every run about 0.4 CPU-seconds.
+    """
+    import pyarrow as pa
+
+    parts = [np.zeros(0, dtype)]
+    for chunk in getattr(values, "chunks", [values]):
+        if len(chunk) == 0:
+            continue
+        if dtype is np.bool_:
+            chunk = chunk.cast(pa.uint8())  # Arrow packs bools into bits
+        validity, data = chunk.buffers()[:2]
+        width = np.dtype(dtype).itemsize
+        part = np.frombuffer(data, np.dtype(dtype), len(chunk), chunk.offset * width)
+        if chunk.null_count:
+            bits = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")
+            part = np.where(bits[chunk.offset : chunk.offset + len(chunk)], part, 0).astype(dtype)
+        parts.append(part)
+    return np.concatenate(parts)
 
 
 def pack_starts(lengths: np.ndarray, max_seq_len: int) -> np.ndarray:
@@ -131,9 +162,7 @@ class TokenizedDataset(Dataset):
         self._table = table.select_columns(list(SAMPLE_COLUMNS[kind]))
         self._starts = None
         if packed:
-            import pyarrow.compute as pc
-
-            lengths = pc.list_value_length(table.data.column("tokens")).to_numpy()
+            lengths = _list_lengths(table.data.column("tokens"))
             self._starts = pack_starts(
                 lengths if self._rows is None else lengths[self._rows], max_seq_len
             )
@@ -153,13 +182,11 @@ class TokenizedDataset(Dataset):
 
         Read from the table's list lengths, unpacked: a pack of short documents counts none.
         """
-        import pyarrow.compute as pc
-
         longer = None
         for name in SAMPLE_COLUMNS[self.kind]:
             if not name.endswith("tokens"):
                 continue
-            lengths = pc.list_value_length(self._table.data.column(name)).to_numpy()
+            lengths = _list_lengths(self._table.data.column(name))
             side = lengths > length
             longer = side if longer is None else longer | side
         if longer is None:
