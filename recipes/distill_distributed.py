@@ -95,6 +95,8 @@ def main(args: DistillArgs) -> None:
         seed=args.seed,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         model_context=model.args.max_seq_len,
+        # Tensor-parallel ranks share their samples.
+        ranks_per_sample=args.parallelism.ranks_per_sample,
     )
     # The teacher's top-k stored with the dataset cache: found, or computed below.
     spot = None

@@ -86,7 +86,7 @@ def main(args: FullFinetuneArgs) -> None:
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         # Context- and tensor-parallel ranks share their samples.
-        context_parallel_size=context.size * args.parallelism.tensor_parallel_size,
+        ranks_per_sample=args.parallelism.ranks_per_sample,
         model_context=model.args.max_seq_len,
     )
     trainable = [param for param in model.parameters() if param.requires_grad]

@@ -85,6 +85,8 @@ def main(args: LoRAKTOArgs) -> None:
         seed=args.seed,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         model_context=model.args.max_seq_len,
+        # Tensor-parallel ranks share their samples.
+        ranks_per_sample=args.parallelism.ranks_per_sample,
     )
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(

@@ -71,7 +71,7 @@ def main(args: LoRADPOArgs) -> None:
     model = build_model(
         args.model,
         device=device,
-        # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+        # HSDP, tensor and expert parallelism as the parallelism section says.
         meshes=build_device_meshes(device, args.parallelism),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
@@ -88,6 +88,8 @@ def main(args: LoRADPOArgs) -> None:
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         model_context=model.args.max_seq_len,
+        # Tensor-parallel ranks share their samples.
+        ranks_per_sample=args.parallelism.ranks_per_sample,
     )
     trainable = list(peft.get_adapter_params(model).values())
     optimizer, lr_scheduler = build_optimizer(

@@ -66,7 +66,7 @@ def main(args: RewardModelArgs) -> None:
     model = build_model(
         args.model,
         device=device,
-        # HSDP when data_parallel_replicate_size > 1: shard within a node, replicate across nodes.
+        # HSDP, tensor and expert parallelism as the parallelism section says.
         meshes=build_device_meshes(device, args.parallelism),
         lora=args.lora,
         adapter_dir=args.adapter_dir,
@@ -81,6 +81,8 @@ def main(args: RewardModelArgs) -> None:
         # A resume on another number of processes keeps the run's global batch.
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
         model_context=model.args.max_seq_len,
+        # Tensor-parallel ranks share their samples.
+        ranks_per_sample=args.parallelism.ranks_per_sample,
     )
     # LoRA: the adapters and the score head; full fine-tuning: every weight.
     trainable = [param for param in model.parameters() if param.requires_grad]

@@ -74,12 +74,38 @@ class DistillArgs(LoRARecipeArgs):
     def check_settings(self) -> list[str]:
         """Teacher and student must share one tokenizer family (special tokens may differ)."""
         problems = super().check_settings() + self.teacher.check_settings()
+        problems += self._parallelism_problems()
         student, teacher = _vocab_size(self.model.path), _vocab_size(self.teacher.path)
         if student is not None and teacher is not None:
             try:
                 map_vocabularies(self.student_tokenizer_dir(), self.teacher.path, student, teacher)
             except (ValueError, OSError) as error:
                 problems.append(f"key 'teacher.path': {error} ({self.teacher.path})")
+        return problems
+
+    def _parallelism_problems(self) -> list[str]:
+        """What tensor and expert parallelism do not cover in distillation yet, one line each."""
+        problems = []
+        parallelism = self.parallelism
+        tensor, expert = parallelism.tensor_parallel_size, parallelism.expert_parallel_size
+        if tensor > 1:
+            setting = f"key 'parallelism.tensor_parallel_size': {tensor}"
+            if self.model.chunked_output:
+                problems.append(
+                    f"{setting} with model.chunked_output: true is not built for distillation "
+                    "yet (its losses read each position's whole vocabulary, which tensor "
+                    "parallelism splits over the ranks): set model.chunked_output: false"
+                )
+            if self.teacher.precompute_top_k:
+                problems.append(f"{setting} with teacher.precompute_top_k: true is not built yet")
+        for size, name in ((tensor, "tensor_parallel_size"), (expert, "expert_parallel_size")):
+            if size > 1 and self.on_policy.lmbda > 0:
+                # Sampling runs a forward per new token, as many as each rank's completions
+                # need: the ranks' collectives inside the model would not pair up.
+                problems.append(
+                    f"key 'parallelism.{name}': {size} with on_policy.lmbda > 0 is not built yet "
+                    "(on-policy sampling under split matmuls or experts)"
+                )
         return problems
 
     def student_tokenizer_dir(self) -> str:

@@ -34,6 +34,7 @@ from tunelab.config.sections import (
     LoRAModelSetupArgs,
     LoRASFTModelSetupArgs,
     ModelFolderArgs,
+    ModelParallelismArgs,
     ModelSetupArgs,
     ParallelismArgs,
     ProfileArgs,
@@ -231,6 +232,8 @@ class LoRARecipeArgs(FinetuneArgs):
     """Start from an existing PEFT adapter folder instead of a fresh adapter."""
     model: LoRAModelSetupArgs
     """The model: its folder, dtype, attention, compile, activation checkpointing, sharding, the frozen base."""
+    parallelism: ModelParallelismArgs = field(default_factory=ModelParallelismArgs)
+    """How the processes split the work (HSDP sizes, tensor and expert parallelism, collective timeout)."""
 
     def check_settings(self) -> list[str]:
         """The adapter's settings fill ``lora``; expert targets take no dropout nor DoRA.
@@ -381,6 +384,8 @@ class GRPOArgs(LoRARecipeArgs):
     """The reward functions, their weights, time limit and scaling."""
     agentic: AgenticArgs | None = None
     """Agentic GRPO: each completion is an episode of turns with tool calls and environments (tunelab.rl.agentic); null: single-turn completions."""
+    parallelism: ParallelismArgs = field(default_factory=ParallelismArgs)
+    """How the processes split the work (HSDP sizes, collective timeout; tensor and expert parallelism are not built for GRPO, whose rollouts generate token by token on each process)."""
 
     def check_settings(self) -> list[str]:
         """The rollout and reward sections' checks, and prompt + completion within the context."""

@@ -119,23 +119,33 @@ class ParallelismArgs:
     collective_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 1800.0
     """Seconds a collective waits for its peers before the worker fails (a hung peer becomes a torchrun restart, not an endless wait); long enough for a peer preparing data or finishing an export."""
 
-    # The size of the context-parallel group; a class attribute (not a setting) for the
-    # recipes that do not split sequences, so the mesh code reads one name either way.
+    # The sizes of the context-, expert- and tensor-parallel groups: class attributes (not
+    # settings) for the recipes that do not split sequences, experts or matmuls, so the mesh
+    # code reads one name either way.
     context_parallel_size = 1
-    # Likewise the expert-parallel group's size, a setting of the supervised recipes only.
     expert_parallel_size = 1
-    # And the tensor-parallel group's size (the supervised recipes' setting).
     tensor_parallel_size = 1
+
+    @property
+    def ranks_per_sample(self) -> int:
+        """Consecutive processes that see the same samples (context- and tensor-parallel ranks)."""
+        return self.context_parallel_size * self.tensor_parallel_size
 
 
 @dataclass(kw_only=True)
-class SFTParallelismArgs(ParallelismArgs):
-    """Parallelism of the supervised recipes, which can also split sequences."""
+class ModelParallelismArgs(ParallelismArgs):
+    """Parallelism of the recipes that can also split the model's matmuls and experts."""
 
     expert_parallel_size: AtLeastOne = 1
     """Expert parallelism: processes each MoE layer's experts are split over, whole experts each, tokens sent to them by all-to-all instead of gathering the experts (1: off; so far it must equal the processes, with data_parallel_replicate_size 1, and divide the experts)."""
     tensor_parallel_size: AtLeastOne = 1
     """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x tensor_parallel_size (1: off)."""
+
+
+@dataclass(kw_only=True)
+class SFTParallelismArgs(ModelParallelismArgs):
+    """Parallelism of the supervised recipes, which can also split sequences."""
+
     context_parallel_size: AtLeastOne = 1
     """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size, and FSDP shards parameters over shard x context ranks (1: off)."""
 

@@ -17,10 +17,16 @@ sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198
   loss (``tunelab.losses``, ``OutputLayer.vocab_group``) computes each rank's logits for its
   part of the vocabulary and combines the softmax statistics with small all-reduces; the
   ``[tokens, vocab]`` logits are never gathered. Without the chunked loss (generation,
-  ``chunked_output: false``) ``lm_head`` gathers the logits.
+  ``chunked_output: false``) ``lm_head`` gathers the logits. A sequence classifier's small
+  head (a reward model's ``score``) is replicated and reads the gathered sequence.
 - LoRA adapters follow their base: under a column-wise base ``A`` is replicated (the base's
   input is) and ``B`` is split like the base's output rows; under a row-wise base ``A`` is
   split like the base's input columns and ``B`` replicated, its input being a partial sum.
+  DoRA's magnitude (one value per output row) is split like the rows under a column-wise
+  base and replicated under a row-wise one, whose row norms ``||W + scale B A||`` are then
+  summed over the ranks' columns (DTensor's norm of a ``Shard(1)`` tensor; at initialisation
+  ``LoRALinear.reset_lora_parameters``). Adapter dropout draws the whole input's mask on
+  every rank and keeps its part (``LoRALinear._dropout``): the same mask on every rank.
 
 Every parameter is then a ``DTensor`` on the ``"tp"`` mesh, and FSDP2 shards them further
 over the data-parallel dimensions: checkpoints (DCP) and exports read the same full tensors
@@ -42,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -90,10 +97,6 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
     for name, module in model.named_modules():
         if not _is_lora(module):
             continue
-        if module.lora_magnitude_vector is not None:
-            raise ConfigError(f"{setting} with lora.use_dora: true is not built yet ({name})")
-        if not isinstance(module.dropout, nn.Identity):
-            raise ConfigError(f"{setting} with lora.dropout > 0 is not built yet ({name}): set lora.dropout: 0.0")  # fmt: skip
         if name == "lm_head":
             raise ConfigError(f"{setting} with an adapter on lm_head is not built yet: drop lm_head from lora.targets")  # fmt: skip
         if type(module.weight).__name__ == "NF4Tensor" or isinstance(module.weight, DTensor):
@@ -136,18 +139,17 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
                 for name in ("q_norm", "k_norm")
             }
         parallelize_module(block, mesh, plan)
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1)
-            ),
-            "model.norm": SequenceParallel(use_local_output=True),
-            # Only forwards that want the logits call it (the chunked loss does not).
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+    top: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(use_local_output=True),
+    }
+    if hasattr(model, "lm_head"):
+        # Only forwards that want the logits call it (the chunked loss does not).
+        top["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    else:
+        # A sequence classifier's head (a reward model's score, one output) in place of it.
+        top |= {name: _ReplicatedHead() for name in model.modules_to_save}
+    parallelize_module(model, mesh, top)
     model.tie_weights()  # both are Shard(0) over the vocabulary: they can stay one tensor
     for name, param in model.named_parameters():
         if name in frozen:
@@ -176,6 +178,30 @@ def tensor_parallel_output(model: nn.Module) -> tuple[Any, Any] | None:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     return forward, mesh.get_group()
+
+
+class _ReplicatedHead(ParallelStyle):
+    """A small output head whole on every rank, reading the whole (gathered) sequence.
+
+    Its input, split over the sequence, is all-gathered; every rank then computes the same
+    outputs (and its weight the same gradient, with no reduction). The gradient of the
+    gathered input is whole on every rank, so each keeps its own tokens' part.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition_fn: distribute_module replicates the parameters.
+        return distribute_module(
+            module, device_mesh, input_fn=_gather_head_input, output_fn=_local_head_output
+        )
+
+
+def _gather_head_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    split = DTensor.from_local(inputs[0], mesh, [Shard(1)], run_check=False)
+    return (split.redistribute(placements=[Replicate()]), *inputs[1:])
+
+
+def _local_head_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    return output.to_local()
 
 
 def _gather_sequence(num_inputs: int) -> PrepareModuleInput:
@@ -217,7 +243,13 @@ def _place_lora(placements: dict[str, Any], name: str, module: nn.Module, mesh: 
 class _LoRAColwise(ColwiseParallel):
     """``ColwiseParallel`` for a ``LoRALinear``: ``A`` replicated, ``B`` split like the base."""
 
-    _placements = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+    _placements = {
+        "weight": Shard(0),
+        "bias": Shard(0),
+        "lora_magnitude_vector": Shard(0),
+        "lora_A": Replicate(),
+        "lora_B": Shard(0),
+    }
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -239,6 +271,7 @@ class _LoRARowwise(RowwiseParallel):
     _placements = {
         "weight": Shard(1),
         "bias": Replicate(),
+        "lora_magnitude_vector": Replicate(),
         "lora_A": Shard(1),
         "lora_B": Replicate(),
     }

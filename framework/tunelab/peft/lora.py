@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -254,7 +255,16 @@ class LoRALinear(nn.Module):
         local = magnitude.to_local() if isinstance(magnitude, DTensor) else magnitude
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         # B is zero, so ||W + scale B A|| is ||W||: no need for the gathered A here.
-        local.copy_(torch.linalg.norm(dequantize(weight), dim=1).to(local.dtype))
+        norm = torch.linalg.norm(dequantize(weight), dim=1)
+        if isinstance(self.weight, DTensor):
+            # Tensor parallel, row-wise: each rank holds some columns of every row, so the
+            # squared norms of the pieces add up over those ranks.
+            for dim, placement in enumerate(self.weight.placements):
+                if placement.is_shard(1):
+                    squares = norm.square()
+                    dist.all_reduce(squares, group=self.weight.device_mesh.get_group(dim))
+                    norm = squares.sqrt()
+        local.copy_(norm.to(local.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the base layer and, unless disabled, the scaled adapter.
@@ -271,8 +281,25 @@ class LoRALinear(nn.Module):
         if self.disabled:
             return out
         if self.lora_magnitude_vector is None:
-            return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+            return out + self.lora_B(self.lora_A(self._dropout(x))) * self.scale
         return out + self._dora_term(x, out)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's dropout; on a ``DTensor`` input, the whole tensor's mask cut to it.
+
+        Under tensor parallelism the input is whole on every rank (a column-wise base) or
+        split over its features (a row-wise one). Each rank draws the mask of the whole
+        input, as one process would (``bernoulli_(1 - p)``, then ``/ (1 - p)``: what
+        ``F.dropout`` does on CPU), and keeps its part, so every rank applies the same mask
+        to the same features. The ranks start from the same seed and draw alike.
+        """
+        if not isinstance(x, DTensor) or not self.training or isinstance(self.dropout, nn.Identity):
+            return self.dropout(x)
+        p = self.dropout.p
+        noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+        noise.div_(1 - p)
+        # src_data_rank=None: each rank cuts its own copy, no communication.
+        return x * distribute_tensor(noise, x.device_mesh, x.placements, src_data_rank=None)
 
     def _dora_term(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``(g - 1) * x W^T + g * scale * B(A(x))``, added to the base output (PEFT's form)."""
@@ -282,7 +309,7 @@ class LoRALinear(nn.Module):
             base = out if self.bias is None else out - self.bias
             adapter_input = x
         else:
-            adapter_input = self.dropout(x)
+            adapter_input = self._dropout(x)
             base = F.linear(adapter_input, self.weight)
         lora = self.lora_B(self.lora_A(adapter_input))
         return (gain - 1) * base + gain * lora * self.scale

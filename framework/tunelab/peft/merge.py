@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -143,11 +144,21 @@ def merge_weight(
             scale,
         )
         return _placed_like(weight, local)
-    # Others (DoRA, NF4 in another layout): let DTensor plan the communication, then return
-    # the base's layout.
+    # Others (DoRA, NF4 in another layout): let DTensor plan the communication (a DoRA row's
+    # norm over the columns of several ranks), then return the base's layout. A factor
+    # given whole (the adapter file's A) joins as replicated.
+    lora_a, lora_b, magnitude = (
+        _replicated_on(weight.device_mesh, t) for t in (lora_a, lora_b, magnitude)
+    )
     return _merge_plain(dequantize(weight), lora_a, lora_b, scale, magnitude).redistribute(
         weight.device_mesh, weight.placements
     )
+
+
+def _replicated_on(mesh: DeviceMesh, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None or isinstance(tensor, DTensor):
+        return tensor
+    return DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _placed_like(weight: DTensor, local: torch.Tensor) -> DTensor:

@@ -113,7 +113,7 @@ def build_data(
     *,
     seed: int = 0,
     resume_from: RunFolder | None = None,
-    context_parallel_size: int = 1,
+    ranks_per_sample: int = 1,
     model_context: int | None = None,
 ) -> TrainingData:
     """Build the training (and validation) datasets and loaders.
@@ -128,8 +128,9 @@ def build_data(
         resume_from: The run folder when the run may resume (``resume_from_checkpoint`` true
             or auto): the global batch its newest checkpoint recorded is kept on any number
             of processes (see :func:`keep_global_batch`).
-        context_parallel_size: Ranks that split each sample's sequence: they share samples,
-            so the data-parallel ranks are the processes divided by it.
+        ranks_per_sample: Consecutive ranks that share each sample (context-parallel ranks
+            split its sequence, tensor-parallel ones its matmuls), so the data-parallel ranks
+            are the processes divided by it (``ParallelismArgs.ranks_per_sample``).
         model_context: The model's ``max_position_embeddings``: samples longer than it are
             counted and logged (:func:`report_past_context`); None: not checked.
 
@@ -145,7 +146,7 @@ def build_data(
     gradient_accumulation_steps = schedule.gradient_accumulation_steps
     max_steps_per_epoch = schedule.max_steps_per_epoch
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    data_parallel_size = world_size // context_parallel_size
+    data_parallel_size = world_size // ranks_per_sample
     if resume_from is not None and not schedule.allow_global_batch_change:
         batch_size, gradient_accumulation_steps = keep_global_batch(
             resume_from, batch_size, gradient_accumulation_steps, data_parallel_size
@@ -154,7 +155,7 @@ def build_data(
         "batch_size": batch_size,
         "collate_fn": datasets.collate_fn,
         "seed": seed,
-        "context_parallel_size": context_parallel_size,
+        "ranks_per_sample": ranks_per_sample,
     }
     train = instantiate(dataset, tokenizer=tokenizer)
     log_data_counts("dataset", train)
@@ -306,8 +307,8 @@ def keep_global_batch(
             from before the global batch was recorded).
         batch_size: The configured samples per micro-batch per process.
         gradient_accumulation_steps: The configured micro-batches per optimizer step.
-        world_size: Data-parallel ranks in this run (processes / ``context_parallel_size``:
-            the ranks of a context-parallel group share their samples).
+        world_size: Data-parallel ranks in this run (processes / ``ranks_per_sample``:
+            the ranks of a context- or tensor-parallel group share their samples).
 
     Returns:
         ``(batch_size, gradient_accumulation_steps)`` to use.

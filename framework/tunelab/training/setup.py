@@ -295,12 +295,12 @@ def build_dataloader(
     collate_fn: Callable[..., dict[str, torch.Tensor]],
     seed: int,
     shuffle: bool = True,
-    context_parallel_size: int = 1,
+    ranks_per_sample: int = 1,
     **collate_kwargs: Any,
 ) -> tuple[DataLoader, StatefulDistributedSampler]:
     """A loader over this rank's share of ``dataset`` and its resumable sampler.
 
-    With context parallelism the ranks of a cp group (``context_parallel_size`` consecutive
+    With context or tensor parallelism the ranks of a group (``ranks_per_sample`` consecutive
     ranks) share the same samples: the sampler's replicas are the data-parallel ranks.
 
     Args:
@@ -309,7 +309,8 @@ def build_dataloader(
         collate_fn: Turns a list of samples into a batch of tensors.
         seed: Seed of the per-epoch shuffle.
         shuffle: Shuffle each epoch.
-        context_parallel_size: Ranks that split each sample's sequence.
+        ranks_per_sample: Consecutive ranks that share each sample (context- and
+            tensor-parallel ranks).
         **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
 
     Returns:
@@ -319,8 +320,8 @@ def build_dataloader(
     rank = dist.get_rank() if dist.is_initialized() else 0
     sampler = StatefulDistributedSampler(
         len(dataset),
-        num_replicas=world_size // context_parallel_size,
-        rank=rank // context_parallel_size,
+        num_replicas=world_size // ranks_per_sample,
+        rank=rank // ranks_per_sample,
         shuffle=shuffle,
         seed=seed,
     )
@@ -343,12 +344,12 @@ def build_stream_loader(
     batch_size: int,
     collate_fn: Callable[..., dict[str, torch.Tensor]],
     seed: int,
-    context_parallel_size: int = 1,
+    ranks_per_sample: int = 1,
     **collate_kwargs: Any,
 ) -> tuple[StreamLoader, StreamPosition]:
     """This rank's share of a stream's global batches and their resumable position.
 
-    As in :func:`build_dataloader`, the ranks of a cp group share their items: the stream's
+    As in :func:`build_dataloader`, the ranks of a cp or tp group share their items: the stream's
     replicas are the data-parallel ranks.
 
     Args:
@@ -356,7 +357,8 @@ def build_stream_loader(
         batch_size: Items per micro-batch on this rank.
         collate_fn: Turns a list of items into a batch of tensors.
         seed: Seed of the shuffle windows.
-        context_parallel_size: Ranks that split each sample's sequence.
+        ranks_per_sample: Consecutive ranks that share each sample (context- and
+            tensor-parallel ranks).
         **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
 
     Returns:
@@ -364,7 +366,7 @@ def build_stream_loader(
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    replicas, rank = world_size // context_parallel_size, rank // context_parallel_size
+    replicas, rank = world_size // ranks_per_sample, rank // ranks_per_sample
     position = StreamPosition(num_sources=len(dataset.sources), num_replicas=replicas, seed=seed)
     loader = StreamLoader(
         dataset,
