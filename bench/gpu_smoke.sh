@@ -12,7 +12,9 @@
 # 5. activation offloading (issue 30): its CUDA test (a skip is a failure) and a LoRA run with
 #    offload_activations and selective checkpointing; with two GPUs, context parallelism:
 #    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32); tensor
-#    parallelism: tp 2 over NCCL against one GPU, LoRA and full (losses within 1e-4, fp32);
+#    parallelism: tp 2 over NCCL against one GPU, LoRA, full and DPO; expert parallelism: ep 2
+#    over NCCL (all-to-all) against one GPU, full and LoRA on the experts (losses within 1e-4,
+#    fp32);
 # 6. the vLLM rollout engine's pieces (bench/gpu_vllm_engine.py; a skip without vllm);
 # 7. bench_scale.py at 2 GB: checkpoint I/O against that machine's disk, buffered and direct
 #    raw baselines (issue 31).
@@ -81,14 +83,16 @@ for fused_param, foreach_param in zip(runs[True], runs[False]):
 print("fused AdamW on CUDA equals foreach over 3 steps")
 EOF
 
-COMMON=(epochs=1 max_steps_per_epoch=4 "~val_dataset" lr_scheduler.num_warmup_steps=0
-        checkpoint.save_every_n_steps=2 device=cuda)
+# RUN for every config; COMMON also drops the validation set (the DPO config has none).
+RUN=(epochs=1 max_steps_per_epoch=4 lr_scheduler.num_warmup_steps=0
+     checkpoint.save_every_n_steps=2 device=cuda)
+COMMON=("${RUN[@]}" "~val_dataset")
 step recipe_lora "$TUNELAB" run lora_finetune_distributed --config tiny/lora \
     "output_dir=$OUT/lora" "${COMMON[@]}"
 step recipe_qlora "$TUNELAB" run lora_finetune_distributed --config tiny/qlora \
     "output_dir=$OUT/qlora" "${COMMON[@]}"
 step recipe_dpo "$TUNELAB" run lora_dpo_distributed --config tiny/lora_dpo \
-    "output_dir=$OUT/dpo" "${COMMON[@]}"
+    "output_dir=$OUT/dpo" "${RUN[@]}"
 if [ "$num_gpus" -ge 2 ]; then
     step recipe_lora_2gpu "$TUNELAB" run --nproc_per_node 2 lora_finetune_distributed \
         --config tiny/lora "output_dir=$OUT/lora_2gpu" "${COMMON[@]}"
@@ -111,45 +115,62 @@ step recipe_offload "$TUNELAB" run lora_finetune_distributed --config tiny/lora 
     activation_checkpointing_scope=attention
 if [ "$num_gpus" -ge 2 ]; then
     PACKED=(dataset.packed=true dataset.max_seq_len=250 tokenizer.max_seq_len=250 batch_size=4)
+    # The losses of two runs (their output folders) agree step by step within 1e-4 (fp32).
+    same_losses() {
+        "$PY" - "$1" "$2" <<'PYEOF'
+import json, sys
+losses = [
+    {r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/logs/metrics.jsonl")) if "loss" in r}
+    for d in sys.argv[1:]
+]
+print(losses)
+assert losses[0].keys() == losses[1].keys() and losses[0]
+assert all(abs(losses[0][s] - losses[1][s]) <= 1e-4 for s in losses[0]), losses
+PYEOF
+    }
     context_parallel() {
         "$TUNELAB" run lora_finetune_distributed --config tiny/lora "output_dir=$OUT/cp1" \
             "${COMMON[@]}" "${PACKED[@]}" &&
         "$TUNELAB" run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora \
             "output_dir=$OUT/cp2" "${COMMON[@]}" "${PACKED[@]}" context_parallel_size=2 &&
-        "$PY" - "$OUT/cp1" "$OUT/cp2" <<'PYEOF'
-import json, sys
-losses = [
-    {r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/logs/metrics.jsonl")) if "loss" in r}
-    for d in sys.argv[1:]
-]
-print(losses)
-assert losses[0].keys() == losses[1].keys() and losses[0]
-assert all(abs(losses[0][s] - losses[1][s]) <= 1e-4 for s in losses[0]), losses
-PYEOF
+        same_losses "$OUT/cp1" "$OUT/cp2"
     }
     step context_parallel_2gpu context_parallel
     # Issue 45: tensor parallelism over NCCL (tp 2: split matmuls, sequence-parallel norms,
-    # the vocabulary-split loss) against one GPU, LoRA and full fine-tuning (fp32, 1e-4).
+    # the vocabulary-split loss) against one GPU, LoRA, full fine-tuning and DPO (fp32, 1e-4).
     tensor_parallel() {
         local recipe=$1 config=$2
+        shift 2
         "$TUNELAB" run "$recipe" --config "$config" "output_dir=$OUT/tp1_$recipe" \
-            "${COMMON[@]}" model.dtype=fp32 &&
+            "${RUN[@]}" "$@" model.dtype=fp32 &&
         "$TUNELAB" run --nproc_per_node 2 "$recipe" --config "$config" \
-            "output_dir=$OUT/tp2_$recipe" "${COMMON[@]}" model.dtype=fp32 \
+            "output_dir=$OUT/tp2_$recipe" "${RUN[@]}" "$@" model.dtype=fp32 \
             parallelism.tensor_parallel_size=2 &&
-        "$PY" - "$OUT/tp1_$recipe" "$OUT/tp2_$recipe" <<'PYEOF'
-import json, sys
-losses = [
-    {r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/logs/metrics.jsonl")) if "loss" in r}
-    for d in sys.argv[1:]
-]
-print(losses)
-assert losses[0].keys() == losses[1].keys() and losses[0]
-assert all(abs(losses[0][s] - losses[1][s]) <= 1e-4 for s in losses[0]), losses
-PYEOF
+        same_losses "$OUT/tp1_$recipe" "$OUT/tp2_$recipe"
     }
-    step tensor_parallel_2gpu_lora tensor_parallel lora_finetune_distributed tiny/lora
-    step tensor_parallel_2gpu_full tensor_parallel full_finetune_distributed tiny/full
+    step tensor_parallel_2gpu_lora tensor_parallel lora_finetune_distributed tiny/lora \
+        "~val_dataset"
+    step tensor_parallel_2gpu_full tensor_parallel full_finetune_distributed tiny/full \
+        "~val_dataset"
+    step tensor_parallel_2gpu_dpo tensor_parallel lora_dpo_distributed tiny/lora_dpo
+    # Issue 45: expert parallelism over NCCL (ep 2: each GPU holds half of every MoE layer's
+    # experts of the tiny Mixtral, the tokens go to them by all-to-all) against one GPU taking
+    # both GPUs' micro-batches, with the router loss: full fine-tuning, and LoRA on attention
+    # and on the experts (fp32, 1e-4).
+    MOE=(dataset.packed=true schedule.batch_size=1 router.aux_loss_coef=0.01 model.dtype=fp32)
+    expert_parallel() {
+        local name=$1 recipe=$2
+        shift 2
+        "$TUNELAB" run "$recipe" --config tiny/moe_lora "output_dir=$OUT/ep1_$name" \
+            "${COMMON[@]}" "${MOE[@]}" "$@" schedule.gradient_accumulation_steps=2 &&
+        "$TUNELAB" run --nproc_per_node 2 "$recipe" --config tiny/moe_lora \
+            "output_dir=$OUT/ep2_$name" "${COMMON[@]}" "${MOE[@]}" "$@" \
+            parallelism.expert_parallel_size=2 &&
+        same_losses "$OUT/ep1_$name" "$OUT/ep2_$name"
+    }
+    step expert_parallel_2gpu_full expert_parallel full full_finetune_distributed "~lora"
+    step expert_parallel_2gpu_lora expert_parallel lora lora_finetune_distributed \
+        "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]"
 fi
 
 # 6. issue 40, item 6: the vLLM rollout engine's pieces (docs/vllm.md) on the tiny model:
