@@ -304,6 +304,9 @@ def rollout_rank(args: GRPOArgs, split: RankSplit) -> None:
     )  # fmt: skip
     engine = ModelRolloutEngine.from_rollout(model, args.rollout, tokenizer)
     prompts = instantiate(args.dataset, tokenizer=tokenizer)
+    # Prompts cut as the trainers cut theirs (longer ones keep their last tokens).
+    rows = args.schedule.batch_size * args.rollout.num_generations
+    bound_prompt_lengths(engine, {"dataset": prompts}, tokenizer, rows=rows)
     groups = GroupSampler.from_settings(
         engine, Rewards.from_settings(args.rewards), prompts, args.rollout, seed=args.seed,
         device=device,

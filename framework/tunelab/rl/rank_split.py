@@ -195,9 +195,12 @@ class RemoteRollouts:
         stats = weight_sync.send_weights(
             tensors, [self.peer], timeout_s=self.split.timeout_s, group=self.split.channel
         )
-        if len(tensors) > 1:
+        if len(tensors) > 1:  # the policy went with the request: its time and tensor bytes
             self.totals["transfer"] += stats.seconds
-            self.totals["bytes"] += stats.num_bytes
+            self.totals["bytes"] += sum(
+                value.numel() * value.element_size() for name, value in tensors.items()
+                if name != "request"
+            )  # fmt: skip
         answer: dict[str, Any] = {}
         self.outstanding = (step, answer)
         return lambda: self._answer(answer)
