@@ -12,7 +12,6 @@ the settings it uses, so a copy may declare its own settings dataclass in place 
 
 import torch
 
-import tunelab.peft as peft
 from tunelab.config import LoRAFinetuneArgs, instantiate
 from tunelab.data import sft_collate
 from tunelab.distributed import (
@@ -92,7 +91,8 @@ def main(args: LoRAFinetuneArgs) -> None:
         ranks_per_sample=args.parallelism.ranks_per_sample,
         model_context=model.args.max_seq_len,
     )
-    trainable = list(peft.get_adapter_params(model).values())
+    # The adapters, and a vision-language model's parts set to `full` (trained whole).
+    trainable = [param for param in model.parameters() if param.requires_grad]
     optimizer, lr_scheduler = build_optimizer(
         args.optimizer,
         trainable,

@@ -170,14 +170,21 @@ def test_export_loads_in_transformers_with_equal_logits(models, tmp_path):
     check_merged_export(SPEC, models[1], tmp_path)
 
 
+TOWER = ("visual.patch_embed.", "visual.pos_embed.", "visual.blocks.")
+PROJECTOR = ("visual.merger.", "visual.deepstack_merger_list.")
+
+
 @pytest.mark.parametrize(
-    "vision", [(), ("visual.blocks.", "visual.merger.", "visual.deepstack_merger_list.")]
+    ("vision", "full"),
+    [((), ()), (("visual.blocks.", *PROJECTOR), ()), ((), TOWER + PROJECTOR)],
+    ids=["language", "tower-and-projector-lora", "tower-and-projector-full"],
 )
-def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path, vision):
-    """The language model's linears adapted, and with ``model.vision_tower: lora`` and
-    ``model.projector: lora`` the tower's blocks and every merger's (deepstack's too)."""
+def test_lora_export_loads_in_peft_and_transformers(tiny_vl_dir, tmp_path, vision, full):
+    """The language model's linears adapted; with ``model.vision_tower: lora`` and
+    ``model.projector: lora`` the tower's blocks and every merger's (deepstack's too); with
+    both on ``full``, the whole tower and mergers trained, carried as ``modules_to_save``."""
     pytest.importorskip("peft")
-    check_lora_export(SPEC, tiny_vl_dir, tmp_path, vision)
+    check_lora_export(SPEC, tiny_vl_dir, tmp_path, vision, full)
 
 
 def _image(width: int, height: int, seed: int) -> Image.Image:

@@ -116,12 +116,23 @@ def check_merged_export(spec: VLSpec, model, folder: Path) -> None:
     assert float((ours - theirs).abs().max()) <= TOLERANCE
 
 
-def check_lora_export(spec: VLSpec, model_dir: Path, folder: Path, vision: tuple[str, ...]):
+def check_lora_export(
+    spec: VLSpec,
+    model_dir: Path,
+    folder: Path,
+    vision: tuple[str, ...],
+    full: tuple[str, ...] = (),
+) -> None:
     """LoRA on every linear layer of the language model, and of the tower parts ``vision``
     names (the ``adapt_under`` prefixes of ``model.vision_tower: lora`` and
     ``model.projector: lora``), exported by ``export_hf`` as the recipes do: PEFT loads the
     adapter onto transformers' model, transformers the merged weights, and tunelab the
-    adapter back, all with our logits on an image row."""
+    adapter back, all with our logits on an image row.
+
+    ``full`` names parts trained whole beside the adapters (``model.vision_tower: full``):
+    their weights are moved, and the adapter carries them as PEFT's ``modules_to_save``
+    (tunelab does not read such an adapter back: PEFT and the merged export are checked).
+    """
     import peft
     from safetensors.torch import load_file
 
@@ -142,6 +153,10 @@ def check_lora_export(spec: VLSpec, model_dir: Path, folder: Path, vision: tuple
         for name, param in get_adapter_params(model).items():
             if "lora_B" in name:
                 param.normal_(std=0.2)
+        for name, param in model.named_parameters():
+            if name.startswith(full) and full:  # as build_model leaves a `full` part
+                param.requires_grad_(True)
+                param.add_(torch.randn_like(param) * 0.05)
     grids = [(1, 6, 8)]
     tokens = torch.tensor([spec.row(grids)])
     images = spec.images(grids)
@@ -156,7 +171,21 @@ def check_lora_export(spec: VLSpec, model_dir: Path, folder: Path, vision: tuple
     # PEFT adapted exactly our modules (none of the tower's like-named linears), and every
     # weight it holds was in our file.
     assert set(theirs) == set(load_file(adapter_dir / "adapter_model.safetensors"))
-    assert len(theirs) == 2 * len(swapped)
+    whole = [name for name, _ in model.named_parameters() if full and name.startswith(full)]
+    assert len(theirs) == 2 * len(swapped) + len(whole)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert bool(config["modules_to_save"]) == bool(full)
+    # PEFT wrapped each module the adapter names whole, and none besides.
+    wrapped = [m for m in adapted.modules() if isinstance(m, peft.utils.ModulesToSaveWrapper)]
+    assert len(wrapped) == len(config["modules_to_save"] or [])
+    with torch.no_grad():
+        assert float((adapted(**hf_inputs).logits - expected).abs().max()) <= TOLERANCE
+        merged = spec.load_hf(export)(**hf_inputs).logits
+        assert float((merged - expected).abs().max()) <= TOLERANCE
+        base = spec.load_hf(model_dir)(**hf_inputs).logits
+        assert float((base - expected).abs().max()) > 1e-2
+    if full:
+        return
     # And the adapter reads back into a fresh LoRA model here (as adapter_dir does).
     fresh = load_pretrained(model_dir)
     reread = LoRAArgs.from_peft_config(
@@ -166,8 +195,3 @@ def check_lora_export(spec: VLSpec, model_dir: Path, folder: Path, vision: tuple
     load_peft_adapter(fresh, adapter_dir)
     with torch.no_grad():
         assert float((fresh(tokens, **images) - expected).abs().max()) == 0.0
-        assert float((adapted(**hf_inputs).logits - expected).abs().max()) <= TOLERANCE
-        merged = spec.load_hf(export)(**hf_inputs).logits
-        assert float((merged - expected).abs().max()) <= TOLERANCE
-        base = spec.load_hf(model_dir)(**hf_inputs).logits
-        assert float((base - expected).abs().max()) > 1e-2

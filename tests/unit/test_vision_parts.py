@@ -41,16 +41,29 @@ def _linears(model: torch.nn.Module, part: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("tower", ["frozen", "lora"])
-@pytest.mark.parametrize("projector", ["frozen", "lora"])
+@pytest.mark.parametrize("tower", ["frozen", "lora", "full"])
+@pytest.mark.parametrize("projector", ["frozen", "lora", "full"])
 def test_lora_adapts_exactly_the_parts_asked(tower, projector):
     section = LoRASFTModelSetupArgs(path=str(TINY_VL), vision_tower=tower, projector=projector)
     model = build_model(section, device=CPU, lora=LORA)
     adapted = set(lora_modules(model))
     trainable = _trainable(model)
+    # What a LoRA export's adapter carries whole (PEFT's modules_to_save): each block apart.
+    whole = {
+        "tower": ["visual.patch_embed", "visual.blocks.0", "visual.blocks.1"],
+        "projector": ["visual.merger"],
+    }
+    assert model.peft_modules_to_save() == [
+        *(whole["tower"] if tower == "full" else []),
+        *(whole["projector"] if projector == "full" else []),
+    ]
     for part, how in (("tower", tower), ("projector", projector)):
         in_part = {name for name in adapted if _part(name) == part}
-        if how == "lora":
+        if how == "full":
+            # Every weight of the part trains, beside the adapters, and none is adapted.
+            every = {name for name, _ in model.named_parameters() if _part(name) == part}
+            assert not in_part and every and trainable[part] == every
+        elif how == "lora":
             # Every linear layer of the part is adapted (the tower's qkv, proj, mlp...), and
             # only its LoRA factors train.
             assert in_part and not _linears(model, part)

@@ -27,6 +27,7 @@ from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.checkpoint.hf_write import config_bytes
 from tunelab.config.lora import LoRAArgs
 from tunelab.distributed import gather_full_tensors
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.formats.hf import HFCheckpointReader
 from tunelab.models.families import read_hf_config
 from tunelab.peft.apply import peft_target_modules
@@ -70,11 +71,13 @@ def export_hf(
         config = lora.peft_config(peft.lora_target_names(model), str(base_checkpoint_dir))
         config["target_modules"] = peft_target_modules(model)
         config["task_type"] = model.peft_task_type
-        if model.modules_to_save:
-            # Whole trained modules (a reward model's score head) travel in the adapter, as
-            # PEFT's modules_to_save: base_model.model.score.weight.
-            config["modules_to_save"] = list(model.modules_to_save)
-            adapter |= gather_full_tensors(_module_weights(model, model.modules_to_save))
+        whole = model.peft_modules_to_save()
+        if whole:
+            # Whole trained modules (a reward model's score head, a vision tower trained in
+            # full) travel in the adapter, as PEFT's modules_to_save:
+            # base_model.model.score.weight.
+            config["modules_to_save"] = whole
+            adapter |= gather_full_tensors(_module_weights(model, whole))
 
         def write_adapter(new_export: Path) -> None:
             # Into the new export's folder, first: the two are replaced together, whole.
@@ -112,10 +115,13 @@ def export_hf(
     return output_dir
 
 
-def _module_weights(model: nn.Module, modules: tuple[str, ...]) -> dict[str, Any]:
-    """The parameters of whole modules by FQN (sharded as they are)."""
+def _module_weights(model: nn.Module, modules: list[str]) -> dict[str, Any]:
+    """The parameters of whole modules (by their native paths) by FQN, sharded as they are."""
+    prefixes = tuple(f"{module}." for module in modules)
     return {
-        key: value for key, value in model.state_dict().items() if key.partition(".")[0] in modules
+        clean_fqn(key): value
+        for key, value in model.state_dict().items()
+        if clean_fqn(key).startswith(prefixes)
     }
 
 

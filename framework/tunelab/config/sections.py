@@ -74,9 +74,9 @@ class LoRAModelSetupArgs(ModelSetupArgs):
     frozen_base: Literal["auto", "replicate", "shard"] = "auto"
     """With several processes: replicate keeps the frozen base gathered on every rank after the first step (no all-gather per step; the full base in memory), shard re-gathers it every forward and backward; auto replicates when it fits the memory budget (logged)."""
     vision_tower: Literal["frozen", "lora"] = "frozen"
-    """A vision-language model's vision tower (patch embedding and blocks): frozen, or lora (every linear layer of its blocks adapted, whatever lora.targets says; the patch embedding stays frozen)."""
+    """A vision-language model's vision tower (patch embedding, position table and blocks): frozen, or lora (every linear layer of its blocks adapted, whatever lora.targets says; the patch embedding stays frozen)."""
     projector: Literal["frozen", "lora"] = "frozen"
-    """A vision-language model's projector (the patch merger into the language model): frozen, or lora (its linear layers adapted)."""
+    """A vision-language model's projector (the patch merger into the language model, and Qwen3-VL's deepstack mergers): frozen, or lora (their linear layers adapted)."""
 
 
 @dataclass(kw_only=True)
@@ -92,9 +92,9 @@ class SFTModelSetupArgs(ModelSetupArgs):
     """The model of the full fine-tuning recipe, which can offload activations."""
 
     vision_tower: Literal["frozen", "full"] = "full"
-    """A vision-language model's vision tower (patch embedding and blocks): full (trained) or frozen."""
+    """A vision-language model's vision tower (patch embedding, position table and blocks): full (trained) or frozen."""
     projector: Literal["frozen", "full"] = "full"
-    """A vision-language model's projector (the patch merger into the language model): full (trained) or frozen."""
+    """A vision-language model's projector (the patch merger into the language model, and Qwen3-VL's deepstack mergers): full (trained) or frozen."""
 
     offload_activations: bool = False
     """Keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu), copied back in backward: less GPU memory, more host traffic; CUDA only (on CPU a no-op, said in one line)."""
@@ -103,6 +103,13 @@ class SFTModelSetupArgs(ModelSetupArgs):
 @dataclass(kw_only=True)
 class LoRASFTModelSetupArgs(LoRAModelSetupArgs):
     """The model of the LoRA fine-tuning recipe: a frozen base, and activations it can offload."""
+
+    # The supervised LoRA recipe can also train a part whole; the preference and RL recipes
+    # cannot (their reference is the base with the adapters off, which a trained part changes).
+    vision_tower: Literal["frozen", "lora", "full"] = "frozen"
+    """A vision-language model's vision tower (patch embedding, position table and blocks): frozen, lora (every linear layer of its blocks adapted, whatever lora.targets says; the patch embedding stays frozen), or full (every weight trained beside the adapters; the adapter export carries them as PEFT's modules_to_save)."""
+    projector: Literal["frozen", "lora", "full"] = "frozen"
+    """A vision-language model's projector (the patch merger into the language model, and Qwen3-VL's deepstack mergers): frozen, lora (their linear layers adapted) or full (trained whole, as for vision_tower)."""
 
     offload_activations: bool = False
     """Keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu), copied back in backward: less GPU memory, more host traffic; CUDA only (on CPU a no-op, said in one line)."""

@@ -187,6 +187,13 @@ class TransformerDecoder(nn.Module):
         """A parameter's name in transformers' model, as PEFT adapters name it (the same here)."""
         return native_key
 
+    def peft_modules_to_save(self) -> list[str]:
+        """The modules a LoRA export's adapter carries whole (PEFT's ``modules_to_save``).
+
+        Here the heads of ``modules_to_save`` (a reward model's ``score``).
+        """
+        return list(self.modules_to_save)
+
     def hf_config_updates(self) -> dict[str, Any]:
         """What an export changes in the base model's ``config.json`` (nothing here)."""
         return {}

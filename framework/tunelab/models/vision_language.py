@@ -15,7 +15,9 @@ Parameter names are the hub checkpoints' (``visual.*``, ``model.*``, ``lm_head.w
 """
 
 import torch
+from torch import nn
 
+from tunelab.distributed._fqn import clean_fqn
 from tunelab.models.args import FULL, ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.modules.masks import positions_from_document_ids
@@ -173,6 +175,33 @@ class VisionLanguageDecoder(TransformerDecoder):
         if native_key.startswith("model."):
             return "model.language_model." + native_key.removeprefix("model.")
         return native_key
+
+    def peft_modules_to_save(self) -> list[str]:
+        """The heads, plus the tower's modules a LoRA run trains whole (``full``).
+
+        ``model.vision_tower: full`` / ``model.projector: full`` leave a part's weights
+        trainable beside the adapters: each of its modules whose weights all train is named
+        (native names; PEFT matches ``modules_to_save`` by suffix, so ``visual.blocks.0`` is
+        transformers' ``model.visual.blocks.0``). Blocks are named one by one: PEFT wraps
+        each named module, and the tower iterates its block list, which a wrapper would hide.
+        """
+        modules = {clean_fqn(name): module for name, module in self.named_modules()}
+        whole = super().peft_modules_to_save()
+        for prefixes in self.vision_parts.values():
+            for prefix in prefixes:
+                module = modules.get(prefix.removesuffix("."))
+                if module is None:  # a part this tower lacks (Qwen2.5-VL's position table)
+                    continue
+                units = (
+                    [(f"{prefix}{name}", child) for name, child in module.named_children()]
+                    if isinstance(module, nn.ModuleList)
+                    else [(prefix.removesuffix("."), module)]
+                )
+                for name, unit in units:
+                    params = list(unit.parameters())
+                    if params and all(param.requires_grad for param in params):
+                        whole.append(name)
+        return whole
 
     def embed(
         self,

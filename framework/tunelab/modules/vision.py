@@ -289,6 +289,34 @@ class VisionBlock(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
+class FlatConv3d(nn.Module):
+    """HF's patch ``Conv3d`` (kernel equal to its stride) as the linear map it is.
+
+    The weight keeps the convolution's shape ``[dim, channels, frames, side, side]`` and name;
+    the forward flattens it. A module of its own so FSDP2 gathers its parameters when it
+    runs, as for any other layer.
+    """
+
+    def __init__(self, args: VisionArgs, bias: bool) -> None:
+        super().__init__()
+        self.features = args.patch_features
+        shape = (
+            args.dim,
+            args.in_channels,
+            args.temporal_patch_size,
+            args.patch_size,
+            args.patch_size,
+        )
+        self.weight = nn.Parameter(torch.empty(shape))
+        nn.init.normal_(self.weight, std=0.02)
+        self.bias = nn.Parameter(torch.zeros(args.dim)) if bias else None
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[patches, features]`` to ``[patches, dim]``."""
+        flat = pixels.to(self.weight.dtype).view(-1, self.features)
+        return F.linear(flat, self.weight.flatten(1), self.bias)
+
+
 class PatchEmbed(nn.Module):
     """A linear map of each flattened patch, under HF's ``Conv3d`` weight shape and name.
 
@@ -299,26 +327,11 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, args: VisionArgs, bias: bool = False) -> None:
         super().__init__()
-        self.features = args.patch_features
-        self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(
-            torch.empty(
-                args.dim,
-                args.in_channels,
-                args.temporal_patch_size,
-                args.patch_size,
-                args.patch_size,
-            )
-        )
-        nn.init.normal_(self.proj.weight, std=0.02)
-        self.proj.bias = nn.Parameter(torch.zeros(args.dim)) if bias else None
+        self.proj = FlatConv3d(args, bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[patches, features]`` to ``[patches, dim]``."""
-        weight = self.proj.weight
-        return F.linear(
-            pixels.to(weight.dtype).view(-1, self.features), weight.flatten(1), self.proj.bias
-        )
+        return self.proj(pixels)
 
 
 class PatchMerger(nn.Module):

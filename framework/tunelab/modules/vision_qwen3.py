@@ -76,24 +76,24 @@ class Qwen3PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-def bilinear_position_embeddings(
-    table: torch.Tensor, grid_thw: torch.Tensor, merge_size: int
-) -> torch.Tensor:
-    """A square learned position table resampled to each image's grid, patch by patch.
+def bilinear_taps(
+    side: int, grid_thw: torch.Tensor, merge_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each patch reads a square learned position table, and with what weights.
 
     Bilinear with corners aligned (``F.interpolate(align_corners=True)``): patch row ``r`` of
     ``h`` reads table row ``r * (side - 1) / (h - 1)``, weighted between its two neighbours,
     and likewise for columns.
 
     Args:
-        table: ``[side * side, dim]``, row-major.
+        side: the table's side (it holds ``side * side`` rows, row-major).
         grid_thw: long ``[images, 3]``.
         merge_size: side of a merge square (patches come block-major).
 
     Returns:
-        ``[patches, dim]`` in the patch order of ``patch_positions``.
+        ``(indices, weights)``: long and fp32 ``[patches, 4]``, in the patch order of
+        ``patch_positions``; a patch's embedding is ``sum(table[indices] * weights)``.
     """
-    side = round(table.shape[0] ** 0.5)
     positions = patch_positions(grid_thw, merge_size).float()
     sizes = torch.cat(
         [
@@ -108,14 +108,25 @@ def bilinear_position_embeddings(
     high = (low + 1).clamp(max=side - 1)
     (row_low, column_low), (row_high, column_high) = low.unbind(1), high.unbind(1)
     row_weight, column_weight = fraction.unbind(1)
-    taps = (
-        (row_low * side + column_low, (1 - row_weight) * (1 - column_weight)),
-        (row_low * side + column_high, (1 - row_weight) * column_weight),
-        (row_high * side + column_low, row_weight * (1 - column_weight)),
-        (row_high * side + column_high, row_weight * column_weight),
+    indices = torch.stack(
+        (
+            row_low * side + column_low,
+            row_low * side + column_high,
+            row_high * side + column_low,
+            row_high * side + column_high,
+        ),
+        dim=1,
     )
-    # Weights in fp32 whatever the table's dtype, as transformers does.
-    return sum(table[index] * weight[:, None] for index, weight in taps)
+    weights = torch.stack(
+        (
+            (1 - row_weight) * (1 - column_weight),
+            (1 - row_weight) * column_weight,
+            row_weight * (1 - column_weight),
+            row_weight * column_weight,
+        ),
+        dim=1,
+    )
+    return indices, weights
 
 
 class Qwen3VisionTransformer(nn.Module):
@@ -158,8 +169,12 @@ class Qwen3VisionTransformer(nn.Module):
         """
         args = self.args
         x = self.patch_embed(pixel_values)
-        table = self.pos_embed.weight
-        x = x + bilinear_position_embeddings(table, grid_thw, args.spatial_merge_size).to(x.dtype)
+        side = round(args.num_position_embeddings**0.5)
+        indices, weights = bilinear_taps(side, grid_thw, args.spatial_merge_size)
+        # The table is read through its module (FSDP2 gathers it then); weights in fp32
+        # whatever the table's dtype, as transformers does.
+        table = self.pos_embed(indices)  # [patches, 4, dim]
+        x = x + (table * weights[..., None]).sum(1).to(x.dtype)
         positions = patch_positions(grid_thw, args.spatial_merge_size)
         cos, sin = vision_rotary(positions, args.dim // args.num_heads, args.rope_theta)
         frame_lengths = [

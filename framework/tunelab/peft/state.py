@@ -91,12 +91,14 @@ def to_peft_state_dict(
     """Rename native adapter keys to PEFT's (``peft_key_names``).
 
     ``X.lora_A.weight`` -> ``base_model.model.X.lora_A.weight``; expert factors as the module
-    docstring says. A whole module of ``modules_to_save`` (``score.weight``) is saved as PEFT
-    saves it, ``base_model.model.score.weight``.
+    docstring says. A whole module of ``modules_to_save`` (``score.weight``; a module whose
+    path ends with the name, as PEFT matches them) is saved as PEFT saves it,
+    ``base_model.model.score.weight``.
 
     Args:
         state_dict: Adapter weights under native keys.
-        modules_to_save: Top-level modules whose whole weights the adapter carries.
+        modules_to_save: Modules whose whole weights the adapter carries, by the end of their
+            paths.
 
     Returns:
         The same tensors under PEFT keys.
@@ -104,8 +106,10 @@ def to_peft_state_dict(
     Raises:
         TunelabError: If a key is neither a LoRA ``A``/``B`` weight nor in ``modules_to_save``.
     """
-    saved = set(modules_to_save)
-    whole = {key for key in state_dict if key.partition(".")[0] in saved}
+    # PEFT matches modules_to_save by the end of a module's path: `visual.blocks.0` names
+    # transformers' `model.visual.blocks.0`, and every weight under it.
+    saved = [f".{module}." for module in modules_to_save]
+    whole = {key for key in state_dict if any(module in f".{key}" for module in saved)}
     for key in state_dict:
         if key not in whole and not is_adapter_key(key):
             raise TunelabError(f"to_peft_state_dict: {key!r} is not a LoRA adapter weight")

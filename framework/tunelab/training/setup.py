@@ -122,10 +122,12 @@ def build_model(
                 # The head is new: it trains whole beside the adapters (PEFT's modules_to_save).
                 decoder.score.requires_grad_(True)
         for part, how in vision.items():
-            if how == "frozen":
+            if how in ("frozen", "full"):
+                # Full: trained whole, beside the adapters in a LoRA run (their optimizer takes
+                # every trainable parameter, and exports carry them as PEFT's modules_to_save).
                 for name, param in decoder.named_parameters():
                     if name.startswith(decoder.vision_parts[part]):
-                        param.requires_grad_(False)
+                        param.requires_grad_(how == "full")
     quantized = lora is not None and lora.quantize_base == "nf4"
     if tensor_mesh is not None:
         if quantized:
