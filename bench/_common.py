@@ -77,6 +77,44 @@ def tiny_dir() -> Path:
     return assets_dir() / "tiny"
 
 
+MODEL_SHAPES = ("tiny", "wide")
+"""``--model`` of the side-by-side training benches: the embedded tiny model (hidden 128, where
+per-call overhead dominates) or ``wide``, a random-init Llama-style model at a realistic width
+(hidden 768, 4 layers, GQA 12/4, MLP 2048) with the tiny model's tokenizer and data."""
+
+
+def bench_model_dir(shape: str, scratch: Path) -> Path:
+    """The model folder a training bench runs on (see ``MODEL_SHAPES``), written once per scratch.
+
+    Args:
+        shape: ``tiny`` or ``wide``.
+        scratch: The bench's scratch folder; ``wide`` is written under it.
+
+    Returns:
+        A Hugging Face model folder (config, safetensors, the tiny model's tokenizer files).
+    """
+    import json
+    import shutil
+
+    tiny = tiny_dir()
+    if shape == "tiny":
+        return tiny
+    folder = scratch / f"model_{shape}"
+    if (folder / "config.json").exists():
+        return folder
+    from _grpo_work import wide_config
+    from _models import write_hf_checkpoint
+
+    tiny_config = json.loads((tiny / "config.json").read_text())
+    config = wide_config(768, 4, tiny_config["vocab_size"])
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        config[key] = tiny_config[key]
+    write_hf_checkpoint(folder, config)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny / name, folder / name)
+    return folder
+
+
 SMOKE_HELP = "smallest sizes: checks that the script runs (seconds; the figures mean nothing)"
 
 
@@ -173,3 +211,82 @@ def seconds(value: float) -> str:
 def mebibytes(value: float) -> str:
     """``value`` bytes as MiB, formatted for a table."""
     return f"{value / MiB:.0f} MiB"
+
+
+# -- side-by-side rounds of two trainers -----------------------------------------------------
+
+
+def alternating_rounds(
+    run_side: Callable[[str, int], dict[str, float]], sides: Sequence[str], rounds: int
+) -> dict[str, list[dict[str, float]]]:
+    """Run every side once per round, the order reversed every other round (an ABBA crossover).
+
+    Args:
+        run_side: Runs one side (its name, the round) and returns its figures
+            (``tokens`` and ``seconds`` at least).
+        sides: The sides, in the first round's order.
+        rounds: How many rounds.
+
+    Returns:
+        Side -> its figures, one dict per round, in round order.
+    """
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    for round_index in range(rounds):
+        order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+        for side in order:
+            results[side].append(run_side(side, round_index))
+    return results
+
+
+def throughput_row(
+    figure: str,
+    results: dict[str, list[dict[str, float]]],
+    target: float,
+    *,
+    ours: str = "tunelab",
+    theirs: str = "TRL",
+    time_key: str = "seconds",
+) -> tuple[Row, list[str]]:
+    """The tokens/s row of two sides run in ``alternating_rounds``, and its per-round notes.
+
+    The ratio is the median over rounds of the two sides' ratio within the round (each pair
+    ran back to back, under the same load); ``met`` compares that median with ``target``.
+    ``time_key`` picks the figures' time: ``seconds`` (wall) or ``cpu_seconds`` (the process's
+    CPU time: with one intra-op thread per side, robust to other jobs' load).
+
+    Returns:
+        The row (each side's median tokens/s) and notes (every round's figures and ratio).
+    """
+    rates = {
+        side: [figures["tokens"] / figures[time_key] for figures in runs]
+        for side, runs in results.items()
+    }
+    unit = "tokens/s" if time_key == "seconds" else f"tokens per {time_key}"
+    notes = [
+        f"{unit} per round: "
+        + "; ".join(
+            f"{side} " + ", ".join(f"{rate:.0f}" for rate in side_rates)
+            for side, side_rates in rates.items()
+        )
+    ]
+    if theirs not in rates:
+        return Row(figure, f"{statistics.median(rates[ours]):.0f}", "-", "-", "-", None), notes
+    pairs = [mine / other for mine, other in zip(rates[ours], rates[theirs])]
+    ratio = statistics.median(pairs)
+    notes.append(
+        f"{unit} ratio per round ({ours} / {theirs}): "
+        + ", ".join(f"{pair:.2f}x" for pair in pairs)
+        + f"; the row's ratio is their median; tokens per round: {ours} "
+        + ", ".join(str(int(figures["tokens"])) for figures in results[ours])
+        + f", {theirs} "
+        + ", ".join(str(int(figures["tokens"])) for figures in results[theirs])
+    )
+    row = Row(
+        figure,
+        f"{statistics.median(rates[ours]):.0f}",
+        f"{statistics.median(rates[theirs]):.0f}",
+        f"{ratio:.2f}x",
+        f">= {target}x",
+        ratio >= target,
+    )
+    return row, notes

@@ -9,11 +9,12 @@ Both sides train the same LoRA (r=8, alpha=16, dropout 0, every projection, as `
 the embedded tiny model in fp32, on the same rows: the embedded ``kto.jsonl`` as chat messages,
 rendered by the tokenizer's own chat template on both sides, ``--batch-size`` labelled rows per
 step, a live reference (the base with adapters disabled), ``beta`` 0.1, AdamW with clipping at
-1.0. Each side does the same work per row: the policy forward and backward of the completion,
-the policy forward (no gradient) of its mismatched pair, and the reference forward of both.
+1.0. Each side does the same work per row: the policy's log-probs (with gradient) of the
+completion and (without) of its mismatched pair, and the reference's of both; tunelab computes
+the prompt a row shares with its mismatched pair once in each pass.
 
 - ``tunelab``: the library pieces ``recipes/kto_distributed.py`` runs, in its order
-  (``step_references``, ``mismatched_logps``, ``step_kl``, ``completion_forward``,
+  for a step of one micro-batch (``step_references``, ``kto_forward``, ``step_kl``,
   ``kto_loss``, ``OptimizerStep``), with the recipe's defaults (chunked output layer, fused
   AdamW) on one process, timed around each optimizer step;
 - ``TRL``: ``trl.KTOTrainer`` (sequential sampling, as it requires) on the same checkpoint
@@ -40,7 +41,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import LORA_TARGETS, Row, launch_env, parse_bench_args, print_table, tiny_dir
+from _common import (
+    LORA_TARGETS,
+    MODEL_SHAPES,
+    alternating_rounds,
+    bench_model_dir,
+    launch_env,
+    parse_bench_args,
+    print_table,
+    throughput_row,
+    tiny_dir,
+)
 
 TARGET_RATIO = 1.3
 SIDES = ("tunelab", "TRL")
@@ -53,12 +64,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="labelled rows per step")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--rows", type=int, default=400, help="rows of kto.jsonl used")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each side (best kept)")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="runs of each side (order alternating)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
+    parser.add_argument(
+        "--model", default="tiny", choices=MODEL_SHAPES,
+        help="tiny: the embedded model (hidden 128); wide: random-init, hidden 768, 4 layers",
+    )  # fmt: skip
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--worker", default=None, choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     smoke = ["--steps", "1", "--batch-size", "2", "--rows", "16", "--rounds", "1"]
     return parse_bench_args(parser, smoke)
 
@@ -92,18 +110,17 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
         OptimizerStep,
         ReferenceModel,
         adamw,
-        completion_forward,
         global_pair_count,
+        kto_forward,
         kto_loss,
         load_model,
-        mismatched_logps,
         output_layer,
         step_kl,
         step_references,
     )
 
     torch.manual_seed(0)
-    tokenizer = load_tokenizer(tiny_dir())
+    tokenizer = load_tokenizer(args.model_dir)
     dataset = kto_dataset(
         tokenizer, source=args.data, template="auto", max_seq_len=args.max_length,
         cache_dir=str(Path(args.result).parent / "cache"),
@@ -114,7 +131,7 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS, use_rslora=False)
-    model = load_model(str(tiny_dir()), device=torch.device("cpu"), dtype=torch.float32, lora=lora)
+    model = load_model(args.model_dir, device=torch.device("cpu"), dtype=torch.float32, lora=lora)
     model.train()
     trainable = list(peft.get_adapter_params(model).values())
     optimizer_step = OptimizerStep(
@@ -123,25 +140,27 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
     reference = ReferenceModel(model, freeze_current_adapter=False)
     output = output_layer(model)
     loss_fn = KTOLoss(beta=0.1)
-    seconds, tokens = 0.0, 0
+    seconds, cpu_seconds, tokens = 0.0, 0.0, 0
     batches = iter(loader)
     for step in range(1 + args.steps):
         micro_batches = [next(batches)]
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         references = step_references(model, micro_batches, loss_fn, reference, None, output=output)
-        kl = step_kl(mismatched_logps(model, micro_batches, output=output), references)
+        # One micro-batch a step, as the recipe's default: one policy forward of both halves.
+        policy, mismatched = kto_forward(model, micro_batches[0], output=output)
+        kl = step_kl([mismatched], references)
         num_rows = global_pair_count(micro_batches)
         for batch, ref in zip(micro_batches, references, strict=True):
-            policy = completion_forward(model, batch, output=output)
             losses, sums = kto_loss(loss_fn, policy, ref, batch["desirable"], kl)
             (losses.sum() / num_rows).backward()
         optimizer_step(loss=float(sums["loss"]), step=step + 1)
-        elapsed = time.perf_counter() - began
+        elapsed, elapsed_cpu = time.perf_counter() - began, time.process_time() - began_cpu
         if step > 0:  # the first step warms up
             seconds += elapsed
+            cpu_seconds += elapsed_cpu
             rows = batch["tokens"][: num_rows.int().item()]
             tokens += int((rows != tokenizer.pad_id).sum())
-    return {"seconds": seconds, "tokens": tokens}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens}
 
 
 def trl_worker(args: argparse.Namespace) -> dict:
@@ -154,19 +173,21 @@ def trl_worker(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(
-        str(tiny_dir()), dtype=torch.float32, attn_implementation="sdpa"
+        args.model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir()))
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     dataset = datasets.Dataset.from_list(rows)
     step_seconds: list[float] = []
+    step_cpu_seconds: list[float] = []
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, *_, **__):
-            self.began = time.perf_counter()
+            self.began, self.began_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
             step_seconds.append(time.perf_counter() - self.began)
+            step_cpu_seconds.append(time.process_time() - self.began_cpu)
 
     config = trl.KTOConfig(
         output_dir=str(Path(args.result).with_suffix("")),
@@ -207,7 +228,11 @@ def trl_worker(args: argparse.Namespace) -> dict:
     ]
     batch = args.batch_size
     tokens = sum(lengths[batch : batch * (1 + args.steps)])
-    return {"seconds": sum(step_seconds[1:]), "tokens": tokens}
+    return {
+        "seconds": sum(step_seconds[1:]),
+        "cpu_seconds": sum(step_cpu_seconds[1:]),
+        "tokens": tokens,
+    }
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -224,59 +249,47 @@ def trl_installed() -> bool:
 
 
 def orchestrate(args: argparse.Namespace) -> None:
-    """Run both sides ``--rounds`` times, interleaved, and print the table."""
+    """Run both sides ``--rounds`` times, the order alternating, and print the table."""
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_kto_"))
     scratch.mkdir(parents=True, exist_ok=True)
     data = scratch / "kto_chat.jsonl"
     write_chat_rows(data, args.rows)
+    model_dir = bench_model_dir(args.model, scratch)
     sides = [side for side in SIDES if side != "TRL" or trl_installed()]
-    best: dict[str, float] = {}
-    raw: dict[str, list[str]] = {side: [] for side in sides}
-    for round_index in range(args.rounds):
-        for side in sides:
-            result = scratch / f"{side}_{round_index}.json"
-            command = [
-                sys.executable, __file__, "--worker", side, "--data", str(data),
-                "--result", str(result), "--steps", str(args.steps),
-                "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-            ]  # fmt: skip
-            env = {**launch_env(1), "OMP_NUM_THREADS": str(args.threads)}
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-            figures = json.loads(result.read_text())
-            rate = figures["tokens"] / figures["seconds"]
-            raw[side].append(
-                f"{rate:.0f} ({figures['tokens']} tokens in {figures['seconds']:.2f} s)"
-            )
-            best[side] = max(best.get(side, 0.0), rate)
-    rows = []
-    if "TRL" in best:
-        ratio = best["tunelab"] / best["TRL"]
-        rows.append(
-            Row(
-                "KTO step, 1 process: tokens/s (tunelab / TRL KTOTrainer)",
-                f"{best['tunelab']:.0f}",
-                f"{best['TRL']:.0f}",
-                f"{ratio:.2f}x",
-                f">= {TARGET_RATIO}x",
-                ratio >= TARGET_RATIO,
-            )
-        )
-    else:
-        rows.append(
-            Row("KTO step, 1 process: tokens/s", f"{best['tunelab']:.0f}", "-", "-", "-", None)
-        )
+
+    def run_side(side: str, round_index: int) -> dict[str, float]:
+        result = scratch / f"{side}_{round_index}.json"
+        command = [
+            sys.executable, __file__, "--worker", side, "--data", str(data),
+            "--result", str(result), "--steps", str(args.steps), "--model-dir", str(model_dir),
+            "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+        ]  # fmt: skip
+        env = {**launch_env(1), "OMP_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        return json.loads(result.read_text())
+
+    load_before = os.getloadavg()[0]
+    results = alternating_rounds(run_side, sides, args.rounds)
+    figure = f"KTO step, {args.model} model, 1 process: tokens/s (tunelab / TRL KTOTrainer)"
+    row, round_notes = throughput_row(figure, results, TARGET_RATIO)
+    cpu_row, cpu_notes = throughput_row(
+        figure.replace("tokens/s", "tokens per CPU-second"), results, TARGET_RATIO,
+        time_key="cpu_seconds",
+    )  # fmt: skip
     notes = [
-        f"tiny model, LoRA r=8 on every projection, fp32, {args.batch_size} labelled rows a step, "
-        f"{args.steps} timed steps after one warm-up, best of {args.rounds} round(s); "
-        f"{os.cpu_count()} cores, one process per side with {args.threads} intra-op thread(s), "
-        "one side at a time.",
-        "tokens/s per round: " + "; ".join(f"{side} {', '.join(raw[side])}" for side in sides),
+        f"{args.model} model ({model_dir.name}), LoRA r=8 on every projection, fp32, "
+        f"{args.batch_size} labelled rows a step, {args.steps} timed steps after one warm-up, "
+        f"{args.rounds} round(s), the order alternating; {os.cpu_count()} cores, one process "
+        f"per side with {args.threads} intra-op thread(s), one side at a time; load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after.",
+        *round_notes,
+        *cpu_notes[1:],
     ]
-    if "TRL" not in best:
+    if "TRL" not in results:
         notes.append("trl not installed: no TRL row (make bench installs it)")
-    print_table("KTO: tunelab kto_distributed vs TRL KTOTrainer", rows, notes)
+    print_table("KTO: tunelab kto_distributed vs TRL KTOTrainer", [row, cpu_row], notes)
 
 
 def main() -> None:

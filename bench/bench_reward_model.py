@@ -35,7 +35,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import LORA_TARGETS, Row, launch_env, parse_bench_args, print_table, tiny_dir
+from _common import (
+    LORA_TARGETS,
+    MODEL_SHAPES,
+    alternating_rounds,
+    bench_model_dir,
+    launch_env,
+    parse_bench_args,
+    print_table,
+    throughput_row,
+    tiny_dir,
+)
 
 TARGET_RATIO = 1.3
 SIDES = ("tunelab", "TRL")
@@ -48,11 +58,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per step")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--rows", type=int, default=400, help="pairs of preference.jsonl used")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side (best kept)")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="runs of each side (order alternating)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
+    parser.add_argument(
+        "--model", default="tiny", choices=MODEL_SHAPES,
+        help="tiny: the embedded model (hidden 128); wide: random-init, hidden 768, 4 layers",
+    )  # fmt: skip
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--worker", default=None, choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     smoke = ["--steps", "1", "--batch-size", "2", "--rows", "16", "--rounds", "1"]
     return parse_bench_args(parser, smoke)
 
@@ -85,7 +103,7 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
     from tunelab.training import OptimizerStep, adamw, build_model, global_pair_count, reward_loss
 
     torch.manual_seed(0)
-    tokenizer = load_tokenizer(tiny_dir())
+    tokenizer = load_tokenizer(args.model_dir)
     dataset = preference_dataset(
         tokenizer, source=args.data, template="auto", max_seq_len=args.max_length,
         cache_dir=str(Path(args.result).parent / "cache"),
@@ -97,7 +115,7 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS, use_rslora=False)
     model = build_model(
-        RewardModelSetupArgs(path=str(tiny_dir())), device=torch.device("cpu"), lora=lora
+        RewardModelSetupArgs(path=args.model_dir), device=torch.device("cpu"), lora=lora
     )
     model.train()
     trainable = [param for param in model.parameters() if param.requires_grad]
@@ -105,20 +123,21 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
         adamw(trainable, lr=1e-4, weight_decay=0.0), trainable, clip_grad_norm=1.0
     )
     loss_fn = BradleyTerryLoss()
-    seconds, tokens = 0.0, 0
+    seconds, cpu_seconds, tokens = 0.0, 0.0, 0
     batches = iter(loader)
     for step in range(1 + args.steps):
         batch = next(batches)
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         num_pairs = global_pair_count([batch])
         losses, sums = reward_loss(loss_fn, model, batch, tokenizer.pad_id)
         (losses.sum() / num_pairs).backward()
         optimizer_step(loss=float(sums["loss"]), step=step + 1)
-        elapsed = time.perf_counter() - began
+        elapsed, elapsed_cpu = time.perf_counter() - began, time.process_time() - began_cpu
         if step > 0:  # the first step warms up
             seconds += elapsed
+            cpu_seconds += elapsed_cpu
             tokens += int((batch["tokens"] != tokenizer.pad_id).sum())
-    return {"seconds": seconds, "tokens": tokens}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens}
 
 
 def trl_worker(args: argparse.Namespace) -> dict:
@@ -134,22 +153,24 @@ def trl_worker(args: argparse.Namespace) -> dict:
     )
 
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dir()))
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(
-        str(tiny_dir()), num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        args.model_dir, num_labels=1, pad_token_id=tokenizer.pad_token_id,
         dtype=torch.float32, attn_implementation="sdpa",
     )  # fmt: skip
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     dataset = datasets.Dataset.from_list(rows)
     step_seconds: list[float] = []
+    step_cpu_seconds: list[float] = []
     step_tokens: list[int] = []
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, *_, **__):
-            self.began = time.perf_counter()
+            self.began, self.began_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
             step_seconds.append(time.perf_counter() - self.began)
+            step_cpu_seconds.append(time.process_time() - self.began_cpu)
 
     class CountingRewardTrainer(trl.RewardTrainer):
         def compute_loss(self, model, inputs, *rest, **kwargs):
@@ -187,7 +208,11 @@ def trl_worker(args: argparse.Namespace) -> dict:
         callbacks=[StepTimes()],
     )
     trainer.train()
-    return {"seconds": sum(step_seconds[1:]), "tokens": sum(step_tokens[1:])}
+    return {
+        "seconds": sum(step_seconds[1:]),
+        "cpu_seconds": sum(step_cpu_seconds[1:]),
+        "tokens": sum(step_tokens[1:]),
+    }
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -204,49 +229,51 @@ def trl_installed() -> bool:
 
 
 def orchestrate(args: argparse.Namespace) -> None:
-    """Run both sides ``--rounds`` times, interleaved, and print the table."""
+    """Run both sides ``--rounds`` times, the order alternating, and print the table."""
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_reward_model_"))
     scratch.mkdir(parents=True, exist_ok=True)
     data = scratch / "preference_chat.jsonl"
     write_chat_pairs(data, args.rows)
+    model_dir = bench_model_dir(args.model, scratch)
     sides = [side for side in SIDES if side != "TRL" or trl_installed()]
-    best: dict[str, float] = {}
-    raw: dict[str, list[str]] = {side: [] for side in sides}
-    for round_index in range(args.rounds):
-        for side in sides:
-            result = scratch / f"{side}_{round_index}.json"
-            command = [
-                sys.executable, __file__, "--worker", side, "--data", str(data),
-                "--result", str(result), "--steps", str(args.steps),
-                "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-            ]  # fmt: skip
-            done = subprocess.run(command, env=launch_env(1), capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-            figures = json.loads(result.read_text())
-            rate = figures["tokens"] / figures["seconds"]
-            raw[side].append(
-                f"{rate:.0f} ({figures['tokens']} tokens in {figures['seconds']:.2f} s)"
-            )
-            best[side] = max(best.get(side, 0.0), rate)
-    figure = "reward-model step, 1 process: tokens/s (tunelab / TRL RewardTrainer)"
-    if "TRL" in best:
-        ratio = best["tunelab"] / best["TRL"]
-        row = Row(
-            figure, f"{best['tunelab']:.0f}", f"{best['TRL']:.0f}", f"{ratio:.2f}x",
-            f">= {TARGET_RATIO}x", ratio >= TARGET_RATIO,
-        )  # fmt: skip
-    else:
-        row = Row(figure, f"{best['tunelab']:.0f}", "-", "-", "-", None)
+
+    def run_side(side: str, round_index: int) -> dict[str, float]:
+        result = scratch / f"{side}_{round_index}.json"
+        command = [
+            sys.executable, __file__, "--worker", side, "--data", str(data),
+            "--result", str(result), "--steps", str(args.steps), "--model-dir", str(model_dir),
+            "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+        ]  # fmt: skip
+        env = {**launch_env(1), "OMP_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        return json.loads(result.read_text())
+
+    load_before = os.getloadavg()[0]
+    results = alternating_rounds(run_side, sides, args.rounds)
+    figure = (
+        f"reward-model step, {args.model} model, 1 process: tokens/s (tunelab / TRL RewardTrainer)"
+    )
+    row, round_notes = throughput_row(figure, results, TARGET_RATIO)
+    cpu_row, cpu_notes = throughput_row(
+        figure.replace("tokens/s", "tokens per CPU-second"), results, TARGET_RATIO,
+        time_key="cpu_seconds",
+    )  # fmt: skip
     notes = [
-        f"tiny model, fresh score head + LoRA r=8 on every projection, fp32, {args.batch_size} "
-        f"pairs a step, {args.steps} timed steps after one warm-up, best of {args.rounds} "
-        f"round(s); {os.cpu_count()} cores, one process per side, one side at a time.",
-        "tokens/s per round: " + "; ".join(f"{side} {', '.join(raw[side])}" for side in sides),
+        f"{args.model} model ({model_dir.name}), fresh score head + LoRA r=8 on every projection, "
+        f"fp32, {args.batch_size} pairs a step, {args.steps} timed steps after one warm-up, "
+        f"{args.rounds} round(s), the order alternating; {os.cpu_count()} cores, one process "
+        f"per side with {args.threads} intra-op thread(s), one side at a time; load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after.",
+        *round_notes,
+        *cpu_notes[1:],
     ]
-    if "TRL" not in best:
+    if "TRL" not in results:
         notes.append("trl not installed: no TRL row (make bench installs it)")
-    print_table("Reward model: tunelab reward_model_distributed vs TRL RewardTrainer", [row], notes)
+    print_table(
+        "Reward model: tunelab reward_model_distributed vs TRL RewardTrainer", [row, cpu_row], notes
+    )
 
 
 def main() -> None:

@@ -46,11 +46,14 @@ BENCHMARKS = {
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
     "grpo": ("bench_grpo.py", False, ["--shapes", "tiny-16,wide-16"], []),
     "grpo_async": ("bench_grpo_async.py", False, [], ["--nprocs", "2,4", "--steps", "30"]),
+    "agentic": ("bench_agentic.py", False, [], ["--rounds", "3", "--steps", "5"]),
     "distill": ("bench_distill.py", False, [], ["--loss-tokens", "4096"]),
-    "kto": ("bench_kto.py", False, [], ["--steps", "16", "--batch-size", "16", "--rounds", "3"]),
+    "kto": ("bench_kto.py", False, ["--model", "wide"],
+            ["--model", "wide", "--steps", "16", "--batch-size", "16"]),
     "eval": ("bench_eval.py", False, [], []),
     "gguf": ("bench_gguf.py", True, [], ["--size-mb", "1024"]),
-    "reward_model": ("bench_reward_model.py", False, [], ["--steps", "16", "--batch-size", "16"]),
+    "reward_model": ("bench_reward_model.py", False, ["--model", "wide"],
+                     ["--model", "wide", "--steps", "16", "--batch-size", "16"]),
 }  # fmt: skip
 
 

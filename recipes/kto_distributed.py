@@ -11,9 +11,10 @@ DPO's, unchanged (``tunelab.training.ReferenceModel``: the base with adapters di
 the SFT adapter, frozen; ``reference_logps: precompute`` runs it once up front). A step's loss is
 the mean over all its rows.
 
-Reads top to bottom: set-up, resume, the training loop (each optimizer step: reference and
-mismatched forwards without gradient, ``z0``, then the completions' forward, loss and backward
-per micro-batch, clip and step; then ``after_step``), clean-up.
+Reads top to bottom: set-up, resume, the training loop (each optimizer step: the reference's
+forward and the policy's of the mismatched pairs, ``z0``, then the completions' forward, loss
+and backward per micro-batch, clip and step; then ``after_step``), clean-up. A step of one
+micro-batch runs the policy once over completions and mismatched pairs together.
 """
 
 import tunelab.peft as peft
@@ -44,6 +45,7 @@ from tunelab.training import (
     evaluate_kto,
     global_kto_metrics,
     global_pair_count,
+    kto_forward,
     kto_loss,
     mismatched_logps,
     output_layer,
@@ -148,17 +150,24 @@ def main(args: LoRAKTOArgs) -> None:
             micro_batches = [
                 to_device(next(batches), device) for _ in range(data.gradient_accumulation_steps)
             ]
-            # Without gradient: the reference on completions and mismatched pairs, the policy on
-            # the mismatched pairs; then z0 over every mismatched pair of the step, all ranks.
+            # Without gradient: the reference on completions and mismatched pairs.
             references = step_references(
                 model, micro_batches, loss_fn, reference, precomputed, output=output
             )
-            kl = step_kl(mismatched_logps(model, micro_batches, output=output), references)
+            # The policy on the mismatched pairs, then z0 over every mismatched pair of the
+            # step, all ranks. One micro-batch: one forward of completions and mismatched pairs
+            # (their shared prompts once), with gradient; else a pass without gradient first.
+            policies = [None] * len(micro_batches)
+            if len(micro_batches) == 1:
+                policies[0], mismatched = kto_forward(model, micro_batches[0], output=output)
+                kl = step_kl([mismatched], references)
+            else:
+                kl = step_kl(mismatched_logps(model, micro_batches, output=output), references)
             # The step's loss: the mean over all its rows, across micro-batches and ranks.
             num_rows = global_pair_count(micro_batches)
             sums = None
-            for batch, ref in zip(micro_batches, references, strict=True):
-                policy = completion_forward(model, batch, output=output)
+            for batch, ref, policy in zip(micro_batches, references, policies, strict=True):
+                policy = policy or completion_forward(model, batch, output=output)
                 losses, batch_sums = kto_loss(loss_fn, policy, ref, batch["desirable"], kl)
                 # FSDP2 averages gradients over ranks: scale by the world size to get a global sum.
                 (losses.sum() * dist_info.world_size / num_rows).backward()

@@ -27,7 +27,11 @@ COMMON = (
     "checkpoint.keep_last_n_checkpoints=null",
 )
 RUNS = {"kto": ("kto_distributed", "tiny/kto"), "orpo": ("lora_dpo_distributed", "tiny/orpo")}
-# fp32 on 1 and 2 processes sums in another order.
+# fp32 on 1 and 2 processes sums in another order (the clipping norm of shards, the prompts'
+# packing); the rounding is relative to a value's size, and AdamW at the config's lr 3e-3 carries
+# it into the next steps: 2e-5 absolute for values of order 1 (loss, kl, margins), 2e-5 of the
+# value above (grad norms of 4-10, summed log-probs of 15-25). Measured largest: the grad norm
+# of ORPO's step 6, 9.7618, 3.05e-5 apart (3e-6 of it).
 ACROSS_WORLD_SIZES = 2e-5
 
 
@@ -57,7 +61,7 @@ def test_two_processes_equal_one_with_twice_the_accumulation(runs):
     for step in rows_two:
         for name in compared:
             assert rows_one[step][name] == pytest.approx(
-                rows_two[step][name], abs=ACROSS_WORLD_SIZES
+                rows_two[step][name], abs=ACROSS_WORLD_SIZES, rel=ACROSS_WORLD_SIZES
             ), (loss, step, name)
     # The run moved (a comparison of constants would prove nothing), the KL estimate too.
     assert abs(rows_two[STEPS]["loss"] - rows_two[1]["loss"]) > 1e-3

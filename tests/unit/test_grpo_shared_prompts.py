@@ -14,10 +14,10 @@ from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.peft import apply_lora
 from tunelab.rl import rollout_batch
-from tunelab.rl.shared_prompts import shared_prompt_forward
 from tunelab.rl.step import completion_logps
 from tunelab.training import output_layer
 from tunelab.training.loop import forward
+from tunelab.training.shared_prompts import shared_prompt_forward
 
 TOLERANCE = 1e-6
 

@@ -5,10 +5,14 @@ prompt once and let every completion attend to its prompt's keys and values, cop
 rows with ``index_select`` (whose backward sums the rows' gradients into the one prompt: the
 gradients are those of the per-row forward, up to summation order).
 
-The forward takes one packed row of ``T = num_prompts * prompt_len + rows * completion_len``
-tokens: the prompts ``[num_prompts, prompt_len]`` (each padded after its end), then the
-completions ``[rows, completion_len]`` (padded after). Norms, projections and the MLP act on
-each token alone, so they run once over the packed row; only attention needs the structure:
+Its layout is a grid of ``num_prompts * prompt_len + rows * completion_len`` slots: the prompts
+``[num_prompts, prompt_len]`` (each padded after its end), then the completions
+``[rows, completion_len]`` (padded after). The forward takes one packed row of the grid's
+occupied slots only (``slots``, their indices in the grid, in order; None: every slot, padding
+included). Norms, projections and the MLP act on each token alone, so they run once over the
+packed row and never on padding; only attention needs the grid, so it scatters the queries,
+keys and values into it (zeros on the padding, which no real token attends to), attends, and
+gathers the occupied slots back:
 
 - a prompt token attends causally within its prompt;
 - completion token ``j`` of row ``i`` attends to the slots ``< prompt_lengths[i]`` of its
@@ -34,6 +38,8 @@ class SharedPrefix:
         of_row: long ``[rows]``: each row's prompt.
         prompt_lengths: long ``[rows]``: each row's prompt length.
         completion_len: Slots per completion (the longest completion).
+        slots: long ``[T]``: the grid slot of each token of the packed row, increasing (None:
+            the packed row is the whole grid).
     """
 
     num_prompts: int
@@ -41,6 +47,7 @@ class SharedPrefix:
     of_row: torch.Tensor
     prompt_lengths: torch.Tensor
     completion_len: int
+    slots: torch.Tensor | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -55,6 +62,9 @@ class SharedPrefix:
             ``[num_prompts, heads, prompt_len, d]`` and ``[rows, heads, completion_len, d]``.
         """
         _, heads, _, dim = x.shape
+        if self.slots is not None:
+            grid = self.num_prompts * self.prompt_len + self.rows * self.completion_len
+            x = x.new_zeros(1, heads, grid, dim).index_copy(2, self.slots, x)
         cut = self.num_prompts * self.prompt_len
         prompts = x[0, :, :cut].view(heads, self.num_prompts, self.prompt_len, dim)
         completions = x[0, :, cut:].view(heads, self.rows, self.completion_len, dim)
@@ -64,7 +74,8 @@ class SharedPrefix:
         """The inverse of :meth:`split`: ``[1, heads, T, d]``."""
         heads, dim = prompts.shape[1], prompts.shape[3]
         parts = [t.transpose(0, 1).reshape(heads, -1, dim) for t in (prompts, completions)]
-        return torch.cat(parts, dim=1)[None]
+        grid = torch.cat(parts, dim=1)[None]
+        return grid if self.slots is None else grid.index_select(2, self.slots)
 
     def completion_keys(self, prompt_kv: torch.Tensor, completion_kv: torch.Tensor) -> torch.Tensor:
         """Each row's keys (or values): its prompt's, then its own.

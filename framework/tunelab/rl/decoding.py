@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tunelab.training.shared_prompts import distinct_prompts
+
 __all__ = [
     "DecodeBatch",
     "DecodeStep",
@@ -29,23 +31,6 @@ logger = logging.getLogger(__name__)
 CACHE_LENGTH_BUCKET = 64
 """A compiled decode step's cache length is rounded up to a multiple of this (one compile per
 bucket rather than one per longest prompt)."""
-
-
-def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Each distinct prompt once (first-seen order), and each row's index among them.
-
-    Equal prompts are found by their tokens, wherever they sit in the batch.
-
-    Args:
-        prompts: Prompt token ids, one list per row.
-
-    Returns:
-        ``(unique, of_row)``: ``prompts[row] == unique[of_row[row]]`` for every row.
-    """
-    first: dict[tuple[int, ...], int] = {}
-    of_row = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
-    unique = [list(key) for key in first]
-    return unique, of_row
 
 
 def bucket_length(length: int, compiled: bool) -> int:

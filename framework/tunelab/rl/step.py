@@ -21,8 +21,8 @@ from tunelab.distributed import all_reduce_sum
 from tunelab.losses import OutputLayer, token_logps
 from tunelab.rl.off_policy import OffPolicyCorrection, behaviour_sums
 from tunelab.rl.policy_loss import PolicyLoss
-from tunelab.rl.shared_prompts import shared_prompt_forward
-from tunelab.training.loop import forward, output_layer
+from tunelab.training.loop import output_layer
+from tunelab.training.shared_prompts import forward_sharing_prompts
 
 __all__ = [
     "FrozenReference",
@@ -160,15 +160,13 @@ def completion_logps(
     With ``output`` (the model's :func:`~tunelab.training.output_layer`) only completion
     positions go through the output layer, chunk by chunk: the logits never exist whole.
     Rows that share their prompt (a GRPO group) compute it once
-    (:func:`~tunelab.rl.shared_prompts.shared_prompt_forward`); models or batches it does not
+    (:func:`~tunelab.training.shared_prompts.shared_prompt_forward`); models or batches it does not
     apply to run the per-row forward.
 
     Returns:
         ``(logps, mask)`` ``[rows, seq - 1]`` (see :func:`tunelab.losses.token_logps`).
     """
-    hidden = shared_prompt_forward(model, batch, return_hidden=output is not None)
-    if hidden is None:
-        hidden = forward(model, batch, output)
+    hidden = forward_sharing_prompts(model, batch, output)
     return token_logps(hidden, batch["labels"], output=output)
 
 

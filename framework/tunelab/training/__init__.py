@@ -12,7 +12,8 @@ calls, each with one job:
   :class:`OptimizerStep` (clip, the :class:`NonFiniteGuard` check, step, schedule);
 - preference tuning: :func:`policy_forward`, :class:`ReferenceModel`,
   :class:`PrecomputedReference`, :func:`preference_loss`, :func:`global_pair_count`, :func:`global_preference_metrics`;
-- KTO: :func:`mismatched_logps`, :func:`step_kl`, :func:`completion_forward`, :func:`kto_loss`,
+- KTO: :func:`mismatched_logps`, :func:`step_kl`, :func:`completion_forward`, :func:`kto_forward`,
+  :func:`kto_loss`,
   :func:`global_kto_metrics`, :func:`evaluate_kto`;
 - after the step: :class:`AfterStep` (progress, metrics, validation, benchmarks, export,
   save, stop), with :class:`Schedule`, :class:`StepReports`, :class:`StepBenchmarks` (what ``AfterStep`` needs of
@@ -30,6 +31,7 @@ from tunelab.training.kto import (
     completion_forward,
     evaluate_kto,
     global_kto_metrics,
+    kto_forward,
     kto_loss,
     mismatched_logps,
     step_kl,
@@ -139,6 +141,7 @@ __all__ = [
     "global_chosen_tokens_per_pair",
     "global_kto_metrics",
     "kto_loss",
+    "kto_forward",
     "mismatched_logps",
     "step_kl",
     "check_reward_loss",

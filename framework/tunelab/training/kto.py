@@ -15,6 +15,10 @@ mismatched pairs'. Per optimizer step:
    independent of how it is split (2 processes equal 1 process with twice the accumulation);
 3. per micro-batch, the policy forward of the completions (with gradient) and their losses,
    summed and divided by the step's global number of rows (:func:`global_pair_count`).
+
+A step of one micro-batch folds 1 and 3 for the policy into one forward with gradient of the
+whole batch (:func:`kto_forward`): each prompt runs once for its completion and its mismatched
+pair, whose log-probs are detached for ``z0`` before the loss.
 """
 
 from __future__ import annotations
@@ -67,11 +71,6 @@ def _completions(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"tokens": batch["tokens"][:rows], "labels": batch["labels"][:rows]}
 
 
-def _mismatched(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    rows = num_pairs(batch)
-    return {"tokens": batch["tokens"][rows:], "labels": batch["labels"][rows:]}
-
-
 def completion_forward(
     model: nn.Module, batch: dict[str, torch.Tensor], *, output: OutputLayer | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,12 +90,32 @@ def mismatched_logps(
     *,
     output: OutputLayer | None = None,
 ) -> list[torch.Tensor]:
-    """The policy's summed log-probs of each micro-batch's mismatched pairs, without gradient."""
-    logps = []
-    for batch in micro_batches:
-        half = _mismatched(batch)
-        logps.append(sequence_logps(forward(model, half, output), half["labels"], output=output)[0])
-    return logps
+    """The policy's summed log-probs of each micro-batch's mismatched pairs, without gradient.
+
+    Each runs the whole batch as the reference does (``policy_forward``: the prompt a row and
+    its mismatched pair share computed once), so that a policy equal to the reference gives
+    the reference's log-probs bit for bit (``z0`` = 0 at the first step).
+    """
+    return [policy_forward(model, batch, output=output).rejected_logps for batch in micro_batches]
+
+
+def kto_forward(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, output: OutputLayer | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One forward of a whole KTO batch: the completions' log-probs and the mismatched pairs'.
+
+    For a step of one micro-batch: the prompt each row shares with its mismatched pair runs
+    once, with gradient, instead of a forward of the mismatched pairs before the step
+    (:func:`mismatched_logps`) and one of the completions (:func:`completion_forward`).
+
+    Returns:
+        ``(policy, mismatched)``: the completions' ``(logps, lengths, mean_logits)`` (with
+        grad) and the mismatched pairs' summed log-probs ``[rows]`` (detached), equal to
+        :func:`completion_forward`'s and :func:`mismatched_logps`' up to summation order.
+    """
+    both = policy_forward(model, batch, output=output)
+    policy = (both.chosen_logps, both.chosen_lengths, both.chosen_mean_logits)
+    return policy, both.rejected_logps.detach()
 
 
 def step_kl(

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 import tunelab.peft as peft
 from tunelab.distributed import all_reduce_sum
 from tunelab.losses import OutputLayer, sequence_logps
-from tunelab.training.loop import forward, to_device
+from tunelab.training.loop import to_device
+from tunelab.training.shared_prompts import forward_sharing_prompts
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ def policy_forward(
     """One forward over chosen and rejected rows together, and their completion log-probs.
 
     A single forward instead of two halves the number of FSDP2 all-gathers and keeps the
-    matmuls large.
+    matmuls large; the prompt a pair's two rows share is computed once
+    (:func:`~tunelab.training.shared_prompts.forward_sharing_prompts`).
 
     Args:
         model: The model (with or without grad, as the caller chooses).
@@ -72,7 +74,10 @@ def policy_forward(
     """
     pairs = num_pairs(batch)
     logps, lengths, mean_logits = sequence_logps(
-        forward(model, batch, output), batch["labels"], num_chunks=num_chunks, output=output
+        forward_sharing_prompts(model, batch, output),
+        batch["labels"],
+        num_chunks=num_chunks,
+        output=output,
     )
     return PolicyOutput(
         chosen_logps=logps[:pairs],

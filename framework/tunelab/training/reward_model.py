@@ -21,6 +21,7 @@ from tunelab.models.classifier import last_token_index, sequence_scores
 from tunelab.training.loop import to_device
 from tunelab.training.preference import end_pair_validation
 from tunelab.training.reference import num_pairs
+from tunelab.training.shared_prompts import shared_prompt_forward
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,24 @@ def check_reward_loss(loss_fn: object) -> PairwiseRewardLoss:
 def pair_rewards(
     model: nn.Module, batch: dict[str, torch.Tensor], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen and rejected scores ``[pairs]`` of one forward over both sides."""
+    """The chosen and rejected scores ``[pairs]`` of one forward over both sides.
+
+    The prompt a pair's two rows share (their unlabelled prefix) is computed once
+    (:func:`~tunelab.training.shared_prompts.shared_prompt_forward`, over each row's span from
+    its first label to its last token, so that an unlabelled end-of-turn token is still
+    scored); models that forward does not apply to, and rows with no label, run whole.
+    """
     pairs = num_pairs(batch)
-    scores = sequence_scores(model, batch["tokens"], pad_id)
+    tokens, labels = batch["tokens"], batch["labels"]
+    slots = torch.arange(tokens.shape[1], device=tokens.device)
+    last = last_token_index(tokens, pad_id)
+    first = torch.where(labels != -100, slots, tokens.shape[1]).amin(dim=1)
+    span = (slots >= first[:, None]) & (slots <= last[:, None])
+    out = shared_prompt_forward(
+        model, {"tokens": tokens, "labels": torch.where(span, tokens, -100)}, return_hidden=False
+    )
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    scores = sequence_scores(model, tokens, pad_id) if out is None else out[rows, last, 0]
     return scores[:pairs], scores[pairs:]
 
 

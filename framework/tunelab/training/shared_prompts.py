@@ -1,17 +1,21 @@
-"""The log-prob forward of a rollout micro-batch with each distinct prompt computed once.
+"""The forward of a micro-batch whose rows share prompts, each distinct prompt computed once.
 
-A row of a :func:`~tunelab.rl.rollout_batch` is its prompt, then its completion (the labelled
-span, which may hold unlabelled tokens such as tool output), then padding. Rows whose prompts
-are equal (a GRPO group) share one forward of the prompt: the model runs one packed row of the
-distinct prompts and the rows' continuations (:class:`~tunelab.modules.SharedPrefix`), and the
-result is gathered back into the batch's ``[rows, seq, ...]`` layout, so the chunked output
-layer and the losses see exactly what the per-row forward gives them. Gradients flow through
-the gather and the prompt keys' ``index_select`` to the one prompt computation; they equal the
-per-row ones up to summation order (tests/unit/test_grpo_shared_prompts.py: 1e-6 in fp32).
+A row is its prompt (the unlabelled prefix), then its completion (the labelled span, which may
+hold unlabelled tokens such as tool output), then padding. Rows whose prompts are equal share
+one forward of the prompt: a GRPO group (``G`` completions of a prompt), a preference pair (the
+chosen and rejected answers: DPO, ORPO, SimPO, the reward model) and a KTO row with its
+mismatched pair in the reference pass. The model runs one packed row of the distinct prompts
+and the rows' continuations (:class:`~tunelab.modules.SharedPrefix`), and the result is
+gathered back into the batch's ``[rows, seq, ...]`` layout, so the chunked output layer, the
+losses and the reward head see exactly what the per-row forward gives them. Gradients flow
+through the gather and the prompt keys' ``index_select`` to the one prompt computation; they
+equal the per-row ones up to summation order (tests/unit/test_grpo_shared_prompts.py and
+tests/unit/test_shared_prompt_pairs.py: 1e-6 in fp32).
 
 Models it does not apply to take the per-row forward (said once in the log): sliding-window
 layers, mixture-of-experts blocks and LongRoPE scaling (their forward depends on more than each
-token and the keys it sees), and packed or context-parallel batches.
+token and the keys it sees), tensor-parallel models, and packed, context-parallel or image
+batches.
 """
 
 from __future__ import annotations
@@ -21,14 +25,33 @@ import logging
 import torch
 from torch import nn
 
+from tunelab.distributed.tensor_parallel import tensor_parallel_output
+from tunelab.losses import OutputLayer
 from tunelab.models.args import SLIDING
 from tunelab.modules import SharedPrefix
-from tunelab.rl.decoding import distinct_prompts
+from tunelab.training.loop import forward
 
-__all__ = ["shared_prompt_forward"]
+__all__ = ["distinct_prompts", "forward_sharing_prompts", "shared_prompt_forward"]
 
 logger = logging.getLogger(__name__)
 _said: set[str] = set()
+
+
+def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Each distinct prompt once (first-seen order), and each row's index among them.
+
+    Equal prompts are found by their tokens, wherever they sit in the batch.
+
+    Args:
+        prompts: Prompt token ids, one list per row.
+
+    Returns:
+        ``(unique, of_row)``: ``prompts[row] == unique[of_row[row]]`` for every row.
+    """
+    first: dict[tuple[int, ...], int] = {}
+    of_row = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
+    unique = [list(key) for key in first]
+    return unique, of_row
 
 
 def _unsupported(model: nn.Module) -> str | None:
@@ -42,6 +65,8 @@ def _unsupported(model: nn.Module) -> str | None:
         return "mixture-of-experts blocks"
     if model.rope_recompute_position() is not None:
         return "LongRoPE scaling"
+    if tensor_parallel_output(model) is not None:
+        return "tensor parallelism"
     return None
 
 
@@ -52,8 +77,8 @@ def shared_prompt_forward(
 
     Args:
         model: The decoder (plain or FSDP2-sharded).
-        batch: A rollout batch: ``tokens`` and ``labels`` ``[rows, seq]`` (-100 off the
-            completions).
+        batch: ``tokens`` and ``labels`` ``[rows, seq]`` (-100 off the completions): a
+            rollout, preference or KTO batch.
         return_hidden: Final hidden states (for the chunked output layer) instead of logits.
 
     Returns:
@@ -64,6 +89,8 @@ def shared_prompt_forward(
     reason = _unsupported(model)
     if reason is None and ("document_ids" in batch or "input_pos" in batch):
         reason = "packed batches"
+    if reason is None and "pixel_values" in batch:
+        reason = "image batches"
     if reason is not None:
         if reason not in _said:
             _said.add(reason)
@@ -75,9 +102,9 @@ def shared_prompt_forward(
     if not bool(scored.any(dim=1).all()):
         return None
     device = tokens.device
-    slots = torch.arange(width, device=device)
+    columns = torch.arange(width, device=device)
     prompt_lengths = scored.int().argmax(dim=1)  # the first labelled position
-    ends = torch.where(scored, slots, -1).amax(dim=1) + 1  # after the last one
+    ends = torch.where(scored, columns, -1).amax(dim=1) + 1  # after the last one
     lengths = prompt_lengths.tolist()
     unique, of_row = distinct_prompts(
         [row[:length] for row, length in zip(tokens.tolist(), lengths, strict=True)]
@@ -92,20 +119,56 @@ def shared_prompt_forward(
     steps = torch.arange(completion_len, device=device)
     completion_pos = prompt_lengths[:, None] + steps  # [rows, completion_len]
     completions = tokens.gather(1, completion_pos.clamp(max=width - 1))
-    packed = torch.cat([prompts.to(device).reshape(-1), completions.reshape(-1)])[None]
-    positions = torch.cat(
+    grid_tokens = torch.cat([prompts.to(device).reshape(-1), completions.reshape(-1)])
+    grid_positions = torch.cat(
         [torch.arange(prompt_len, device=device).repeat(len(unique)), completion_pos.reshape(-1)]
-    )[None]
+    )
+    # The grid's occupied slots: each distinct prompt's tokens, each row's span; the forward
+    # runs these only (no projection or MLP on padding).
+    unique_lengths = torch.tensor([len(prompt) for prompt in unique], device=device)
+    occupied = torch.cat(
+        [
+            (torch.arange(prompt_len, device=device) < unique_lengths[:, None]).reshape(-1),
+            (steps < (ends - prompt_lengths)[:, None]).reshape(-1),
+        ]
+    )
+    slots = occupied.nonzero().squeeze(1)
     of_row_index = torch.tensor(of_row, device=device)
-    layout = SharedPrefix(len(unique), prompt_len, of_row_index, prompt_lengths, completion_len)
-    out = model(packed, input_pos=positions, shared_prefix=layout, return_hidden=return_hidden)
-    # Each batch position's slot in the packed row: its prompt's, or its own continuation's.
-    in_prompt = of_row_index[:, None] * prompt_len + slots
-    offset = (slots - prompt_lengths[:, None]).clamp(0, completion_len - 1)
+    layout = SharedPrefix(
+        len(unique), prompt_len, of_row_index, prompt_lengths, completion_len, slots=slots
+    )
+    out = model(
+        grid_tokens[slots][None],
+        input_pos=grid_positions[slots][None],
+        shared_prefix=layout,
+        return_hidden=return_hidden,
+    )
+    # Each batch position's grid slot (its prompt's, or its own continuation's), then that
+    # slot's place in the packed row; a position past its row's span reads any computed slot
+    # (the first): nothing reads it.
+    in_prompt = of_row_index[:, None] * prompt_len + columns
+    offset = (columns - prompt_lengths[:, None]).clamp(0, completion_len - 1)
     in_completion = (
         len(unique) * prompt_len
         + torch.arange(rows, device=device)[:, None] * completion_len
         + offset
     )
-    index = torch.where(slots < prompt_lengths[:, None], in_prompt, in_completion)
-    return out[0][index]
+    grid_index = torch.where(columns < prompt_lengths[:, None], in_prompt, in_completion)
+    packed_index = torch.zeros(occupied.numel(), dtype=torch.long, device=device)
+    packed_index[slots] = torch.arange(slots.numel(), device=device)
+    return out[0][packed_index[grid_index]]
+
+
+def forward_sharing_prompts(
+    model: nn.Module, batch: dict[str, torch.Tensor], output: OutputLayer | None = None
+) -> torch.Tensor:
+    """:func:`~tunelab.training.forward` of a labelled batch, each shared prompt computed once.
+
+    Falls back to the per-row forward where :func:`shared_prompt_forward` does not apply.
+
+    Returns:
+        Logits ``[rows, seq, ...]`` (final hidden states with ``output``), equal to the per-row
+        forward's at every position up to each row's last label.
+    """
+    out = shared_prompt_forward(model, batch, return_hidden=output is not None)
+    return forward(model, batch, output) if out is None else out
