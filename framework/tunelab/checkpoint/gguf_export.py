@@ -126,17 +126,23 @@ def _stored(reader: HFCheckpointReader, tensor: PlannedTensor, config: dict) -> 
     if tensor.hf_name is None:
         data = torch.from_numpy(rope_freqs(config))
     elif tensor.sources:  # an MoE layer's experts, stacked
-        data = torch.stack([reader.get(key, dtype=torch.float32) for key in tensor.sources])
+        data = torch.stack([reader.get(key) for key in tensor.sources])
     else:
-        data = reader.get(tensor.hf_name, dtype=torch.float32)
+        data = reader.get(tensor.hf_name)  # as stored: a plain cast goes straight to its type
+    cast = _TORCH_CASTS.get(tensor.qtype)
+    if cast is None or tensor.offset:
+        data = data.float()  # the gguf quantizers take float32; Gemma's +1 is added in it
     if tensor.offset:
         data = data + tensor.offset
-    if tensor.permute_heads:
-        data = permute_rows(data, tensor.permute_heads)
-    if tensor.qtype in _TORCH_CASTS:
+    if cast is not None:
         # A plain IEEE cast (round to nearest even, as numpy's astype in gguf.quants.quantize),
-        # in torch's vectorized kernel: several times faster than numpy's float16 cast.
-        stored = data.to(_TORCH_CASTS[tensor.qtype]).contiguous().numpy()
+        # in torch's vectorized kernel: several times faster than numpy's float16 cast. From
+        # bfloat16 it equals the cast through float32 (bfloat16 -> float32 is exact).
+        data = data.to(cast)
+    if tensor.permute_heads:  # a reordering of rows: after the cast it moves fewer bytes
+        data = permute_rows(data, tensor.permute_heads)
+    if cast is not None:
+        stored = data.contiguous().numpy()
     else:
         stored = gguf.quants.quantize(np.ascontiguousarray(data.numpy()), tensor.qtype)
     stored = np.ascontiguousarray(stored)
