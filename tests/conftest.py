@@ -9,6 +9,12 @@ import torch
 import torch.distributed as dist
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+# One intra-op thread per process, as `tunelab run` gives each worker: make test runs 2 workers
+# on 2 cores, and on the tiny tensors here a second thread costs more than it saves (measured: a
+# merged-rollout test took 23 CPU-s and 24 s with 2 threads, 6 CPU-s and 7 s with 1). Processes
+# the tests start inherit it; OMP_NUM_THREADS set outside wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # `--cpu-profile FILE`: per-test CPU seconds, to find what makes `make test` slow.
 pytest_plugins = ["tests.cpu_profile"]
