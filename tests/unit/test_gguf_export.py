@@ -245,10 +245,17 @@ def test_a_phi3_name_without_phi3_tokens_still_loads_in_llama_cpp(tmp_path, keep
         assert load().tokenize(b"hi")
 
 
-def test_a_step_checkpoint_is_refused(tmp_path):
-    (tmp_path / "step_3").mkdir()
-    result = _cli("export", tmp_path / "step_3", "--to", "gguf")
-    assert result.returncode == 1 and "resumable training checkpoint" in result.stderr
+def test_a_step_checkpoint_needs_its_runs_config_and_a_commit(tmp_path):
+    # Exports of committed steps: tests/recipes/test_step_export.py.
+    step = tmp_path / "step_3"
+    step.mkdir()
+    result = _cli("export", step, "--to", "gguf")
+    assert result.returncode == 1
+    assert f"{step} is a training checkpoint" in result.stderr and "--config" in result.stderr
+    result = _cli("export", step, "--to", "gguf", "--config", "tiny/lora", f"output_dir={tmp_path}")
+    assert result.returncode == 1, result.stderr
+    assert f"{step} is not a committed checkpoint (no manifest)" in result.stderr
+    assert not (tmp_path / "step_3_export").exists()
 
 
 _CRASH = textwrap.dedent("""

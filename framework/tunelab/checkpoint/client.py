@@ -490,20 +490,11 @@ class CheckpointClient:
         )
 
     def _check_fingerprint(self, checkpoint: CommittedCheckpoint) -> None:
-        saved = checkpoint.manifest.get("fingerprint", {})
-        for key, value in self._fingerprint.items():
-            theirs = saved.get(key)
-            if theirs != value:
-                if isinstance(theirs, dict) and isinstance(value, dict):
-                    # Only what differs: "checkpoint has {'rank': 8}, this run has {'rank': 4}".
-                    differ = [k for k in {**theirs, **value} if theirs.get(k) != value.get(k)]
-                    theirs = {k: theirs[k] for k in differ if k in theirs}
-                    value = {k: value[k] for k in differ if k in value}
-                raise CheckpointError(
-                    f"{checkpoint.path} was made with another {key.replace('_', ' ')}: "
-                    f"checkpoint has {theirs!r}, this run has {value!r}. "
-                    "Use another output_dir or set checkpoint.resume_from_checkpoint=false."
-                )
+        problem = fingerprint_mismatch(checkpoint, self._fingerprint)
+        if problem is not None:
+            raise CheckpointError(
+                f"{problem}. Use another output_dir or set checkpoint.resume_from_checkpoint=false."
+            )
 
     # -- export ------------------------------------------------------------------------
 
@@ -550,25 +541,7 @@ class CheckpointClient:
     # -- manifest ----------------------------------------------------------------------
 
     def _make_fingerprint(self) -> dict[str, Any]:
-        config_path = self.base_checkpoint_dir / "config.json"
-        base_hash = (
-            hashlib.sha256(read_model_bytes(config_path)).hexdigest()[:16]
-            if config_path.is_file()
-            else None
-        )
-        trainable = sorted(
-            (name, list(_global_shape(param)))
-            for name, param in self.model.named_parameters()
-            if param.requires_grad
-        )
-        trainable_hash = hashlib.sha256(json.dumps(trainable).encode()).hexdigest()[:16]
-        return {
-            "base_model_config": base_hash,
-            "lora": (
-                None if self.lora is None else self.lora.fingerprint(lora_target_names(self.model))
-            ),
-            "trainable_parameters": trainable_hash,
-        }
+        return model_fingerprint(self.model, self.base_checkpoint_dir, self.lora)
 
     def _manifest_common(self) -> dict[str, Any]:
         import tunelab
@@ -583,6 +556,55 @@ class CheckpointClient:
                 "python": platform.python_version(),
             },
         }
+
+
+def model_fingerprint(
+    model: nn.Module, base_checkpoint_dir: Path, lora: LoRAArgs | None
+) -> dict[str, Any]:
+    """The manifest ``fingerprint`` of a step checkpoint of ``model``.
+
+    The base config's hash, the LoRA setup and the trainable parameters' names and shapes:
+    what must match for the checkpoint's state to fit the model.
+    """
+    config_path = base_checkpoint_dir / "config.json"
+    base_hash = (
+        hashlib.sha256(read_model_bytes(config_path)).hexdigest()[:16]
+        if config_path.is_file()
+        else None
+    )
+    trainable = sorted(
+        (name, list(_global_shape(param)))
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    )
+    trainable_hash = hashlib.sha256(json.dumps(trainable).encode()).hexdigest()[:16]
+    return {
+        "base_model_config": base_hash,
+        "lora": None if lora is None else lora.fingerprint(lora_target_names(model)),
+        "trainable_parameters": trainable_hash,
+    }
+
+
+def fingerprint_mismatch(checkpoint: CommittedCheckpoint, ours: Mapping[str, Any]) -> str | None:
+    """None when ``checkpoint`` was made for the model ``ours`` describes; else what differs.
+
+    Returns:
+        ``"<path> was made with another <key>: checkpoint has ..., this run has ..."``.
+    """
+    saved = checkpoint.manifest.get("fingerprint", {})
+    for key, value in ours.items():
+        theirs = saved.get(key)
+        if theirs != value:
+            if isinstance(theirs, dict) and isinstance(value, dict):
+                # Only what differs: "checkpoint has {'rank': 8}, this run has {'rank': 4}".
+                differ = [k for k in {**theirs, **value} if theirs.get(k) != value.get(k)]
+                theirs = {k: theirs[k] for k in differ if k in theirs}
+                value = {k: value[k] for k in differ if k in value}
+            return (
+                f"{checkpoint.path} was made with another {key.replace('_', ' ')}: "
+                f"checkpoint has {theirs!r}, this run has {value!r}"
+            )
+    return None
 
 
 def _streamed_files(reader: SafeReader, files: Mapping[str, Any]) -> set[str]:

@@ -1,4 +1,4 @@
-"""``tunelab export``: a GGUF file (and Ollama Modelfile) from an existing Hugging Face export."""
+"""``tunelab export``: a GGUF file (and Ollama Modelfile) from an export or a step checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from tunelab.errors import TunelabError
 
 _EPOCH = re.compile(r"^epoch_(\d+)$")
+_STEP = re.compile(r"^step_\d+$")
 # The same names as tunelab.formats.gguf_model.QUANTIZATIONS, without importing gguf for --help;
 # export_gguf refuses a type the installed gguf package has no quantizer for, in one line.
 _QUANTS = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q6_k")
@@ -23,12 +24,18 @@ def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.Argument
         description="Convert a Hugging Face export (epoch_E/, for LoRA runs the merged model) "
         "to GGUF in EXPORT/gguf/: model-QUANT.gguf, an Ollama Modelfile and a manifest with "
         "their checksums. Given an output_dir, the newest epoch_E/ is used. The export is "
-        "verified against its manifest first.",
+        "verified against its manifest first. Given a committed step checkpoint (step_N/) and "
+        "the config of the run that made it (--config, with the run's overrides), the model "
+        "the config builds takes the checkpoint's trained parameters (verified, and checked to "
+        "be the config's model) and is exported to step_N_export/ as the run exports an epoch: "
+        "Hugging Face (for LoRA the adapter and the merged model), then gguf/.",
     )
     parser.add_argument("path", metavar="CHECKPOINT_OR_EXPORT", type=Path,
-                        help="epoch_E/ (or any Hugging Face model folder), or an output_dir")  # fmt: skip
+                        help="epoch_E/ (or any Hugging Face model folder), an output_dir, or step_N/")  # fmt: skip
     parser.add_argument("--to", required=True, choices=["gguf"], help="the format to write")
     parser.add_argument("--quant", default="f16", choices=_QUANTS, help="tensor type (default f16)")
+    parser.add_argument("--config", nargs="+", metavar=("CONFIG", "OVERRIDE"),
+                        help="for step_N/: the run's config and its overrides (key=value)")  # fmt: skip
 
 
 def _export_folder(path: Path) -> Path:
@@ -38,26 +45,77 @@ def _export_folder(path: Path) -> Path:
     if (path / "config.json").is_file():
         return path
     if path.name.startswith("step_"):
-        raise TunelabError(
-            f"{path} is a resumable training checkpoint, not a model: export from the "
-            "epoch_E/ folder a run writes at each epoch end"
-        )
+        raise TunelabError(f"{path} is not a step checkpoint folder (step_N/) nor a model export")
     epochs = [child for child in path.iterdir() if _EPOCH.match(child.name) and child.is_dir()]
     if not epochs:
         raise TunelabError(f"{path} holds no config.json and no epoch_E/ export")
     return max(epochs, key=lambda child: int(_EPOCH.match(child.name).group(1)))
 
 
+def _export_step(step_dir: Path, quant: str, config: list[str] | None) -> Path:
+    """Build the run's model from its config and export ``step_dir``'s state of it."""
+    if not config:
+        raise TunelabError(
+            f"{step_dir} is a training checkpoint (trainable parameters and optimizer state), "
+            "not a model: give the config of the run that made it, --config CONFIG "
+            "[OVERRIDE ...], to build its model, or export an epoch_E/ folder"
+        )
+    from tunelab.cli._check import load_recipe_config, recipe_of_config
+    from tunelab.cli._discovery import load_recipe_args
+    from tunelab.config import parse_args
+    from tunelab.config.sections import ModelSetupArgs
+
+    cfg, config_path, recipe_path = load_recipe_config(config[0], config[1:])
+    recipe_path = recipe_path or recipe_of_config(cfg, config_path)
+    args = parse_args(cfg, load_recipe_args(recipe_path))
+    if not isinstance(getattr(args, "model", None), ModelSetupArgs):
+        raise TunelabError(f"{config[0]}: recipe {recipe_path.stem} trains no model section")
+
+    import torch
+
+    from tunelab.checkpoint.step_export import export_step, read_step
+    from tunelab.config import instantiate
+    from tunelab.training import build_model
+
+    read_step(step_dir)  # not committed: said before the model is loaded
+    lora = getattr(args, "lora", None)
+    model = build_model(args.model, device=torch.device("cpu"), lora=lora, seed=args.seed)
+    tokenizer = instantiate(args.tokenizer)
+    export = export_step(
+        step_dir,
+        model,
+        base_checkpoint_dir=args.model.path,
+        lora=lora,
+        extra_files=tokenizer.extra_files() if hasattr(tokenizer, "extra_files") else None,
+        gguf_quantization=quant,
+    )
+    return export / "gguf" / f"model-{quant}.gguf"
+
+
 def run(namespace: argparse.Namespace) -> int:
-    """Verify the export, then write its GGUF folder.
+    """Verify the export (or step checkpoint), then write its GGUF folder.
 
     Returns:
         The exit code, 0.
 
     Raises:
-        TunelabError: If the path is no export, the export fails verification, or the family,
+        TunelabError: If the path is no export, the export or checkpoint fails verification,
+            the checkpoint was made for another model than the config builds, or the family,
             tokenizer or quantization is not supported (one line each).
     """
+    from tunelab.formats.gguf_model import quantization_problem
+
+    problem = quantization_problem(namespace.quant)
+    if problem is not None:  # before a model is built or a file read
+        raise TunelabError(problem)
+    if _STEP.match(namespace.path.name) and namespace.path.is_dir():
+        path = _export_step(namespace.path, namespace.quant, namespace.config)
+        print(f"Wrote {path.parent.parent} (Hugging Face) and {path} and "
+              f"{path.parent / 'Modelfile'} (ollama create NAME -f Modelfile)")  # fmt: skip
+        return 0
+    if namespace.config:
+        raise TunelabError("--config is for a step checkpoint (step_N/); an export needs none")
+
     from tunelab.checkpoint.gguf_export import export_gguf
     from tunelab.formats.integrity import MANIFEST_NAME, verify_folder
 

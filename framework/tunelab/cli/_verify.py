@@ -9,7 +9,8 @@ from pathlib import Path
 from tunelab.errors import TunelabError
 from tunelab.formats.integrity import MANIFEST_NAME, verify_folder
 
-_CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+$")
+# step_N/, epoch_E/, and step_N_export/ (what tunelab export makes from step_N/).
+_CHECKPOINT_NAME = re.compile(r"^(step|epoch)_\d+(_export)?$")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -19,9 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.Argument
         parents=[parent],
         help="check step checkpoints and exports against their checksums",
         description="Check every file of a step checkpoint (step_N/), an export (epoch_E/, "
-        "with its adapter/) or of every checkpoint and export in an output_dir against the "
-        "size and checksums in its tunelab_manifest.json. Prints one line per problem and "
-        "exits 1 if there is any. Reads only JSON and file bytes; imports no torch.",
+        "with its adapter/; step_N_export/) or of every checkpoint and export in an output_dir "
+        "against the size and checksums in its tunelab_manifest.json. Prints one line per "
+        "problem and exits 1 if there is any. Reads only JSON and file bytes; imports no torch.",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="step_N/, epoch_E/ or output_dir")
 
@@ -38,7 +39,8 @@ def _folders(path: Path) -> list[Path]:
     if not found:
         raise TunelabError(f"{path} holds no {MANIFEST_NAME}, step_N/ or epoch_E/ folder")
     return sorted(
-        found, key=lambda child: (child.name.split("_")[0], int(child.name.split("_")[1]))
+        found,
+        key=lambda child: (child.name.split("_")[0], int(child.name.split("_")[1]), child.name),
     )
 
 

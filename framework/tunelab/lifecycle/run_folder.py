@@ -4,6 +4,7 @@ Every path inside ``output_dir`` is named here, and nowhere else::
 
     step_{N}/              resumable DCP checkpoint, committed by its manifest
     epoch_{E}/             Hugging Face export (``adapter/`` inside it for LoRA)
+    step_{N}_export/       the same made from step_{N}/ by ``tunelab export`` (never by a run)
     logs/                  per-step logs (STEP_LOGS), each rank's traceback log (rank_{R}.log)
     profile/               torch.profiler traces (rank_{R}.json)
     .tunelab.lock          held by the run's rank 0 for its whole life
@@ -61,6 +62,7 @@ is one name here, written at :meth:`RunFolder.step_log`.
 """
 _STEP_PATTERN = re.compile(r"^step_(\d+)$")
 _EPOCH_PATTERN = re.compile(r"^epoch_(\d+)$")
+_STEP_EXPORT_PATTERN = re.compile(r"^step_(\d+)_export$")
 # What a step folder holds when tunelab wrote it: DCP's files, the trainer state, the manifest
 # and temporaries. A step folder with anything else in it is not removed as a leftover.
 _CHECKPOINT_FILE = re.compile(
@@ -113,6 +115,10 @@ class RunFolder:
     def epoch_dir(self, epoch: int) -> Path:
         """``epoch_{epoch}/``: the Hugging Face export of an epoch."""
         return self.root / f"epoch_{epoch}"
+
+    def step_export_dir(self, step: int) -> Path:
+        """``step_{step}_export/``: the export ``tunelab export`` makes from ``step_{step}/``."""
+        return self.root / f"step_{step}_export"
 
     @property
     def logs_dir(self) -> Path:
@@ -394,7 +400,8 @@ class RunFolder:
             _remove_tree(path)
             deleted.append(path)
         steps = self._entries(_STEP_PATTERN)
-        folders = [path for _, path in steps] + [path for _, path in self._entries(_EPOCH_PATTERN)]
+        exports = self._entries(_EPOCH_PATTERN) + self._entries(_STEP_EXPORT_PATTERN)
+        folders = [path for _, path in steps] + [path for _, path in exports]
         adapters = [folder / "adapter" for folder in folders]
         folders += [a for a in adapters if a.is_dir() and not a.is_symlink()]
         # A kill during a resume's log trim leaves its temporary beside the log.
