@@ -25,7 +25,6 @@ import logging
 import torch
 from torch import nn
 
-from tunelab.distributed.tensor_parallel import tensor_parallel_output
 from tunelab.losses import OutputLayer
 from tunelab.models.args import SLIDING
 from tunelab.modules import SharedPrefix
@@ -65,7 +64,8 @@ def _unsupported(model: nn.Module) -> str | None:
         return "mixture-of-experts blocks"
     if model.rope_recompute_position() is not None:
         return "LongRoPE scaling"
-    if tensor_parallel_output(model) is not None:
+    # The attribute parallelize_decoder sets (a tensor-parallel reward model has no lm_head).
+    if getattr(model, "tensor_parallel_mesh", None) is not None:
         return "tensor parallelism"
     return None
 
