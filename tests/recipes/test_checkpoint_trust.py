@@ -173,24 +173,19 @@ def test_exact_resume_with_lora_dropout(dropout_reference, reference, tmp_path):
     _assert_same_losses(resumed, dropped, range(3, STEPS + 1))
 
 
-def test_metrics_hold_each_step_once_after_a_resume(reference, tmp_path):
-    out = interrupted_copy(reference, tmp_path / "run", after_step=4)
-    # The crashed run had logged steps 5 and 6 (and a line cut short) after committing step 4.
+@pytest.fixture(scope="module")
+def crashed_and_resumed(reference, tmp_path_factory) -> tuple[Path, list[Path]]:
+    """The reference run as a crash right after committing step 4 leaves it, then resumed.
+
+    The crash had logged steps 5 and 6 (and a line cut short), left temporaries of a save and
+    of an export behind, and an uncommitted step_6 holding what a save writes. One resume
+    serves the two tests below; returns its folder and the temporaries it found.
+    """
+    out = interrupted_copy(reference, tmp_path_factory.mktemp("crashed") / "run", after_step=4)
     logs = out / "logs"
     logs.mkdir()
     lines = (reference / "logs" / "metrics.jsonl").read_text().splitlines()
     (logs / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 7, "lo')
-    _run(out, "checkpoint.resume_from_checkpoint=true")
-
-    def shape(path):
-        return [(r["step"], sorted(r)) for r in map(json.loads, path.read_text().splitlines())]
-
-    # Each step's records once, in order: the same records as the uninterrupted run's.
-    assert shape(logs / "metrics.jsonl") == shape(reference / "logs" / "metrics.jsonl")
-
-
-def test_stale_temporaries_are_removed_and_never_exported(reference, tmp_path):
-    out = interrupted_copy(reference, tmp_path / "run", after_step=4)
     shutil.copytree(reference / "epoch_0", out / "epoch_0")
     stale = [
         out / "epoch_0" / temporary_name("adapter", "tmp", 4242),
@@ -200,10 +195,24 @@ def test_stale_temporaries_are_removed_and_never_exported(reference, tmp_path):
     for path in stale:
         path.mkdir()
         (path / "junk").write_text("x")
-    # Uncommitted: a save killed mid-write, holding what a save writes.
     (out / "step_6").mkdir()
     (out / "step_6" / "__0_0.distcp").write_text("x")
     _run(out, "checkpoint.resume_from_checkpoint=true")
+    return out, stale
+
+
+def test_metrics_hold_each_step_once_after_a_resume(reference, crashed_and_resumed):
+    out, _ = crashed_and_resumed
+
+    def shape(path):
+        return [(r["step"], sorted(r)) for r in map(json.loads, path.read_text().splitlines())]
+
+    # Each step's records once, in order: the same records as the uninterrupted run's.
+    assert shape(out / "logs" / "metrics.jsonl") == shape(reference / "logs" / "metrics.jsonl")
+
+
+def test_stale_temporaries_are_removed_and_never_exported(crashed_and_resumed):
+    out, stale = crashed_and_resumed
     assert not any(path.exists() for path in stale)
     names = {p.relative_to(out).as_posix() for p in out.rglob("*")}
     assert not any("junk" in name or ".tunelab-" in name for name in names)
