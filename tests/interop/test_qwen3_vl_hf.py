@@ -13,12 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.interop.test_image_rows_hf import (  # the tiny tokenizer and images
-    CONVERSATIONS,
-    TEMPLATE,
-    _rows_function,
-    make_vl_folder,
-)
 from tests.interop.vl_checks import (
     TOLERANCE,
     VLSpec,
@@ -215,6 +209,14 @@ def test_pixel_values_grids_and_tokens_equal_the_qwen3_vl_processor():
 def test_chat_rows_equal_the_qwen3_vl_processor(tmp_path):
     """Ids, trained masks and grids of chat rows with images equal
     ``Qwen3VLProcessor.apply_chat_template`` with Qwen3-VL's image settings."""
+    # The tiny tokenizer, template and images of the Qwen2.5-VL chat-row test.
+    from tests.interop.test_image_rows_hf import (
+        CONVERSATIONS,
+        TEMPLATE,
+        _rows_function,
+        make_vl_folder,
+    )
+
     folder = make_vl_folder(tmp_path)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
