@@ -6,16 +6,28 @@ tiny model cannot add) and otherwise calls the calculator, with calls that now a
 (a slip in the 70-token call). The reward is the exact answer plus half a point for a call the
 calculator ran. One 8-step run is shared by the tests: its reward rises while the same run with
 lr 1e-12 stays where it started; it logs whole episodes; its first two steps equal one process
-with twice the batch; a kill-and-resume at step 4 replays it exactly, tool calls included.
+with twice the batch or twice the accumulation; a kill-and-resume at step 4 replays it exactly,
+tool calls included. Plain function tools run in worker processes: a hung or crashing calculator
+is killed and read as its error (one more 2-step run).
 """
 
 import json
+import os
 import statistics
+import subprocess
+import zlib
 from pathlib import Path
 
 import pytest
 
-from tests.recipes.conftest import interrupted_copy, read_metrics, tunelab_run
+from tests.recipes.conftest import (
+    RECIPE_TIMEOUT_S,
+    TUNELAB,
+    interrupted_copy,
+    read_metrics,
+    run_env,
+    tunelab_run,
+)
 from tunelab.rl.agentic import calculator
 
 pytestmark = pytest.mark.slow
@@ -87,12 +99,17 @@ def test_episodes_call_the_calculator_and_are_logged_whole(two_processes):
         assert len(record["trained"]) == len(record["completion_ids"])
         call = record["messages"][1]["tool_calls"][0]["function"]
         result = record["messages"][roles.index("tool")]["content"]
-        if record["stop_reason"] == "max_episode_tokens":  # the result's delta did not fit
-            assert result.startswith("Error: ") and all(record["trained"])
-        else:
-            assert not all(record["trained"])  # tool and template tokens are not trained
+        if record["tool_results_cut"]:  # an error message cut to max_tool_result_tokens (24)
+            assert result.startswith("Error: ") and result.endswith(" [...]"), result
+        if all(record["trained"]):  # the result's delta did not fit: the episode ended there
+            assert record["stop_reason"] == "max_episode_tokens" and record["num_turns"] == 1
         if call["name"] == "calculator" and not result.startswith("Error: "):
             assert result == calculator(**call["arguments"])  # the real tool ran
+    # Measured: 0 of 356 episodes with a call ended before their result was shown, 49 with a
+    # cut error message (before the cut, such episodes all ended unseen at 112 tokens).
+    unseen = [r for r in with_calls if all(r["trained"])]
+    assert len(unseen) <= len(with_calls) / 20, len(unseen)
+    assert any(r["tool_results_cut"] for r in with_calls)
     results = [m["content"] for r in with_calls for m in r["messages"] if m["role"] == "tool"]
     assert sum(not text.startswith("Error: ") for text in results) > len(results) / 2
     metrics = read_metrics(two_processes)
@@ -109,9 +126,14 @@ def test_episodes_call_the_calculator_and_are_logged_whole(two_processes):
         assert PROMPT_TOKENS <= m["agentic/prefill_tokens"] <= bound
 
 
-def test_two_processes_equal_one_with_twice_the_batch(two_processes, sft_model, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    ["schedule.batch_size=8", "schedule.gradient_accumulation_steps=2"],
+    ids=["twice_the_batch", "twice_the_accumulation"],
+)
+def test_two_processes_equal_one(two_processes, sft_model, tmp_path, layout):
     one = agentic_run(
-        tmp_path / "one", sft_model, "schedule.batch_size=8", "schedule.max_steps_per_epoch=2",
+        tmp_path / "one", sft_model, layout, "schedule.max_steps_per_epoch=2",
         "checkpoint.save_every_n_steps=null", nproc=1,
     )  # fmt: skip
     key = lambda r: (r["step"], r["index"], r["sample"])  # noqa: E731
@@ -131,3 +153,49 @@ def test_kill_and_resume_is_exact_with_tool_calls(two_processes, sft_model, tmp_
     before = [m for m in read_metrics(two_processes) if m["step"] > 4]
     for a, b in zip(after, before, strict=True):
         assert (a["loss"], a["reward"]) == (b["loss"], b["reward"])
+
+
+def test_hung_and_crashing_tools_are_killed_and_read_as_errors(sft_model, tmp_path):
+    """tests.agentic_tool_faults.calculator: by a checksum of the call, a third of the calls
+    never return and a third kill their worker process (os._exit): 2 real steps go on."""
+    out = tmp_path / "faults"
+    command = [
+        TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config", "tiny/agentic_grpo",
+        f"output_dir={out}", f"model.path={sft_model}", "schedule.max_steps_per_epoch=2",
+        "checkpoint.save_every_n_steps=null", "agentic.tool_timeout_s=1",
+        "agentic.max_tool_result_tokens=256",  # the whole messages in completions.jsonl
+        "agentic.tools=[{_component_: tests.agentic_tool_faults.calculator}]",
+    ]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[2])
+    pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=run_env(PYTHONPATH=pythonpath),
+        timeout=RECIPE_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    kinds = {0: 0, 1: 0, 2: 0}
+    for record in episodes(out):
+        messages = record["messages"]
+        for at, reply in enumerate(messages):
+            calls = reply.get("tool_calls") or []
+            for call, answer in zip(calls, messages[at + 1 : at + 1 + len(calls)], strict=False):
+                expression = call["function"]["arguments"].get("expression")
+                if call["function"]["name"] != "calculator" or not isinstance(expression, str):
+                    continue  # refused before the tool ran (unknown tool, bad arguments)
+                fault = zlib.crc32(expression.encode()) % 3
+                kinds[fault] += 1
+                expected = {
+                    0: "Error: calculator took longer than 1 s (stopped)",
+                    1: "Error: calculator crashed: its worker process exited with status 1",
+                }.get(fault)
+                if expected is None:
+                    try:
+                        expected = calculator(expression)
+                    except ValueError:
+                        assert answer["content"].startswith("Error: calculator raised ValueError")
+                        continue
+                assert answer["content"] == expected, (expression, answer)
+    assert min(kinds.values()) >= 2, kinds  # every kind of call happened
+    metrics = read_metrics(out)
+    assert sum(m["agentic/tool_errors/timeout"] for m in metrics) > 0
+    assert sum(m["agentic/tool_errors/crash"] for m in metrics) > 0

@@ -250,3 +250,46 @@ def test_a_kv_cache_beyond_memory_is_one_line_before_any_allocation(tiny, monkey
     assert not model.caches_are_enabled()
     with sampler.session(rows=1, capacity=8):  # 1 x 9 x 3 x 2 x 2 x 32 x 4 bytes fits 1 MiB
         assert model.caches_are_enabled()
+
+
+def test_a_long_tool_error_is_cut_to_its_token_budget_and_the_episode_goes_on(tiny):
+    from tunelab.rl.agentic import call_tool
+    from tunelab.rl.agentic.episodes import CUT_MARKER, cut_tool_result
+    from tunelab.rl.agentic.tools import ToolCall
+
+    tokenizer, _ = tiny
+    box = Toolbox([calculator])
+    error = call_tool(box.shared, ToolCall("calculator", {"expression": "a + 1"}, "c0")).content
+    limits = EpisodeLimits(max_episode_tokens=120, max_tool_result_tokens=24)
+    assert len(tokenizer.encode(error, add_bos=False)) > 80  # the tiny calculator's error
+    cut, was_cut = cut_tool_result(error, limits, tokenizer)
+    assert was_cut and cut.endswith(CUT_MARKER) and error.startswith(cut[: -len(CUT_MARKER)])
+    assert 18 <= len(tokenizer.encode(cut, add_bos=False)) <= 24
+    assert cut_tool_result("7", limits, tokenizer) == ("7", False)
+    chars = EpisodeLimits(max_tool_result_chars=20)
+    assert cut_tool_result("x" * 50, chars, tokenizer) == ("x" * 14 + CUT_MARKER, True)
+
+    # The policy calls with a bad expression, reads the cut error and answers: within 120
+    # tokens, which the whole error (86 tokens) would not have left room for.
+    call = {"id": "c0", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "a + 1"}}}  # fmt: skip
+    conversation = [
+        {"role": "user", "content": "Add."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c0", "name": "calculator", "content": cut},
+        {"role": "assistant", "content": "2"},
+    ]
+    reference = apply_chat_template(tokenizer, conversation, tools=[SCHEMA])
+    policy = ReplayPolicy([reference], tokenizer.stop_ids)
+    runner = EpisodeRunner(policy, tokenizer, tokenizer.chat_template, box, limits)
+    (episode,) = runner.run([(conversation[:1], {})], [0])
+    assert episode.stop_reason == "answer" and episode.tool_results_cut == 1
+    ids = episode.prompt_tokens + episode.tokens  # through the answer's end-of-turn token
+    assert ids == reference[: len(ids)] and len(reference) - len(ids) == 1  # its newline
+    assert len(episode.tokens) <= 120
+    assert episode.messages[2]["content"] == cut and episode.tool_errors == {"exception": 1}
+    whole = EpisodeLimits(max_episode_tokens=120, max_tool_result_tokens=256)
+    runner = EpisodeRunner(ReplayPolicy([reference], tokenizer.stop_ids), tokenizer,
+                           tokenizer.chat_template, box, whole)  # fmt: skip
+    (uncut,) = runner.run([(conversation[:1], {})], [0])
+    assert uncut.stop_reason == "max_episode_tokens" and len(uncut.tokens) < len(episode.tokens)

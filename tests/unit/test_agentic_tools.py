@@ -18,7 +18,8 @@ from tunelab.rl.agentic import (
     parse_assistant,
     tool_from_function,
 )
-from tunelab.rl.agentic.episodes import MAX_RUNNING_AFTER_TIMEOUT, _timed_call
+from tunelab.rl.agentic.tool_processes import MAX_RUNNING_AFTER_TIMEOUT
+from tunelab.rl.agentic.tool_processes import timed_thread_call as _timed_call
 
 
 def test_calculator_is_arithmetic_only():

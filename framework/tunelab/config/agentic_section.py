@@ -33,9 +33,13 @@ class AgenticArgs:
     tool_timeout_s: Annotated[float, Finite(), Range(gt=0)] = 10.0
     """Seconds one tool call may take; past it the call is a timeout error the model reads."""
     max_tool_result_chars: AtLeastOne = 2000
-    """A tool result is cut to this many characters before it is rendered."""
+    """A tool result is cut to this many characters before it is rendered (the cut marked with " [...]")."""
+    max_tool_result_tokens: AtLeastOne = 256
+    """A tool result (an error message included) is cut to this many tokens, " [...]" included, so one call cannot fill the episode's max_episode_tokens."""
     tool_workers: AtLeastOne = 8
     """Episodes whose tool calls run at the same time (threads)."""
+    tool_processes: Annotated[int, Range(ge=0)] = 2
+    """Worker processes per rank running plain function tools, so a call past tool_timeout_s or one that crashes is killed and its worker restarted; 0: threads (environments' tools and tool classes always run in threads)."""
     environment_reward_weight: Annotated[float, Finite()] = 1.0
     """Weight of the environment's own reward() in the total reward (added to the weighted rewards.functions)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)

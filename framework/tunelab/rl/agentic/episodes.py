@@ -21,7 +21,6 @@ cached sequence can no longer be the template's render.
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -36,16 +35,19 @@ from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.errors import ConfigError
 from tunelab.rl.agentic.environments import checked_reward
 from tunelab.rl.agentic.tool_calls import detect_format, parse_assistant
+from tunelab.rl.agentic.tool_processes import ToolExecutor
 from tunelab.rl.agentic.toolbox import EpisodeTools, Toolbox
-from tunelab.rl.agentic.tools import ToolCall, ToolResult, call_tool
+from tunelab.rl.agentic.tools import ToolCall, ToolResult
 from tunelab.rl.agentic.turn_sampler import CachedTurnSampler, any_rank
 from tunelab.rl.rollout import ModelRolloutEngine
 
 __all__ = [
+    "CUT_MARKER",
     "STOP_REASONS",
     "Episode",
     "EpisodeLimits",
     "EpisodeRunner",
+    "cut_tool_result",
     "episode_batch",
     "episode_prompt",
 ]
@@ -61,6 +63,9 @@ STOP_REASONS = (
 )
 """Why an episode ended (``Episode.stop_reason``; ``agentic/stop/<reason>`` counts them)."""
 
+CUT_MARKER = " [...]"
+"""Ends a tool result cut to ``max_tool_result_chars`` or ``max_tool_result_tokens``."""
+
 
 @dataclass(frozen=True)
 class EpisodeLimits:
@@ -71,9 +76,10 @@ class EpisodeLimits:
         max_tool_calls: Tool calls at most (a reply that would pass it ends the episode).
         max_episode_tokens: Tokens after the prompt at most (replies, template and tools).
         tool_timeout_s: Seconds one tool call may take; past it the call is a ``timeout``
-            error (a plain function keeps running in its daemon thread; the sandbox is
-            killed by its own wall-time limit).
+            error (a plain function's worker process is killed; see ``tool_processes``).
         max_tool_result_chars: A tool result is cut to this many characters.
+        max_tool_result_tokens: ... and to this many tokens, :data:`CUT_MARKER` included.
+        tool_processes: Worker processes for plain function tools (0: threads).
     """
 
     max_turns: int = 4
@@ -81,6 +87,8 @@ class EpisodeLimits:
     max_episode_tokens: int = 256
     tool_timeout_s: float = 10.0
     max_tool_result_chars: int = 2000
+    max_tool_result_tokens: int = 256
+    tool_processes: int = 2
 
 
 @dataclass
@@ -98,6 +106,7 @@ class Episode:
         num_turns: Replies.
         num_tool_calls: Tool calls made.
         tool_errors: Failed calls by kind (``unknown_tool``, ``bad_arguments``, ...).
+        tool_results_cut: Results cut to the limits (:data:`CUT_MARKER` at their end).
         tool_seconds: Wall time in this episode's tool calls.
         stop_reason: ``answer`` (a reply without calls), ``max_turns``, ``max_tool_calls``,
             ``max_episode_tokens``, ``max_new_tokens`` (a reply without a stop token),
@@ -114,6 +123,7 @@ class Episode:
     num_turns: int = 0
     num_tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
+    tool_results_cut: int = 0
     tool_seconds: float = 0.0
     stop_reason: str = ""
     environment_reward: float | None = None
@@ -126,6 +136,7 @@ class Episode:
             "num_turns": self.num_turns,
             "num_tool_calls": self.num_tool_calls,
             "tool_errors": dict(self.tool_errors),
+            "tool_results_cut": self.tool_results_cut,
             "stop_reason": self.stop_reason,
             "environment_reward": self.environment_reward,
         }
@@ -203,6 +214,9 @@ class EpisodeRunner:
         self.tool_format = detect_format(template.text) if tool_format == "auto" else tool_format
         self.template_kwargs = dict(template_kwargs or {})
         self.tool_workers = tool_workers
+        self.executor = ToolExecutor(
+            limits.tool_timeout_s, limits.tool_processes, limits.max_tool_result_chars
+        )
         self.stop_texts = sorted(
             {tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.stop_ids} - {""}
         )
@@ -231,6 +245,8 @@ class EpisodeRunner:
             max_episode_tokens=agentic.max_episode_tokens,
             tool_timeout_s=agentic.tool_timeout_s,
             max_tool_result_chars=agentic.max_tool_result_chars,
+            max_tool_result_tokens=agentic.max_tool_result_tokens,
+            tool_processes=agentic.tool_processes,
         )
         if tokenizer.chat_template is None:
             raise ConfigError(
@@ -376,7 +392,7 @@ class EpisodeRunner:
 
     def _run_calls(self, state: _State, calls: list[ToolCall]) -> list[ToolResult]:
         """An episode's calls in order (its environment sees them one at a time)."""
-        return [_timed_call(state.tools.tools, call, self.limits.tool_timeout_s) for call in calls]
+        return [self.executor.call(state.tools.tools, call) for call in calls]
 
     def _add_results(self, state: _State, calls: list[ToolCall], results: list[ToolResult]) -> None:
         """Append the tool messages and the template's delta (untrained) to the sequence."""
@@ -386,7 +402,8 @@ class EpisodeRunner:
             episode.tool_seconds += result.seconds
             if result.error is not None:
                 episode.tool_errors[result.error] += 1
-            content = result.content[: self.limits.max_tool_result_chars]
+            content, cut = cut_tool_result(result.content, self.limits, self.tokenizer)
+            episode.tool_results_cut += cut
             episode.messages.append(
                 {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
             )
@@ -407,6 +424,33 @@ class EpisodeRunner:
         episode.tokens += ids
         episode.trained += [False] * len(ids)
         state.rendered, state.next_tokens = after, ids
+
+
+def cut_tool_result(content: str, limits: EpisodeLimits, tokenizer: Any) -> tuple[str, bool]:
+    """A tool result within ``max_tool_result_chars`` and ``max_tool_result_tokens``.
+
+    Args:
+        content: The tool's message (a result or an error).
+        limits: The episode bounds.
+        tokenizer: Counts the tokens (``encode``, ``decode``).
+
+    Returns:
+        The text, ending with :data:`CUT_MARKER` where cut (the marker counted in both
+        limits), and whether it was cut.
+    """
+    cut = len(content) > limits.max_tool_result_chars
+    if cut:
+        content = content[: max(limits.max_tool_result_chars - len(CUT_MARKER), 0)] + CUT_MARKER
+    ids = tokenizer.encode(content, add_bos=False)
+    if len(ids) <= limits.max_tool_result_tokens:
+        return content, cut
+    # A merge across the cut may change the count: shorten until the marked text fits.
+    kept = limits.max_tool_result_tokens - len(tokenizer.encode(CUT_MARKER, add_bos=False))
+    while True:
+        text = tokenizer.decode(ids[: max(kept, 0)], skip_special_tokens=False) + CUT_MARKER
+        if kept <= 0 or len(tokenizer.encode(text, add_bos=False)) <= limits.max_tool_result_tokens:
+            return text, True
+        kept -= 1
 
 
 def episode_prompt(
@@ -451,43 +495,3 @@ def _delta_text(before: str, after: str, stop_texts: Sequence[str]) -> str | Non
     rest = after[len(before) :]
     ends = [rest.find(text) + len(text) for text in stop_texts if text in rest]
     return rest[min(ends) :] if ends else None
-
-
-MAX_RUNNING_AFTER_TIMEOUT = 2
-"""Timed-out calls of one tool that may still run before its further calls are refused."""
-_running_after_timeout: dict[str, list[threading.Thread]] = {}
-_running_lock = threading.Lock()
-
-
-def _timed_call(tools: Mapping[str, Any], call: ToolCall, timeout_s: float) -> ToolResult:
-    """``call_tool`` in a daemon thread, waited on for ``timeout_s``.
-
-    Python cannot stop a thread, so a plain function that hangs keeps running after its
-    timeout (the sandbox's process group is killed instead). The damage is bounded: while
-    :data:`MAX_RUNNING_AFTER_TIMEOUT` timed-out calls of a tool still run, its further calls
-    fail at once as timeouts, so hung threads never pile up; a call is taken again once one
-    of them has returned.
-    """
-    with _running_lock:
-        running = [t for t in _running_after_timeout.get(call.name, []) if t.is_alive()]
-        _running_after_timeout[call.name] = running
-    if len(running) >= MAX_RUNNING_AFTER_TIMEOUT:
-        return ToolResult(
-            f"Error: {call.name} is unavailable: {len(running)} earlier calls that took longer "
-            f"than {timeout_s:g} s are still running",
-            "timeout",
-            0.0,
-        )
-    outcome: list[ToolResult] = []
-    start = time.perf_counter()
-    thread = threading.Thread(target=lambda: outcome.append(call_tool(tools, call)), daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    seconds = time.perf_counter() - start
-    if not outcome:
-        with _running_lock:
-            _running_after_timeout.setdefault(call.name, []).append(thread)
-        return ToolResult(
-            f"Error: {call.name} took longer than {timeout_s:g} s", "timeout", seconds
-        )
-    return ToolResult(outcome[0].content, outcome[0].error, seconds)

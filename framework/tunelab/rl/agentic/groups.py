@@ -146,7 +146,7 @@ def episode_sums(episodes: list[Episode], timings: Mapping[str, float]) -> dict[
     """The episodes' sums for the step's ``agentic/*`` metrics (per episode once averaged).
 
     ``agentic/turns``, ``agentic/tool_calls``, ``agentic/tool_errors/<kind>`` (every kind, 0
-    included), ``agentic/tool_seconds`` (time inside tools), ``agentic/generation_seconds`` and
+    included), ``agentic/tool_results_cut`` (results cut to the agentic limits), ``agentic/tool_seconds`` (time inside tools), ``agentic/generation_seconds`` and
     ``agentic/tools_wall_seconds`` (the rollout's wall time in generation and in tools),
     ``agentic/prefill_tokens`` (tokens the KV cache prefilled: prompts and tool deltas, never
     the conversation again), and ``agentic/stop/<reason>``.
@@ -154,6 +154,7 @@ def episode_sums(episodes: list[Episode], timings: Mapping[str, float]) -> dict[
     sums = {
         "agentic/turns": float(sum(e.num_turns for e in episodes)),
         "agentic/tool_calls": float(sum(e.num_tool_calls for e in episodes)),
+        "agentic/tool_results_cut": float(sum(e.tool_results_cut for e in episodes)),
         "agentic/tool_seconds": float(sum(e.tool_seconds for e in episodes)),
         "agentic/generation_seconds": timings["generation_seconds"] * len(episodes),
         "agentic/tools_wall_seconds": timings["tool_seconds"] * len(episodes),

@@ -8,7 +8,7 @@ the tool exactly as it would when served with ``transformers``.
 A call never raises into the run: :func:`call_tool` turns an unknown tool, arguments the schema
 refuses, an exception in the tool and a non-text result into a :class:`ToolResult` whose
 ``error`` names the kind (``unknown_tool``, ``bad_arguments``, ``exception``, ``timeout``,
-``sandbox``), and whose ``content`` is the message the model reads.
+``sandbox``, ``crash``), and whose ``content`` is the message the model reads.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ __all__ = [
     "tool_from_function",
 ]
 
-ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout", "sandbox")
-"""The kinds of tool error an episode counts (``agentic/tool_errors/<kind>``)."""
+ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout", "sandbox", "crash")
+"""The kinds of tool error an episode counts (``agentic/tool_errors/<kind>``); ``crash``: the
+worker process running the call died (``tool_processes``)."""
 
 
 class ToolFailure(Exception):
