@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from _common import gather_floats
 
-TIMES = ("step_s", "rollout_s", "update_s", "generate_s")
-"""Per-step seconds, the slowest rank's: whole step, rollout phase, update phase, generate calls."""
+TIMES = ("step_s", "rollout_s", "update_s", "generate_s", "step_cpu_s")
+"""Per-step seconds, the slowest rank's: whole step, rollout phase, update phase, generate calls,
+and the step's CPU seconds of this process (``time.process_time``: robust to other load)."""
 COUNTS = ("generated_tokens",)
 """Per-step counts, summed over ranks."""
 
@@ -24,12 +25,13 @@ class StepClock:
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
-        self._clock = self._begin = 0.0
+        self._clock = self._begin = self._begin_cpu = 0.0
 
     def start(self) -> None:
         """A step begins."""
         self.steps.append(dict.fromkeys(TIMES + COUNTS, 0.0))
         self._clock = self._begin = time.perf_counter()
+        self._begin_cpu = time.process_time()
 
     def lap(self, phase: str) -> None:
         """The time since the last lap (or the start) goes to ``phase``."""
@@ -45,6 +47,7 @@ class StepClock:
     def stop(self) -> None:
         """The step ends."""
         self.add("step_s", time.perf_counter() - self._begin)
+        self.add("step_cpu_s", time.process_time() - self._begin_cpu)
 
 
 def finish(

@@ -20,7 +20,8 @@ Every launch runs one side, one shape, one layout in fresh processes: 1 warm-up 
 order of the two sides alternating from round to round; each figure is the median over rounds.
 Before a step or generation ratio is printed, each round's work is compared (completions,
 prompt and completion tokens, every step): where it differs the table says so and gives none.
-Rows: step time (with the rollout and update halves), generation tokens/s (the ``generate``
+Rows: step time (with the rollout and update halves), step CPU time (``time.process_time`` of
+the slowest process: robust to other load, no target of its own), generation tokens/s (the ``generate``
 calls only), peak RSS per process (the whole run, the build included). One more row measures
 the log-prob pass's memory at a large vocabulary (``_grpo_logps``).
 
@@ -173,12 +174,16 @@ def rows_for(name: str, layout: str, entry: dict) -> list[Row]:
     )
     same = entry["difference"] is None
     step = theirs["step_s"] / ours["step_s"]
+    cpu = theirs["step_cpu_s"] / ours["step_cpu_s"]
     tokens = ours["tokens_per_s"] / theirs["tokens_per_s"]
     memory = ours["peak_rss"] / theirs["peak_rss"]
     return [
         Row(f"step time (TRL / tunelab), {label}", seconds(ours["step_s"]),
             seconds(theirs["step_s"]), f"{step:.2f}x" if same else NOT_COMPARABLE, ">= 1.5x",
             step >= 1.5 if same else None, halves),
+        Row(f"step CPU time (TRL / tunelab), {label}", seconds(ours["step_cpu_s"]),
+            seconds(theirs["step_cpu_s"]), f"{cpu:.2f}x" if same else NOT_COMPARABLE,
+            "-", None, split),
         Row(f"generation tokens/s (tunelab / TRL), {label}", f"{ours['tokens_per_s']:.0f}",
             f"{theirs['tokens_per_s']:.0f}", f"{tokens:.2f}x" if same else NOT_COMPARABLE,
             ">= 1.5x", tokens >= 1.5 if same else None, split),
@@ -234,6 +239,9 @@ def main() -> None:
             f"{t['step_s'] / o['step_s']:.2f}x" for o, t in zip(entry["tunelab"], entry["trl"]))
         + ", tokens/s " + ", ".join(
             f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x"
+            for o, t in zip(entry["tunelab"], entry["trl"]))
+        + ", step CPU " + ", ".join(
+            f"{t['step_cpu_s'] / o['step_cpu_s']:.2f}x"
             for o, t in zip(entry["tunelab"], entry["trl"]))
         for (name, layout), entry in measured.items() if entry["trl"]
     )  # fmt: skip

@@ -70,6 +70,7 @@ def test_the_word_tokenizer_gives_one_id_per_word(bench):
 def figures(step_s: float, tokens_per_s: float, rss: float) -> dict[str, float]:
     return {
         "step_s": step_s,
+        "step_cpu_s": step_s / 4,
         "rollout_s": step_s / 2,
         "update_s": step_s / 2,
         "tokens_per_s": tokens_per_s,
@@ -88,8 +89,10 @@ def test_rows_give_ratios_of_the_medians_and_say_no_where_missed(bench):
         "trl": [figures(1.2, 100.0, 100.0), figures(1.2, 100.0, 100.0), figures(1.2, 100.0, 100.0)],
         "difference": None,
     }
-    step, tokens, memory = bench_grpo.rows_for("wide-512", "2x1", entry)
+    step, cpu, tokens, memory = bench_grpo.rows_for("wide-512", "2x1", entry)
     assert (step.ratio, step.met) == ("1.20x", False)
+    # CPU seconds: the same median ratio, and no target of its own.
+    assert (cpu.ratio, cpu.met, cpu.tunelab) == ("1.20x", None, "0.250 s")
     assert (tokens.ratio, tokens.met) == ("2.00x", True)
     assert (memory.ratio, memory.met) == ("0.80x", True)
     # The rollout half, medians over the rounds: tunelab's 0.5 s against TRL's 0.6 s.
@@ -104,8 +107,8 @@ def test_no_ratio_and_no_met_for_different_work(bench):
         "trl": [figures(1.0, 100.0, 100.0)],
         "difference": "round 0: step 0: 32 completions against 31",
     }
-    step, tokens, memory = bench_grpo.rows_for("tiny-16", "1x2", entry)
-    for row in (step, tokens):
+    step, cpu, tokens, memory = bench_grpo.rows_for("tiny-16", "1x2", entry)
+    for row in (step, cpu, tokens):
         assert (row.ratio, row.met) == (bench_grpo.NOT_COMPARABLE, None)
     assert memory.ratio == "0.90x"  # memory is not a ratio of work
 
