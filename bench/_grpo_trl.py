@@ -20,6 +20,28 @@ import torch
 from _grpo_results import StepClock, finish
 from _grpo_work import EOS_ID, TARGETS, ended, parity_reward, word_tokenizer
 
+SHARED_SETTINGS = {
+    "loss_type": "dapo",
+    "beta": 0.0,
+    "num_iterations": 1,
+    "learning_rate": 1e-4,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "lr_scheduler_type": "constant",
+    "gradient_checkpointing": False,
+    "bf16": False,  # every row here is fp32
+    "use_cpu": True,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_strategy": "no",
+    "dataloader_num_workers": 0,
+    "seed": 0,
+}
+"""``GRPOConfig`` settings of every GRPO bench's TRL side (bench_grpo, bench_agentic)."""
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": TARGETS,
+        "task_type": "CAUSAL_LM"}  # fmt: skip
+"""``peft.LoraConfig`` of the TRL sides: r=8 on every projection, as tunelab's."""
+
 
 def parity(completions, **_) -> list[float]:
     """The bench's reward as a TRL reward function."""
@@ -64,27 +86,11 @@ def run(args: argparse.Namespace) -> None:
         max_completion_length=args.max_new_tokens,
         generation_kwargs={"min_new_tokens": args.max_new_tokens},  # EOS unreachable
         temperature=1.0,
-        loss_type="dapo",
-        beta=0.0,
-        num_iterations=1,
-        learning_rate=1e-4,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        lr_scheduler_type="constant",
         max_steps=1 + args.steps,
-        gradient_checkpointing=False,
-        bf16=False,  # every row here is fp32
         ddp_find_unused_parameters=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        seed=0,
+        **SHARED_SETTINGS,
     )
-    lora = LoraConfig(
-        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
-    )
+    lora = LoraConfig(**LORA)
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=[parity],
