@@ -411,6 +411,12 @@ def trl_worker(args: argparse.Namespace) -> None:
         peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS),
         callbacks=[Measure()],
     )
+    # transformers maps the safetensors files and its parameters may be views of the mapping:
+    # read every weight now, so that paging them in is in the baseline (as tunelab's loaded
+    # copies are), not in the training's growth.
+    with torch.no_grad():
+        for param in [*trainer.model.parameters(), *trainer.teacher_model.parameters()]:
+            param.sum()
     trainer.train()
     Path(args.result).write_text(json.dumps({"steps": clock.steps, **memory.figures()}))
 
