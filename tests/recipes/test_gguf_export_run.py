@@ -77,13 +77,18 @@ def test_llama_cpp_computes_the_trained_models_logits(run):
         assert llama_greedy(theirs, ids) == tunelab_greedy(ours, ids), prompt
 
 
-def test_q8_0_perplexity_within_2_percent_of_f16(run, tmp_path):
-    # q8_0 moves this model's logits (about 12 in size) by up to 0.14: beyond 5e-2, so the
-    # issue's other criterion, perplexity on the embedded validation data within 2% of f16's.
+# Perplexity on the embedded validation data, relative to f16's: the issue's 2% for q8_0 (its
+# logits move by up to 0.14, beyond the 5e-2 alternative); 5% for q4_0, which the issue bounds
+# nowhere (measured 2.8% on a 1-process tiny/lora run).
+_PERPLEXITY_TOLERANCE = {"q8_0": 0.02, "q4_0": 0.05}
+
+
+@pytest.mark.parametrize("quant", sorted(_PERPLEXITY_TOLERANCE))
+def test_quantized_perplexity_near_f16(run, tmp_path, quant):
     copy = tmp_path / "epoch_0"
     shutil.copytree(run / "epoch_0", copy)
     result = subprocess.run(
-        [TUNELAB, "export", str(copy), "--to", "gguf", "--quant", "q8_0"], capture_output=True,
+        [TUNELAB, "export", str(copy), "--to", "gguf", "--quant", quant], capture_output=True,
         text=True, env=run_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -91,8 +96,8 @@ def test_q8_0_perplexity_within_2_percent_of_f16(run, tmp_path):
     rows = [json.loads(line) for line in (assets_dir() / "tiny" / "sft_val.jsonl").open()]
     sequences = [tokenizer.encode(" ".join(row.values())) for row in rows[:40]]
     f16 = perplexity(llama(run / "epoch_0" / "gguf" / "model-f16.gguf"), sequences)
-    q8_0 = perplexity(llama(copy / "gguf" / "model-q8_0.gguf"), sequences)
-    assert abs(q8_0 / f16 - 1) < 0.02, (f16, q8_0)
+    quantized = perplexity(llama(copy / "gguf" / f"model-{quant}.gguf"), sequences)
+    assert abs(quantized / f16 - 1) < _PERPLEXITY_TOLERANCE[quant], (f16, quantized)
 
 
 def test_sys_executable_has_llama_cpp():
