@@ -8,7 +8,9 @@ reads the error as the tool's message and the rank goes on: a hung or crashing t
 hangs the run. A call is a function of its arguments only, so where it runs changes no result
 and a resumed run replays the same ones.
 
-The workers are forked from a ``forkserver`` process (a fresh interpreter, started at the
+Calls and results cross the pipe as JSON (the tool's module and qualified name, its schema, the
+call; the result's text and error kind): no call or result is pickled. The workers are forked
+from a ``forkserver`` process (a fresh interpreter, started at the
 first call, that imports the recipe, ``tunelab.rl.agentic.tools`` and the tools' modules once),
 not from the training process with its threads and process groups: starting or restarting a
 worker takes milliseconds. They are daemons of the rank (stopped when it exits) and ask the
@@ -24,9 +26,10 @@ calls of one tool still run, its further calls fail at once as timeouts until on
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import json
 import multiprocessing
-import pickle
 import queue
 import signal
 import sys
@@ -36,7 +39,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tunelab.rl.agentic.tools import ToolCall, ToolResult, call_tool
+from tunelab.rl.agentic.tools import Tool, ToolCall, ToolResult, call_tool
 
 __all__ = ["MAX_RUNNING_AFTER_TIMEOUT", "ToolExecutor", "runs_in_process"]
 
@@ -151,9 +154,17 @@ class _Worker:
 
     def run(self, tool: Any, call: ToolCall, timeout_s: float) -> ToolResult:
         start = time.perf_counter()
+        function = tool.function
+        request = {
+            "module": function.__module__,
+            "qualname": function.__qualname__,
+            "name": tool.name,
+            "schema": tool.schema,
+            "call": {"name": call.name, "arguments": call.arguments, "id": call.id},
+        }
         try:
-            message = pickle.dumps((tool, call))
-        except Exception as error:  # found by name, yet not picklable: said, not raised
+            message = json.dumps(request).encode()
+        except (TypeError, ValueError) as error:  # a schema that is no JSON: said, not raised
             return ToolResult(
                 f"Error: {call.name} cannot be sent to a worker process: {error}", "exception"
             )
@@ -164,7 +175,7 @@ class _Worker:
                 self.connection.recv_bytes()  # the worker took the call
                 start = time.perf_counter()
                 if self.connection.poll(timeout_s):
-                    content, error = self.connection.recv()
+                    content, error = json.loads(self.connection.recv_bytes())
                     return ToolResult(content, error, time.perf_counter() - start)
             else:
                 timeout_s = START_TIMEOUT_S
@@ -222,7 +233,7 @@ def _context() -> Any:
 
 
 def _serve(connection: Connection, max_result_chars: int) -> None:
-    """A worker's loop: receive ``(tool, call)``, send ``(content, error)``, until the pipe closes."""
+    """A worker's loop: receive a JSON call, send ``[content, error]``, until the pipe closes."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the rank's to handle
     while True:
@@ -231,15 +242,29 @@ def _serve(connection: Connection, max_result_chars: int) -> None:
         except (EOFError, OSError):
             return
         try:
-            tool, call = pickle.loads(message)
+            tool, call = _decode(message)
         except Exception as error:  # the tool's module does not import here
             connection.send_bytes(b"")
             content = f"Error: the tool could not be loaded: {type(error).__name__}: {error}"
-            connection.send((content[:max_result_chars], "exception"))
+            _reply(connection, content[:max_result_chars], "exception")
             continue
         connection.send_bytes(b"")  # taken: the call's time starts
         result = call_tool({tool.name: tool}, call)
-        connection.send((result.content[:max_result_chars], result.error))
+        _reply(connection, result.content[:max_result_chars], result.error)
+
+
+def _decode(message: bytes) -> tuple[Tool, ToolCall]:
+    """The tool (its function found again by module and qualified name) and the call."""
+    request = json.loads(message)
+    module = sys.modules.get(request["module"]) or importlib.import_module(request["module"])
+    function: Any = module
+    for part in request["qualname"].split("."):
+        function = getattr(function, part)
+    return Tool(request["name"], request["schema"], function), ToolCall(**request["call"])
+
+
+def _reply(connection: Connection, content: str, error: str | None) -> None:
+    connection.send_bytes(json.dumps([content, error]).encode())
 
 
 def _die_with_parent() -> None:
