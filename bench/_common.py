@@ -13,8 +13,10 @@ runs each script so, so that a benchmark that no longer runs fails ``make test``
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -290,3 +292,87 @@ def throughput_row(
         ratio >= target,
     )
     return row, notes
+
+
+# -- a trainer bench: tunelab's step against TRL's trainer, each side its own process -------
+
+TRAINER_SIDES = ("tunelab", "TRL")
+
+
+def trl_installed() -> bool:
+    """Whether TRL (the peer) can run here."""
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+def add_trainer_bench_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every trainer bench takes: rounds, threads, model, scratch, the worker's own."""
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="runs of each side (order alternating)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
+    parser.add_argument(
+        "--model", default="tiny", choices=MODEL_SHAPES,
+        help="tiny: the embedded model (hidden 128); wide: random-init, hidden 768, 4 layers",
+    )  # fmt: skip
+    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    parser.add_argument("--worker", default=None, choices=TRAINER_SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+
+
+def run_trainer_rounds(
+    script: str, args: argparse.Namespace, data: Path, model_dir: Path, scratch: Path
+) -> dict[str, list[dict[str, float]]]:
+    """Each side as ``script --worker SIDE`` in a fresh process, ``--rounds`` alternating rounds.
+
+    The worker gets the data and model folder and the bench's ``--steps``, ``--batch-size`` and
+    ``--max-length``, runs with ``--threads`` intra-op threads and writes its figures as JSON.
+
+    Returns:
+        Side -> its figures per round (``alternating_rounds``); TRL only where installed.
+    """
+
+    def run_side(side: str, round_index: int) -> dict[str, float]:
+        result = scratch / f"{side}_{round_index}.json"
+        command = [
+            sys.executable, script, "--worker", side, "--data", str(data),
+            "--result", str(result), "--steps", str(args.steps), "--model-dir", str(model_dir),
+            "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+        ]  # fmt: skip
+        env = {**launch_env(1), "OMP_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        return json.loads(result.read_text())
+
+    sides = [side for side in TRAINER_SIDES if side != "TRL" or trl_installed()]
+    return alternating_rounds(run_side, sides, args.rounds)
+
+
+def throughput_rows(
+    figure: str, results: dict[str, list[dict[str, float]]], target: float
+) -> tuple[list[Row], list[str]]:
+    """The wall-time and CPU-time rows of ``figure`` (its ``tokens/s``), and their round notes."""
+    row, notes = throughput_row(figure, results, target)
+    cpu_row, cpu_notes = throughput_row(
+        figure.replace("tokens/s", "tokens per CPU-second"), results, target,
+        time_key="cpu_seconds",
+    )  # fmt: skip
+    if "TRL" not in results:
+        cpu_notes.append("trl not installed: no TRL row (make bench installs it)")
+    return [row, cpu_row], [*notes, *cpu_notes[1:]]
+
+
+def trainer_bench_main(
+    args: argparse.Namespace,
+    workers: dict[str, Callable[[argparse.Namespace], dict]],
+    orchestrate: Callable[[argparse.Namespace], None],
+) -> None:
+    """With ``--worker SIDE``: run that side here and write its result JSON; else orchestrate."""
+    if args.worker:
+        Path(args.result).write_text(json.dumps(workers[args.worker](args)))
+    else:
+        orchestrate(args)

@@ -29,26 +29,23 @@ and its load.
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from _common import (
     LORA_TARGETS,
-    MODEL_SHAPES,
-    alternating_rounds,
+    add_trainer_bench_args,
     bench_model_dir,
-    launch_env,
     parse_bench_args,
     print_table,
-    throughput_row,
+    run_trainer_rounds,
+    throughput_rows,
     tiny_dir,
+    trainer_bench_main,
 )
 
 TARGET_RATIO = 1.3
-SIDES = ("tunelab", "TRL")
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,19 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per step")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--rows", type=int, default=400, help="pairs of preference.jsonl used")
-    parser.add_argument(
-        "--rounds", type=int, default=4, help="runs of each side (order alternating)"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
-    parser.add_argument(
-        "--model", default="tiny", choices=MODEL_SHAPES,
-        help="tiny: the embedded model (hidden 128); wide: random-init, hidden 768, 4 layers",
-    )  # fmt: skip
-    parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
-    parser.add_argument("--worker", default=None, choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    add_trainer_bench_args(parser)
     smoke = ["--steps", "1", "--batch-size", "2", "--rows", "16", "--rounds", "1"]
     return parse_bench_args(parser, smoke)
 
@@ -215,19 +200,6 @@ def trl_worker(args: argparse.Namespace) -> dict:
     }
 
 
-def run_worker(args: argparse.Namespace) -> None:
-    """One side, in this process: write its result JSON."""
-    result = tunelab_worker(args) if args.worker == "tunelab" else trl_worker(args)
-    Path(args.result).write_text(json.dumps(result))
-
-
-def trl_installed() -> bool:
-    """Whether TRL (the peer) can run here."""
-    import importlib.util
-
-    return importlib.util.find_spec("trl") is not None
-
-
 def orchestrate(args: argparse.Namespace) -> None:
     """Run both sides ``--rounds`` times, the order alternating, and print the table."""
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_reward_model_"))
@@ -235,54 +207,27 @@ def orchestrate(args: argparse.Namespace) -> None:
     data = scratch / "preference_chat.jsonl"
     write_chat_pairs(data, args.rows)
     model_dir = bench_model_dir(args.model, scratch)
-    sides = [side for side in SIDES if side != "TRL" or trl_installed()]
-
-    def run_side(side: str, round_index: int) -> dict[str, float]:
-        result = scratch / f"{side}_{round_index}.json"
-        command = [
-            sys.executable, __file__, "--worker", side, "--data", str(data),
-            "--result", str(result), "--steps", str(args.steps), "--model-dir", str(model_dir),
-            "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-        ]  # fmt: skip
-        env = {**launch_env(1), "OMP_NUM_THREADS": str(args.threads)}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(result.read_text())
-
     load_before = os.getloadavg()[0]
-    results = alternating_rounds(run_side, sides, args.rounds)
+    results = run_trainer_rounds(__file__, args, data, model_dir, scratch)
     figure = (
         f"reward-model step, {args.model} model, 1 process: tokens/s (tunelab / TRL RewardTrainer)"
     )
-    row, round_notes = throughput_row(figure, results, TARGET_RATIO)
-    cpu_row, cpu_notes = throughput_row(
-        figure.replace("tokens/s", "tokens per CPU-second"), results, TARGET_RATIO,
-        time_key="cpu_seconds",
-    )  # fmt: skip
+    rows, round_notes = throughput_rows(figure, results, TARGET_RATIO)
     notes = [
         f"{args.model} model ({model_dir.name}), fresh score head + LoRA r=8 on every projection, "
         f"fp32, {args.batch_size} pairs a step, {args.steps} timed steps after one warm-up, "
         f"{args.rounds} round(s), the order alternating; {os.cpu_count()} cores, one process "
-        f"per side with {args.threads} intra-op thread(s), one side at a time; load average {load_before:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after.",
+        f"per side with {args.threads} intra-op thread(s), one side at a time; load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after.",
         *round_notes,
-        *cpu_notes[1:],
     ]
-    if "TRL" not in results:
-        notes.append("trl not installed: no TRL row (make bench installs it)")
-    print_table(
-        "Reward model: tunelab reward_model_distributed vs TRL RewardTrainer", [row, cpu_row], notes
-    )
+    print_table("Reward model: tunelab reward_model_distributed vs TRL RewardTrainer", rows, notes)
 
 
 def main() -> None:
     """Worker or orchestrator, by the flags."""
-    args = parse_args()
-    if args.worker:
-        run_worker(args)
-    else:
-        orchestrate(args)
+    workers = {"tunelab": tunelab_worker, "TRL": trl_worker}
+    trainer_bench_main(parse_args(), workers, orchestrate)
 
 
 if __name__ == "__main__":
