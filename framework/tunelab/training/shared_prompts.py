@@ -94,7 +94,7 @@ def shared_prompt_forward(
     if reason is not None:
         if reason not in _said:
             _said.add(reason)
-            logger.info("log-probs: per-row forward (no shared prompts) for %s", reason)
+            logger.info("per-row forward (no shared prompts) for %s", reason)
         return None
     tokens, labels = batch["tokens"], batch["labels"]
     rows, width = tokens.shape
