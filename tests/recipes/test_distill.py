@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.recipes.conftest import (
     assert_same_exports,
@@ -175,6 +176,41 @@ def test_validation_loss_falls_toward_the_teacher_and_not_at_a_vanishing_lr(
     gap_frozen = {s: abs(r["val_nll"] - r["val_teacher_nll"]) for s, r in frozen.items()}
     assert abs(gap_frozen[6] - gap_frozen[3]) < 1e-6
     assert frozen[3]["val_teacher_nll"] == trained[3]["val_teacher_nll"]
+
+
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [
+        # QLoRA student, the teacher in bf16 and replicated (gathered once, kept).
+        ("qlora", ["lora.quantize_base=nf4", "teacher.reshard_after_forward=false"]),
+        # Every weight of the student trained, the teacher in bf16 and FSDP2-sharded.
+        ("full", ["lora=null", "optimizer.lr=1e-4"]),
+    ],
+)
+def test_qlora_and_full_students_learn_from_a_bf16_teacher(teacher, tmp_path, name, variant):
+    out = _run(
+        tmp_path / name, "tiny/distill", teacher, "schedule.batch_size=4",
+        "schedule.max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
+        "teacher.dtype=bf16", *variant,
+    )  # fmt: skip
+    rows = _train_rows(out)
+    assert sorted(rows) == [1, 2, 3]
+    for row in rows.values():
+        assert math.isfinite(row["loss"]) and math.isfinite(row["teacher_kl"]), row
+        assert row["grad_norm"] > 0, row
+    adapter = out / "epoch_0" / "adapter" / "adapter_model.safetensors"
+    assert adapter.is_file() == (name == "qlora")
+    # The student trained: QLoRA's adapters left zero (B starts at 0), full weights the base.
+    if name == "qlora":
+        trained = load_file(adapter)
+        assert any(t.abs().max() > 0 for key, t in trained.items() if "lora_B" in key)
+    else:
+        trained = load_file(out / "epoch_0" / "model.safetensors")
+        from tunelab._paths import assets_dir
+
+        base = load_file(assets_dir() / "tiny" / "model.safetensors")
+        key = "model.layers.0.mlp.down_proj.weight"
+        assert not torch.equal(trained[key].float(), base[key].float())
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(teacher, tmp_path):
