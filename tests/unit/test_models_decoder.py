@@ -216,6 +216,28 @@ def test_kv_cache_steps_equal_full_forward():
         torch.testing.assert_close(model(tokens), full)
 
 
+@pytest.mark.parametrize("layer_types", [None, ("sliding_attention", "full_attention")])
+def test_a_kv_cache_mask_over_the_filled_slots_reads_only_those(layer_types):
+    # A mask narrower than the cache: attention reads its first slots only. The rest hold NaN
+    # here, which any read would spread (0 x NaN), and the logits equal the full-width mask's.
+    extra = {"layer_types": layer_types, "sliding_window": 3} if layer_types else {}
+    model = tiny(**extra)
+    tokens = torch.randint(0, VOCAB, (2, 6))
+    with torch.no_grad():
+        model.setup_caches(batch_size=2, max_seq_len=16)
+        model(tokens[:, :5], input_pos=torch.arange(5).expand(2, 5))
+        for layer in model.layers:
+            layer.self_attn.kv_cache.k_cache[:, :, 6:] = float("nan")
+            layer.self_attn.kv_cache.v_cache[:, :, 6:] = float("nan")
+        position = torch.full((2, 1), 5)
+        narrow = torch.arange(6)[None, None, :] <= position[:, :, None]
+        got = model(tokens[:, 5:], input_pos=position, mask=narrow)
+        model.teardown_caches()
+        full = model(tokens)[:, 5:]
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, full, atol=1e-5, rtol=0)
+
+
 def test_forward_rejects_bad_inputs():
     model = tiny()
     with pytest.raises(ValueError, match=r"tokens must be \[batch, seq\]"):

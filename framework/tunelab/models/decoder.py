@@ -327,7 +327,7 @@ class TransformerDecoder(nn.Module):
             device = input_pos.device
             if self.caches_are_enabled():
                 query = input_pos[:, None, :, None]
-                keys = torch.arange(next(self._attentions()).kv_cache.max_seq_len, device=device)
+                keys = torch.arange(mask.shape[-1], device=device)  # the slots the mask covers
             else:
                 query = torch.arange(seq_len, device=device)[:, None]
                 keys = torch.arange(seq_len, device=device)
@@ -391,7 +391,9 @@ class TransformerDecoder(nn.Module):
             tokens: long ``[batch, seq]``.
             mask: bool ``[batch, seq, seq]`` or ``[batch, 1, seq, seq]``, True = may attend
                 (see ``tunelab.modules.masks``); None means causal. With KV caches the key
-                dimension is the cache length and None means causal over the cache.
+                dimension is the cache length and None means causal over the cache; a mask
+                over fewer keys than the cache has makes attention read only those first slots
+                (an incremental decoder passes the filled prefix).
             document_ids: integer ``[batch, seq]`` for packed rows, a document being a run of
                 equal ids: causal attention within each document, with the kernel of
                 ``attention_backend`` and no ``[seq, seq]`` tensor where the kernel needs none.

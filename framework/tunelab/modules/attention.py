@@ -218,7 +218,9 @@ class Attention(nn.Module):
             mask: an ``AttentionMask`` (the kernel follows its backend), a ``SharedPrefix``
                 (rows sharing their prompts, packed in one row), or a bool
                 ``[batch, 1, seq, keys]`` (True = may attend), or None for causal. With a KV
-                cache ``keys`` is the cache length and a bool mask is required.
+                cache a bool mask is required; its ``keys`` is the cache length, or fewer: then
+                only the cache's first ``keys`` slots are read (a decoder that knows no query
+                sees past them skips the rest).
             input_pos: cache slots ``[batch, seq]``; used only when a KV cache is set up.
 
         Returns:
@@ -231,6 +233,9 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             assert input_pos is not None and mask is not None, "the decoder supplies both"
             k, v = self.kv_cache.update(input_pos, k, v)
+            if isinstance(mask, torch.Tensor) and mask.shape[-1] < k.shape[2]:
+                # A mask over the cache's first slots only (the filled ones): read just those.
+                k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
         if isinstance(mask, SharedPrefix):
             out = self._attend_shared_prefix(q, k, v, mask)
         elif isinstance(mask, AttentionMask):

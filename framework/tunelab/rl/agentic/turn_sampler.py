@@ -29,6 +29,7 @@ from tunelab.distributed import hold_gathered
 from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.errors import ConfigError
 from tunelab.peft import merged_adapters
+from tunelab.rl.decoding import forwards_communicate
 from tunelab.rl.rollout import SamplingSettings, sample_tokens
 from tunelab.training.reference import reshard_all
 
@@ -42,6 +43,22 @@ def any_rank(value: bool) -> bool:
         dist.all_reduce(flag)
         return bool(flag > 0)
     return value
+
+
+def filled_mask(positions: torch.Tensor, reach: int) -> torch.Tensor:
+    """The cache mask over its first ``reach`` slots: query at ``p`` sees slots ``<= p``.
+
+    ``reach`` is one past the furthest position a real token of the forward holds; slots from
+    there on are neither read nor needed (padding rows' outputs are never used).
+
+    Args:
+        positions: long ``[rows, seq]`` cache slots of the forward's tokens.
+        reach: slots to cover.
+
+    Returns:
+        bool ``[rows, seq, reach]``.
+    """
+    return torch.arange(reach)[None, None, :] <= positions[:, :, None]
 
 
 class CachedTurnSampler:
@@ -169,39 +186,56 @@ class CachedTurnSampler:
             if not tokens:
                 positions[row] = scratch
         self.prefill_tokens += sum(len(tokens) for tokens in inputs)
-        hidden = model(batch.to(device), input_pos=positions.to(device), return_hidden=True)
+        # Attention reads only the slots a real token of this forward may see.
+        reach = max((self.lengths[row] + len(t) for row, t in enumerate(inputs) if t), default=1)
+        hidden = model(
+            batch.to(device),
+            input_pos=positions.to(device),
+            mask=filled_mask(positions, reach).to(device),
+            return_hidden=True,
+        )
         last = torch.tensor([max(len(tokens), 1) - 1 for tokens in inputs], device=device)
         logits = model.output(hidden[torch.arange(rows, device=device), last])
         for row, tokens in enumerate(inputs):
             self.lengths[row] += len(tokens)
             self.pending[row] = None
-        replies: list[list[int]] = [[] for _ in range(rows)]
-        active = [bool(inputs[row]) and max_new_tokens[row] > 0 for row in range(rows)]
-        stop_ids = self.settings.stop_ids
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        budget = torch.tensor(max_new_tokens, dtype=torch.long)
+        active = torch.tensor([bool(tokens) for tokens in inputs]) & (budget > 0)
+        replies = torch.full((rows, max(1, max(max_new_tokens))), self.pad_id, dtype=torch.long)
+        counts = torch.zeros(rows, dtype=torch.long)
+        stop_ids = torch.tensor(sorted(self.settings.stop_ids), dtype=torch.long)
+        # Held gathered (or one process), a forward is local: each rank stops when its own
+        # rows do, with no per-token all-reduce holding it to the others.
+        lockstep = forwards_communicate(model)
         while True:
             # The policy's entropy at each sampled position, as ModelRolloutEngine logs it
             # (before temperature and filtering).
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(dim=-1).double().cpu()
-            self.entropy_sum += float(entropy[torch.tensor(active, dtype=torch.bool)].sum())
-            next_tokens = sample_tokens(logits, self.settings, generators, active)
-            for row, token in enumerate(next_tokens.tolist()):
-                if not active[row]:
-                    continue
-                replies[row].append(token)
-                if token in stop_ids or len(replies[row]) >= max_new_tokens[row]:
-                    active[row] = False
-                    self.pending[row] = token
-            if not any_rank(any(active)):
+            self.entropy_sum += float(entropy[active].sum())
+            next_tokens = sample_tokens(logits, self.settings, generators, active.tolist()).cpu()
+            live = active.nonzero()[:, 0]
+            replies[live, counts[live]] = next_tokens[live]
+            counts += active
+            finished = active & (torch.isin(next_tokens, stop_ids) | (counts >= budget))
+            for row in finished.nonzero()[:, 0].tolist():
+                self.pending[row] = int(next_tokens[row])
+            active &= ~finished
+            if not (any_rank(bool(active.any())) if lockstep else bool(active.any())):
                 break
-            feed = torch.full((rows, 1), self.pad_id, dtype=torch.long)
-            where = torch.full((rows, 1), scratch, dtype=torch.long)
-            for row in range(rows):
-                if active[row]:
-                    feed[row, 0] = replies[row][-1]
-                    where[row, 0] = self.lengths[row]
-                    self.lengths[row] += 1
-            hidden = model(feed.to(device), input_pos=where.to(device), return_hidden=True)
+            feed = torch.where(active, next_tokens, self.pad_id)[:, None]
+            where = torch.where(active, lengths, scratch)[:, None]
+            reach = int(lengths[active].max()) + 1 if bool(active.any()) else 1
+            lengths += active
+            hidden = model(
+                feed.to(device),
+                input_pos=where.to(device),
+                mask=filled_mask(where, reach).to(device),
+                return_hidden=True,
+            )
             logits = model.output(hidden[:, -1])
-        self.generated_tokens += sum(len(reply) for reply in replies)
-        return replies
+        self.lengths = lengths.tolist()
+        out = [reply[:count] for reply, count in zip(replies.tolist(), counts.tolist())]
+        self.generated_tokens += sum(len(reply) for reply in out)
+        return out
