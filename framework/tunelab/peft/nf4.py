@@ -183,7 +183,11 @@ def quantize_base_nf4(
     ``to_empty`` allocates the packed bytes and :func:`copy_rows_nf4_` fills them as the
     checkpoint loads. The LoRA ``A``/``B`` weights, DoRA magnitudes, biases, norms and
     embeddings stay in the training dtype, and so does the output layer ``lm_head`` (its
-    rows are the vocabulary, and a tied one is the embedding).
+    rows are the vocabulary, and a tied one is the embedding). QLoRA covers the language
+    model: a vision-language model's vision tower and projector (the module prefixes of its
+    ``vision_parts``) stay in the training dtype too, frozen, adapted or trained whole; they
+    are a small share of the weights, and the image features every later layer reads come
+    from them.
 
     Args:
         model: A model on the meta device, with or without LoRA.
@@ -201,6 +205,9 @@ def quantize_base_nf4(
     _, to_nf4 = _torchao_nf4()
     plan = NF4Plan()
     tables: dict[torch.dtype, torch.Tensor] = {}
+    vision = tuple(
+        prefix for prefixes in getattr(model, "vision_parts", {}).values() for prefix in prefixes
+    )
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         leaf = name.rpartition(".")[2]
@@ -217,7 +224,9 @@ def quantize_base_nf4(
                 f"quantize_base_nf4: {name}.weight is materialised; quantize on the meta device"
             )
         reason = _why_not_quantizable(weight.shape[0], weight.shape[1], world_size)
-        if isinstance(module, MoERouter):
+        if name.startswith(vision):
+            reason = "the vision tower or projector: QLoRA quantizes the language model only"
+        elif isinstance(module, MoERouter):
             reason = "an MoE router: its few weights decide the routing"
         if reason is not None:
             plan.kept[name] = reason
