@@ -1,9 +1,9 @@
 """Run under torchrun: the context-parallel forward and backward against the unsplit one.
 
-Every process builds the same tiny model (seeded) and runs the same rows twice: whole, as one
-process without context parallelism would, and split over all processes (zig-zag slices,
-keys and values gathered in attention). Rank 0 prints one JSON line per case with the largest
-differences: the logits gathered back into rows, the mean token loss (losses and target counts
+Every process builds the same tiny model (seeded) and runs its slice of the rows split over all
+processes (zig-zag slices, keys and values gathered in attention); rank 0 also runs the rows
+whole, as one process without context parallelism would (the other ranks would only repeat
+it), and prints one JSON line per case with the largest differences: the logits gathered back into rows, the mean token loss (losses and target counts
 summed over ranks), and every parameter's gradient of that mean loss summed over ranks (what
 FSDP's reduction does); then, for ``flex``, the logits of a forward (torch 2.13 has no
 FlexAttention backward on CPU).
@@ -104,17 +104,22 @@ def main() -> None:
         output = output_layer(model) if chunked else None
         batch = _batch(packed)
 
-        # Whole rows, no context parallelism.
-        loss, count = batch_loss(loss_fn, model, batch, output)
-        (loss / count).backward()  # the mean token loss, as the recipes normalise it
-        expected_grads = _grads(model)
-        with torch.no_grad():
-            expected_logits = model(
-                batch["tokens"],
-                document_ids=batch.get("document_ids"),
-                input_pos=batch.get("input_pos"),
-            )
-        model.zero_grad()
+        # Whole rows, no context parallelism: rank 0's reference; every rank divides by its
+        # target count (the mean token loss, as the recipes normalise it).
+        count = torch.zeros((), dtype=torch.int64)
+        if dist.get_rank() == 0:
+            loss, whole_count = batch_loss(loss_fn, model, batch, output)
+            (loss / whole_count).backward()
+            expected_grads = _grads(model)
+            with torch.no_grad():
+                expected_logits = model(
+                    batch["tokens"],
+                    document_ids=batch.get("document_ids"),
+                    input_pos=batch.get("input_pos"),
+                )
+            model.zero_grad()
+            count.copy_(whole_count)
+        dist.broadcast(count, 0)
 
         # This rank's slice.
         local = context.shard(batch)
@@ -133,6 +138,8 @@ def main() -> None:
                 context_parallel=context,
             )
             logits = context.gather(local_logits, dim=1)[:, : batch["tokens"].shape[1]]
+        if dist.get_rank() != 0:
+            continue
         result = {
             "case": f"{family}-{backend}-{'packed' if packed else 'unpacked'}"
             + ("-chunked" if chunked else "-logits"),
@@ -142,19 +149,19 @@ def main() -> None:
             "grads": max((grads[n] - g).abs().max().item() for n, g in expected_grads.items()),
             "grad_scale": max(g.abs().max().item() for g in expected_grads.values()),
         }
-        if dist.get_rank() == 0:
-            print(json.dumps(result), flush=True)
+        print(json.dumps(result), flush=True)
     # flex: the forward only (torch 2.13 has no FlexAttention backward on CPU), eager.
     for family in _FAMILIES:
         for packed in (True, False):
             batch = _batch(packed)
             with torch.no_grad():
                 model = _model(family, "sdpa")
-                expected_logits = model(
-                    batch["tokens"],
-                    document_ids=batch.get("document_ids"),
-                    input_pos=batch.get("input_pos"),
-                )
+                if dist.get_rank() == 0:
+                    expected_logits = model(
+                        batch["tokens"],
+                        document_ids=batch.get("document_ids"),
+                        input_pos=batch.get("input_pos"),
+                    )
                 model.attention_backend = "flex"
                 local = context.shard(batch)
                 local_logits = model(
@@ -164,11 +171,11 @@ def main() -> None:
                     context_parallel=context,
                 )
                 logits = context.gather(local_logits, dim=1)[:, : batch["tokens"].shape[1]]
-            result = {
-                "case": f"{family}-flex-{'packed' if packed else 'unpacked'}-forward",
-                "logits": (logits - expected_logits).abs().max().item(),
-            }
             if dist.get_rank() == 0:
+                result = {
+                    "case": f"{family}-flex-{'packed' if packed else 'unpacked'}-forward",
+                    "logits": (logits - expected_logits).abs().max().item(),
+                }
                 print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 
