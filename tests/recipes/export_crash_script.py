@@ -1,6 +1,9 @@
 """Driven by test_export_crash.py: write an HF export, optionally stalling mid-write.
 
 Usage: export_crash_script.py {good,stall} BASE_DIR OUTPUT_DIR
+
+A ``good`` export runs as well in the test's own process (:func:`export`); a stalled one is
+killed, so it runs here.
 """
 
 import sys
@@ -11,13 +14,12 @@ import tunelab.checkpoint.consolidate as consolidate
 from tunelab.checkpoint.hf_sharded import save_hf_sharded
 from tunelab.formats.hf import HFCheckpointReader
 
-MODE, BASE, OUT = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 
-
-def main() -> None:
-    reader = HFCheckpointReader(BASE)
+def export(mode: str, base: Path, out: Path) -> None:
+    """Export ``base``'s weights to ``out`` (``stall``: doubled, stalling after one tensor)."""
+    reader = HFCheckpointReader(base)
     state_dict = {key: reader.get(key) for key in reader.keys()}
-    if MODE == "stall":
+    if mode == "stall":
         # Different weights, and a writer that stalls after its first tensor: the test kills
         # the process while the new export is half written.
         state_dict = {key: value * 2 for key, value in state_dict.items()}
@@ -32,9 +34,9 @@ def main() -> None:
             return write_chunk(*args, **kwargs)
 
         consolidate.write_chunk = stalling_write_chunk
-    save_hf_sharded(state_dict, OUT, fqn_to_file=reader.fqn_to_file, source_dir=BASE)
-    print("WROTE", flush=True)
+    save_hf_sharded(state_dict, out, fqn_to_file=reader.fqn_to_file, source_dir=base)
 
 
 if __name__ == "__main__":
-    main()
+    export(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    print("WROTE", flush=True)

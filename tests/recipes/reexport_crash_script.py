@@ -7,6 +7,7 @@ embedded tiny model. With a stall point the process prints ``STALLED`` there and
 the test kills it: ``adapter`` (while the new adapter is written), ``weights`` (while the
 merged weights are written), ``swap`` (the export replaced, the old one not yet retired) and
 ``between_renames`` (no atomic exchange: the old export moved aside, the new one not yet in).
+An export without a stall point runs as well in the test's own process (:func:`export`).
 """
 
 import os
@@ -25,8 +26,6 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.peft import get_adapter_params
 from tunelab.training import load_model
 
-MODE, OUT = sys.argv[1], Path(sys.argv[2])
-STALL = sys.argv[3] if len(sys.argv) > 3 else None
 BASE = assets_dir() / "tiny"
 
 
@@ -49,27 +48,32 @@ def stall_on(module, name: str, *, at_call: int = 1, when=lambda *a, **k: True) 
     setattr(module, name, wrapper)
 
 
-def main() -> None:
+def export(mode: str, out: Path, stall_point: str | None = None) -> None:
+    """The ``old`` or ``new`` LoRA export into ``out``, stalled at ``stall_point`` if given.
+
+    The adapter's values come from their own generator: the caller's random state is left alone.
+    """
     model = load_model(
         str(BASE), device=torch.device("cpu"), dtype=torch.float32,
         lora=LoRAArgs(rank=4, alpha=8.0, targets=["q_proj", "v_proj"]),
     )  # fmt: skip
-    torch.manual_seed(0 if MODE == "old" else 1)
+    generator = torch.Generator().manual_seed(0 if mode == "old" else 1)
     with torch.no_grad():
         for param in get_adapter_params(model).values():
-            param.normal_(std=0.02)  # B too: the merged weights differ between old and new
-    if STALL == "adapter":
+            # B too: the merged weights differ between old and new.
+            param.normal_(std=0.02, generator=generator)
+    if stall_point == "adapter":
         stall_on(peft_io, "write_bytes", at_call=2)  # the adapter's weights written, not its config
-    elif STALL == "weights":
+    elif stall_point == "weights":
         stall_on(consolidate, "write_chunk", at_call=2)
-    elif STALL == "swap":
+    elif stall_point == "swap":
         stall_on(hf_sharded, "retire_folder")
-    elif STALL == "between_renames":
+    elif stall_point == "between_renames":
         hf_sharded.exchange_paths = lambda first, second: False
-        stall_on(os, "replace", when=lambda src, dst, **_: Path(dst) == OUT)
-    export_hf(model, OUT, base_checkpoint_dir=BASE, lora=LoRAArgs(rank=4, alpha=8.0))
-    print("WROTE", flush=True)
+        stall_on(os, "replace", when=lambda src, dst, **_: Path(dst) == out)
+    export_hf(model, out, base_checkpoint_dir=BASE, lora=LoRAArgs(rank=4, alpha=8.0))
 
 
 if __name__ == "__main__":
-    main()
+    export(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    print("WROTE", flush=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.recipes import export_crash_script, reexport_crash_script
 from tests.recipes.conftest import run_env
 from tunelab.formats.layout import is_temporary_name
 
@@ -35,9 +36,10 @@ def _export(mode: str, base: Path, out: Path, **kwargs):
 
 
 def test_killed_export_leaves_the_previous_one_intact(tiny_hf_model_dir, tmp_path):
+    # The exports that are not killed run here; the one killed mid-write in a process of its own.
     base = tiny_hf_model_dir("llama3_1", sharded=True)
     out = tmp_path / "epoch_0"
-    assert _export("good", base, out).wait(timeout=120) == 0
+    export_crash_script.export("good", base, out)
     before = _digests(out)
     assert any(name.endswith(".safetensors") for name in before)
 
@@ -53,7 +55,7 @@ def test_killed_export_leaves_the_previous_one_intact(tiny_hf_model_dir, tmp_pat
     assert all(torch.equal(exported[key], reference[key]) for key in reference)
 
     # The next export replaces it whole, leftovers of the killed one included.
-    assert _export("good", base, out).wait(timeout=120) == 0
+    export_crash_script.export("good", base, out)
     assert _digests(out) == before
     assert not any(is_temporary_name(path.name) for path in tmp_path.iterdir())
 
@@ -71,20 +73,21 @@ def _payload(folder: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
-def _reexport(mode: str, out: Path, stall: str | None = None):
+def _reexport(mode: str, out: Path, stall: str):
     return subprocess.Popen(
-        [sys.executable, str(REEXPORT), mode, str(out), *([stall] if stall else [])],
+        [sys.executable, str(REEXPORT), mode, str(out), stall],
         env=run_env(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def lora_exports(tmp_path_factory):
-    """An old and a new LoRA export of the tiny model (adapter + merged weights differ)."""
+    """An old and a new LoRA export of the tiny model (adapter + merged weights differ), made
+    in this process (the killed re-exports run in processes of their own)."""
     root = tmp_path_factory.mktemp("exports")
     payloads = {}
     for mode in ("old", "new"):
-        assert _reexport(mode, root / mode / "epoch_0").wait(timeout=300) == 0
+        reexport_crash_script.export(mode, root / mode / "epoch_0")
         payloads[mode] = _payload(root / mode / "epoch_0")
     assert payloads["old"] != payloads["new"]
     assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(
