@@ -2,7 +2,8 @@
 
 The pytest side launches this same file under ``torch.distributed.run`` with 2 processes; the
 workers write three exports, and the pytest side checks every file against the full tensors
-and loads the tiny Llama export in ``transformers``.
+and loads the tiny Llama export in ``transformers``. The tiny Llama's weights reach the workers
+as a file (LLAMA_WEIGHTS, written by the pytest side): the workers need no ``transformers``.
 """
 
 import json
@@ -42,6 +43,10 @@ def full_tensors():
     }
 
 
+LLAMA_WEIGHTS = "tiny_llama.safetensors"
+"""The file in the run's folder that holds :func:`tiny_llama`'s weights for the workers."""
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,10 +83,9 @@ def worker(out: Path) -> None:
     save_hf_sharded(state, out / "greedy", max_shard_size=64)
     save_hf_sharded(state, out / "mapped", fqn_to_file=TENSOR_MAPPING, thread_count=2)
 
-    model = tiny_llama()
     sharded = {
-        key: distribute_tensor(value.detach(), mesh, [Shard(0)])
-        for key, value in model.state_dict().items()
+        key: distribute_tensor(value, mesh, [Shard(0)])
+        for key, value in load_file(out / LLAMA_WEIGHTS).items()
     }
     mapping = {
         key: "model-00002-of-00002.safetensors"
@@ -90,9 +94,6 @@ def worker(out: Path) -> None:
         for key in sharded
     }
     save_hf_sharded(sharded, out / "llama", fqn_to_file=mapping)
-    if dist.get_rank() == 0:
-        # copy_model_files(source_dir, ...) is not under test here: write the config directly.
-        model.config.save_pretrained(out / "llama")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -127,6 +128,11 @@ def _check_export(folder: Path, expected: dict, expected_map: dict | None = None
 
 @pytest.mark.slow
 def test_two_process_exports_equal_full_tensors_and_load_in_transformers(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    reference = tiny_llama()
+    save_file(reference.state_dict(), tmp_path / LLAMA_WEIGHTS)
     env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -140,10 +146,9 @@ def test_two_process_exports_equal_full_tensors_and_load_in_transformers(tmp_pat
     assert len(set(greedy["weight_map"].values())) > 1
     _check_export(tmp_path / "mapped", expected, TENSOR_MAPPING)
 
-    from transformers import AutoModelForCausalLM
-
-    reference = tiny_llama()
     _check_export(tmp_path / "llama", reference.state_dict())
+    # copy_model_files(source_dir, ...) is not under test here: write the config directly.
+    reference.config.save_pretrained(tmp_path / "llama")
     loaded, info = AutoModelForCausalLM.from_pretrained(
         tmp_path / "llama", output_loading_info=True, dtype=torch.float32
     )
