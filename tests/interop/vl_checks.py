@@ -1,4 +1,4 @@
-"""Checks every vision-language family's interop tests share (Qwen2.5-VL, Qwen3-VL).
+"""Checks every vision-language family's interop tests share (Qwen2.5-VL, Qwen3-VL, Gemma 3).
 
 Rows of random text with images as ``start, image tokens, end``, random pixel values, and
 the comparisons against transformers: logits, a merged export, and a LoRA export loaded by
@@ -72,7 +72,7 @@ def save_tiny_checkpoint(model: torch.nn.Module, folder: Path) -> Path:
     """
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+            if name.endswith("bias") or "norm" in name or "ln_q" in name or "projection" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(folder)
     return folder
@@ -145,7 +145,7 @@ def check_lora_export(
     lora = LoRAArgs(targets=["all-linear"], rank=4, alpha=8.0)
     linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     swapped = apply_lora(model, lora, adapt_under=vision)
-    in_tower = {name for name in swapped if name.startswith("visual.")}
+    in_tower = {name for name in swapped if name.startswith(model.vision_prefix)}
     assert in_tower == {name for name in linears if name.startswith(vision)}
     assert bool(in_tower) == bool(vision)
     torch.manual_seed(1)

@@ -18,6 +18,7 @@ from tunelab.data.chat import chat_template_of
 from tunelab.data.collate import padded_collate_sft
 from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, padded_collate_images
 from tunelab.data.images import ImageProcessing
+from tunelab.data.images_gemma3 import GEMMA3_PROCESSOR, Gemma3ImageProcessing
 from tunelab.data.sources import resolve_sources
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
@@ -26,23 +27,34 @@ from tunelab.errors import ConfigError
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
 
-def image_processing_for(tokenizer: Tokenizer) -> ImageProcessing | None:
+def image_processing_for(tokenizer: Tokenizer) -> ImageProcessing | Gemma3ImageProcessing | None:
     """The image preprocessing of the model the tokenizer belongs to, or None (text-only).
 
     Read from ``preprocessor_config.json`` beside the tokenizer's files, which a
-    vision-language checkpoint carries and a text-only one does not.
+    vision-language checkpoint carries and a text-only one does not: Gemma 3's (its
+    ``processor_class`` or ``image_processor_type``, with ``processor_config.json``'s
+    ``image_seq_length``), else Qwen2-VL's.
     """
-    path = Path(tokenizer.source).parent / PREPROCESSOR_CONFIG
+    folder = Path(tokenizer.source).parent
+    path = folder / PREPROCESSOR_CONFIG
     if not path.is_file():
         return None
-    return ImageProcessing.from_preprocessor_config(json.loads(path.read_text()))
+    config = json.loads(path.read_text())
+    processor_path = folder / "processor_config.json"
+    processor = json.loads(processor_path.read_text()) if processor_path.is_file() else {}
+    kind = str(config.get("image_processor_type") or "")
+    if GEMMA3_PROCESSOR in (config.get("processor_class"), processor.get("processor_class")) or (
+        kind.startswith("Gemma3")
+    ):
+        return Gemma3ImageProcessing.from_preprocessor_config(config, processor)
+    return ImageProcessing.from_preprocessor_config(config)
 
 
 @dataclass(frozen=True)
 class ImageCollate:
     """``padded_collate_images`` with its preprocessing bound (picklable, for workers)."""
 
-    processing: ImageProcessing
+    processing: ImageProcessing | Gemma3ImageProcessing
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __call__(self, batch: list[dict[str, Any]], pad_id: int, ignore_index: int = -100) -> Any:
@@ -88,7 +100,8 @@ def image_chat_dataset(
         split: Split to read.
         conversation_column: The column of OpenAI-style messages.
         images_column: The column of image files for ``<image>`` placeholders.
-        image_token: The token the chat template writes once per image.
+        image_token: The token the chat template writes once per image (Qwen's; Gemma 3's
+            processor names its own: ``<start_of_image>``, replaced by the image's text).
         max_image_pixels: Largest area an image file may declare (a decompression bomb).
         template_kwargs: Extra variables for the chat template.
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's); a cut inside

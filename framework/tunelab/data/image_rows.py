@@ -12,6 +12,9 @@ Relative paths are read from ``image_dir`` (the dataset file's folder). The conv
 rendered with the tokenizer's own chat template (which writes one image token per image, e.g.
 Qwen2.5-VL's ``<|vision_start|><|image_pad|><|vision_end|>``), and each image token is then
 repeated as many times as the image has language tokens, as transformers' processor does.
+Gemma 3's processor instead replaces the ``<start_of_image>`` the template writes with the
+image's text (``tunelab.data.images_gemma3``) before tokenising: so is it done here, in the
+rendered text (``ImagesInText``).
 Image tokens are never trained; what is trained is decided by ``tunelab.data.chat`` (the
 assistant's text).
 
@@ -36,6 +39,7 @@ from tunelab.data.chat import tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_sft
 from tunelab.data.images import ImageError, ImageProcessing, open_image
+from tunelab.data.images_gemma3 import Gemma3ImageProcessing
 from tunelab.data.rows import BadRow, to_sample
 from tunelab.data.tokenizer import Tokenizer
 
@@ -168,6 +172,59 @@ def expand_image_tokens(
 
 
 @dataclass
+class ImagesInText:
+    """A chat template whose renders carry each image's text in place of its placeholder.
+
+    The ``k``-th ``placeholder`` of a render becomes ``texts[k]`` (Gemma 3's processor, which
+    replaces text before tokenising); generation-block spans move with the text. Everything
+    else is the wrapped template's.
+    """
+
+    template: ChatTemplate
+    placeholder: str
+    texts: Sequence[str]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "template":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.template, name)
+
+    def render(self, messages: Sequence[Any], **options: Any) -> str:
+        """``ChatTemplate.render`` with the images' text."""
+        return self.render_with_spans(messages, **options)[0]
+
+    def render_with_spans(
+        self, messages: Sequence[Any], **options: Any
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """``ChatTemplate.render_with_spans`` with the images' text.
+
+        Raises:
+            ChatTemplateError: the render holds more placeholders than there are images.
+        """
+        text, spans = self.template.render_with_spans(messages, **options)
+        pieces = text.split(self.placeholder)
+        if len(pieces) - 1 > len(self.texts):
+            raise ChatTemplateError(
+                f"the chat template wrote {len(pieces) - 1} {self.placeholder} for "
+                f"{len(self.texts)} images"
+            )
+        # Where each placeholder ended in the render, and how much longer the text is after it.
+        ends, shifts, position, shift = [], [], 0, 0
+        for piece, image_text in zip(pieces[:-1], self.texts, strict=False):
+            position += len(piece) + len(self.placeholder)
+            shift += len(image_text) - len(self.placeholder)
+            ends.append(position)
+            shifts.append(shift)
+
+        def moved(offset: int) -> int:
+            passed = [s for end, s in zip(ends, shifts, strict=True) if end <= offset]
+            return offset + (passed[-1] if passed else 0)
+
+        out = [piece + text for piece, text in zip(pieces[:-1], self.texts, strict=False)]
+        return "".join(out) + pieces[-1], [(moved(lo), moved(hi)) for lo, hi in spans]
+
+
+@dataclass
 class ImageChatRows:
     """Row function of a chat dataset whose rows may hold images.
 
@@ -178,10 +235,11 @@ class ImageChatRows:
     tokenizer: Tokenizer
     template: ChatTemplate
     column: str
-    processing: ImageProcessing | None
+    processing: ImageProcessing | Gemma3ImageProcessing | None
     """How images become patches; None for a text-only model (rows with images are refused)."""
     image_token: str = "<|image_pad|>"
-    """The token the chat template writes once per image."""
+    """The token the chat template writes once per image (Qwen; Gemma 3's processing names
+    its own tokens)."""
     image_dir: str | None = None
     """Folder relative image paths are read from (None: the working directory)."""
     images_column: str = "images"
@@ -197,11 +255,9 @@ class ImageChatRows:
         try:
             image = open_image(path, self.max_image_pixels)
             assert self.processing is not None
-            height, width = self.processing.resized_size(image.height, image.width)
+            grid = self.processing.grid(image.height, image.width)
         except ImageError as error:
             raise BadRow(self.images_column, str(error)) from None
-        factor = self.processing.patch_size
-        grid = (1, height // factor, width // factor)
         return ImageRef(str(path), grid), self.processing.num_tokens(image.height, image.width)
 
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -215,16 +271,23 @@ class ImageChatRows:
                 "the row has images but the model is text-only (no vision tower)",
             )
         images = [self._image(file) for file in files]
+        template: Any = self.template
+        in_text = isinstance(self.processing, Gemma3ImageProcessing)
+        if in_text:
+            texts = [self.processing.image_text(image.grid[0] - 1) for image, _ in images]
+            template = ImagesInText(self.template, self.processing.placeholder, texts)
         try:
             rendered = tokenize_conversation(
                 self.tokenizer,
                 messages,
                 train_on_reasoning=self.train_on_reasoning,
                 template_kwargs=self.template_kwargs,
-                template=self.template,
+                template=template,
             )
         except ChatTemplateError as error:
             raise BadRow(self.column, str(error)) from None
+        if in_text:
+            return [_image_tokens_sample(self, tokens, mask, images) for tokens, mask in rendered]
         image_token_id = self.tokenizer.token_to_id(self.image_token)
         samples = []
         for tokens, mask in rendered:
@@ -238,28 +301,61 @@ class ImageChatRows:
             tokens, mask = expand_image_tokens(
                 tokens, mask, image_token_id, [count for _, count in images[:held]]
             )
-            sample, cut = to_sample(tokens, mask, self.max_seq_len)
-            if cut and image_token_id in tokens[self.max_seq_len :]:
-                raise BadRow(
-                    self.column,
-                    f"the sample is {len(tokens)} tokens with its images; max_seq_len "
-                    f"{self.max_seq_len} would cut an image",
-                )
-            samples.append(
-                {
-                    **sample,
-                    "truncated": cut,
-                    "images": [image.path for image, _ in images[:held]],
-                    "image_grids": [list(image.grid) for image, _ in images[:held]],
-                }
-            )
+            samples.append(_image_sample(self, tokens, mask, image_token_id, images[:held]))
         return samples
+
+
+def _image_tokens_sample(
+    rows: ImageChatRows, tokens: list[int], mask: list[bool], images: list
+) -> dict[str, Any]:
+    """A sample of ids whose images are already in the text (Gemma 3), image tokens untrained."""
+    assert isinstance(rows.processing, Gemma3ImageProcessing)
+    image_token_id = rows.tokenizer.token_to_id(rows.processing.image_token)
+    held = tokens.count(image_token_id) if image_token_id is not None else 0
+    number = _counted_images(held, [count for _, count in images])
+    if number is None or (images and image_token_id is None):
+        raise BadRow(
+            rows.column,
+            f"the sample holds {held} {rows.processing.image_token} tokens, which no leading "
+            f"images of the row add up to ({[count for _, count in images]} each)",
+        )
+    mask = [masked or token == image_token_id for token, masked in zip(tokens, mask, strict=True)]
+    return _image_sample(rows, tokens, mask, image_token_id, images[:number])
+
+
+def _image_sample(
+    rows: ImageChatRows, tokens: list[int], mask: list[bool], image_token_id: int, images: list
+) -> dict[str, Any]:
+    """The sample of expanded ids holding ``images``; a cut inside an image is a ``BadRow``."""
+    sample, cut = to_sample(tokens, mask, rows.max_seq_len)
+    if cut and image_token_id in tokens[rows.max_seq_len :]:
+        raise BadRow(
+            rows.column,
+            f"the sample is {len(tokens)} tokens with its images; max_seq_len "
+            f"{rows.max_seq_len} would cut an image",
+        )
+    return {
+        **sample,
+        "truncated": cut,
+        "images": [image.path for image, _ in images],
+        "image_grids": [list(image.grid) for image, _ in images],
+    }
+
+
+def _counted_images(held: int, counts: Sequence[int]) -> int | None:
+    """How many leading images hold exactly ``held`` image tokens, or None if none do."""
+    total = 0
+    for number, count in enumerate(counts):
+        if total == held:
+            return number
+        total += count
+    return len(counts) if total == held else None
 
 
 def padded_collate_images(
     batch: list[dict[str, Any]],
     pad_id: int,
-    processing: ImageProcessing,
+    processing: ImageProcessing | Gemma3ImageProcessing,
     ignore_index: int = -100,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> dict[str, torch.Tensor]:

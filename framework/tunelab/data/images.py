@@ -90,6 +90,11 @@ class ImageProcessing:
         """``smart_resize`` with these settings."""
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
+    def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """``(frames, patch rows, patch columns)`` of an image of ``height x width`` pixels."""
+        resized_height, resized_width = self.resized_size(height, width)
+        return 1, resized_height // self.patch_size, resized_width // self.patch_size
+
     def num_tokens(self, height: int, width: int) -> int:
         """Language tokens of an image of ``height x width`` pixels (before resizing)."""
         resized_height, resized_width = self.resized_size(height, width)

@@ -40,6 +40,7 @@ MODEL_FILE_PATTERNS = (
     "chat_template.jinja",
     "chat_template.json",
     "preprocessor_config.json",
+    "processor_config.json",
     "*.tiktoken",
     "LICENSE*",
 )

@@ -289,11 +289,13 @@ class TransformerDecoder(nn.Module):
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None,
         context: ContextParallel | None = None,
+        last_keys: torch.Tensor | None = None,
     ) -> dict[str, AttentionMask]:
         """Each attention kind's ``AttentionMask`` (no dense tensor; kernels build their form).
 
         Under context parallelism the masks describe this rank's queries against the whole
-        row, whose keys and values the layers gather.
+        row, whose keys and values the layers gather. ``last_keys`` (``[batch, seq]``) lets
+        queries see keys past themselves (``AttentionMask``; Gemma 3's image blocks).
         """
         batch, seq_len = tokens.shape
         backend = resolve_attention_backend(self.attention_backend, tokens.device)
@@ -304,7 +306,9 @@ class TransformerDecoder(nn.Module):
                 "query_positions": context.query_positions(seq_len, tokens.device),
                 "gather_key_values": context.gather_key_values,
             }
-        full = AttentionMask(batch, seq_len, tokens.device, backend, document_ids, **cp)
+        full = AttentionMask(
+            batch, seq_len, tokens.device, backend, document_ids, last_keys=last_keys, **cp
+        )
         masks = {FULL: full}
         if SLIDING in (self.args.layer_types or ()):
             masks[SLIDING] = full.with_window(self.args.sliding_window)

@@ -16,6 +16,7 @@ from tunelab.models.gemma import (
     gemma2_args_from_hf,
     gemma3_text_args_from_hf,
 )
+from tunelab.models.gemma3_vl import Gemma3VLStateDictAdapter, gemma3_vl_args_from_hf
 from tunelab.models.gpt_oss import GptOssStateDictAdapter, gpt_oss_args_from_hf
 from tunelab.models.llama import LlamaStateDictAdapter, llama_args_from_hf
 from tunelab.models.mistral import MistralStateDictAdapter, mistral_args_from_hf
@@ -50,6 +51,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(gpt_oss_args_from_hf, GptOssStateDictAdapter),
     "qwen2_5_vl": Family(qwen2_5_vl_args_from_hf, Qwen2_5_VLStateDictAdapter),
     "qwen3_vl": Family(qwen3_vl_args_from_hf, Qwen3VLStateDictAdapter),
+    "gemma3": Family(gemma3_vl_args_from_hf, Gemma3VLStateDictAdapter),
 }
 _ARCHITECTURES = {family.adapter.architecture: name for name, family in FAMILIES.items()}
 

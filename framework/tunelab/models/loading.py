@@ -21,6 +21,7 @@ from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.models.families import args_from_hf, read_hf_config
 from tunelab.models.vision_language import VisionLanguageDecoder
+from tunelab.models.vision_language_gemma3 import Gemma3VisionLanguageDecoder
 
 # The config.json keys that set tensor dimensions, for naming the one that disagrees.
 _DIMENSION_KEYS = (
@@ -72,7 +73,8 @@ def from_hf_config(
     if folder is not None:
         check_dimensions(args, folder)
     if args.vision is not None and model_class is TransformerDecoder:
-        model_class = VisionLanguageDecoder
+        gemma = args.vision.layout == "gemma3"
+        model_class = Gemma3VisionLanguageDecoder if gemma else VisionLanguageDecoder
     return model_class(args)
 
 
@@ -244,7 +246,7 @@ def load_hf_into_model(
             weight that is not floating point, or one holding NaN or infinity.
     """
     reader = HFCheckpointReader(checkpoint_dir)
-    adapter = model.state_dict_adapter
+    adapter = model.state_dict_adapter.for_file_keys(reader.keys())
     tied = adapter.tied_hf_keys()
     result = LoadResult()
     params: dict[str, torch.Tensor] = {}

@@ -15,7 +15,7 @@ expert and projection (``mlp.experts.3.gate_proj.weight``). ``expert_hf_keys`` n
 """
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -84,6 +84,13 @@ class StateDictAdapter:
             ``(blocks_key, scales_key)``, or None where no quantized form exists (here: always).
         """
         return None
+
+    def for_file_keys(self, keys: Iterable[str]) -> "StateDictAdapter":
+        """The adapter of a file holding ``keys``, when a family's files come in two layouts.
+
+        This one; Gemma 3's multimodal family also reads transformers 5's tower keys.
+        """
+        return self
 
     def stacked_layout_adapter(self) -> "StateDictAdapter":
         """The adapter of a file that holds the stacked experts under their native names."""

@@ -157,11 +157,26 @@ class VisionLanguageDecoder(TransformerDecoder):
     """The module prefixes of the parts ``model.vision_tower`` and ``model.projector`` set."""
 
     def __init__(self, args: ModelArgs) -> None:
-        if args.vision is None or args.mrope_section is None:
-            raise ValueError("a vision-language model needs args.vision and args.mrope_section")
+        if args.vision is None:
+            raise ValueError("a vision-language model needs args.vision")
         super().__init__(args)
+        self.build_vision(args)
+
+    def build_vision(self, args: ModelArgs) -> None:
+        """Add the vision tower and projector (here ``visual``, the Qwen towers)."""
+        if args.mrope_section is None:
+            raise ValueError("a Qwen vision-language model needs args.mrope_section")
         tower = {"qwen2_5_vl": VisionTransformer, "qwen3_vl": Qwen3VisionTransformer}
         self.visual = tower[args.vision.layout](args.vision)
+
+    def peft_target_name(self, module: str) -> str:
+        """How ``adapter_config.json``'s ``target_modules`` names an adapted module.
+
+        A path suffix valid both here and in transformers' model (see
+        ``tunelab.peft.peft_target_modules``): the native path without ``model.``
+        (``layers.0.self_attn.q_proj``, ``visual.merger.mlp.0``).
+        """
+        return module.removeprefix("model.")
 
     def peft_module_path(self, native_key: str) -> str:
         """Where a parameter lives in transformers' model, as a PEFT adapter names it.
@@ -202,6 +217,20 @@ class VisionLanguageDecoder(TransformerDecoder):
                     if params and all(param.requires_grad for param in params):
                         whole.append(name)
         return whole
+
+    def _refuse_unsupported(self, tokens: torch.Tensor, unsupported: dict[str, object]) -> None:
+        """Refuse what a vision-language forward does not take.
+
+        Other decoder arguments (masks, context parallelism, shared prefixes), KV caches, and
+        tokens that are not ``[batch, seq]``.
+        """
+        given = sorted(name for name, value in unsupported.items() if value is not None)
+        if given or self.caches_are_enabled():
+            raise ValueError(
+                f"a vision-language forward does not support {given or 'KV caches'} yet"
+            )
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
 
     def embed(
         self,
@@ -275,13 +304,7 @@ class VisionLanguageDecoder(TransformerDecoder):
         Raises:
             ValueError: unsupported arguments, or image tokens that do not match the images.
         """
-        given = sorted(name for name, value in unsupported.items() if value is not None)
-        if given or self.caches_are_enabled():
-            raise ValueError(
-                f"a vision-language forward does not support {given or 'KV caches'} yet"
-            )
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        self._refuse_unsupported(tokens, unsupported)
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw go together")
         vision = self.args.vision

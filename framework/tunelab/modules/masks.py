@@ -90,6 +90,27 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return index - run_start
 
 
+def image_block_ends(is_image: torch.Tensor) -> torch.Tensor:
+    """The last key each query sees when a run of image tokens attends bidirectionally.
+
+    Gemma 3: the tokens of one image (a maximal run of image tokens) see each other; every
+    other token sees keys up to itself. Text after an image sees the whole image causally.
+
+    Args:
+        is_image: bool ``[batch, seq]``, True on image tokens.
+
+    Returns:
+        Long ``[batch, seq]``: for an image token the last position of its run, otherwise
+        the token's own position (``AttentionMask``'s ``last_keys``).
+    """
+    batch, seq_len = is_image.shape
+    index = torch.arange(seq_len, device=is_image.device).expand(batch, seq_len)
+    # The first text position at or after each token, found with a cumulative min from the end.
+    text_at = torch.where(is_image, torch.full_like(index, seq_len), index)
+    next_text = text_at.flip(1).cummin(dim=1).values.flip(1)
+    return torch.where(is_image, next_text - 1, index)
+
+
 FLEX_BLOCK_SIZE = 128
 """Query and key block size of the flex_attention ``BlockMask`` (its kernels' default)."""
 
@@ -101,9 +122,12 @@ class AttentionMask:
     optionally cut to a sliding window of ``sliding_window`` keys per query, itself included.
     With documents as runs of equal ids, query ``q`` sees exactly the keys
     ``max(start of its document, q - sliding_window + 1) .. q``: one interval per query, so
-    the description is the ``[batch, seq]`` tensor of interval starts. Attention layers turn it
-    into what their kernel takes (nothing for plain causal rows, ``is_causal``; a
-    flex_attention ``BlockMask``; or the dense bool mask of the fallback path), and each form
+    the description is the ``[batch, seq]`` tensor of interval starts. ``last_keys`` moves an
+    interval's end past the query (Gemma 3's image blocks, whose tokens see each other:
+    ``image_block_ends``); the window still bounds only how far back a query reaches.
+    Attention layers turn it into what their kernel takes (nothing for plain causal rows,
+    ``is_causal``; a flex_attention ``BlockMask``; or the dense bool mask of the fallback
+    path), and each form
     is built at most once and shared by every layer given this object (one per forward and
     attention kind).
 
@@ -121,6 +145,8 @@ class AttentionMask:
         gather_key_values: context parallelism: turns this rank's keys and values
             ``[batch, heads, queries, head_dim]`` into the whole row's (a collective with
             an exact backward, ``tunelab.distributed.ContextParallel.gather_key_values``).
+        last_keys: long ``[batch, seq]``, the last key each query sees (at least itself);
+            None: itself (causal). Not with ``query_positions``.
     """
 
     def __init__(
@@ -135,6 +161,7 @@ class AttentionMask:
         query_positions: torch.Tensor | None = None,
         gather_key_values: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         | None = None,
+        last_keys: torch.Tensor | None = None,
     ) -> None:
         if document_ids is not None and tuple(document_ids.shape) != (batch, seq_len):
             raise ValueError(
@@ -149,6 +176,13 @@ class AttentionMask:
         self.sliding_window = sliding_window
         self.query_positions = query_positions
         self.gather_key_values = gather_key_values
+        if last_keys is not None and (
+            query_positions is not None or tuple(last_keys.shape) != (batch, seq_len)
+        ):
+            raise ValueError(
+                f"last_keys must be [batch, seq] = {[batch, seq_len]} without query_positions"
+            )
+        self.last_keys = last_keys
         self._forms: dict[str, object] = {}
 
     def with_window(self, sliding_window: int | None) -> "AttentionMask":
@@ -162,6 +196,7 @@ class AttentionMask:
             sliding_window,
             query_positions=self.query_positions,
             gather_key_values=self.gather_key_values,
+            last_keys=self.last_keys,
         )
 
     def prepare(self, explicit_scores: bool = False) -> "AttentionMask":
@@ -187,11 +222,12 @@ class AttentionMask:
 
     @property
     def causal_only(self) -> bool:
-        """True when this is plain causal attention (no documents, no window, no cp slice)."""
+        """True when this is plain causal attention (no documents, window, cp slice or blocks)."""
         return (
             self.document_ids is None
             and self.sliding_window is None
             and self.query_positions is None
+            and self.last_keys is None
         )
 
     def first_key(self) -> torch.Tensor:
@@ -212,13 +248,20 @@ class AttentionMask:
             self._forms["first_key"] = first
         return self._forms["first_key"]
 
+    def last_key(self) -> torch.Tensor:
+        """Long ``[batch or 1, queries]``: the last key each query sees (its interval's end)."""
+        if self.last_keys is not None:
+            return self.last_keys.to(self.device)
+        if self.query_positions is not None:
+            return self.query_positions.to(self.device)[None]
+        return torch.arange(self.seq_len, device=self.device)[None]
+
     def dense(self) -> torch.Tensor:
         """Bool ``[batch or 1, 1, queries, seq]``, True = may attend (the fallback path's mask)."""
         if "dense" not in self._forms:
             keys = torch.arange(self.seq_len, device=self.device)
-            queries = keys if self.query_positions is None else self.query_positions
             first = self.first_key()[:, :, None]
-            allowed = (keys >= first) & (keys <= queries.to(self.device)[:, None])
+            allowed = (keys >= first) & (keys <= self.last_key()[:, :, None])
             self._forms["dense"] = allowed[:, None]
         return self._forms["dense"]
 
@@ -250,15 +293,17 @@ class AttentionMask:
         # Padding queries (past the last one) sit past the last key: they touch no key block,
         # and flex drops their outputs.
         beyond = torch.full((padded - query_len,), key_len, device=self.device)
-        query = torch.cat([positions, beyond])
         first = self.first_key().expand(self.batch, query_len)
         first = torch.cat([first, beyond.expand(self.batch, -1)], dim=1)
+        last = torch.cat(
+            [self.last_key().expand(self.batch, query_len), beyond.expand(self.batch, -1)], dim=1
+        )
         block_start = torch.arange(num_key_blocks, device=self.device) * size
         block_last = torch.clamp(block_start + size - 1, max=key_len - 1)
-        lo = first[:, :, None]
+        lo, hi = first[:, :, None], last[:, :, None]
         # [batch, padded queries, key blocks], then reduced over each query block.
-        touches = (lo <= block_last) & (query[None, :, None] >= block_start)
-        covers = (lo <= block_start) & (query[None, :, None] >= block_last)
+        touches = (lo <= block_last) & (hi >= block_start)
+        covers = (lo <= block_start) & (hi >= block_last)
         valid = torch.arange(padded, device=self.device) < query_len
         covers = covers | ~valid[None, :, None]
         touches = touches & valid[None, :, None]
@@ -271,10 +316,10 @@ class AttentionMask:
             order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
             return counts, order.to(torch.int32)[:, None]
 
-        first_key, query_position = first, query
+        first_key, last_key = first, last
 
         def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 (flex's signature)
-            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= query_position[q_idx])
+            return (kv_idx >= first_key[b, q_idx]) & (kv_idx <= last_key[b, q_idx])
 
         counts, indices = ordered(partial)
         full_counts, full_indices = ordered(full)

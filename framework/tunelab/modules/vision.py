@@ -38,13 +38,18 @@ from tunelab.modules.rotary import _rotate_half
 _NORM_EPS = 1e-6
 
 
-VISION_LAYOUTS = ("qwen2_5_vl", "qwen3_vl")
+VISION_LAYOUTS = ("qwen2_5_vl", "qwen3_vl", "gemma3")
 """The vision towers tunelab builds, by the family that introduced them."""
 
 
 @dataclass
 class VisionArgs:
-    """Shape of a Qwen2.5-VL or Qwen3-VL vision tower (HF ``vision_config``) and its token ids."""
+    """Shape of a vision tower (HF ``vision_config``) and its token ids.
+
+    Qwen2.5-VL and Qwen3-VL towers, or Gemma 3's SigLIP tower and projector (``layout``
+    ``gemma3``: ``tunelab.modules.vision_siglip``; the ``qwen`` patch, merge and rotary fields
+    do not apply to it).
+    """
 
     depth: int
     """Vision transformer blocks."""
@@ -85,18 +90,29 @@ class VisionArgs:
     """The token after an image's tokens."""
     layout: str = "qwen2_5_vl"
     """Which tower, one of ``VISION_LAYOUTS``: ``qwen2_5_vl`` (RMSNorm, gated MLP, window
-    attention; ``tunelab.modules.vision.VisionTransformer``) or ``qwen3_vl`` (LayerNorm, plain
+    attention; ``tunelab.modules.vision.VisionTransformer``), ``qwen3_vl`` (LayerNorm, plain
     MLP, full attention, learned position embeddings, deepstack;
-    ``tunelab.modules.vision_qwen3.Qwen3VisionTransformer``)."""
+    ``tunelab.modules.vision_qwen3.Qwen3VisionTransformer``) or ``gemma3`` (SigLIP and an
+    average-pooling projector; ``tunelab.modules.vision_siglip``)."""
     num_position_embeddings: int = 0
     """Qwen3-VL: rows of the learned position table, a square grid resampled to each image."""
     deepstack_blocks: list[int] = field(default_factory=list)
     """Qwen3-VL: blocks whose output a merger of its own adds into the language model's
     hidden states at the image tokens, after layer 0, 1, ... (HF ``deepstack_visual_indexes``)."""
+    image_size: int = 0
+    """Gemma 3: the side every image (and pan-and-scan crop) is resized to, in pixels."""
+    tokens_per_image: int = 0
+    """Gemma 3: language tokens per image (HF ``mm_tokens_per_image``), a square number."""
+    norm_eps: float = 1e-6
+    """Gemma 3: epsilon of the tower's LayerNorms and the projector's RMSNorm (HF
+    ``layer_norm_eps``)."""
 
     def __post_init__(self) -> None:
         if self.layout not in VISION_LAYOUTS:
             raise ConfigError(f"vision layout {self.layout!r} is not one of {VISION_LAYOUTS}")
+        if self.layout == "gemma3":
+            self._check_gemma3()
+            return
         if self.dim % self.num_heads or (self.dim // self.num_heads) % 4:
             raise ConfigError(
                 f"vision hidden_size {self.dim} must split into {self.num_heads} heads whose "
@@ -121,6 +137,29 @@ class VisionArgs:
             raise ConfigError(
                 f"vision num_position_embeddings {self.num_position_embeddings} must be a square"
             )
+
+    def _check_gemma3(self) -> None:
+        if self.dim % self.num_heads:
+            raise ConfigError(
+                f"vision hidden_size {self.dim} must split into {self.num_heads} heads"
+            )
+        side = self.image_size // self.patch_size if self.patch_size > 0 else 0
+        tokens_side = round(self.tokens_per_image**0.5)
+        if side <= 0 or side * self.patch_size != self.image_size:
+            raise ConfigError(
+                f"vision image_size {self.image_size} must be a positive multiple of "
+                f"patch_size {self.patch_size}"
+            )
+        if tokens_side < 1 or tokens_side**2 != self.tokens_per_image or side % tokens_side:
+            raise ConfigError(
+                f"mm_tokens_per_image {self.tokens_per_image} must be the square of a divisor "
+                f"of the {side} patches per image side"
+            )
+
+    @property
+    def patches_per_side(self) -> int:
+        """Gemma 3: patches along each side of an image."""
+        return self.image_size // self.patch_size
 
     @property
     def merge_unit(self) -> int:

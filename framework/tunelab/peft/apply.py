@@ -78,8 +78,17 @@ def _select_expert_targets(
 
 
 def _select_targets(
-    linears: dict[str, nn.Linear], targets: Sequence[str] | str, has_experts: bool = False
+    linears: dict[str, nn.Linear],
+    targets: Sequence[str] | str,
+    has_experts: bool = False,
+    paths: dict[str, str] | None = None,
 ) -> list[str]:
+    # `paths`: a module's path in transformers' model, which a target may name instead.
+    paths = paths or {}
+
+    def matches(name: str, target: str) -> bool:
+        return _matches(name, target) or (name in paths and _matches(paths[name], target))
+
     if not isinstance(targets, str) and list(targets) == [ALL_LINEAR]:
         targets = ALL_LINEAR  # the config form, `targets: [all-linear]`
     if isinstance(targets, str) and targets == ALL_LINEAR:
@@ -97,7 +106,7 @@ def _select_targets(
         raise TunelabError("lora targets is empty: name at least one module, or 'all-linear'")
     short_names = sorted({name.rpartition(".")[2] for name in linears})
     for target in wanted:
-        if not any(_matches(name, target) for name in linears):
+        if not any(matches(name, target) for name in linears):
             raise TunelabError(
                 f"lora target {target!r} matches no nn.Linear in the model; "
                 f"available linear names: {', '.join(short_names) or '(none)'}"
@@ -107,7 +116,7 @@ def _select_targets(
                     else ""
                 )
             )
-    return [name for name in linears if any(_matches(name, target) for target in wanted)]
+    return [name for name in linears if any(matches(name, target) for target in wanted)]
 
 
 def _matches(fqn: str, target: str) -> bool:
@@ -159,15 +168,19 @@ def apply_lora(model: nn.Module, lora: LoRAArgs, adapt_under: Sequence[str] = ()
     # target names them by their path there (``visual.merger.mlp.0``): bare names and
     # ``all-linear`` adapt the language model.
     tower = getattr(model, "vision_prefix", None)
+    paths = {}
     if tower:
+        # Targets may name transformers' paths (an exported adapter's Gemma 3 targets).
+        paths = {name: model.peft_module_path(name) for name in linears}
         named = [t for t in other_targets if isinstance(t, str) and t.startswith(tower)]
         linears = {
             name: linear
             for name, linear in linears.items()
-            if not name.startswith(tower) or any(_matches(name, t) for t in named)
+            if not name.startswith(tower)
+            or any(_matches(name, t) or _matches(paths[name], t) for t in named)
         }
     selected = (
-        _select_targets(linears, other_targets, bool(expert_weights))
+        _select_targets(linears, other_targets, bool(expert_weights), paths)
         if other_targets or not selected_experts
         else []
     )
@@ -278,7 +291,9 @@ def peft_target_modules(model: nn.Module) -> list[str]:
     (``visual.blocks.0.mlp.gate_proj``), so there each adapted module is named by a path
     suffix that matches it both here and in transformers' model, where the language model
     sits under ``model.language_model``: ``layers.0.self_attn.q_proj``,
-    ``visual.merger.mlp.0``, ``lm_head``.
+    ``visual.merger.mlp.0``, ``lm_head`` (the model's ``peft_target_name``; Gemma 3's
+    ``language_model.layers.0.self_attn.q_proj``, since its SigLIP blocks end the same way).
+    Reading them back, ``apply_lora`` matches a target against both paths.
 
     Args:
         model: A LoRA-applied model.
@@ -290,7 +305,7 @@ def peft_target_modules(model: nn.Module) -> list[str]:
     if not tower:
         return lora_target_names(model)
     modules = _require_lora(model, "peft_target_modules")
-    return sorted(clean_fqn(name).removeprefix("model.") for name in modules)
+    return sorted(model.peft_target_name(clean_fqn(name)) for name in modules)
 
 
 def _require_lora(model: nn.Module, caller: str) -> dict[str, LoRALinear | ExpertLoRA]:

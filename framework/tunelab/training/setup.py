@@ -117,6 +117,18 @@ def build_model(
                 if how == "lora"
                 for prefix in decoder.vision_parts[part]
             ]
+            for part, how in vision.items():
+                linears = [
+                    name
+                    for name, module in decoder.named_modules()
+                    if isinstance(module, nn.Linear) and name.startswith(decoder.vision_parts[part])
+                ]
+                if how == "lora" and not linears:
+                    # Gemma 3's projector is a norm and a bare projection matrix.
+                    raise ConfigError(
+                        f"model.{part}: lora adapts linear layers, and the {part} of "
+                        f"{model.path} has none: use frozen or full"
+                    )
             peft.apply_lora(decoder, lora, adapt_under=adapted)
             if classifier:
                 # The head is new: it trains whole beside the adapters (PEFT's modules_to_save).
