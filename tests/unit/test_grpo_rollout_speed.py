@@ -14,6 +14,7 @@ import tunelab.peft.inference_merge as inference_merge
 from tests.interop.adapter_checks import randomize_lora_b
 from tunelab.config.lora import LoRAArgs
 from tunelab.data import load_tokenizer, prompt_dataset
+from tunelab.modules import packed_linear
 from tunelab.peft import LoRALinear, disable_adapter, merged_adapters
 from tunelab.peft.nf4 import is_nf4
 from tunelab.rl import ModelRolloutEngine, SamplingSettings, sample_tokens, sampling_seeds
@@ -158,6 +159,34 @@ def test_merged_rollouts_sample_the_unmerged_tokens_and_leave_the_weights_alone(
         assert merged.last_entropy_sum == pytest.approx(unmerged.last_entropy_sum, rel=1e-5)
     assert model.training  # the mode comes back
     assert_untouched(model, before)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
+def test_rollouts_on_packed_weights_sample_the_unpacked_tokens(tokenizer_and_prompts, monkeypatch):
+    tokenizer, data = tokenizer_and_prompts
+    model = adapted_model()
+    indices = list(range(16))
+    prompts = [data.tokens[i] for i in indices for _ in range(4)]
+    seeds = sampling_seeds(0, 0, indices, 4)
+    packs = []
+    pack_weight = packed_linear.pack_weight
+    monkeypatch.setattr(packed_linear, "pack_weight", lambda *a: packs.append(1) or pack_weight(*a))
+    before = snapshot(model)
+    for temperature in (1.0, 0.0):
+        settings = SamplingSettings(
+            max_new_tokens=24, temperature=temperature, stop_ids=frozenset(tokenizer.stop_ids)
+        )
+        packs.clear()
+        packed = ModelRolloutEngine(model, settings, pad_id=tokenizer.pad_id).generate(
+            prompts, seeds
+        )
+        # every merged adapter and the output layer, once for the call
+        assert len(packs) == len(lora_layers(model)) + 1
+        plain = ModelRolloutEngine(model, settings, pad_id=tokenizer.pad_id, pack_weights=False)
+        assert packed == plain.generate(prompts, seeds)  # 64 completions
+        assert len({len(c) for c in packed}) > 1
+    assert_untouched(model, before)
+    assert "forward" not in model.lm_head.__dict__
 
 
 @pytest.mark.parametrize("vocab", [810, 4099])

@@ -108,6 +108,32 @@ def test_lora_linear_scale_and_rslora(use_rslora, scale, expected):
     torch.testing.assert_close(out, torch.tensor([expected]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_the_update_added_in_one_addmm_has_the_formula_s_values_and_gradients(use_rslora):
+    # y = x W^T + b + scale * (x A^T) B^T on [batch, seq, in] rows, in fp64: the fused addmm
+    # (scale as its alpha) against the formula written out, values and every gradient.
+    torch.manual_seed(0)
+    layer = LoRALinear(6, 5, rank=3, alpha=5.0, use_rslora=use_rslora, bias=True).double()
+    nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        seen.add(node.name())
+        stack.extend(next_fn for next_fn, _ in node.next_functions if next_fn is not None)
+    assert "AddmmBackward0" in seen and "MulBackward0" not in seen  # no separate scale pass
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, layer.lora_A.weight, layer.lora_B.weight), grad)
+    a, b = (p.detach().clone().requires_grad_() for p in (layer.lora_A.weight, layer.lora_B.weight))
+    x_ref = x.detach().clone().requires_grad_()
+    expected = F.linear(x_ref, layer.weight, layer.bias) + layer.scale * ((x_ref @ a.T) @ b.T)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    wanted = torch.autograd.grad(expected, (x_ref, a, b), grad)
+    for name, value, reference in zip(("x", "A", "B"), got, wanted, strict=True):
+        torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_fresh_lora_is_identity_and_a_is_kaiming_uniform():
     torch.manual_seed(0)
     layer = LoRALinear(16, 8, rank=4, alpha=8, bias=True)

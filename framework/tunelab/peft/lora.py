@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab.errors import ConfigError
+from tunelab.modules import packed_linear
 from tunelab.peft.nf4 import dequantize
 
 
@@ -122,7 +123,8 @@ class LoRALinear(nn.Module):
     ``y = F.linear(x, weight, bias) + scale * lora_B(lora_A(dropout(x)))``; while
     ``disabled`` is set the adapter term is skipped, so the output is the base model's.
     Inside ``tunelab.peft.merged_adapters`` it computes one linear with a temporary merged
-    weight instead (inference only).
+    weight instead (inference only; the rollout engine may hold it packed for oneDNN,
+    :mod:`tunelab.modules.packed_linear`).
     With ``use_dora`` it also has ``lora_magnitude_vector`` (``[out_dim]``, PEFT's name) and
     computes DoRA (see the module docstring). The base ``weight`` may be a torchao
     ``NF4Tensor`` (QLoRA); it is dequantized on the fly.
@@ -276,13 +278,32 @@ class LoRALinear(nn.Module):
             Output ``[..., out_dim]``.
         """
         if self.merged_weight is not None and not self.disabled:
-            return F.linear(x, self.merged_weight, self.bias)
+            return packed_linear.linear(x, self.merged_weight, self.bias)
         out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out
         if self.lora_magnitude_vector is None:
-            return out + self.lora_B(self.lora_A(self._dropout(x))) * self.scale
+            return self._add_update(out, self.lora_A(self._dropout(x)))
         return out + self._dora_term(x, out)
+
+    def _add_update(self, out: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """``out + scale * lora_B(low)``: one ``addmm`` on plain tensors.
+
+        ``addmm`` writes the scaled update into a copy of ``out`` in the matmul itself, so the
+        ``[tokens, out_dim]`` product is never scaled and added in passes of its own (forward),
+        and its gradient is not scaled in one either (backward: ``alpha`` scales the
+        ``[tokens, rank]`` and ``[out_dim, rank]`` gradients instead). DTensors (tensor
+        parallelism) and mixed dtypes take the module call.
+        """
+        lora_b = self.lora_B.weight
+        plain = type(out) is torch.Tensor and type(low) is torch.Tensor
+        if not plain or isinstance(lora_b, DTensor) or not out.dtype == low.dtype == lora_b.dtype:
+            return out + self.lora_B(low) * self.scale
+        rows = torch.addmm(
+            out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), lora_b.t(),
+            alpha=self.scale,
+        )  # fmt: skip
+        return rows.view(out.shape)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's dropout; on a ``DTensor`` input, the whole tensor's mask cut to it.
