@@ -200,11 +200,13 @@ def assert_step_logs_equal(output_dir: Path, reference: Path) -> None:
         assert keys == [(r["step"], sorted(r)) for r in map(json.loads, theirs)], name
 
 
-# Full fine-tuning, with a greedy validation set every 2 steps and dynamic sampling refilled
-# from extra prompts: neither may draw from what training samples, and a resume refills the same.
+# Full fine-tuning with a KL to the base (a frozen copy), a greedy validation set every 2 steps
+# and dynamic sampling refilled from extra prompts: neither may draw from what training
+# samples, and a resume refills the same.
 FULL = (
     "lora=null",
     "optimizer.lr=1e-4",
+    "loss.beta=0.04",
     "schedule.max_steps_per_epoch=4",
     "checkpoint.save_every_n_steps=2",
     "rollout.dynamic_sampling=true",
@@ -213,15 +215,28 @@ FULL = (
 )
 
 
-def test_full_kill_and_resume_with_validation_and_refills(tmp_path):
-    val = tmp_path / "val.jsonl"
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, tuple[str, ...]]:
+    """The uninterrupted 2-process FULL run (read-only) and its overrides."""
+    root = tmp_path_factory.mktemp("grpo_full")
+    val = root / "val.jsonl"
     prompts = (Path(TINY_ASSETS) / "grpo_prompts.jsonl").read_text().splitlines()
     val.write_text("\n".join(prompts[-8:]) + "\n")
     val_dataset = (
         "val_dataset={_component_: tunelab.data.prompt_dataset, source: json, "
         f"data_files: {val}, template: instruct}}"
     )
-    full = assert_exact_resume(tmp_path, (*FULL, val_dataset), after_step=2)
+    overrides = (*FULL, val_dataset)
+    out = root / "full"
+    tunelab_run(
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2", *overrides
+    )
+    return out, overrides
+
+
+def test_full_kill_and_resume_with_validation_and_refills(full_run, tmp_path):
+    full, overrides = full_run
+    assert_exact_resume(tmp_path, overrides, after_step=2, full=full)
     assert any(key[1] > 0 for key in completions(full))  # refill rounds ran
     metrics = read_metrics(full)
     assert {m["step"] for m in metrics if "val_reward" in m} == {2, 4}
@@ -289,23 +304,27 @@ def test_reward_rises_and_not_with_a_vanishing_learning_rate(tmp_path):
     assert abs(mean(frozen[-10:]) - mean(frozen[:10])) < 0.2
 
 
-@pytest.mark.parametrize(
-    ("name", "variant"), [("qlora", "lora.quantize_base=nf4"), ("full", "lora=null")]
-)
-def test_qlora_and_full_with_a_kl_to_the_base(tmp_path, name, variant):
-    out = tmp_path / name
-    tunelab_run(
-        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2", variant,
-        "loss.beta=0.04", "schedule.max_steps_per_epoch=3", "checkpoint.save_every_n_steps=null",
-        *(["optimizer.lr=1e-4"] if name == "full" else []),
-    )  # fmt: skip
-    kl = [m["kl"] for m in read_metrics(out)]
-    # The reference is the base (QLoRA: the NF4 base with the adapters disabled; full: a frozen
-    # copy): the policy itself at step 1, then apart from it.
+def _assert_kl_to_the_base(out: Path, *, adapter: bool) -> None:
+    """The reference is the base (QLoRA: the NF4 base with the adapters disabled; full: a
+    frozen copy): the policy itself at step 1, then apart from it."""
+    kl = [m["kl"] for m in read_metrics(out) if "loss" in m]
     assert kl[0] == 0.0 and kl[1] > 0
-    adapter = out / "epoch_0" / "adapter" / "adapter_model.safetensors"
-    assert adapter.is_file() == (name == "qlora")
+    assert (out / "epoch_0" / "adapter" / "adapter_model.safetensors").is_file() == adapter
     assert (out / "epoch_0" / "model.safetensors").is_file()
+
+
+def test_qlora_with_a_kl_to_the_base(tmp_path):
+    out = tmp_path / "qlora"
+    tunelab_run(
+        "grpo_distributed", "tiny/grpo", f"output_dir={out}", "schedule.batch_size=2",
+        "lora.quantize_base=nf4", "loss.beta=0.04", "schedule.max_steps_per_epoch=3",
+        "checkpoint.save_every_n_steps=null",
+    )  # fmt: skip
+    _assert_kl_to_the_base(out, adapter=True)
+
+
+def test_full_with_a_kl_to_the_base(full_run):
+    _assert_kl_to_the_base(full_run[0], adapter=False)
 
 
 def test_rollouts_gather_the_shards_once_per_phase():
