@@ -116,7 +116,7 @@ dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     def broken(*args):
         raise ValueError("disk on fire")
-    gguf_export._stored = broken
+    gguf_export._stored_pieces = broken
 try:
     gguf_export.export_gguf(sys.argv[1])
 except CheckpointError as error:

@@ -258,16 +258,24 @@ def test_a_step_checkpoint_needs_its_runs_config_and_a_commit(tmp_path):
     assert not (tmp_path / "step_3_export").exists()
 
 
+def test_nproc_below_one_is_refused_in_one_line(tiny):
+    # --nproc 2 writing the bytes of 1 process: tests/recipes/test_step_export.py.
+    result = _cli("export", tiny, "--to", "gguf", "--nproc", "0")
+    assert result.returncode == 1
+    assert result.stderr == "tunelab: error: --nproc 0: give 1 or more processes\n"
+    assert not (tiny / "gguf").exists()
+
+
 _CRASH = textwrap.dedent("""
     import os, sys
     from tunelab.checkpoint import gguf_export
-    original, written = gguf_export._stored, []
+    original, written = gguf_export.pwrite_all, []
     def crash(*args):
         written.append(1)
         if len(written) == 5:
             os._exit(9)  # killed mid-write: no clean-up runs
         return original(*args)
-    gguf_export._stored = crash
+    gguf_export.pwrite_all = crash
     gguf_export.export_gguf(sys.argv[1], quant=sys.argv[2])
 """)
 

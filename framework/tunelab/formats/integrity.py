@@ -54,6 +54,14 @@ def digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128(data).hexdigest()
 
 
+def digester() -> xxhash.xxh3_128:
+    """A streaming digest of consecutive pieces (``update``, then ``hexdigest``).
+
+    Its ``hexdigest`` equals ``digest`` of the pieces joined.
+    """
+    return xxhash.xxh3_128()
+
+
 def record_of(data: bytes | memoryview) -> FileRecord:
     """The record of a file written in one piece from ``data``."""
     return {"size": len(data), "ranges": [[0, len(data), digest(data)]]}
