@@ -204,3 +204,48 @@ def test_image_rows_show_each_image_its_tokens_and_pixels(image_rows):
         ) in text
     assert text.count("  image ") == 2 and "<|image_pad|><|image_pad|>" not in text
     assert f"<|image_pad|>x{wide['tokens']}<|vision_end|>" in text
+
+
+def test_gemma3_image_rows_show_each_image_with_its_crops(image_rows, tmp_path):
+    """Gemma 3 (tiny/gemma3_vl_lora, pan-and-scan switched on with 16-pixel crops): each image
+    is its soft-token runs, one per piece (the image and each crop), and the pixel values of
+    those pieces, as the training collate makes them."""
+    import shutil
+
+    from tunelab._paths import assets_dir
+    from tunelab.data.image_dataset import sft_collate
+
+    folder, sizes = image_rows
+    model = tmp_path / "tiny_gemma3_vl"
+    shutil.copytree(assets_dir() / "tiny_gemma3_vl", model)
+    preprocessor = json.loads((model / "preprocessor_config.json").read_text())
+    preprocessor |= {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
+    (model / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    override = [f"model.path={model}", f"dataset.data_files={folder / 'rows.jsonl'}"]
+    override += ["dataset.max_seq_len=256", "tokenizer.max_seq_len=256"]
+    out = io.StringIO()
+    _data.preview("tiny/gemma3_vl_lora", override, 2, as_json=True, out=out)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    tokenizer, dataset = _data.build_dataset("tiny/gemma3_vl_lora", override)
+    soft = tokenizer.token_to_id("<image_soft_token>")
+    assert [len(record["images"]) for record in records] == [2, 1]
+    for index, record in enumerate(records):
+        pixels = sft_collate(tokenizer)([dataset[index]], tokenizer.pad_id)["pixel_values"]
+        first = 0
+        for image in record["images"]:
+            pieces = image["grid"][0]
+            # 70 x 45: ratio 1.56, 2 crops of 35 x 45 (each at least 16 pixels); 56 x 56: none.
+            assert pieces == (3 if Path(image["path"]).name == "wide.png" else 1)
+            assert image["tokens"] == 16 * pieces and image["resized"] == [64, 64]
+            assert image["grid"][1:] == [8, 8]  # 8-pixel patches
+            ids = record["input_ids"][image["token_start"] : image["token_end"]]
+            assert ids.count(soft) == image["tokens"] and ids[0] == ids[-1] == soft
+            assert image["pixel_values_shape"] == [pieces, 3, 64, 64]
+            digest = hashlib.sha256(pixels[first : first + pieces].numpy().tobytes()).hexdigest()
+            assert image["pixel_values_sha256"] == digest
+            first += pieces
+        assert first == len(pixels)
+    out = io.StringIO()
+    _data.preview("tiny/gemma3_vl_lora", override, 1, as_json=False, out=out)
+    text = out.getvalue()
+    assert text.count("  image ") == 2 and text.count("<image_soft_token>x16") == 4, text

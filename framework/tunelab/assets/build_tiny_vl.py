@@ -119,6 +119,7 @@ GEMMA3_PREPROCESSOR = {
     "image_processor_type": "Gemma3ImageProcessor",
     "processor_class": "Gemma3Processor",
     "size": {"height": 64, "width": 64},
+    "patch_size": 8,  # the tower's, for the grids tunelab reports (transformers ignores it)
     "resample": 2,
     "rescale_factor": 1 / 255,
     "image_mean": [0.5, 0.5, 0.5],

@@ -159,8 +159,17 @@ def _highlighted(tokenizer: Any, ids: list[int], labels: list[int], color: bool)
     return "".join(pieces)
 
 
-def _image_token(node: Any) -> str:
-    """The token an image dataset's items repeat once per image token."""
+def _image_token(tokenizer: Any, node: Any) -> str:
+    """The token an image dataset's items repeat once per image token.
+
+    The model's own when its preprocessing names one (Gemma 3's ``<image_soft_token>``), else
+    the dataset's ``image_token`` (Qwen's ``<|image_pad|>``).
+    """
+    from tunelab.data.image_dataset import image_processing_for  # here: imports torch
+
+    own = getattr(image_processing_for(tokenizer), "image_token", None)
+    if own is not None:
+        return own
     builder = import_component(node["_component_"])
     default = inspect.signature(builder).parameters.get("image_token")
     return node.get("image_token", default.default if default is not None else "<|image_pad|>")
@@ -169,16 +178,17 @@ def _image_token(node: Any) -> str:
 def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool) -> list[dict]:
     """Each image of an item: file, sizes, grid, token count and span (and its pixel values).
 
-    The k-th run of image tokens in the item is the k-th image's. With ``pixels`` each image
-    is read and cut into patches as the training collate does (``ImageProcessing``), and the
-    record gets the pixel values' shape and the sha256 of their float32 bytes.
+    The k-th run of image tokens in the item is the k-th image's (Gemma 3: an image with
+    pan-and-scan crops is as many runs as its grid's first entry, its pieces). With ``pixels``
+    each image is read and cut into patches as the training collate does (``ImageProcessing``),
+    and the record gets the pixel values' shape and the sha256 of their float32 bytes.
     """
     from tunelab.data.image_dataset import image_processing_for  # here: imports torch
     from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS
     from tunelab.data.images import open_image
 
     processing = image_processing_for(tokenizer)
-    token_id = tokenizer.token_to_id(_image_token(node))
+    token_id = tokenizer.token_to_id(_image_token(tokenizer, node))
     tokens = list(item["tokens"])
     spans = []
     for position, token in enumerate(tokens):
@@ -187,17 +197,23 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
         if token == token_id:
             spans[-1][1] = position + 1
     records = []
-    for path, grid, (start, end) in zip(item["images"], item["image_grids"], spans):
+    pieces = hasattr(processing, "image_token")  # Gemma 3: a run per image and crop
+    for path, grid in zip(item["images"], item["image_grids"]):
+        runs, spans = spans[: grid[0] if pieces else 1], spans[grid[0] if pieces else 1 :]
+        if not runs:
+            break
         image = open_image(path, node.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
         frames, rows, columns = grid
         record = {
             "path": path,
             "size": [image.width, image.height],
-            "resized": [columns * processing.patch_size, rows * processing.patch_size],
+            "resized": [columns * processing.patch_size, rows * processing.patch_size]
+            if not pieces
+            else [processing.image_size] * 2,
             "grid": list(grid),
-            "tokens": end - start,
-            "token_start": start,
-            "token_end": end,
+            "tokens": sum(end - start for start, end in runs),
+            "token_start": runs[0][0],
+            "token_end": runs[-1][1],
         }
         if pixels:
             values, _ = processing(image)
@@ -291,7 +307,7 @@ def preview(
             text = _highlighted(tokenizer, ids, labels, color)
             if item.get("images"):
                 out.write(_image_lines(_image_records(tokenizer, node, item, pixels=False)))
-                text = _collapse_runs(text, _image_token(node))
+                text = _collapse_runs(text, _image_token(tokenizer, node))
             out.write(text + "\n")
 
 
