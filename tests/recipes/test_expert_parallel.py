@@ -11,6 +11,12 @@ bytes as the FSDP run (the learning rate 1e-30 leaves the weights as loaded, so 
 exports can be compared byte for byte). A size that does not divide the processes stops
 the run with one line. Per-rank ownership (shapes, values) and the all-to-all bytes are
 checked in tests/unit/test_expert_parallel.py.
+
+Expert groups smaller than the world: ``expert_parallel_size=2`` on 4 processes (2 replicas of
+2 expert shards, the other weights FSDP2's over all 4) trains the Mixtral as one process at
+the 4 micro-batches (1e-5), and a run killed after its step-2 checkpoint resumes in that
+layout exactly (every later metric and the export bit for bit); the Qwen3-MoE export is the
+FSDP run's bytes in that layout too.
 """
 
 import pytest
@@ -62,21 +68,55 @@ def _assert_same_steps(run, reference, steps):
             assert abs(ours - expected) <= 1e-5 * max(1.0, abs(expected)), (step, name, ours)
 
 
-@pytest.fixture(scope="module")
-def mixtral_runs(tmp_path_factory):
-    """The Mixtral run with experts split (2 processes) and on 1 process: their folders."""
-    root = tmp_path_factory.mktemp("expert_parallel")
-    _run(root / "split", EXPERT_PARALLEL)
-    _run(root / "one", ONE_PROCESS, nproc=1)
+def _split_and_one(root, nproc):
+    """The Mixtral run with experts split 2 ways on ``nproc`` processes, and on 1 process at
+    the same micro-batches (``nproc`` accumulated): their folders."""
+    _run(root / "split", EXPERT_PARALLEL, nproc=nproc)
+    _run(root / "one", f"schedule.gradient_accumulation_steps={nproc}", nproc=1)
     return root / "split", root / "one"
 
 
-def test_split_experts_train_as_one_process_router_loss_included(mixtral_runs):
-    split, one = map(_steps, mixtral_runs)
+def _assert_trains_as_one_process(runs):
+    split, one = map(_steps, runs)
     assert sorted(split) == sorted(one) == [1, 2, 3]
     assert all(split[step]["router_aux_loss"] > 0 for step in split)
     assert split[3]["loss"] < split[1]["loss"]  # it trains
     _assert_same_steps(split, one, [1, 2, 3])
+
+
+@pytest.fixture(scope="module")
+def mixtral_runs(tmp_path_factory):
+    """Experts split over 2 processes, and 1 process."""
+    return _split_and_one(tmp_path_factory.mktemp("expert_parallel"), nproc=2)
+
+
+@pytest.fixture(scope="module")
+def expert_groups(tmp_path_factory):
+    """Experts in groups of 2 on 4 processes (2 replicas), and 1 process."""
+    return _split_and_one(tmp_path_factory.mktemp("expert_groups"), nproc=4)
+
+
+def test_split_experts_train_as_one_process_router_loss_included(mixtral_runs):
+    _assert_trains_as_one_process(mixtral_runs)
+
+
+def test_expert_groups_of_two_on_four_processes_train_as_one_process(expert_groups):
+    _assert_trains_as_one_process(expert_groups)
+    # Adam turns rounding-level differences of near-zero gradients into updates of up to lr.
+    assert_same_exports(*expert_groups, atol=1e-4)
+
+
+def test_kill_and_resume_within_expert_groups_is_exact(expert_groups, tmp_path):
+    # What a kill right after step 2's checkpoint leaves (step 3 logged, no export), resumed
+    # on the same 4 processes in the same layout: step 3 and the export bit for bit.
+    groups, _ = expert_groups
+    resumed = interrupted_copy(groups, tmp_path / "resumed", after_step=2, keep_logs=True)
+    _run(resumed, EXPERT_PARALLEL, RESUME, nproc=4)
+    assert [row["step"] for row in read_metrics(resumed) if "loss" in row] == [1, 2, 3]
+    ours, expected = _steps(resumed), _steps(groups)
+    for name in METRICS:
+        assert ours[3][name] == expected[3][name], name
+    assert_same_exports(resumed, groups)
 
 
 def test_checkpoints_reshard_between_split_experts_and_fsdp(mixtral_runs, tmp_path):
@@ -117,16 +157,24 @@ def test_qwen3_moe_split_experts_export_the_fsdp_runs_bytes(tmp_path):
         pytest.skip("this transformers has no Qwen3-MoE")
     build_tiny_qwen3_moe(tmp_path / "base")
     same = (f"model.path={tmp_path / 'base'}", "schedule.max_steps_per_epoch=2")
-    frozen = "optimizer.lr=1e-30"  # the weights stay as loaded: the exports must be equal
-    _run(tmp_path / "split", *same, frozen, EXPERT_PARALLEL)
-    _run(tmp_path / "fsdp", *same, frozen)
+    # The weights stay as loaded, so the exports must be equal: lr 1e-30 alone moves weights
+    # that are exactly 0 (the pad token's embedding row) by ~1e-30, by amounts that depend on
+    # the batch and the summation order; with eps 1e20 every Adam update rounds to 0.
+    frozen = ("optimizer.lr=1e-30", "optimizer.eps=1e20")
+    _run(tmp_path / "split", *same, *frozen, EXPERT_PARALLEL)
+    _run(tmp_path / "fsdp", *same, *frozen)
+    # Experts in groups of 2 on 4 processes (each expert held twice, written once; 4 samples
+    # a step against the others' 2: only the exports compare).
+    _run(tmp_path / "groups", *same, *frozen, EXPERT_PARALLEL, nproc=4)
     _assert_same_steps(_steps(tmp_path / "split"), _steps(tmp_path / "fsdp"), [1, 2])
     exported = sorted(path.name for path in (tmp_path / "fsdp" / "epoch_0").iterdir())
     assert "model.safetensors" in exported
     for name in exported:
         if name.endswith((".safetensors", ".json")) and name != "tunelab_manifest.json":
-            ours = (tmp_path / "split" / "epoch_0" / name).read_bytes()
-            assert ours == (tmp_path / "fsdp" / "epoch_0" / name).read_bytes(), name
+            expected = (tmp_path / "fsdp" / "epoch_0" / name).read_bytes()
+            for layout in ("split", "groups"):
+                ours = (tmp_path / layout / "epoch_0" / name).read_bytes()
+                assert ours == expected, (layout, name)
 
 
 def test_a_size_that_does_not_divide_the_processes_stops_the_run_with_one_line(tmp_path):

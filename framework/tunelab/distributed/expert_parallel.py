@@ -19,14 +19,31 @@ One layer's exchange, for the rows already sorted by expert:
 3. the outputs return by the reverse exchange. The backward of each exchange is the other
    one (``_AllToAll``).
 
-Expert weights stay ``DTensor`` ``Shard(0)`` on the same 1-D mesh FSDP2 shards everything
-else over (FSDP2 is told to ignore them): the placement FSDP2 itself would give them, so a
-checkpoint or an export of an expert-parallel run is the same DCP state and the same bytes as
-the FSDP run's, and either resumes the other.
+Expert groups smaller than the world (``N`` dividing the ``W`` processes, ``R = W / N``
+replicas): the experts live on a 2-D ``(replicate, ep)`` mesh, consecutive ranks forming one
+expert group (torchrun numbers a node's GPUs consecutively, so a group is within a node)::
 
-Gradients: each rank's objective is its token-loss sum times the world size over the global
-token count, and FSDP2 averages over ranks; an owned expert's gradient arrives summed over the
-ranks whose tokens it served, so it is divided by the group size (``ExpertParallel.local``).
+    W = 4, N = 2:          ep ->
+                  replicate [[0, 1],    ranks 0 and 1: experts 0..E/2-1 and E/2..E-1, tokens
+                      |      [2, 3]]    exchanged between them only; ranks 2 and 3 the same
+                      v                 experts again, exchanging among themselves
+
+Each rank holds ``E / N`` whole experts, ``DTensor`` ``(Replicate(), Shard(0))``; the
+all-to-all runs within the ``ep`` group, and the experts' gradients are summed over the
+``replicate`` group (one all-reduce per weight and micro-batch, ``ExpertParallel.local``). The
+other weights are FSDP2's, sharded over all ``W`` processes as without expert parallelism.
+
+With ``N = W`` the mesh is 1-D and expert weights stay ``DTensor`` ``Shard(0)`` on the same mesh
+FSDP2 shards everything else over (FSDP2 is told to ignore them). Either way each weight's
+placement is one DCP reads and writes as any other, so a checkpoint or an export of an
+expert-parallel run is the same DCP state and the same bytes as the FSDP run's, and either
+resumes the other.
+
+Gradients: each rank's objective is its token-loss sum times the world size ``W`` over the
+global token count, and FSDP2 averages over ranks; an owned expert's gradient arrives summed
+over the ``N`` ranks of its group whose tokens it served, and the ``R`` replicas hold the sums
+of the other groups: the sum over replicas divided by ``W`` is FSDP's average
+(``ExpertParallel.local``).
 """
 
 import math
@@ -36,9 +53,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tunelab.errors import ConfigError
+
+EXPERT_REPLICATE_DIM = "replicate"
+"""The dimension of an expert mesh across which the same experts are held again."""
+EXPERT_DIM = "ep"
+"""The dimension of an expert mesh whose ranks split each MoE layer's experts."""
 
 
 @dataclass
@@ -75,17 +97,23 @@ class _AllToAll(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """The identity, whose backward multiplies the gradient by ``scale``."""
+class _ExpertGradient(torch.autograd.Function):
+    """The identity, whose backward scales the gradient and sums it over the replicas.
+
+    ``scale``: the factor; ``group``: the ranks holding the same experts (None: no replica).
+    """
 
     @staticmethod
-    def forward(ctx, tensor, scale):
-        ctx.scale = scale
+    def forward(ctx, tensor, scale, group):
+        ctx.scale, ctx.group = scale, group
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scale, None
+        grad = grad * ctx.scale
+        if ctx.group is not None:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 def _exchange(
@@ -108,14 +136,18 @@ class ExpertParallel:
     """The exchange of one model's MoE layers over a group of ranks (see the module docstring).
 
     Args:
-        mesh: The 1-D mesh the experts are split over (``Shard(0)``).
-        num_experts: Experts per MoE layer (``E``), divisible by the mesh size.
+        mesh: The mesh the experts are split over: 1-D (``Shard(0)``, every process) or 2-D
+            ``(replicate, ep)`` (``(Replicate(), Shard(0))``, ``expert_parallel_mesh``).
+        num_experts: Experts per MoE layer (``E``), divisible by the ``ep`` size.
     """
 
     def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
         self.mesh = mesh
-        self.group = mesh.get_group()
-        self.size = mesh.size()
+        self.group = mesh.get_group(mesh.ndim - 1)
+        """The expert group: the ranks tokens travel between."""
+        self.replicas = mesh.get_group(0) if mesh.ndim == 2 else None
+        """The ranks holding the same experts, whose gradients are summed (None: one each)."""
+        self.size = mesh.size(mesh.ndim - 1)
         self.rank = dist.get_rank(self.group)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.size
@@ -126,14 +158,15 @@ class ExpertParallel:
         self.traffic = ExpertTraffic()
 
     def local(self, weight: DTensor) -> torch.Tensor:
-        """This rank's experts of ``weight``, its gradient divided by the group size.
+        """This rank's experts of ``weight``; its gradient summed over replicas, over ``W``.
 
-        The gradient arrives summed over the ranks whose tokens the experts served, each
-        rank's objective scaled by the world size (FSDP2 averages over ranks): dividing by
-        the size gives FSDP's average. Done here, not by a hook on the parameter, because
+        The gradient arrives summed over the ranks of the expert group whose tokens the
+        experts served, each rank's objective scaled by the world size ``W`` (FSDP2 averages
+        over ranks); summed over the replicas (the other groups' tokens) and divided by
+        ``W`` it is FSDP's average. Done here, not by a hook on the parameter, because
         materialising the meta model replaces the parameter objects.
         """
-        return _ScaleGradient.apply(weight.to_local(), 1.0 / self.size)
+        return _ExpertGradient.apply(weight.to_local(), 1.0 / self.mesh.size(), self.replicas)
 
     def run(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
         """Send ``rows`` to their experts' owners, apply ``compute`` there, bring the rows back.
@@ -169,20 +202,22 @@ class ExpertParallel:
 def expert_parallel_mesh(
     expert_parallel_size: int, device: torch.device, data_parallel: DeviceMesh | None
 ) -> DeviceMesh | None:
-    """The 1-D mesh of all processes that experts are split over, checked against the run.
+    """The mesh experts are split over, checked against the run.
 
     Args:
-        expert_parallel_size: ``parallelism.expert_parallel_size`` (1: off).
+        expert_parallel_size: ``parallelism.expert_parallel_size`` (1: off), ``N``.
         device: This process's device.
         data_parallel: The recipe's data-parallel mesh (``data_parallel_mesh``): None for plain
             FSDP over every process, the only layout expert parallelism composes with so far.
 
     Returns:
-        None when ``expert_parallel_size`` is 1, else the mesh, also to be given to FSDP2.
+        None when ``N`` is 1; with ``N`` all ``W`` processes the 1-D mesh of them (also to be
+        given to FSDP2); with fewer the 2-D ``(replicate, ep)`` mesh of ``W / N`` groups of
+        ``N`` consecutive ranks (FSDP2 then shards the other weights over every process).
 
     Raises:
         ConfigError: One line naming the numbers: the size does not divide the processes, or
-            is not all of them, or the run is not plain FSDP (HSDP, another mesh).
+            the run is not plain FSDP (HSDP, tensor parallelism).
     """
     if expert_parallel_size == 1:
         return None
@@ -190,41 +225,49 @@ def expert_parallel_mesh(
     what = f"parallelism.expert_parallel_size: {expert_parallel_size}"
     if world_size % expert_parallel_size:
         raise ConfigError(f"{what} does not divide the {world_size} processes of this run")
-    if expert_parallel_size != world_size or data_parallel is not None:
+    if data_parallel is not None:
         raise ConfigError(
-            f"{what} on {world_size} processes: experts are split over all processes of a plain "
-            "FSDP run only for now (expert_parallel_size = processes, "
-            "data_parallel_replicate_size 1)"
+            f"{what} with a data-parallel mesh of {tuple(data_parallel.shape)} processes "
+            f"({', '.join(data_parallel.mesh_dim_names or ())}) is not built yet: experts are "
+            "split within a plain FSDP run only (data_parallel_replicate_size 1, "
+            "tensor_parallel_size 1)"
         )
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    if expert_parallel_size == world_size:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device.type,
+        (world_size // expert_parallel_size, expert_parallel_size),
+        mesh_dim_names=(EXPERT_REPLICATE_DIM, EXPERT_DIM),
+    )
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     """Split every MoE layer's experts over ``mesh`` and route their tokens by all-to-all.
 
-    Each expert weight (and bias) becomes a ``DTensor`` ``Shard(0)`` over ``mesh`` (still on
-    the meta device when the model is: it is materialised and loaded like FSDP2's shards),
-    and each ``MoEExperts`` gets the ``ExpertParallel`` exchange, which also divides the
-    experts' gradients by the mesh size (``ExpertParallel.local``).
+    Each expert weight (and bias) becomes a ``DTensor`` ``Shard(0)`` over ``mesh`` (``(Replicate(),
+    Shard(0))`` on a 2-D mesh; still on the meta device when the model is: it is materialised
+    and loaded like FSDP2's shards), and each ``MoEExperts`` gets the ``ExpertParallel``
+    exchange, which also reduces the experts' gradients (``ExpertParallel.local``).
 
     Args:
         model: A decoder, before ``shard_model``.
-        mesh: The 1-D data-parallel mesh, the one ``shard_model`` is then given.
+        mesh: ``expert_parallel_mesh``'s: 1-D (every process, the mesh ``shard_model`` is
+            then given) or 2-D ``(replicate, ep)``.
 
     Returns:
         The expert parameters, for FSDP2 to ignore.
 
     LoRA on the experts (``ExpertLoRA``) stays with FSDP2: its factors are small, gathered
     whole, and each process uses its experts' slices (``ExpertParallel.experts``). Their
-    gradients then come only from the owner, carrying the world-size factor, which FSDP2's
-    average over processes removes.
+    gradients then come only from the owners (one per replica, each over its group's tokens),
+    carrying the world-size factor, which FSDP2's average over every process removes.
 
     Raises:
         ConfigError: The model has no MoE layer, or the mesh size does not divide the number
             of experts.
     """
     layers = _expert_layers(model)
-    size = mesh.size()
+    size = mesh.size(mesh.ndim - 1)
     if not layers:
         raise ConfigError(
             f"parallelism.expert_parallel_size: {size} needs a mixture-of-experts model; this "
@@ -248,12 +291,14 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
 
 
 def _split(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    # Whole experts split over the last dimension, held again along the first of a 2-D mesh.
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     # On the meta device there are no values to scatter: only the local shape matters.
     if tensor.device.type != "meta":
-        return distribute_tensor(tensor, mesh, [Shard(0)])
-    rows = tensor.shape[0] // mesh.size()
+        return distribute_tensor(tensor, mesh, placements)
+    rows = tensor.shape[0] // mesh.size(mesh.ndim - 1)
     return DTensor.from_local(
-        tensor.new_empty(rows, *tensor.shape[1:]), mesh, [Shard(0)], run_check=False,
+        tensor.new_empty(rows, *tensor.shape[1:]), mesh, placements, run_check=False,
         shape=tensor.shape, stride=tensor.stride(),
     )  # fmt: skip
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from tunelab.config.sections import RouterArgs, ScheduleArgs
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
+from tunelab.distributed.grad_norm import clip_grad_norm_
 from tunelab.distributed.tensor_parallel import tensor_parallel_output
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
@@ -431,7 +432,7 @@ class OptimizerStep:
         metrics = {"lr": optimizer.param_groups[0]["lr"]}
         if clip_grad_norm is not None or guard is not None:
             max_norm = clip_grad_norm if clip_grad_norm is not None else math.inf
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            norm = clip_grad_norm_(self.params, max_norm)  # over every mesh the params use
             metrics["grad_norm"] = (
                 norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             ).item()

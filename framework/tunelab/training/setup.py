@@ -156,7 +156,9 @@ def build_model(
                 "lora.quantize_base: nf4 is not built yet (QLoRA experts are sharded by FSDP)"
             )
         experts = shard_experts(decoder, expert_mesh)
-        mesh = expert_mesh  # FSDP2 shards the rest over the experts' own mesh
+        # FSDP2 shards the rest over every process: the experts' own mesh when they are split
+        # over all of them, else its default mesh (the experts' is (replicate, ep)).
+        mesh = expert_mesh if expert_mesh.ndim == 1 else None
     if quantized:
         _quantize_base_nf4(decoder, device, mesh)
     if model.activation_checkpointing:
