@@ -16,7 +16,7 @@ policy forwards, loss and backward over its micro-batches, then clip and step; t
 
 import tunelab.peft as peft
 from tunelab.config import LoRADPOArgs, instantiate
-from tunelab.data import padded_collate_dpo
+from tunelab.data import preference_collate
 from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, recipe_main
@@ -82,7 +82,13 @@ def main(args: LoRADPOArgs) -> None:
     benchmarks = TrainingEval(args.eval, model, tokenizer)
     # Batches carry their pairs' dataset indices (pair_index), for reference_logps: precompute.
     data = build_data(
-        Datasets(args.dataset, tokenizer, padded_collate_dpo, args.val_dataset, index_pairs=True),
+        Datasets(
+            args.dataset,
+            tokenizer,
+            preference_collate(tokenizer),
+            args.val_dataset,
+            index_pairs=True,
+        ),
         args.schedule,
         seed=args.seed,
         # A resume on another number of processes keeps the run's global batch.

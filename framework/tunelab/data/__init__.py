@@ -18,6 +18,7 @@ from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_dpo, padded_collate_kto, padded_collate_sft
 from tunelab.data.image_dataset import image_chat_dataset, sft_collate
+from tunelab.data.image_preference import image_preference_dataset, preference_collate
 from tunelab.data.mix import DatasetSpec, MixedDataset, mix_dataset
 from tunelab.data.packing import pack_samples
 from tunelab.data.preference import preference_dataset
@@ -46,6 +47,7 @@ __all__ = [
     "apply_chat_template",
     "chat_dataset",
     "image_chat_dataset",
+    "image_preference_dataset",
     "get_template",
     "instruct_dataset",
     "load_tokenizer",
@@ -55,6 +57,7 @@ __all__ = [
     "padded_collate_kto",
     "padded_collate_prompts",
     "padded_collate_sft",
+    "preference_collate",
     "sft_collate",
     "preference_dataset",
     "kto_dataset",

@@ -67,6 +67,15 @@ SAMPLE_COLUMNS = {
     "unpaired": ("tokens", "labels", "desirable"),
     # Chat samples with images: each image's file and patch grid (``tunelab.data.image_rows``).
     "sft_images": ("tokens", "labels", "images", "image_grids"),
+    # Preference pairs whose prompt holds images, shared by both sides (``image_preference``).
+    "preference_images": (
+        "chosen_tokens",
+        "chosen_labels",
+        "rejected_tokens",
+        "rejected_labels",
+        "images",
+        "image_grids",
+    ),
 }
 # Columns of another type than a list of int32.
 _COLUMN_TYPES = {"margin": "float64", "images": "string", "image_grids": "grids"}
