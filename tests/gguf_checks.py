@@ -115,8 +115,42 @@ SPM_ADDED = ("<start_of_turn>", "<end_of_turn>")
 PHI3_ADDED = ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
 
 
+# Chat templates in the formats of Llama 2 (system prompt inside the first [INST], BOS before
+# every user turn), Gemma (the system prompt folded into the first user turn, "model" turns) and
+# Phi-3 (<|role|> turns ended by <|end|>), for build_sentencepiece_tokenizer's layouts.
+SPM_CHAT_TEMPLATES = {
+    "llama2": (
+        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        "{%- set system = messages[0]['content'] -%}{%- set turns = messages[1:] -%}"
+        "{%- else -%}{%- set system = none -%}{%- set turns = messages -%}{%- endif -%}"
+        "{%- for message in turns -%}{%- set content = message['content'] -%}"
+        "{%- if loop.first and system is not none -%}"
+        "{%- set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + content -%}{%- endif -%}"
+        "{%- if message['role'] == 'user' -%}{{- bos_token + '[INST] ' + content.strip() + ' [/INST]' -}}"
+        "{%- else -%}{{- ' ' + content.strip() + ' ' + eos_token -}}{%- endif -%}{%- endfor -%}"
+    ),
+    "gemma": (
+        "{{- bos_token -}}"
+        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        "{%- set system = messages[0]['content'] | trim + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+        "{%- else -%}{%- set system = '' -%}{%- set turns = messages -%}{%- endif -%}"
+        "{%- for message in turns -%}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+        "{{- '<start_of_turn>' + role + '\\n' + (system if loop.first else '') -}}"
+        "{{- message['content'] | trim + '<end_of_turn>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+    ),
+    "phi3": (
+        "{%- for message in messages -%}"
+        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- else -%}{{- eos_token -}}"
+        "{%- endif -%}"
+    ),
+}
+
+
 def build_sentencepiece_tokenizer(
-    folder: Path, space_prefix: bool = True, phi3: bool = False
+    folder: Path, space_prefix: bool = True, phi3: bool = False, chat_template: str | None = None
 ) -> int:
     """Write a tiny SentencePiece-style ``tokenizer.json`` and config into ``folder``.
 
@@ -126,7 +160,8 @@ def build_sentencepiece_tokenizer(
     id; spaces become ``▁``. ``space_prefix``: Llama 2's ``Prepend("▁")`` normalizer (else
     Gemma's, without). ``<start_of_turn>``/``<end_of_turn>`` are added special tokens, or with
     ``phi3`` Phi-3's (``PHI3_ADDED``), which like ``</s>`` strip the whitespace after them
-    (``rstrip``) but for ``<|endoftext|>``.
+    (``rstrip``) but for ``<|endoftext|>``. ``chat_template`` goes into
+    ``tokenizer_config.json`` (none when None).
 
     Returns:
         The vocabulary size.
@@ -189,5 +224,7 @@ def build_sentencepiece_tokenizer(
         "add_bos_token": True,
         "add_eos_token": False,
     }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return tokenizer.get_vocab_size()

@@ -7,6 +7,7 @@ Mistral model is exported once per layout: Llama 2's (a ``▁`` put before the t
 (none) and Phi-3's (Llama 2's, with added tokens that strip the whitespace after them).
 """
 
+import re
 import shutil
 
 import numpy as np
@@ -15,7 +16,9 @@ import torch
 
 from tests.conftest import build_tiny_hf_model
 from tests.gguf_checks import (
+    PHI3_ADDED,
     SPM_ADDED,
+    SPM_CHAT_TEMPLATES,
     SPM_SPECIALS,
     TEXTS,
     build_sentencepiece_tokenizer,
@@ -28,6 +31,7 @@ from tests.gguf_checks import (
 )
 from tunelab.checkpoint import gguf_export
 from tunelab.checkpoint.gguf_export import export_gguf
+from tunelab.data.tokenizer import load_tokenizer
 from tunelab.models import load_pretrained
 
 pytestmark = pytest.mark.slow  # three exports and a control export: over 20 s
@@ -58,7 +62,9 @@ def exported(tmp_path_factory):
     root, result = tmp_path_factory.mktemp("gguf_spm"), {}
     folders = {layout: root / layout / "epoch_0" for layout in LAYOUTS}
     vocab = max(
-        build_sentencepiece_tokenizer(folders[layout], space_prefix=prefix, phi3=phi3)
+        build_sentencepiece_tokenizer(
+            folders[layout], prefix, phi3, chat_template=SPM_CHAT_TEMPLATES[layout]
+        )
         for layout, (prefix, phi3) in LAYOUTS.items()
     )
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -106,3 +112,89 @@ def test_llama_cpp_logits_and_greedy_equal_tunelab(exported):
         difference = np.abs(llama_logits(theirs, ids) - tunelab_logits(ours, ids)).max()
         assert difference < 1e-2, (prompt, difference)
         assert llama_greedy(theirs, ids) == tunelab_greedy(ours, ids), prompt
+
+
+# The tokenizer class each layout's models name in their tokenizer_config.json on the hub.
+HUB_CLASSES = {"llama2": "LlamaTokenizer", "gemma": "GemmaTokenizer", "phi3": "LlamaTokenizer"}
+
+
+def _prefix_dropped(text: str, specials: tuple[str, ...]) -> bool:
+    """Whether transformers 5's LlamaTokenizer puts no ▁ where tokenizer.json's Prepend
+    normalizer puts one: before text that starts with a space or ▁ (its Metaspace
+    pre-tokenizer, prepend_scheme "first", adds none there) or before any text that follows a
+    special token (it adds one to the first piece of text only)."""
+    parts = [p for p in re.split("(" + "|".join(map(re.escape, specials)) + ")", text) if p]
+    first = next((i for i, part in enumerate(parts) if part in specials), len(parts))
+    return text.startswith((" ", "▁")) or any(p not in specials for p in parts[first + 1 :])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_ids_under_the_hubs_tokenizer_class(exported, layout):
+    """llama.cpp gives tunelab's ids (tokenizer.json's, which training used) on every string,
+    and transformers' under the class the hub's models name (LlamaTokenizer for Llama 2,
+    Mistral and Phi-3, GemmaTokenizer for Gemma) on every string but those transformers 5's
+    LlamaTokenizer tokenizes apart from tokenizer.json: it replaces the file's pipeline with its
+    own (``_prefix_dropped``; huggingface/transformers#47700 describes it)."""
+    folder, path, _ = exported[layout]
+    hub = getattr(transformers, HUB_CLASSES[layout]).from_pretrained(folder)
+    ours, model = load_tokenizer(folder), llama(path, vocab_only=True)
+    texts = TEXTS + (PHI3_TEXTS if layout == "phi3" else SPECIAL_TEXTS)
+    specials = SPM_SPECIALS + (PHI3_ADDED if layout == "phi3" else SPM_ADDED)
+    differ = []
+    for text in texts:
+        ids = model.tokenize(text.encode(), add_bos=True, special=True)
+        assert ids == ours.encode(text), (layout, text)
+        if ids != hub(text)["input_ids"]:
+            differ.append(text)
+    llama_class = HUB_CLASSES[layout] == "LlamaTokenizer"
+    assert differ == [t for t in texts if llama_class and _prefix_dropped(t, specials)]
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": " Hello. "},
+    {"role": "user", "content": "Bye"},
+]
+
+
+def llama_cpp_render(template: str, messages: list[dict[str, str]]) -> str:
+    """llama.cpp's own rendering of ``messages`` (its C++ formats, chosen by the template's
+    text: what llama-server and llama-cli use without --jinja), with the generation prompt."""
+    import ctypes
+
+    import llama_cpp
+
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages]
+    )
+    size = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(chat), True, None, 0)
+    assert size >= 0, "llama.cpp recognises no chat format in the template"
+    buffer = ctypes.create_string_buffer(size + 1)
+    llama_cpp.llama_chat_apply_template(template.encode(), chat, len(chat), True, buffer, size + 1)
+    return buffer.raw[:size].decode()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chat_template_renders_as_transformers(exported, layout):
+    """The GGUF carries the chat template; llama-cpp-python's Jinja renderer gives transformers'
+    prompt, and so does llama.cpp's own C++ renderer after the BOS its tokenizer adds (for
+    Llama 2's format, the first turn only: llama.cpp writes later turns without the spaces
+    around the answer and without their BOS)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    _, path, hf_tokenizer = exported[layout]
+    model = llama(path, vocab_only=True)
+    template = model.metadata["tokenizer.chat_template"]
+    assert template == SPM_CHAT_TEMPLATES[layout]
+    expected = hf_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )
+    jinja = Jinja2ChatFormatter(template, eos_token="</s>", bos_token="<s>",
+                                add_generation_prompt=True)  # fmt: skip
+    assert jinja(messages=CONVERSATION).prompt == expected
+    ids = model.tokenize(expected.encode(), add_bos=False, special=True)
+    assert ids == hf_tokenizer(expected, add_special_tokens=False)["input_ids"]
+    turns = CONVERSATION[:2] if layout == "llama2" else CONVERSATION
+    expected = hf_tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert expected.removeprefix("<s>") == llama_cpp_render(template, turns), layout
