@@ -45,6 +45,12 @@ TARGET_RATIO = 1.4
 ASYNC = ("rollout.mode=async", "rollout.max_lag=1")
 MODES = ("sync", "async", "split")
 PROMPTS_PER_PROCESS = 2
+SPLIT_SECONDS = {
+    "async/trainer_idle_seconds": "trainer waiting for batches",
+    "async/weight_send_blocked_seconds": "trainer blocked by the policy send",
+    "async/weight_transfer_seconds": "policy transfer (background)",
+    "async/rollout_idle_seconds": "rollout rank waiting",
+}
 
 
 def mode_overrides(mode: str, nproc: int) -> tuple[str, ...]:
@@ -112,6 +118,7 @@ def main() -> None:
         rewards = {mode: [] for mode in MODES}
         tokens = {mode: [] for mode in MODES}
         cpu = {mode: [] for mode in MODES}
+        waits = {key: [] for key in SPLIT_SECONDS}
         loads = []
         for seed in seeds:  # the modes side by side, round by round
             for mode in MODES:
@@ -123,6 +130,9 @@ def main() -> None:
                     statistics.fmean(m["completion_length"] * completions_per_step for m in metrics)
                 )
                 cpu[mode].append(cpu_seconds)
+                if mode == "split":
+                    for key in SPLIT_SECONDS:
+                        waits[key] += [m[key] for m in metrics[1:]]
             loads.append(os.getloadavg()[0])
         speed = {mode: statistics.median(values) for mode, values in per_seed.items()}
         for mode in MODES:
@@ -133,6 +143,13 @@ def main() -> None:
                 f"{', '.join(f'{v:.1f}' for v in tokens[mode])}; CPU seconds per run "
                 f"{', '.join(f'{v:.0f}' for v in cpu[mode])}"
             )
+        notes.append(
+            f"{nproc} processes, split: median seconds per step (step 1 left out), "
+            + ", ".join(
+                f"{label} {statistics.median(waits[key]):.4f}"
+                for key, label in SPLIT_SECONDS.items()
+            )
+        )
         oversubscribed = nproc > (os.cpu_count() or 1)
         notes.append(
             f"{nproc} processes: load average after each round "

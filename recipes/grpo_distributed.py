@@ -21,7 +21,9 @@ completions. With ``rollout.mode: async`` step ``s`` trains on a batch the polic
 every checkpoint), its token losses weighed by ``rollout.off_policy`` (truncated importance
 sampling by default) against the log-probs recorded while sampling. With ``rollout.ranks`` N > 0
 the last N processes only sample (``rollout_rank``) and the others only train, on what they
-sampled: the same schedule, the policy sent to them after each update (``RemoteRollouts``).
+sampled: the same schedule, the policy sent to them right after each update by a background
+thread, each trainer its own shards (``RemoteRollouts``); a stop signal stops them after the
+trainers' checkpoint.
 """
 
 import time
@@ -33,7 +35,7 @@ from tunelab.config import GRPOArgs, instantiate
 from tunelab.data import padded_collate_prompts
 from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
 from tunelab.eval import TrainingEval
-from tunelab.lifecycle import RunFolder, recipe_main
+from tunelab.lifecycle import RunFolder, defer_stop_signals, recipe_main
 from tunelab.rl import (
     EpisodeGroupSampler,
     EpisodeRunner,
@@ -202,6 +204,7 @@ def main(args: GRPOArgs) -> None:
         ),
         global_step=global_step,
         device=device,
+        close_on_stop=(remote,) if remote is not None else (),
     )
 
     # -- train ----------------------------------------------------------------------------
@@ -225,6 +228,7 @@ def main(args: GRPOArgs) -> None:
     for epoch in range(start_epoch, args.schedule.epochs):
         batches = data.epoch(epoch)
         epoch_start = epoch * data.steps_per_epoch
+        epoch_end = epoch_start + data.steps_per_epoch
         # Resumed mid-epoch: the batches in flight drew the prompts after the saved position.
         for _ in range(pipeline.num_micro_batches()):
             next(batches)
@@ -233,7 +237,7 @@ def main(args: GRPOArgs) -> None:
             # 1. Rollouts: every batch up to max_lag steps ahead sampled with the live policy
             # (max_lag 0: this step's batch, synchronous GRPO), then this step's taken.
             sample_start = time.perf_counter()
-            pipeline.fill(global_step, epoch_start + data.steps_per_epoch, partial(sample, batches))
+            pipeline.fill(global_step, epoch_end, partial(sample, batches))
             sample_seconds = time.perf_counter() - sample_start
             in_flight = pipeline.take(global_step)
             scored = in_flight.parts
@@ -264,6 +268,10 @@ def main(args: GRPOArgs) -> None:
                 step_totals = global_sums(step_sums, device)
                 metrics = optimizer_step(loss=step_totals["loss"] / divisor, step=global_step + 1)
             global_step += 1
+            # Split ranks: the new policy goes out now, in the background, when it will sample.
+            next_epoch = epoch + 1 < args.schedule.epochs
+            if remote is not None and pipeline.samples_with(global_step, epoch_end, next_epoch):
+                remote.send_policy(global_step)
             # 4. Log, validate, export, save.
             metrics |= grpo_metrics(
                 counts,
@@ -293,6 +301,8 @@ def main(args: GRPOArgs) -> None:
 
 def rollout_rank(args: GRPOArgs, split: RankSplit) -> None:
     """A rollout rank (``rollout.ranks``): samples and scores the batches its trainers ask for."""
+    # A stop signal ends this rank when its trainers stop it, after their checkpoint.
+    defer_stop_signals()
     device = split.device(args.device)
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
@@ -312,7 +322,10 @@ def rollout_rank(args: GRPOArgs, split: RankSplit) -> None:
         device=device,
     )  # fmt: skip
     model.train()
-    serve_rollouts(split, groups, model)
+    serve_rollouts(
+        split, groups, model, refill_rounds=args.rollout.dynamic_sampling_refill_rounds,
+        prompts_per_round=args.schedule.batch_size,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ class RolloutArgs:
     off_policy: Component = component(default="tunelab.rl.TruncatedIS")
     """mode async: the importance weight on each token loss of a batch sampled by an older policy, a tunelab.rl.OffPolicyCorrection: tunelab.rl.TruncatedIS (cap) or tunelab.rl.MaskedIS (low, high)."""
     ranks: Annotated[int, Range(ge=0)] = 0
-    """mode async: the last N processes of the job only sample (rollout ranks) and the others only train, on batches the rollout ranks sampled with the policy max_lag updates older (sent after each update: LoRA the adapter, full every weight); the same schedule and results as the colocated run with as many trainers (0: every process samples and trains). Needs at least N trainers; not with dynamic_sampling_refill_rounds."""
+    """mode async: the last N processes of the job only sample (rollout ranks) and the others only train, on batches the rollout ranks sampled with the policy max_lag updates older (each trainer sends its shards right after each update, in the background: LoRA the adapter, full every weight); the same schedule and results as the colocated run with as many trainers, refill rounds included (0: every process samples and trains). Needs at least N trainers; a checkpoint resumes with any rollout.ranks and as many trainers."""
 
     def check_settings(self) -> list[str]:
         """Refills need dynamic sampling; greedy sampling trains nothing; max_lag needs async."""
@@ -259,12 +259,6 @@ class RolloutArgs:
             problems.append(
                 f"key 'rollout.ranks': {self.ranks} rollout ranks sample ahead of training: "
                 "set rollout.mode: async, or leave rollout.ranks 0"
-            )
-        if self.ranks and self.dynamic_sampling_refill_rounds:
-            problems.append(
-                "key 'rollout.dynamic_sampling_refill_rounds': refills agree on their groups "
-                "over every sampling rank, which rollout ranks (rollout.ranks) do not do; "
-                "set it 0 or rollout.ranks 0"
             )
         if self.mode == "sync" and self.max_lag != 1:
             problems.append(

@@ -160,6 +160,16 @@ def install_stop_handlers() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def defer_stop_signals() -> None:
+    """From now on a first stop signal only sets the flag :func:`signal_received` reads.
+
+    For a process whose peers end it once they committed their checkpoint (a rollout rank of
+    asynchronous GRPO, which its trainers tell to stop): it must keep serving them until then,
+    and then exits with 128 + signal (``recipe_main``). A second signal still exits at once.
+    """
+    _state.deferred = True
+
+
 def signal_received() -> int | None:
     """The first stop signal this process received, or None."""
     return _state.signum

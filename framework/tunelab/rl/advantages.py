@@ -14,6 +14,7 @@ sums into its metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,35 +294,84 @@ class GroupSampler:
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        num_generations = self.num_generations
-        counts = global_sums(
-            {
-                "target": sum(s.rollout.keep.numel() for s in scored) / num_generations,
-                "kept": sum(float(s.rollout.keep.sum()) for s in scored) / num_generations,
-            },
-            self.device,
+        refills = self.refill_ranks(
+            {rank: scored},
+            step,
+            prompts_per_round=prompts_per_round,
+            max_rounds=max_rounds,
+            world_size=world,
+            reduce=all_reduce_sum,
         )
-        target, kept = round(counts["target"]), round(counts["kept"])
-        refills = []
+        return refills[rank]
+
+    def refill_ranks(
+        self,
+        scored: dict[int, list[ScoredGroups]],
+        step: int,
+        *,
+        prompts_per_round: int,
+        max_rounds: int,
+        world_size: int,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ) -> dict[int, list[ScoredGroups]]:
+        """:meth:`refill` for several sampling ranks at once: those ``scored`` holds.
+
+        A rollout rank (``rollout.ranks``) samples for its trainers: it refills as each of them
+        would, and the rollout ranks together as every trainer would, so their refills are
+        those of the run whose processes are the trainers.
+
+        Args:
+            scored: Sampling rank (of ``world_size``) -> the step's own micro-batches.
+            step: Optimizer steps taken before this one.
+            prompts_per_round: Prompts per sampling rank per round.
+            max_rounds: Rounds at most (0: none).
+            world_size: The sampling ranks in all.
+            reduce: Sums a tensor in place over the processes that refill the other
+                sampling ranks (and returns it).
+
+        Returns:
+            Each sampling rank's refill micro-batches.
+        """
+        num_generations = self.num_generations
+        parts = [part for own in scored.values() for part in own]
+        counts = reduce(
+            torch.tensor(
+                [
+                    sum(s.rollout.keep.numel() for s in parts) / num_generations,
+                    sum(float(s.rollout.keep.sum()) for s in parts) / num_generations,
+                ],
+                dtype=torch.float64,
+                device=self.device,
+            )
+        ).tolist()
+        target, kept = round(counts[0]), round(counts[1])
+        refills: dict[int, list[ScoredGroups]] = {rank: [] for rank in scored}
         for refill_round in range(1, max_rounds + 1):
             if kept >= target:
                 break
             everyone = refill_indices(
-                self.seed, step, refill_round, len(self.prompts), prompts_per_round * world
+                self.seed, step, refill_round, len(self.prompts), prompts_per_round * world_size
             )
-            mine = slice(rank * prompts_per_round, (rank + 1) * prompts_per_round)
-            extra = self.sample(everyone[mine], step, refill_round)
-            flags = torch.zeros(prompts_per_round * world, dtype=torch.float64, device=self.device)
-            flags[mine] = extra.rollout.keep.view(-1, num_generations)[:, 0].to(flags.dtype)
-            flags = all_reduce_sum(flags)
+            flags = torch.zeros(
+                prompts_per_round * world_size, dtype=torch.float64, device=self.device
+            )
+            extras = {}
+            for rank in scored:
+                mine = slice(rank * prompts_per_round, (rank + 1) * prompts_per_round)
+                extras[rank] = self.sample(everyone[mine], step, refill_round)
+                keep = extras[rank].rollout.keep.view(-1, num_generations)[:, 0]
+                flags[mine] = keep.to(flags.dtype)
+            flags = reduce(flags)
             allowed = (flags > 0) & (kept + flags.cumsum(0) <= target)
             kept += int(allowed.sum())
-            keep = allowed[mine].repeat_interleave(num_generations)
-            lengths = (extra.rollout.batch["labels"] != -100).sum(dim=1)
-            extra.rollout.keep = keep
-            extra.sums["num_sequences"] = float(keep.sum())
-            extra.sums["num_tokens"] = float((lengths * keep).sum())
-            refills.append(extra)
+            for rank, extra in extras.items():
+                mine = slice(rank * prompts_per_round, (rank + 1) * prompts_per_round)
+                keep = allowed[mine].repeat_interleave(num_generations)
+                lengths = (extra.rollout.batch["labels"] != -100).sum(dim=1)
+                extra.rollout.keep = keep
+                extra.sums["num_sequences"] = float(keep.sum())
+                extra.sums["num_tokens"] = float((lengths * keep).sum())
+                refills[rank].append(extra)
         return refills
 
 

@@ -135,6 +135,19 @@ class RolloutPipeline:
             if target not in self.pending:
                 self.pending[target] = InFlight(target, step, sample(target))
 
+    def samples_with(self, step: int, epoch_end: int, another_epoch: bool) -> bool:
+        """Whether the policy of ``step`` samples a batch: the fill at ``step`` asks for one.
+
+        Args:
+            step: The updates done (its policy is the live one).
+            epoch_end: One past the last step of the epoch of the last update.
+            another_epoch: Whether an epoch follows it (its first fill samples).
+        """
+        if step >= epoch_end:
+            return another_epoch
+        last = min(step + self.max_lag + 1, epoch_end)
+        return any(target not in self.pending for target in range(step, last))
+
     def take(self, step: int) -> InFlight:
         """The batch of ``step``; its rollouts carry their lag (``step - behaviour_step``).
 
@@ -181,7 +194,8 @@ class RolloutPipeline:
 
         Raises:
             CheckpointError: The record does not parse, or was saved by another number of
-                processes (the batches are per rank).
+                training processes (the batches are per trainer; rollout ranks, which hold
+                none, may differ).
         """
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -189,8 +203,9 @@ class RolloutPipeline:
             per_rank = json.loads(text)
             if len(per_rank) != world:
                 raise CheckpointError(
-                    f"{where}: the async rollouts in flight were saved by {len(per_rank)} "
-                    f"processes; resume an async run (rollout.max_lag > 0) on as many, not {world}"
+                    f"{where}: the async rollouts in flight (rollout.max_lag > 0) were saved by "
+                    f"{len(per_rank)} training processes and this run has {world}; resume on "
+                    f"{len(per_rank)} (--nproc_per_node minus rollout.ranks)"
                 )
             batches = [decode_in_flight(item, self.device) for item in json.loads(per_rank[rank])]
         except (ValueError, KeyError, TypeError, IndexError) as error:

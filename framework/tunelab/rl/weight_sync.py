@@ -19,11 +19,19 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["TransferStats", "WeightTransferError", "receive_weights", "send_weights"]
+__all__ = [
+    "TransferStats",
+    "WeightTransferError",
+    "json_tensor",
+    "receive_weights",
+    "send_weights",
+    "tensor_json",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -55,6 +63,16 @@ class TransferStats:
     seconds: float
 
 
+def json_tensor(value: Any) -> torch.Tensor:
+    """``value`` as JSON text in a uint8 tensor (a message's record beside its tensors)."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def tensor_json(tensor: torch.Tensor) -> Any:
+    """The value :func:`json_tensor` wrote."""
+    return json.loads(tensor.numpy().tobytes())
+
+
 def _digest(data: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
@@ -72,14 +90,14 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
         ) from None
 
 
-def _isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> dist.Work:
+def _isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
     # A group passed in is addressed by its own ranks: it may be one made outside the
     # default group's registry (a rollout channel over every process, ``tunelab.rl.RankSplit``).
-    return dist.isend(tensor, peer) if group is None else group.send([tensor], peer, 0)
+    return dist.isend(tensor, peer, tag=tag) if group is None else group.send([tensor], peer, tag)
 
 
-def _irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> dist.Work:
-    return dist.irecv(tensor, peer) if group is None else group.recv([tensor], peer, 0)
+def _irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+    return dist.irecv(tensor, peer, tag=tag) if group is None else group.recv([tensor], peer, tag)
 
 
 def _pack(tensors: dict[str, torch.Tensor], bucket_bytes: int):
@@ -114,6 +132,7 @@ def send_weights(
     bucket_bytes: int = 64 * 2**20,
     group: dist.ProcessGroup | None = None,
     receiver_role: str = "rollout rank",
+    tag: int = 0,
 ) -> TransferStats:
     """Send ``tensors`` (whole, any device) to every rank of ``receivers``, acknowledged.
 
@@ -126,6 +145,8 @@ def send_weights(
         bucket_bytes: The largest bucket (a tensor larger than it gets a bucket of its own).
         group: The process group, addressed by its own ranks (None: the default one).
         receiver_role: What the error messages call a receiver.
+        tag: The message stream: transfers on different tags between the same two ranks may
+            run at once (from different threads), each stream in order.
 
     Returns:
         The bytes sent to one receiver and the seconds the whole transfer took.
@@ -146,13 +167,13 @@ def send_weights(
     length = torch.tensor([len(header)], dtype=torch.int64)
     for rank in receivers:
         what = f"weight transfer to {receiver_role} {rank}"
-        _wait(_isend(length, rank, group), timeout_s, what)
-        _wait(_isend(header_tensor, rank, group), timeout_s, what)
+        _wait(_isend(length, rank, group, tag), timeout_s, what)
+        _wait(_isend(header_tensor, rank, group, tag), timeout_s, what)
         for bucket in buckets:
-            _wait(_isend(bucket, rank, group), timeout_s, what)
+            _wait(_isend(bucket, rank, group, tag), timeout_s, what)
     for rank in receivers:
         answer = torch.zeros(1, dtype=torch.int64)
-        _wait(_irecv(answer, rank, group), timeout_s, f"{receiver_role} {rank}")
+        _wait(_irecv(answer, rank, group, tag), timeout_s, f"{receiver_role} {rank}")
         if int(answer) != 1:
             raise WeightTransferError(
                 f"{receiver_role} {rank} received weights that do not match their SHA-256"
@@ -167,6 +188,7 @@ def receive_weights(
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
     sender_role: str = "trainer rank",
+    tag: int = 0,
 ) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Receive the tensors :func:`send_weights` sends from ``sender``, verified.
 
@@ -176,6 +198,7 @@ def receive_weights(
         device: Where the tensors go.
         group: The process group, addressed by its own ranks (None: the default one).
         sender_role: What the error messages call the sender.
+        tag: The message stream (the sender's ``tag``).
 
     Returns:
         Name -> tensor, and the bytes and seconds of the transfer.
@@ -187,18 +210,18 @@ def receive_weights(
     start = time.perf_counter()
     what = f"weight transfer from {sender_role} {sender}"
     length = torch.zeros(1, dtype=torch.int64)
-    _wait(_irecv(length, sender, group), timeout_s, what)
+    _wait(_irecv(length, sender, group, tag), timeout_s, what)
     header_tensor = torch.empty(int(length), dtype=torch.uint8)
-    _wait(_irecv(header_tensor, sender, group), timeout_s, what)
+    _wait(_irecv(header_tensor, sender, group, tag), timeout_s, what)
     header = json.loads(header_tensor.numpy().tobytes())
     buckets, verified = [], True
     for spec in header["buckets"]:
         bucket = torch.empty(int(spec["bytes"]), dtype=torch.uint8)
-        _wait(_irecv(bucket, sender, group), timeout_s, what)
+        _wait(_irecv(bucket, sender, group, tag), timeout_s, what)
         verified = verified and _digest(bucket) == spec["sha256"]
         buckets.append(bucket)
     answer = torch.tensor([1 if verified else 0], dtype=torch.int64)
-    _wait(_isend(answer, sender, group), timeout_s, what)
+    _wait(_isend(answer, sender, group, tag), timeout_s, what)
     if not verified:
         raise WeightTransferError(
             f"{what}: the bytes received do not match their SHA-256; nothing was loaded"

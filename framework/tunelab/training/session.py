@@ -561,6 +561,8 @@ class AfterStep:
         reports: The loggers, the profiler, validation and the benchmarks.
         global_step: The step the run starts from (``resume``).
         device: For the peak-memory figure.
+        close_on_stop: More to close, after the checkpoint, when a stop signal ends the run
+            (asynchronous GRPO's link to its rollout ranks, which then stop too).
 
     Rank 0 draws the progress bar and trims the step logs.
     """
@@ -574,6 +576,7 @@ class AfterStep:
         *,
         global_step: int,
         device: torch.device,
+        close_on_stop: tuple[Any, ...] = (),
     ) -> None:
         self.checkpoints, self.data, self.schedule = checkpoints, data, schedule
         loggers = reports.loggers
@@ -588,7 +591,7 @@ class AfterStep:
         total = data.steps_per_epoch * schedule.epochs
         self.progress = ProgressBar(total, initial=global_step, enabled=is_main)
         # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
-        self.preemption = Preemption(checkpoints, close=(self.progress, loggers))
+        self.preemption = Preemption(checkpoints, close=(self.progress, loggers, *close_on_stop))
         self._start = time.perf_counter()
 
     def start_step(self) -> None:
