@@ -323,6 +323,47 @@ def add_trainer_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
 
 
+def trl_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The TRL config fields every trainer bench's TRL side sets alike (``trl.*Config(**...)``).
+
+    ``1 + --steps`` steps (the first warms up) of ``--batch-size`` rows, AdamW at 1e-4 without
+    decay, clipping at 1.0, a constant schedule, ``--max-length`` tokens; tuned as a careful
+    user would for fp32 on CPU: no bf16 autocast (TRL's default), no gradient checkpointing,
+    no logging, saving or reporting, data loaded in the training process.
+    """
+    return {
+        "output_dir": str(Path(args.result).with_suffix("")),
+        "per_device_train_batch_size": args.batch_size,
+        "max_steps": 1 + args.steps,
+        "learning_rate": 1e-4,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "constant",
+        "max_length": args.max_length,
+        "gradient_checkpointing": False,
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+
+
+def run_json_worker(command: Sequence[str], result: Path, threads: int, name: str) -> dict:
+    """Run a worker process with ``threads`` intra-op threads and read the JSON it wrote.
+
+    Raises:
+        SystemExit: The worker failed (the end of its output is shown).
+    """
+    env = {**launch_env(1), "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(list(command), env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return json.loads(result.read_text())
+
+
 def run_trainer_rounds(
     script: str, args: argparse.Namespace, data: Path, model_dir: Path, scratch: Path
 ) -> dict[str, list[dict[str, float]]]:
@@ -342,11 +383,7 @@ def run_trainer_rounds(
             "--result", str(result), "--steps", str(args.steps), "--model-dir", str(model_dir),
             "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
         ]  # fmt: skip
-        env = {**launch_env(1), "OMP_NUM_THREADS": str(args.threads)}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"{side} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        return json.loads(result.read_text())
+        return run_json_worker(command, result, args.threads, side)
 
     sides = [side for side in TRAINER_SIDES if side != "TRL" or trl_installed()]
     return alternating_rounds(run_side, sides, args.rounds)

@@ -49,6 +49,7 @@ from _common import (
     throughput_rows,
     tiny_dir,
     trainer_bench_main,
+    trl_settings,
 )
 
 TARGET_RATIO = 1.3
@@ -174,25 +175,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
             step_seconds.append(time.perf_counter() - self.began)
             step_cpu_seconds.append(time.process_time() - self.began_cpu)
 
-    config = trl.KTOConfig(
-        output_dir=str(Path(args.result).with_suffix("")),
-        per_device_train_batch_size=args.batch_size,
-        max_steps=1 + args.steps,
-        learning_rate=1e-4,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        lr_scheduler_type="constant",
-        beta=0.1,
-        max_length=args.max_length,
-        gradient_checkpointing=False,
-        bf16=False,  # TRL's configs default to bf16 autocast: both sides run fp32
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        seed=0,
-    )
+    config = trl.KTOConfig(**trl_settings(args), beta=0.1)
     lora = LoraConfig(
         r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
     )

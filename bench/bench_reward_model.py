@@ -43,6 +43,7 @@ from _common import (
     throughput_rows,
     tiny_dir,
     trainer_bench_main,
+    trl_settings,
 )
 
 TARGET_RATIO = 1.3
@@ -162,24 +163,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
             step_tokens.append(int(inputs["attention_mask"].sum()))
             return super().compute_loss(model, inputs, *rest, **kwargs)
 
-    config = trl.RewardConfig(
-        output_dir=str(Path(args.result).with_suffix("")),
-        per_device_train_batch_size=args.batch_size,
-        max_steps=1 + args.steps,
-        learning_rate=1e-4,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        lr_scheduler_type="constant",
-        max_length=args.max_length,
-        gradient_checkpointing=False,
-        bf16=False,  # TRL's configs default to bf16 autocast: both sides run fp32
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        seed=0,
-    )
+    config = trl.RewardConfig(**trl_settings(args))
     lora = LoraConfig(
         r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="SEQ_CLS",
         modules_to_save=["score"],

@@ -54,6 +54,7 @@ BENCHMARKS = {
     "gguf": ("bench_gguf.py", True, [], ["--size-mb", "1024"]),
     "reward_model": ("bench_reward_model.py", False, ["--model", "wide"],
                      ["--model", "wide", "--steps", "16", "--batch-size", "16"]),
+    "vl": ("bench_vl.py", False, [], ["--rounds", "6", "--steps", "16", "--images", "16"]),
 }  # fmt: skip
 
 
