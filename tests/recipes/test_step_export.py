@@ -121,3 +121,43 @@ def test_a_step_is_refused_for_another_model_damage_or_no_config(exported, tmp_p
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 1
     assert "is a training checkpoint" in result.stderr and "--config" in result.stderr
+
+
+def test_two_processes_write_the_bytes_one_process_writes(exported, tmp_path):
+    """``--nproc 2``: the model sharded over 2 processes (FSDP2, as the run built it), each
+    writing its rows of the Hugging Face export and its tensors of the GGUF file; every file
+    equals the 1-process export's (the manifests list other written pieces, the same files).
+    A failure in the processes is one line and exit 1."""
+    kind, out = exported
+    if kind != "lora":
+        pytest.skip("checked on the LoRA run: adapter, sharded merge and GGUF")
+    copy = tmp_path / "out"
+    shutil.copytree(out / f"step_{STEPS}", copy / f"step_{STEPS}")
+    result = _export(copy, STEPS, CONFIGS[kind], "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("Wrote ") == 1, result.stdout  # rank 0 speaks
+    one, two = out / f"step_{STEPS}_export", copy / f"step_{STEPS}_export"
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file())
+    assert "gguf/model-f16.gguf" in map(str, files)
+    for name in files:
+        if name.name != "tunelab_manifest.json":
+            assert (two / name).read_bytes() == (one / name).read_bytes(), name
+    verify = subprocess.run([TUNELAB, "verify", str(two)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    # The export's own form, its GGUF written again by 2 processes: the same bytes.
+    result = subprocess.run([TUNELAB, "export", str(two), "--to", "gguf", "--nproc", "2"],
+                            capture_output=True, text=True, env=run_env())  # fmt: skip
+    assert result.returncode == 0 and result.stdout.count("Wrote ") == 1, result.stderr
+    for name in ("gguf/model-f16.gguf", "gguf/Modelfile"):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+    # A damaged export: rank 0's verification fails, both processes stop, one line is said.
+    weights = two / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    result = subprocess.run([TUNELAB, "export", str(two), "--to", "gguf", "--nproc", "2"],
+                            capture_output=True, text=True, env=run_env())  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("tunelab: error: ") and result.stderr.count("\n") == 1
+    assert "fails verification" in result.stderr, result.stderr
