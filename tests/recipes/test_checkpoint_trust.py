@@ -63,10 +63,14 @@ def reference(lora_2p_every_2):
     return lora_2p_every_2
 
 
+# The dropout run commits every step: the never-unpickled test needs four committed checkpoints.
+DROPOUT = ("lora.dropout=0.05", "checkpoint.save_every_n_steps=1")
+
+
 @pytest.fixture(scope="module")
 def dropout_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("dropout_reference")
-    _run(out, "lora.dropout=0.05")
+    _run(out, *DROPOUT)
     return out
 
 
@@ -132,11 +136,10 @@ def test_corrupt_newest_checkpoint_is_moved_aside_and_the_run_finishes_exactly(r
     assert subprocess.run([TUNELAB, "verify", str(out / "step_4")]).returncode == 0
 
 
-def test_files_that_would_run_code_are_never_executed(reference, tmp_path):
-    out = tmp_path / "run"
-    # Four committed checkpoints; in each, one file resume reads is replaced by a pickle
-    # whose loading would create the marker.
-    _run(out, "checkpoint.save_every_n_steps=1", f"schedule.max_steps_per_epoch={4}")
+def test_files_that_would_run_code_are_never_executed(dropout_reference, tmp_path):
+    # Four committed checkpoints (step_1 to step_4); in each, one file resume reads is
+    # replaced by a pickle whose loading would create the marker.
+    out = interrupted_copy(dropout_reference, tmp_path / "run", after_step=4)
     marker = tmp_path / "marker"
     payload = pickle.dumps(_Payload(marker))
     for step, name in (
@@ -147,11 +150,8 @@ def test_files_that_would_run_code_are_never_executed(reference, tmp_path):
     ):
         (out / f"step_{step}" / name).write_bytes(payload)
     (out / "step_4" / ".metadata").write_bytes(payload)  # DCP's own name: never read
-    for name in ("epoch_0", "logs"):
-        shutil.rmtree(out / name)
-    result = _run(
-        out, "checkpoint.resume_from_checkpoint=true", "schedule.max_steps_per_epoch=4", check=False
-    )
+    assert not (out / "epoch_0").exists() and not (out / "logs").exists()
+    result = _run(out, *DROPOUT, "checkpoint.resume_from_checkpoint=true", check=False)
     output = result.stdout + result.stderr
     assert not marker.exists()
     assert result.returncode == 1 and "Traceback" not in output
@@ -167,19 +167,21 @@ def test_exact_resume_with_lora_dropout(dropout_reference, reference, tmp_path):
     dropped, plain = losses_by_step(dropout_reference), losses_by_step(reference)
     assert any(abs(dropped[s] - plain[s]) > 1e-4 for s in range(2, STEPS + 1))  # dropout is on
     out = interrupted_copy(dropout_reference, tmp_path / "run", after_step=2)
-    _run(out, "lora.dropout=0.05", "checkpoint.resume_from_checkpoint=true")
+    _run(out, *DROPOUT, "checkpoint.resume_from_checkpoint=true")
     resumed = losses_by_step(out)
     assert sorted(resumed) == [3, 4, 5, 6]
     _assert_same_losses(resumed, dropped, range(3, STEPS + 1))
 
 
 @pytest.fixture(scope="module")
-def crashed_and_resumed(reference, tmp_path_factory) -> tuple[Path, list[Path]]:
+def crashed_and_resumed(reference, tmp_path_factory) -> tuple[Path, list[Path], str]:
     """The reference run as a crash right after committing step 4 leaves it, then resumed.
 
     The crash had logged steps 5 and 6 (and a line cut short), left temporaries of a save and
-    of an export behind, and an uncommitted step_6 holding what a save writes. One resume
-    serves the two tests below; returns its folder and the temporaries it found.
+    of an export behind, and an uncommitted step_6 holding what a save writes. One resume, with
+    ``resume_from_checkpoint=auto`` (the command line that starts a run fresh when there is no
+    checkpoint), serves the three tests below; returns its folder, the temporaries it found and
+    what it printed.
     """
     out = interrupted_copy(reference, tmp_path_factory.mktemp("crashed") / "run", after_step=4)
     logs = out / "logs"
@@ -197,12 +199,12 @@ def crashed_and_resumed(reference, tmp_path_factory) -> tuple[Path, list[Path]]:
         (path / "junk").write_text("x")
     (out / "step_6").mkdir()
     (out / "step_6" / "__0_0.distcp").write_text("x")
-    _run(out, "checkpoint.resume_from_checkpoint=true")
-    return out, stale
+    resumed = _run(out, "checkpoint.resume_from_checkpoint=auto")
+    return out, stale, resumed.stdout
 
 
 def test_metrics_hold_each_step_once_after_a_resume(reference, crashed_and_resumed):
-    out, _ = crashed_and_resumed
+    out, _, _ = crashed_and_resumed
 
     def shape(path):
         return [(r["step"], sorted(r)) for r in map(json.loads, path.read_text().splitlines())]
@@ -212,7 +214,7 @@ def test_metrics_hold_each_step_once_after_a_resume(reference, crashed_and_resum
 
 
 def test_stale_temporaries_are_removed_and_never_exported(crashed_and_resumed):
-    out, stale = crashed_and_resumed
+    out, stale, _ = crashed_and_resumed
     assert not any(path.exists() for path in stale)
     names = {p.relative_to(out).as_posix() for p in out.rglob("*")}
     assert not any("junk" in name or ".tunelab-" in name for name in names)
@@ -291,7 +293,9 @@ def test_full_disk_is_one_line_and_the_committed_checkpoint_stays_intact(small_t
     assert verify.returncode == 0, verify.stdout
 
 
-def test_resume_auto_starts_fresh_or_resumes_and_true_needs_a_checkpoint(reference, tmp_path):
+def test_resume_auto_starts_fresh_or_resumes_and_true_needs_a_checkpoint(
+    reference, crashed_and_resumed, tmp_path
+):
     out = tmp_path / "run"
     result = _run(out, "checkpoint.resume_from_checkpoint=true", check=False)
     output = result.stdout + result.stderr
@@ -300,11 +304,11 @@ def test_resume_auto_starts_fresh_or_resumes_and_true_needs_a_checkpoint(referen
         f"tunelab: error: checkpoint.resume_from_checkpoint=true but {out} holds no committed "
         "checkpoint: set it to auto to start fresh when there is none"
     ]
-    # auto into an empty folder starts fresh and says so; the same command line resumes later.
+    # auto into an empty folder starts fresh and says so; the same command line resumes later
+    # (the crashed run's resume above: the reference's copy, killed after step_4).
     fresh = _run(out, "checkpoint.resume_from_checkpoint=auto")
     assert f"no checkpoint in {out}: starting fresh" in fresh.stdout
     _assert_same_losses(losses_by_step(out), losses_by_step(reference), range(1, STEPS + 1))
-    again = interrupted_copy(out, tmp_path / "again", after_step=4)
-    resumed = _run(again, "checkpoint.resume_from_checkpoint=auto")
-    assert "resumed from step_4 (epoch 0, step 4 of 6)" in resumed.stdout
-    _assert_same_losses(losses_by_step(again), losses_by_step(reference), range(5, STEPS + 1))
+    again, _, resumed_stdout = crashed_and_resumed
+    assert "resumed from step_4 (epoch 0, step 4 of 6)" in resumed_stdout
+    _assert_same_losses(losses_by_step(again), losses_by_step(out), range(5, STEPS + 1))
