@@ -3,7 +3,9 @@
 TP=2 on 2 processes trains as 1 process with the same global batch for 12 steps (fp32):
 the losses, the gradient norms and the exports (merged model, adapter), for LoRA and full
 fine-tuning. A step checkpoint saved under TP=2 resumes under plain FSDP=2 and gives the TP
-run's remaining losses and export. FSDP=2 x TP=2 on 4 processes equals 1 process (slow).
+run's remaining losses and export; a TP=2 run killed after a checkpoint resumes under TP=2
+exactly (every later metric and the export bit for bit). FSDP=2 x TP=2 on 4 processes equals
+1 process (slow).
 The unit part checks the one-line refusals.
 """
 
@@ -108,6 +110,22 @@ def test_lora_tp2_checkpoint_resumes_under_fsdp2(lora_runs, tmp_path):
          "checkpoint.resume_from_checkpoint=true", nproc=2)  # fmt: skip
     _assert_same_training(out, tp2, steps=range(7, STEPS + 1))
     assert_same_exports(out, tp2, atol=EXPORT_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_within_tp2_is_exact(lora_runs, tmp_path):
+    # What a kill right after step 6's checkpoint leaves (steps 7-12 logged, no export),
+    # resumed on 2 processes under TP=2: the logs hold each step once, and every step after
+    # 6, its validation and the export equal the uninterrupted run's bit for bit.
+    _, tp2 = lora_runs
+    out = interrupted_copy(tp2, tmp_path / "tp2", after_step=6, keep_logs=True)
+    _run(out, "lora_finetune_distributed", "tiny/lora", TP2,
+         "checkpoint.resume_from_checkpoint=true", nproc=2)  # fmt: skip
+    rows = [(row["step"], sorted(row)) for row in read_metrics(out)]
+    assert rows == [(row["step"], sorted(row)) for row in read_metrics(tp2)]
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert _metric(out, key) == _metric(tp2, key), key
+    assert_same_exports(out, tp2)
 
 
 @pytest.mark.slow
