@@ -207,7 +207,8 @@ def main(args: DistillArgs) -> None:
                     **metrics,
                     "loss": loss,
                     "on_policy": float(sampled),
-                    "scored_tokens": num_tokens.item(),
+                    # Tensor-parallel ranks score the same tokens: count each once.
+                    "scored_tokens": num_tokens.item() / args.parallelism.tensor_parallel_size,
                 },
                 num_tokens=num_tokens.item(),
             )

@@ -159,6 +159,16 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
     model.tensor_parallel_mesh = mesh
 
 
+def tensor_parallel_size(model: nn.Module) -> int:
+    """The ranks splitting the model's matmuls (1: not tensor-parallel).
+
+    They all train on the same tokens, so a token count summed over every process (as
+    ``tunelab.training.global_token_count`` sums it) holds each token this many times.
+    """
+    mesh = getattr(model, "tensor_parallel_mesh", None)
+    return 1 if mesh is None else mesh.size()
+
+
 def tensor_parallel_output(model: nn.Module) -> tuple[Any, Any] | None:
     """The vocabulary-sharded output layer of a tensor-parallel decoder, or None.
 

@@ -30,6 +30,7 @@ from tunelab.data import StatefulDistributedSampler
 from tunelab.data.preference import IndexedPairs
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
 from tunelab.data.streaming import StreamingDataset
+from tunelab.distributed.tensor_parallel import tensor_parallel_size
 from tunelab.errors import ConfigError, DataError
 from tunelab.lifecycle import Preemption, RunFolder, restart_of_job
 from tunelab.training.loop import peak_memory_gib
@@ -593,6 +594,9 @@ class AfterStep:
         # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
         self.preemption = Preemption(checkpoints, close=(self.progress, loggers, *close_on_stop))
         self._start = time.perf_counter()
+        # Tensor-parallel ranks share their samples: the recipes' token counts, summed over
+        # every process, hold each token once per rank of a group.
+        self._token_copies = tensor_parallel_size(checkpoints.model)
 
     def start_step(self) -> None:
         """Start the clock of a step (for its tokens/s)."""
@@ -614,14 +618,16 @@ class AfterStep:
             epoch: The epoch of this step.
             step_in_epoch: Optimizer steps taken in this epoch, this one included.
             metrics: The step's metrics, with at least ``loss`` and ``lr``.
-            num_tokens: Tokens the step trained on, over all ranks.
+            num_tokens: Tokens the step trained on, summed over all ranks (``global_token_count``:
+                tensor-parallel ranks count their shared samples each; logged once).
 
         Raises:
             TrainingStopped: A stop signal arrived; the checkpoint of this step is committed.
         """
         self.profiler.step()
         self.data.advance()
-        tokens_per_second = num_tokens / (time.perf_counter() - self._start)
+        seconds = time.perf_counter() - self._start
+        tokens_per_second = num_tokens / self._token_copies / seconds
         self.progress.update(
             loss=metrics["loss"],
             lr=metrics["lr"],
