@@ -5,8 +5,8 @@ token. On CPU in fp32, ``F.linear`` runs MKL's sgemm, which re-lays the weight o
 kernel on every call; a weight reordered once into oneDNN's blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with ``_linear_pointwise`` skips
 that. Measured on one core of this project's AMD EPYC (torch 2.13, 32 rows, the bench's
-768-wide model; docs/benchmarks.md): 1.1-1.5x faster per matmul, a whole ``generate`` 15% less
-CPU time.
+768-wide model; docs/benchmarks.md): 1.05-1.5x faster per matmul, a whole ``generate`` 11-15%
+less CPU time.
 
 Results equal ``F.linear``'s up to rounding (a few 1e-6 at these sizes, as merged adapters
 are); a row's values do not depend on how many rows share the call, except for a row alone

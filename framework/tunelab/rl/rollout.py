@@ -176,7 +176,7 @@ class ModelRolloutEngine:
     With ``pack_weights`` (the default) and an eager decode step, every fp32 linear weight on
     CPU runs packed for oneDNN for the call (:func:`~tunelab.modules.packed_linear.packed_linears`:
     merged adapters in place of their merged copy, plain layers with a packed copy; at a decode
-    step's few dozen rows a third less time per matmul than MKL's sgemm here). It changes
+    step's few dozen rows 5-35% less time per matmul than MKL's sgemm here). It changes
     rounding only, like the merge.
 
     After each call, ``last_generation_seconds``, ``last_generated_tokens``,
