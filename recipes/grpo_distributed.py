@@ -114,6 +114,8 @@ def main(args: GRPOArgs) -> None:
         args.schedule,
         seed=args.seed,
         resume_from=run if args.checkpoint.resume_from_checkpoint else None,
+        # Tensor-parallel ranks share their prompts (and ask the rollout ranks for the same).
+        ranks_per_sample=args.parallelism.ranks_per_sample,
     )
     if args.lora is not None:
         trainable = list(peft.get_adapter_params(model).values())
@@ -242,7 +244,11 @@ def main(args: GRPOArgs) -> None:
             in_flight = pipeline.take(global_step)
             scored = in_flight.parts
             records = [record for part in scored for record in part.records]
-            write_completions(run.step_log("completions.jsonl"), global_step + 1, records)
+            # Tensor-parallel ranks hold the same completions: each written once.
+            write_completions(
+                run.step_log("completions.jsonl"), global_step + 1, records,
+                copies=args.parallelism.tensor_parallel_size,
+            )  # fmt: skip
             rollouts = [part.rollout for part in scored]
             counts = step_counts(scored, device)
             train_start = time.perf_counter()
@@ -280,6 +286,7 @@ def main(args: GRPOArgs) -> None:
                 divisor=divisor,
                 world_size=dist_info.world_size,
                 train_seconds=time.perf_counter() - train_start,
+                token_copies=args.parallelism.tensor_parallel_size,
             )
             metrics["off_policy/lag"] = global_step - 1 - in_flight.behaviour_step
             metrics["off_policy/sample_seconds"] = sample_seconds
@@ -306,8 +313,9 @@ def rollout_rank(args: GRPOArgs, split: RankSplit) -> None:
     device = split.device(args.device)
     seed_everything(args.seed)
     tokenizer = instantiate(args.tokenizer)
-    # Its own whole model (no process group): the trainers send the policy before each use.
-    meshes = build_device_meshes(device, args.parallelism)
+    # Its own whole model (no process group, so no tensor parallelism either): the trainers
+    # send the policy before each use.
+    meshes = build_device_meshes(device)
     model = build_model(
         args.model, lora=args.lora, adapter_dir=args.adapter_dir, device=device, meshes=meshes,
         seed=args.seed,

@@ -384,8 +384,8 @@ class GRPOArgs(LoRARecipeArgs):
     """The reward functions, their weights, time limit and scaling."""
     agentic: AgenticArgs | None = None
     """Agentic GRPO: each completion is an episode of turns with tool calls and environments (tunelab.rl.agentic); null: single-turn completions."""
-    parallelism: ParallelismArgs = field(default_factory=ParallelismArgs)
-    """How the processes split the work (HSDP sizes, collective timeout; tensor and expert parallelism are not built for GRPO, whose rollouts generate token by token on each process)."""
+    parallelism: ModelParallelismArgs = field(default_factory=ModelParallelismArgs)
+    """How the processes split the work: HSDP sizes, collective timeout, and tensor parallelism of the trainers' update passes (with rollout.ranks > 0: the rollout ranks sample with the whole policy); expert parallelism is not built for GRPO yet."""
 
     def check_settings(self) -> list[str]:
         """The rollout and reward sections' checks, and prompt + completion within the context."""
@@ -396,7 +396,46 @@ class GRPOArgs(LoRARecipeArgs):
                 "key 'rollout.mode': async rollouts are not built for agentic episodes yet "
                 "(their tool-output tokens have no behaviour log-probs); use rollout.mode: sync"
             )
-        return problems + self._length_problems()
+        return problems + self._length_problems() + self._parallelism_problems()
+
+    def _parallelism_problems(self) -> list[str]:
+        """What tensor and expert parallelism do not cover in GRPO yet, one line each.
+
+        Generation runs one forward per new token, as many as each process's completions need,
+        and the rollout engine's KV cache is not split by heads: split matmuls or experts would
+        pair up no collectives there. The update passes (log-probs, policy gradient) run under
+        tensor parallelism, so the trainers can split their matmuls while rollout ranks
+        (``rollout.ranks``) sample with the whole policy they are sent.
+        """
+        problems, parallelism = [], self.parallelism
+        tensor, expert = parallelism.tensor_parallel_size, parallelism.expert_parallel_size
+        if expert > 1:
+            problems.append(
+                f"key 'parallelism.expert_parallel_size': {expert} is not built for "
+                "grpo_distributed yet (each process generates its own number of tokens, so its "
+                "experts' all-to-alls would not pair up); use expert_parallel_size 1"
+            )
+        if tensor > 1 and self.rollout.ranks == 0:
+            problems.append(
+                f"key 'parallelism.tensor_parallel_size': {tensor} with rollouts sampled on the "
+                "training processes is not built yet (generation does not run on split "
+                "weights): set rollout.mode: async and rollout.ranks > 0, whose processes "
+                "sample with the whole policy, or tensor_parallel_size 1"
+            )
+        if tensor > 1 and self.rollout.dynamic_sampling_refill_rounds:
+            problems.append(
+                f"key 'parallelism.tensor_parallel_size': {tensor} with "
+                "rollout.dynamic_sampling_refill_rounds > 0 is not built yet (the rollout ranks "
+                "would count a tp group's refills once per trainer): set it 0, or "
+                "tensor_parallel_size 1"
+            )
+        if tensor > 1 and self.val_dataset is not None:
+            problems.append(
+                f"key 'parallelism.tensor_parallel_size': {tensor} with val_dataset is not "
+                "built yet (validation generates on the training processes): remove "
+                "val_dataset, or set tensor_parallel_size 1"
+            )
+        return problems
 
     def _length_problems(self) -> list[str]:
         """A prompt and its completion must fit the model's context (``max_position_embeddings``).

@@ -408,6 +408,7 @@ def grpo_metrics(
     divisor: float,
     world_size: int,
     train_seconds: float,
+    token_copies: int = 1,
 ) -> dict[str, float]:
     """A GRPO step's metrics from its global sums.
 
@@ -421,6 +422,9 @@ def grpo_metrics(
         divisor: The loss normalizer of the step.
         world_size: Processes (generation seconds are summed over them).
         train_seconds: Wall time of the log-prob and optimizer passes.
+        token_copies: Processes that train on the same completions (the tensor-parallel
+            size): the counts summed over processes hold each token this many times, so the
+            throughputs divide by it (the other metrics are quotients of two such counts).
 
     Returns:
         ``loss``, ``reward``, ``reward_std``, ``rewards/<name>``, ``completion_length``,
@@ -445,8 +449,10 @@ def grpo_metrics(
         "clip_fraction": step_totals["clipped"] / tokens,
         "kl": step_totals["kl"] / tokens,
         "generation_tokens_per_second": counts["completion_tokens"]
+        / token_copies
         / max(counts["generation_seconds"] / world_size, 1e-9),
         "train_tokens_per_second": counts["num_tokens"]
+        / token_copies
         * rollout.num_iterations
         / max(train_seconds, 1e-9),
     }

@@ -299,15 +299,19 @@ def global_sums(values: dict[str, float | torch.Tensor], device: torch.device) -
     return dict(zip(keys, all_reduce_sum(stacked).tolist(), strict=True))
 
 
-def write_completions(path: Path, step: int, records: list[dict[str, Any]]) -> None:
+def write_completions(
+    path: Path, step: int, records: list[dict[str, Any]], *, copies: int = 1
+) -> None:
     """Append one step's completions (every rank's, gathered to rank 0) to a JSONL file.
 
-    A collective: every rank calls it; rank 0 writes.
+    A collective: every rank calls it; rank 0 writes. ``copies``: consecutive ranks holding
+    the same completions (a tensor-parallel group): the first of each is written.
     """
     gathered: list[Any] = [records]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records)
+        gathered = gathered[::copies]
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
