@@ -14,6 +14,7 @@ The language model is tunelab's ``TransformerDecoder`` unchanged; what differs i
 Parameter names are the hub checkpoints' (``visual.*``, ``model.*``, ``lm_head.weight``).
 """
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,23 +58,29 @@ def multimodal_positions(
         return flat[None].expand(3, batch, seq_len)
     grids = [tuple(grid) for grid in image_grid_thw.tolist()]
     next_grid = 0
-    positions = torch.empty(3, batch, seq_len, dtype=torch.long)
-    is_image = (tokens == image_token_id).cpu()
+    # Plain lists and numpy: a per-token loop over tensor elements cost ~10 ms a batch.
+    positions = np.empty((3, batch, seq_len), dtype=np.int64)
+    is_image = (tokens == image_token_id).cpu().tolist()
     if document_ids is None:
-        starts = torch.zeros(batch, seq_len, dtype=torch.bool)
-        starts[:, 0] = True
+        starts = [[True] + [False] * (seq_len - 1) for _ in range(batch)]
     else:
         document_ids = document_ids.cpu()
-        starts = torch.ones(batch, seq_len, dtype=torch.bool)
-        starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        begins = torch.ones(batch, seq_len, dtype=torch.bool)
+        begins[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        starts = begins.tolist()
     for row in range(batch):
+        flags, begins_row = is_image[row], starts[row]
         index, current = 0, 0
         while index < seq_len:
-            if starts[row, index]:
+            if begins_row[index]:
                 current = 0
-            if not is_image[row, index]:
-                positions[:, row, index] = current
-                current, index = current + 1, index + 1
+            if not flags[index]:
+                # A text run: to the next image token or document start.
+                end = index + 1
+                while end < seq_len and not flags[end] and not begins_row[end]:
+                    end += 1
+                positions[:, row, index:end] = np.arange(current, current + end - index)
+                current, index = current + end - index, end
                 continue
             if next_grid >= len(grids):
                 raise ValueError("more image tokens than image_grid_thw describes")
@@ -81,16 +88,12 @@ def multimodal_positions(
             next_grid += 1
             rows, columns = rows // merge_size, columns // merge_size
             count = frames * rows * columns
-            if not bool(is_image[row, index : index + count].all()) or index + count > seq_len:
+            if index + count > seq_len or not all(flags[index : index + count]):
                 raise ValueError(
                     f"row {row}: image {next_grid - 1} needs {count} consecutive image tokens "
                     f"at position {index}"
                 )
-            grid = torch.stack(
-                torch.meshgrid(
-                    torch.arange(frames), torch.arange(rows), torch.arange(columns), indexing="ij"
-                )
-            ).view(3, -1)
+            grid = np.indices((frames, rows, columns)).reshape(3, -1)
             positions[:, row, index : index + count] = grid + current
             current += max(rows, columns)
             index += count
@@ -98,7 +101,7 @@ def multimodal_positions(
         raise ValueError(
             f"image_grid_thw describes {len(grids)} images but the tokens hold {next_grid}"
         )
-    return positions.to(tokens.device)
+    return torch.from_numpy(positions).to(tokens.device)
 
 
 def multimodal_rotary(
