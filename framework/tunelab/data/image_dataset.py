@@ -74,6 +74,70 @@ def sft_collate(tokenizer: Tokenizer) -> Callable[..., Any]:
     return padded_collate_sft if processing is None else ImageCollate(processing)
 
 
+def image_rows_per_file(
+    tokenizer: Tokenizer,
+    builder: str,
+    *,
+    column: str,
+    images_column: str,
+    image_token: str,
+    max_image_pixels: int,
+    max_seq_len: int | None,
+    template_kwargs: dict[str, Any] | None,
+) -> tuple[Callable[[str], ImageChatRows], dict[str, Any], int]:
+    """How a dataset builder with images renders rows: ``ImageChatRows`` per source file.
+
+    Args:
+        tokenizer: The tokenizer; its folder's ``preprocessor_config.json`` is the model's image
+            preprocessing (which the collate uses too), its chat template renders the rows.
+        builder: The builder's name, for errors.
+        column: The column of messages.
+        images_column: The column of image files for ``<image>`` placeholders.
+        image_token: The token the chat template writes once per image.
+        max_image_pixels: Largest area an image file may declare.
+        max_seq_len: Cut samples to this many tokens; None: the tokenizer's.
+        template_kwargs: Extra variables for the chat template.
+
+    Returns:
+        ``(rows_for, settings, max_seq_len)``: the row function of a source file (relative
+        image paths read from its folder), the settings that key the cache, the length used.
+
+    Raises:
+        ConfigError: No chat template, or no ``max_seq_len`` here or in the tokenizer.
+    """
+    processing = image_processing_for(tokenizer)
+    max_seq_len = max_seq_len or tokenizer.max_seq_len
+    if max_seq_len is None:
+        raise ConfigError(f"{builder} needs max_seq_len (or the tokenizer's)")
+    template = chat_template_of(tokenizer)
+
+    def rows_for(name: str) -> ImageChatRows:
+        folder = Path(name).parent if Path(name).is_file() else None
+        return ImageChatRows(
+            tokenizer=tokenizer,
+            template=template,
+            column=column,
+            processing=processing,
+            image_token=image_token,
+            image_dir=None if folder is None else str(folder),
+            images_column=images_column,
+            max_image_pixels=max_image_pixels,
+            max_seq_len=max_seq_len,
+            template_kwargs=template_kwargs,
+        )
+
+    settings = dict(
+        conversation_column=column,
+        images_column=images_column,
+        image_token=image_token,
+        processing=None if processing is None else asdict(processing),
+        max_image_pixels=max_image_pixels,
+        template_kwargs=template_kwargs,
+        max_seq_len=max_seq_len,
+    )
+    return rows_for, settings, max_seq_len
+
+
 def image_chat_dataset(
     tokenizer: Tokenizer,
     *,
@@ -117,38 +181,21 @@ def image_chat_dataset(
         ConfigError: No chat template.
         DataError: A malformed row or image (file, line, 0-based row, column).
     """
-    # The model's own preprocessing (its preprocessor_config.json), which the collate uses too.
-    processing = image_processing_for(tokenizer)
-    max_seq_len = max_seq_len or tokenizer.max_seq_len
-    if max_seq_len is None:
-        raise ConfigError("image_chat_dataset needs max_seq_len (or the tokenizer's)")
-    template = chat_template_of(tokenizer)
+    chat_rows, settings, max_seq_len = image_rows_per_file(
+        tokenizer,
+        "image_chat_dataset",
+        column=conversation_column,
+        images_column=images_column,
+        image_token=image_token,
+        max_image_pixels=max_image_pixels,
+        max_seq_len=max_seq_len,
+        template_kwargs=template_kwargs,
+    )
     sources = resolve_sources(source, data_files, split)
 
     def rows_for(name: str, present: list[str]) -> ImageChatRows:
-        folder = Path(name).parent if Path(name).is_file() else None
-        return ImageChatRows(
-            tokenizer=tokenizer,
-            template=template,
-            column=conversation_column,
-            processing=processing,
-            image_token=image_token,
-            image_dir=None if folder is None else str(folder),
-            images_column=images_column,
-            max_image_pixels=max_image_pixels,
-            max_seq_len=max_seq_len,
-            template_kwargs=template_kwargs,
-        )
+        return chat_rows(name)
 
-    settings = dict(
-        conversation_column=conversation_column,
-        images_column=images_column,
-        image_token=image_token,
-        processing=None if processing is None else asdict(processing),
-        max_image_pixels=max_image_pixels,
-        template_kwargs=template_kwargs,
-        max_seq_len=max_seq_len,
-    )
     return build_tokenized(
         tokenizer,
         builder="image_chat_dataset",

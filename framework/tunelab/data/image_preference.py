@@ -16,18 +16,15 @@ and run through the tower once per side.
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tunelab.data.chat import chat_template_of
 from tunelab.data.collate import padded_collate_dpo
-from tunelab.data.image_dataset import image_processing_for
+from tunelab.data.image_dataset import image_processing_for, image_rows_per_file
 from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, padded_collate_images
 from tunelab.data.rows import IGNORE_INDEX, BadRow, resolve_columns
 from tunelab.data.sources import resolve_sources
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
-from tunelab.errors import ConfigError
 
 SIDES = ("chosen", "rejected")
 
@@ -143,46 +140,29 @@ def image_preference_dataset(
         ConfigError: No chat template, no ``max_seq_len``, or an unknown ``column_map`` key.
         DataError: A malformed row or image (file, line, 0-based row, column).
     """
-    processing = image_processing_for(tokenizer)
-    max_seq_len = max_seq_len or tokenizer.max_seq_len
-    if max_seq_len is None:
-        raise ConfigError("image_preference_dataset needs max_seq_len (or the tokenizer's)")
-    template = chat_template_of(tokenizer)
     columns = resolve_columns(
         {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
         column_map,
         "image_preference_dataset",
     )
-
-    def rows_for(name: str, present: list[str]) -> ImagePreferenceRows:
-        folder = Path(name).parent if Path(name).is_file() else None
-        chat = ImageChatRows(
-            tokenizer=tokenizer,
-            template=template,
-            column=columns["prompt"],
-            processing=processing,
-            image_token=image_token,
-            image_dir=None if folder is None else str(folder),
-            images_column=images_column,
-            max_image_pixels=max_image_pixels,
-            max_seq_len=max_seq_len,
-            template_kwargs=template_kwargs,
-        )
-        return ImagePreferenceRows(chat, columns)
-
-    settings = dict(
-        columns=columns,
+    chat_rows, settings, max_seq_len = image_rows_per_file(
+        tokenizer,
+        "image_preference_dataset",
+        column=columns["prompt"],
         images_column=images_column,
         image_token=image_token,
-        processing=None if processing is None else repr(processing),
         max_image_pixels=max_image_pixels,
-        template_kwargs=template_kwargs,
         max_seq_len=max_seq_len,
+        template_kwargs=template_kwargs,
     )
+
+    def rows_for(name: str, present: list[str]) -> ImagePreferenceRows:
+        return ImagePreferenceRows(chat_rows(name), columns)
+
     return build_tokenized(
         tokenizer,
         builder="image_preference_dataset",
-        settings=settings,
+        settings={**settings, "columns": columns},
         rows_for=rows_for,
         sources=resolve_sources(source, data_files, split),
         skip_malformed=skip_malformed,
