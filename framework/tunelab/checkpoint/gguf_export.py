@@ -38,7 +38,7 @@ from tunelab.checkpoint.consolidate import temp_name
 from tunelab.checkpoint.gguf_vocab import model_name, write_vocab
 from tunelab.checkpoint.hf_sharded import _swap_into_place
 from tunelab.checkpoint.ollama import modelfile
-from tunelab.data.tokenizer import load_tokenizer
+from tunelab.data.tokenizer import Tokenizer, load_tokenizer
 from tunelab.errors import CheckpointError, TunelabError
 from tunelab.formats.gguf_model import (
     QUANTIZATIONS,
@@ -109,14 +109,19 @@ def _plan(export_dir: Path, config: dict, quant: str) -> list[PlannedTensor]:
 
 
 def _header(
-    export_dir: Path, config: dict, quant: str, plan: list[PlannedTensor], path: Path
+    export_dir: Path,
+    config: dict,
+    quant: str,
+    plan: list[PlannedTensor],
+    path: Path,
+    tokenizer: Tokenizer,
 ) -> int:
     """Write the header, metadata and tensor table to ``path``; return their length."""
     family = family_of(config, str(export_dir / "config.json"))
     writer = gguf.GGUFWriter(None, family.name)
     writer.add_type(gguf.GGUFType.MODEL)
     write_hparams(writer, config, family, QUANTIZATIONS[quant][1], str(export_dir / "config.json"))
-    added = write_vocab(writer, export_dir, load_tokenizer(export_dir), config["vocab_size"])
+    added = write_vocab(writer, export_dir, tokenizer, config["vocab_size"])
     writer.add_name(model_name(export_dir.resolve().name, added))
     for tensor in plan:
         writer.add_tensor_info(
@@ -299,11 +304,13 @@ def export_gguf(
     path = staging / temp_name(name)
     total = sum(_padded(t.nbytes) for t in plan)
     message: list = [None, 0]
+    tokenizer: Tokenizer | None = None
     if rank == 0:
         try:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
-            header_size = _header(export_dir, config, quant, plan, path)
+            tokenizer = load_tokenizer(export_dir)  # read once: the header and the Modelfile
+            header_size = _header(export_dir, config, quant, plan, path, tokenizer)
             data_start = _padded(header_size)
             with open(path, "r+b") as handle:
                 header = handle.read(header_size) + bytes(data_start - header_size)
@@ -335,6 +342,7 @@ def export_gguf(
         try:
             failure = next((part for part in gathered if isinstance(part, str)), None)
             if failure is None:
+                assert tokenizer is not None  # rank 0 read it for the header
                 _finish(
                     staging,
                     final,
@@ -342,7 +350,7 @@ def export_gguf(
                     name,
                     gathered,
                     data_start + total,
-                    export_dir,
+                    tokenizer,
                     sync_files,
                 )
         except (OSError, TunelabError) as error:
@@ -365,7 +373,7 @@ def _finish(
     name: str,
     gathered: list,
     size: int,
-    export_dir: Path,
+    tokenizer: Tokenizer,
     sync_files: bool,
 ) -> None:
     """Record the file, write the Modelfile and manifest, and swap ``gguf/`` into place."""
@@ -373,7 +381,6 @@ def _finish(
         name: record_of_ranges([piece for rank in gathered for piece in rank], size)
     }
     os.replace(path, staging / name)
-    tokenizer = load_tokenizer(export_dir)
     stops = [tokenizer.id_to_token(i) for i in tokenizer.stop_ids]
     text = modelfile(name, tokenizer.chat_template, [s for s in stops if s])
     files["Modelfile"] = write_bytes(staging / "Modelfile", text.encode())
