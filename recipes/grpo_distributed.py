@@ -53,6 +53,7 @@ from tunelab.rl import (
     check_policy_loss,
     global_sums,
     grpo_metrics,
+    grpo_throughputs,
     lag_histogram,
     policy_gradient_pass,
     serve_rollouts,
@@ -206,8 +207,9 @@ def main(args: GRPOArgs) -> None:
         ),
         global_step=global_step,
         device=device,
-        close_on_stop=(remote,) if remote is not None else (),
     )
+    if remote is not None:  # a stop signal also stops the rollout ranks
+        after_step.preemption.also_close(remote)
 
     # -- train ----------------------------------------------------------------------------
     def sample(batches: Iterator, step: int) -> list[ScoredGroups]:
@@ -279,14 +281,13 @@ def main(args: GRPOArgs) -> None:
             if remote is not None and pipeline.samples_with(global_step, epoch_end, next_epoch):
                 remote.send_policy(global_step)
             # 4. Log, validate, export, save.
-            metrics |= grpo_metrics(
+            metrics |= grpo_metrics(counts, step_totals, args.rollout, divisor=divisor)
+            metrics |= grpo_throughputs(
                 counts,
-                step_totals,
-                args.rollout,
-                divisor=divisor,
                 world_size=dist_info.world_size,
                 train_seconds=time.perf_counter() - train_start,
                 token_copies=args.parallelism.tensor_parallel_size,
+                num_iterations=args.rollout.num_iterations,
             )
             metrics["off_policy/lag"] = global_step - 1 - in_flight.behaviour_step
             metrics["off_policy/sample_seconds"] = sample_seconds

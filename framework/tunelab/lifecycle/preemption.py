@@ -251,6 +251,15 @@ class Preemption:
         self._agreed = 0
         _state.deferred = True
 
+    def also_close(self, closeable: _Closeable) -> None:
+        """Close ``closeable`` too, after the others, when a stop signal ends the run.
+
+        Args:
+            closeable: What a stop must also close (asynchronous GRPO's link to its rollout
+                ranks, which then stop too).
+        """
+        self._close.append(closeable)
+
     def stop_agreed(self) -> bool:
         """Whether any rank received a stop signal; the same answer on every rank.
 

@@ -9,7 +9,7 @@ One module per concern, in the order a step uses them:
 - rewards: :class:`Rewards` and the built-in reward functions (``rewards.py``);
 - advantages: :func:`group_advantages`, :class:`GroupSampler` (sample, score, refill with
   dynamic sampling), :class:`ScoredGroups`, :func:`refill_indices`, :func:`step_counts`,
-  :func:`grpo_metrics` (``advantages.py``);
+  :func:`grpo_metrics` and :func:`grpo_throughputs` (``advantages.py``);
 - losses: :class:`PolicyLoss`, the base chosen with ``loss: _component_``
   (``policy_loss.py``), :class:`GRPOLoss` (GRPO, DAPO, Dr. GRPO; ``grpo_loss.py``) and
   :class:`GSPOLoss` (``gspo_loss.py``); a new loss is one subclass in one file;
@@ -35,6 +35,7 @@ from tunelab.rl.advantages import (
     ScoredGroups,
     group_advantages,
     grpo_metrics,
+    grpo_throughputs,
     off_policy_metrics,
     refill_indices,
     step_counts,
@@ -129,6 +130,7 @@ __all__ = [
     "global_sums",
     "group_advantages",
     "grpo_metrics",
+    "grpo_throughputs",
     "lag_histogram",
     "k3_kl",
     "learned_reward",

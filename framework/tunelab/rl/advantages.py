@@ -39,6 +39,7 @@ __all__ = [
     "group_advantages",
     "ScoredGroups",
     "grpo_metrics",
+    "grpo_throughputs",
     "off_policy_metrics",
     "refill_indices",
     "step_counts",
@@ -406,11 +407,8 @@ def grpo_metrics(
     rollout: RolloutArgs,
     *,
     divisor: float,
-    world_size: int,
-    train_seconds: float,
-    token_copies: int = 1,
 ) -> dict[str, float]:
-    """A GRPO step's metrics from its global sums.
+    """A GRPO step's metrics from its global sums (its throughputs: :func:`grpo_throughputs`).
 
     Args:
         counts: The rollout sums over all ranks (``ScoredGroups.sums``, summed).
@@ -420,16 +418,12 @@ def grpo_metrics(
             is logged: prompts sampled in refill rounds over all ranks, 0 when the step's own
             groups sufficed).
         divisor: The loss normalizer of the step.
-        world_size: Processes (generation seconds are summed over them).
-        train_seconds: Wall time of the log-prob and optimizer passes.
-        token_copies: Processes that train on the same completions (the tensor-parallel
-            size): the counts summed over processes hold each token this many times, so the
-            throughputs divide by it (the other metrics are quotients of two such counts).
 
     Returns:
         ``loss``, ``reward``, ``reward_std``, ``rewards/<name>``, ``completion_length``,
-        ``entropy``, ``kept_fraction``, ``clip_fraction``, ``kl``, the refill count, the
-        two throughputs and :func:`off_policy_metrics`.
+        ``entropy``, ``kept_fraction``, ``clip_fraction``, ``kl``, the refill count and
+        :func:`off_policy_metrics` (quotients of two global sums: each token's copies under
+        tensor parallelism cancel).
     """
     num_completions = counts["num_completions"]
     reward_mean = counts["reward"] / num_completions
@@ -448,17 +442,42 @@ def grpo_metrics(
         "kept_fraction": counts["num_sequences"] / num_completions,
         "clip_fraction": step_totals["clipped"] / tokens,
         "kl": step_totals["kl"] / tokens,
+    }
+    if rollout.dynamic_sampling_refill_rounds > 0:
+        metrics["refill_prompts"] = counts.get("refill_prompts", 0.0)
+    return metrics | off_policy_metrics(step_totals)
+
+
+def grpo_throughputs(
+    counts: dict[str, float],
+    *,
+    world_size: int,
+    train_seconds: float,
+    token_copies: int = 1,
+    num_iterations: int = 1,
+) -> dict[str, float]:
+    """A GRPO step's generation and training tokens per second.
+
+    Args:
+        counts: The rollout sums over all ranks (``ScoredGroups.sums``, summed).
+        world_size: Processes (generation seconds are summed over them).
+        train_seconds: Wall time of the log-prob and optimizer passes.
+        token_copies: Processes that train on the same completions (the tensor-parallel
+            size): the counts summed over processes hold each token this many times.
+        num_iterations: Optimizer passes over the step's rollouts (``rollout.num_iterations``).
+
+    Returns:
+        ``generation_tokens_per_second`` and ``train_tokens_per_second``.
+    """
+    return {
         "generation_tokens_per_second": counts["completion_tokens"]
         / token_copies
         / max(counts["generation_seconds"] / world_size, 1e-9),
         "train_tokens_per_second": counts["num_tokens"]
         / token_copies
-        * rollout.num_iterations
+        * num_iterations
         / max(train_seconds, 1e-9),
     }
-    if rollout.dynamic_sampling_refill_rounds > 0:
-        metrics["refill_prompts"] = counts.get("refill_prompts", 0.0)
-    return metrics | off_policy_metrics(step_totals)
 
 
 def off_policy_metrics(step_totals: dict[str, float]) -> dict[str, float]:

@@ -562,8 +562,6 @@ class AfterStep:
         reports: The loggers, the profiler, validation and the benchmarks.
         global_step: The step the run starts from (``resume``).
         device: For the peak-memory figure.
-        close_on_stop: More to close, after the checkpoint, when a stop signal ends the run
-            (asynchronous GRPO's link to its rollout ranks, which then stop too).
 
     Rank 0 draws the progress bar and trims the step logs.
     """
@@ -577,7 +575,6 @@ class AfterStep:
         *,
         global_step: int,
         device: torch.device,
-        close_on_stop: tuple[Any, ...] = (),
     ) -> None:
         self.checkpoints, self.data, self.schedule = checkpoints, data, schedule
         loggers = reports.loggers
@@ -592,7 +589,7 @@ class AfterStep:
         total = data.steps_per_epoch * schedule.epochs
         self.progress = ProgressBar(total, initial=global_step, enabled=is_main)
         # From here a SIGTERM or SIGINT stops the run at the end of a step, with a checkpoint.
-        self.preemption = Preemption(checkpoints, close=(self.progress, loggers, *close_on_stop))
+        self.preemption = Preemption(checkpoints, close=(self.progress, loggers))
         self._start = time.perf_counter()
         # Tensor-parallel ranks share their samples: the recipes' token counts, summed over
         # every process, hold each token once per rank of a group.
