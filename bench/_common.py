@@ -323,6 +323,25 @@ def add_trainer_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
 
 
+TRL_CPU_SETTINGS: dict[str, Any] = {
+    "learning_rate": 1e-4,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "lr_scheduler_type": "constant",
+    "gradient_checkpointing": False,
+    "bf16": False,  # every row here is fp32
+    "use_cpu": True,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_strategy": "no",
+    "dataloader_num_workers": 0,
+    "seed": 0,
+}
+"""What every bench's TRL side sets alike (trainer benches through :func:`trl_settings`, the GRPO
+benches through ``_grpo_trl.SHARED_SETTINGS``): AdamW at 1e-4 without decay, clipping at 1.0, a
+constant schedule, fp32 on CPU with no gradient checkpointing, logging, saving or reporting."""
+
+
 def trl_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The TRL config fields every trainer bench's TRL side sets alike (``trl.*Config(**...)``).
 
@@ -335,19 +354,8 @@ def trl_settings(args: argparse.Namespace) -> dict[str, Any]:
         "output_dir": str(Path(args.result).with_suffix("")),
         "per_device_train_batch_size": args.batch_size,
         "max_steps": 1 + args.steps,
-        "learning_rate": 1e-4,
-        "weight_decay": 0.0,
-        "max_grad_norm": 1.0,
-        "lr_scheduler_type": "constant",
         "max_length": args.max_length,
-        "gradient_checkpointing": False,
-        "bf16": False,
-        "use_cpu": True,
-        "report_to": "none",
-        "save_strategy": "no",
-        "logging_strategy": "no",
-        "dataloader_num_workers": 0,
-        "seed": 0,
+        **TRL_CPU_SETTINGS,
     }
 
 

@@ -17,26 +17,11 @@ from pathlib import Path
 
 import torch
 
+from _common import TRL_CPU_SETTINGS
 from _grpo_results import StepClock, finish
 from _grpo_work import EOS_ID, TARGETS, ended, parity_reward, word_tokenizer
 
-SHARED_SETTINGS = {
-    "loss_type": "dapo",
-    "beta": 0.0,
-    "num_iterations": 1,
-    "learning_rate": 1e-4,
-    "weight_decay": 0.0,
-    "max_grad_norm": 1.0,
-    "lr_scheduler_type": "constant",
-    "gradient_checkpointing": False,
-    "bf16": False,  # every row here is fp32
-    "use_cpu": True,
-    "report_to": "none",
-    "save_strategy": "no",
-    "logging_strategy": "no",
-    "dataloader_num_workers": 0,
-    "seed": 0,
-}
+SHARED_SETTINGS = {"loss_type": "dapo", "beta": 0.0, "num_iterations": 1, **TRL_CPU_SETTINGS}
 """``GRPOConfig`` settings of every GRPO bench's TRL side (bench_grpo, bench_agentic)."""
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": TARGETS,
         "task_type": "CAUSAL_LM"}  # fmt: skip
