@@ -430,6 +430,93 @@ def test_a_hung_worker_torchrun_sigkilled_after_its_close_wait_is_not_the_cause(
     assert rank == 0 and _exit_status(failure.exitcode) == 1
 
 
+def _closed_under_it(tmp_path, rank: int):
+    """Rank ``rank``'s failure as recipe_main records one a peer's exit caused."""
+    from tunelab.lifecycle.collective_timeout import PEER_CLOSED_KEY
+
+    failure = _process_failure(
+        tmp_path, rank, 1, f"rank {rank}: RuntimeError: [pair.cc:598] Connection closed by peer"
+    )
+    record = json.loads(Path(failure.error_file).read_text())
+    record[PEER_CLOSED_KEY] = True
+    Path(failure.error_file).write_text(json.dumps(record))
+    failure.error_file_data = record
+    return failure
+
+
+def test_a_rank_a_peers_exit_failed_is_not_the_cause_even_when_it_recorded_first(tmp_path):
+    # Seen in CI (issue 47's SIGTERM test): the trainer (rank 0) refused to resume and
+    # exited; the rollout rank's broadcast with it failed ("Connection closed by peer") and
+    # the launcher printed that instead of the refusal.
+    from tunelab.cli._run import _describe_failure, _first_failure
+
+    failures = {0: _closed_under_it(tmp_path, 0), 1: _process_failure(tmp_path, 1, 1, MESSAGE)}
+    failures[1].timestamp += 1  # the cause recorded its line a second later
+    rank, failure = _first_failure(failures)
+    assert rank == 1 and _describe_failure("toy", rank, failure, failures) == MESSAGE
+
+
+@pytest.mark.parametrize("ended_by", [-15, 143])
+def test_a_rank_that_recorded_its_failure_is_the_cause_though_a_signal_ended_its_exit(
+    tmp_path, ended_by
+):
+    # Rank 0 recorded its line, then torchrun's SIGTERM (sent once rank 1 failed on the
+    # connection rank 0's exit closed) ended its exit.
+    from tunelab.cli._run import _describe_failure, _first_failure
+
+    failures = {
+        0: _process_failure(tmp_path, 0, ended_by, MESSAGE.format(0)),
+        1: _process_failure(tmp_path, 1, 1, "rank 1: RuntimeError: Connection closed by peer"),
+    }
+    rank, failure = _first_failure(failures)
+    assert rank == 0 and _describe_failure("toy", rank, failure, failures) == MESSAGE.format(0)
+
+
+def test_peer_closed_reads_the_transports_words_through_the_chain():
+    from tunelab.lifecycle.collective_timeout import peer_closed
+    from tunelab.rl.weight_sync import WeightTransferError
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection "
+                        "closed by peer [127.0.0.1]:13542")  # fmt: skip
+    assert peer_closed(gloo)
+    assert peer_closed(
+        RuntimeError("NCCL error: remote process exited or there was a network error")
+    )
+    try:
+        try:
+            raise gloo
+        except RuntimeError as err:
+            raise ValueError("the broadcast of the config failed") from err
+    except ValueError as chained:
+        assert peer_closed(chained)
+    assert peer_closed(WeightTransferError(
+        "weight transfer from trainer rank 0: dead or stalled past 60 s (Connection reset by peer)"
+    ))  # fmt: skip
+    assert not peer_closed(RuntimeError("Timed out waiting 5000ms for send operation"))
+    assert not peer_closed(ValueError("row 3 of data.jsonl has no 'output'"))
+
+
+def test_a_failure_a_peers_exit_caused_is_recorded_as_such(tmp_path, monkeypatch):
+    from tunelab.lifecycle import entry
+    from tunelab.lifecycle.collective_timeout import PEER_CLOSED_KEY
+
+    record_file = tmp_path / "error.json"
+    monkeypatch.setenv(entry.ERROR_FILE_ENV, str(record_file))
+    monkeypatch.setenv("RANK", "1")
+    for error, closed in [
+        (RuntimeError("[pair.cc:538] Connection closed by peer [127.0.0.1]:13542"), True),
+        (RuntimeError("the reward function returned None"), False),
+    ]:
+        try:
+            raise error
+        except RuntimeError as err:
+            with pytest.raises(SystemExit):
+                entry._report_failure(err, None, debug=False)
+        record = json.loads(record_file.read_text())
+        assert record.get(PEER_CLOSED_KEY, False) is closed
+        assert record["message"]["message"].startswith("rank 1: RuntimeError: ")
+
+
 def _timed_out(tmp_path, rank: int, world_size: int):
     from tunelab.lifecycle.collective_timeout import RECORD_KEY, CollectiveTimeout
 

@@ -26,7 +26,7 @@ from tunelab.lifecycle import (
     check_output_dir_free,
     stop_signals_blocked,
 )
-from tunelab.lifecycle.collective_timeout import CollectiveTimeout
+from tunelab.lifecycle.collective_timeout import PEER_CLOSED_KEY, CollectiveTimeout
 from tunelab.lifecycle.entry import ERROR_FILE_ENV, _recipe_parser
 from tunelab.lifecycle.preemption import REPORTED_BY_LAUNCHER_ENV, STOP_LINE_FILE_ENV, signal_name
 
@@ -224,9 +224,12 @@ def _first_failure(failures: dict) -> tuple[int, object]:
     failed (a hung rank, whose peer's collective timed out).
 
     Otherwise torchrun stops the other workers once one fails: they come back killed by a
-    signal, or, when their stop handler ran first, with exit code 128 + signal and no recorded
-    line. Those are never the cause while a rank failed on its own. Among the rest, the
-    earliest wins (torchrun's timestamps are whole seconds, so ties go to the lowest rank).
+    signal, or, when their stop handler ran first, with exit code 128 + signal, and with no
+    recorded line. Those are never the cause while a rank failed on its own; a rank that did
+    record its line failed on its own, even when torchrun's signal then ended its exit. Nor is
+    a rank whose line says a peer's connection closed under it (``PEER_CLOSED_KEY``): the
+    peer's exit caused it. Among the rest, the earliest wins (torchrun's timestamps are whole
+    seconds, so ties go to the lowest rank).
     """
 
     def died_on_its_own(failure: object) -> bool:
@@ -240,15 +243,20 @@ def _first_failure(failures: dict) -> tuple[int, object]:
         return not (others and failure.timestamp - min(others) >= TORCHRUN_CLOSE_WAIT_S - 1)
 
     def stopped_by_launcher(failure: object) -> bool:
-        return failure.exitcode <= 0 or (
-            failure.exitcode in STOPPED_EXIT_CODES and not _recorded_line(failure.error_file_data)
+        return not _recorded_line(failure.error_file_data) and (
+            failure.exitcode <= 0 or failure.exitcode in STOPPED_EXIT_CODES
         )
+
+    def closed_under_it(failure: object) -> bool:
+        data = failure.error_file_data
+        return isinstance(data, dict) and data.get(PEER_CLOSED_KEY) is True
 
     return min(
         failures.items(),
         key=lambda item: (
             not died_on_its_own(item[1]),
             stopped_by_launcher(item[1]),
+            closed_under_it(item[1]),
             item[1].timestamp,
             item[0],
         ),
@@ -263,7 +271,7 @@ def _describe_failure(recipe: str, rank: int, failure: object, failures: dict | 
     (torchrun stopped them, still elsewhere, after this rank failed).
     """
     message = _recorded_line(failure.error_file_data)
-    if message and failure.exitcode > 0:
+    if message and failure.exitcode != 0:
         timeout = CollectiveTimeout.from_record(failure.error_file_data)
         if timeout is not None and failures:
             missing = sorted(
@@ -377,13 +385,18 @@ def _launch(launch: argparse.Namespace, recipe: Path, stop_line: Path) -> int:
             return 128 + int(err.sigval)
         except ChildFailedError as err:
             codes = [f.exitcode for _, f in sorted(err.failures.items()) if 0 < f.exitcode < 256]
-            if codes and all(f.exitcode in STOPPED_EXIT_CODES for f in err.failures.values()):
+            if codes and all(
+                f.exitcode in STOPPED_EXIT_CODES and not _recorded_line(f.error_file_data)
+                for f in err.failures.values()
+            ):
                 _print_stop_line(stop_line)
                 return codes[0]  # Signalled workers (not this process) stopped; rank 0 said so.
             rank, failure = _first_failure(err.failures)
             line = _describe_failure(recipe.stem, rank, failure, err.failures)
             print(f"tunelab: error: {line}", file=sys.stderr)
-            return _exit_status(failure.exitcode)
+            # A rank that recorded its own failure failed (1), whatever signal ended its exit.
+            recorded = _recorded_line(failure.error_file_data)
+            return 1 if recorded and failure.exitcode < 0 else _exit_status(failure.exitcode)
         return 0
     finally:
         for signum, handler in handlers.items():  # torchrun leaves its handlers in place.

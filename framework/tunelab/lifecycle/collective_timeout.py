@@ -27,11 +27,24 @@ from typing import Any
 RECORD_KEY = "tunelab_collective_timeout"
 """The key of a timeout's fields in a worker's error record (torchrun's error file)."""
 
+PEER_CLOSED_KEY = "tunelab_peer_closed"
+"""Set (true) in a worker's error record when it failed because a peer's connection closed.
+
+Such a failure is the consequence of another rank's exit, never the cause: ``tunelab run``
+reports a rank that failed on its own before it, whichever recorded its line first.
+"""
+
 _TORCH_DISTRIBUTED = re.compile(r"[/\\]torch[/\\]distributed[/\\]")
 _TORCH = re.compile(r"[/\\]torch[/\\]")
 _C10D = re.compile(r"[/\\]torch[/\\]distributed[/\\]distributed_c10d\.py$")
 _TIMED_OUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 _MILLISECONDS = re.compile(r"(\d+)\s*ms\b")
+# The transports' words for a peer whose end of the connection went away (gloo, NCCL).
+_PEER_CLOSED = re.compile(
+    r"connection (?:closed|reset) by peer|broken pipe|remote process exited|"
+    r"communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,23 @@ def describe_timeout(
         caller=f"{caller.name} ({_short_path(caller.filename)}:{caller.lineno})",
         timeout_s=timeout_s,
     )
+
+
+def peer_closed(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says a peer's connection closed.
+
+    A rank that fails or exits closes its connections; each peer then waiting on it fails
+    with the transport's ``Connection closed by peer`` (gloo) or ``remote process exited``
+    (NCCL), often in the same second as the rank that caused it.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = err
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _PEER_CLOSED.search(str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _short_path(filename: str) -> str:

@@ -23,7 +23,13 @@ from omegaconf import DictConfig
 from tunelab.config._load import load_config
 from tunelab.config._validate import parse_args
 from tunelab.errors import TunelabError, first_line, shorten
-from tunelab.lifecycle.collective_timeout import RECORD_KEY, CollectiveTimeout, describe_timeout
+from tunelab.lifecycle.collective_timeout import (
+    PEER_CLOSED_KEY,
+    RECORD_KEY,
+    CollectiveTimeout,
+    describe_timeout,
+    peer_closed,
+)
 from tunelab.lifecycle.parent_death import exit_with_launcher
 from tunelab.lifecycle.preemption import (
     REPORTED_BY_LAUNCHER_ENV,
@@ -136,6 +142,8 @@ def _report_failure(err: BaseException, args: object, debug: bool) -> None:
         }
         if timeout is not None:  # tunelab run names the ranks that did not arrive from it.
             record[RECORD_KEY] = timeout.to_record()
+        elif not isinstance(err, TunelabError) and peer_closed(err):
+            record[PEER_CLOSED_KEY] = True  # another rank's exit caused it: not the cause
         try:
             with open(record_path, "w") as file:
                 json.dump(record, file)

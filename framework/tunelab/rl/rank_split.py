@@ -37,7 +37,6 @@ last policy sent, which the rollout rank takes before it returns.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,10 +52,6 @@ from tunelab.rl.async_rollouts import InFlight, decode_in_flight, encode_in_flig
 from tunelab.rl.policy_transfer import PolicySender, receive_policy
 
 __all__ = ["RankSplit", "RemoteRollouts", "serve_rollouts", "split_ranks"]
-
-_PEER_FAILURE_GRACE_S = 3.0
-"""How long a rollout rank waits before failing on a trainer that is gone (torchrun stamps
-failures in whole seconds: the trainer's own, earlier one then names the cause)."""
 
 
 @dataclass
@@ -333,15 +328,11 @@ def serve_rollouts(
     while True:
         requests = []
         for trainer in trainers:
-            try:
-                tensors, stats = weight_sync.receive_weights(
-                    trainer, timeout_s=split.timeout_s, group=split.channel
-                )
-            except weight_sync.WeightTransferError:
-                # A trainer that ended closed the channel: its own failure is the cause, so
-                # let the launcher record it first (it stops this rank meanwhile).
-                time.sleep(_PEER_FAILURE_GRACE_S)
-                raise
+            # A trainer that ended closes the channel: this rank's failure then says so in
+            # words the launcher reads as a consequence (``peer_closed``), never the cause.
+            tensors, stats = weight_sync.receive_weights(
+                trainer, timeout_s=split.timeout_s, group=split.channel
+            )
             idle += stats.seconds
             requests.append((trainer, weight_sync.tensor_json(tensors["request"])))
         wanted = requests[0][1]["policy_step"]
