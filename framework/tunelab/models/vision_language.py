@@ -221,19 +221,63 @@ class VisionLanguageDecoder(TransformerDecoder):
                         whole.append(name)
         return whole
 
-    def _refuse_unsupported(self, tokens: torch.Tensor, unsupported: dict[str, object]) -> None:
+    def _refuse_unsupported(
+        self,
+        tokens: torch.Tensor,
+        unsupported: dict[str, object],
+        document_ids: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> None:
         """Refuse what a vision-language forward does not take.
 
-        Other decoder arguments (masks, context parallelism, shared prefixes), KV caches, and
-        tokens that are not ``[batch, seq]``.
+        Other decoder arguments (masks, context parallelism, shared prefixes), tokens that are
+        not ``[batch, seq]``, and with KV caches ``document_ids`` or no ``input_pos``.
         """
         given = sorted(name for name, value in unsupported.items() if value is not None)
-        if given or self.caches_are_enabled():
-            raise ValueError(
-                f"a vision-language forward does not support {given or 'KV caches'} yet"
-            )
+        if given:
+            raise ValueError(f"a vision-language forward does not support {given} yet")
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if self.caches_are_enabled() and (document_ids is not None or input_pos is None):
+            raise ValueError(
+                "with KV caches a vision-language forward takes input_pos (the cache slots) "
+                "and no document_ids"
+            )
+
+    def _start_of_prompts(self, input_pos: torch.Tensor) -> None:
+        """Refuse a cached forward with images that does not start its rows at slot 0."""
+        if not bool((input_pos[:, 0] == 0).all()):
+            raise ValueError("with KV caches, images come in the prefill: rows starting at slot 0")
+
+    def _cached_positions(
+        self,
+        tokens: torch.Tensor,
+        image_grid_thw: torch.Tensor | None,
+        input_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """M-RoPE positions ``[3, batch, seq]`` of a forward with KV caches (generation).
+
+        A forward with images is a prefill (the prompts from slot 0): the positions are the
+        training forward's, and each row's offset between slot and position after its prompt
+        (``max position + 1 - seq``, transformers' ``rope_deltas``; 0 for a text row) goes in
+        the caches (``KVCache.position_offsets``, which follow the rows the engine keeps). Any
+        other cached forward (the decode steps) sits at its slots plus that offset, on all
+        three axes.
+        """
+        vision = self.args.vision
+        caches = [attention.kv_cache for attention in self._attentions()]
+        if image_grid_thw is not None:
+            self._start_of_prompts(input_pos)
+            positions = multimodal_positions(
+                tokens, image_grid_thw, vision.image_token_id, vision.spatial_merge_size
+            )
+            offsets = positions.amax(dim=(0, 2)) + 1 - tokens.shape[1]
+            for cache in caches:
+                cache.position_offsets = offsets
+            return positions
+        offsets = caches[0].position_offsets
+        flat = input_pos if offsets is None else input_pos + offsets[:, None]
+        return flat[None].expand(3, *flat.shape)
 
     def embed(
         self,
@@ -296,10 +340,13 @@ class VisionLanguageDecoder(TransformerDecoder):
             positions: long ``[3, batch, seq]`` M-RoPE positions; None computes them
                 (``multimodal_positions``).
             input_pos: 1D positions ``[batch, seq]`` of rows without images (a text batch),
-                the same on all three axes; ignored when the batch holds images.
+                the same on all three axes; ignored when the batch holds images. With KV
+                caches (generation) they are the cache slots, required: a forward with images
+                is the prefill, from slot 0, and later ones add each row's offset between slot
+                and M-RoPE position, as transformers' generation does (``_cached_positions``).
             return_hidden: return the final normed hidden states instead of the logits.
-            **unsupported: other ``TransformerDecoder.forward`` arguments (masks, KV caches,
-                context parallelism, shared prefixes) are refused.
+            **unsupported: other ``TransformerDecoder.forward`` arguments (masks, context
+                parallelism, shared prefixes) are refused.
 
         Returns:
             Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
@@ -307,10 +354,13 @@ class VisionLanguageDecoder(TransformerDecoder):
         Raises:
             ValueError: unsupported arguments, or image tokens that do not match the images.
         """
-        self._refuse_unsupported(tokens, unsupported)
+        self._refuse_unsupported(tokens, unsupported, document_ids, input_pos)
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw go together")
         vision = self.args.vision
+        cached = self.caches_are_enabled()
+        if cached and positions is None:
+            positions = self._cached_positions(tokens, image_grid_thw, input_pos)
         if positions is None and input_pos is not None and pixel_values is None:
             positions = input_pos[None].expand(3, *input_pos.shape)
         if positions is None:
@@ -322,14 +372,17 @@ class VisionLanguageDecoder(TransformerDecoder):
                 document_ids,
             )
         h, deepstack = self.embed(tokens, pixel_values, image_grid_thw)
-        masks = self._described_masks(tokens, document_ids)
+        if cached:  # dense masks over the cache's slots (a query sees those up to its own)
+            masks = self._layer_masks(None, input_pos, tokens.shape[1])
+        else:
+            masks = self._described_masks(tokens, document_ids)
         inv_freq = self.model.rotary_emb._frequencies(tokens.device)
         cos, sin = multimodal_rotary(
             inv_freq, positions, self.args.mrope_section, h.dtype, self.args.mrope_interleaved
         )
         is_image = tokens == vision.image_token_id
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, masks[FULL])
+            h = layer(h, cos, sin, masks[FULL], input_pos)
             if index < len(deepstack):
                 # Deepstack: the k-th feature is added at the image tokens after layer k.
                 added = h[is_image] + deepstack[index].to(h.dtype)

@@ -108,6 +108,23 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
             )
         return h.masked_scatter(is_image[..., None], images.to(h.dtype)), []
 
+    def _cached_masks(
+        self, input_pos: torch.Tensor, last_keys: torch.Tensor | None
+    ) -> dict[str, torch.Tensor | None]:
+        """Dense masks over the KV cache's slots (generation), each attention kind's.
+
+        A query sees the slots up to its own, or up to its image's last one (``last_keys``:
+        the prefill of a prompt with images, from slot 0); a sliding-window layer cuts that to
+        its window, as without a cache.
+        """
+        mask = None
+        if last_keys is not None:
+            self._start_of_prompts(input_pos)
+            cache_len = next(self._attentions()).kv_cache.max_seq_len
+            slots = torch.arange(cache_len, device=input_pos.device)
+            mask = slots[None, None, :] <= input_pos.gather(1, last_keys)[:, :, None]
+        return self._layer_masks(mask, input_pos, input_pos.shape[1])
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -130,10 +147,12 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
                 pieces must add up to ``pixel_values``' images.
             document_ids: ``[batch, seq]`` of packed rows (see ``TransformerDecoder``); an
                 image lies inside one document.
-            input_pos: positions ``[batch, seq]``; None: ``0..seq-1`` (per document).
+            input_pos: positions ``[batch, seq]``; None: ``0..seq-1`` (per document). With
+                KV caches (generation) they are the cache slots, required, and a forward with
+                images is the prefill (rows from slot 0; each image's tokens see each other).
             return_hidden: return the final normed hidden states instead of the logits.
-            **unsupported: other ``TransformerDecoder.forward`` arguments (masks, KV caches,
-                context parallelism, shared prefixes) are refused.
+            **unsupported: other ``TransformerDecoder.forward`` arguments (masks, context
+                parallelism, shared prefixes) are refused.
 
         Returns:
             Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
@@ -141,7 +160,7 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
         Raises:
             ValueError: unsupported arguments, or image tokens that do not match the images.
         """
-        self._refuse_unsupported(tokens, unsupported)
+        self._refuse_unsupported(tokens, unsupported, document_ids, input_pos)
         if image_grid_thw is not None and pixel_values is not None:
             pieces = int(image_grid_thw[:, 0].sum())
             if pieces != pixel_values.shape[0]:
@@ -159,7 +178,10 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
         h, _ = self.embed(tokens, pixel_values)
         is_image = tokens == self.args.vision.image_token_id
         last_keys = image_block_ends(is_image) if bool(is_image.any()) else None
-        masks = self._described_masks(tokens, document_ids, last_keys=last_keys)
+        if self.caches_are_enabled():
+            masks = self._cached_masks(input_pos, last_keys)
+        else:
+            masks = self._described_masks(tokens, document_ids, last_keys=last_keys)
         rotary = self._rotary_tables(input_pos, h.dtype)
         for index, layer in enumerate(self.model.layers):
             kind = self.args.layer_type(index)

@@ -39,6 +39,11 @@ class KVCache(nn.Module):
             "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
         )
         self.max_seq_len = max_seq_len
+        self.position_offsets: torch.Tensor | None = None
+        """Long ``[batch]`` or None: what each row adds to a slot to get the rotary position of
+        the tokens decoded after its prompt (a vision-language model's M-RoPE prompt, whose
+        images take fewer positions than tokens, sets it at its prefill). Rows follow
+        :meth:`select_rows`."""
 
     def reset(self) -> None:
         """Clear every slot."""
@@ -56,6 +61,8 @@ class KVCache(nn.Module):
         """
         self.k_cache = self.k_cache.index_select(0, index)
         self.v_cache = self.v_cache.index_select(0, index)
+        if self.position_offsets is not None:
+            self.position_offsets = self.position_offsets.index_select(0, index)
 
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor

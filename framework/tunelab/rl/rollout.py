@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +40,17 @@ from tunelab.rl.decoding import (
 )
 from tunelab.training.reference import reshard_all
 
-__all__ = ["ModelRolloutEngine", "RolloutEngine", "SamplingSettings", "sample_tokens"]
+__all__ = [
+    "ModelRolloutEngine",
+    "PromptImages",
+    "RolloutEngine",
+    "SamplingSettings",
+    "sample_tokens",
+]
+
+PromptImages = Mapping[str, torch.Tensor]
+"""A prompt's images as a vision-language model's forward takes them: ``pixel_values`` and
+``image_grid_thw`` (``tunelab.data.PromptDataset.prompt_images``)."""
 
 
 @dataclass(frozen=True)
@@ -124,12 +134,19 @@ def sample_tokens(
 class RolloutEngine(Protocol):
     """What the GRPO recipe needs of a generator of completions."""
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        images: Sequence[PromptImages | None] | None = None,
+    ) -> list[list[int]]:
         """Sample one completion per prompt (repeat a prompt G times for a group).
 
         Args:
             prompts: Prompt token ids, one list per sequence.
             seeds: One sampling seed per sequence.
+            images: Each prompt's images (None: a text prompt), for a vision-language
+                model; the G rows of a group pass the same object.
 
         Returns:
             The completion token ids of each sequence (a stop token, when sampled, included).
@@ -178,6 +195,15 @@ class ModelRolloutEngine:
     merged adapters in place of their merged copy, plain layers with a packed copy; at a decode
     step's few dozen rows 5-35% less time per matmul than MKL's sgemm here). It changes
     rounding only, like the merge.
+
+    Prompts with images (``images``, a vision-language model) are prefilled as the training
+    forward reads them: the vision tower runs once per distinct prompt (rows sharing one pass
+    the same images object), its features in the image tokens, M-RoPE positions (Qwen: the
+    decoded tokens continue after the prompt's largest position, as transformers' generation
+    does) or Gemma 3's bidirectional image blocks; then text is decoded as for any prompt. A
+    vision-language model never samples its image token, which the training forward would
+    take for an image: it is drawn from the other tokens (the recorded log-probs and the
+    entropy stay the model's own, as the trainer computes them).
 
     After each call, ``last_generation_seconds``, ``last_generated_tokens``,
     ``last_entropy_sum`` (the policy's entropy summed over the sampled positions) and
@@ -229,6 +255,12 @@ class ModelRolloutEngine:
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
         self.last_logps: list[list[float]] = []
+        vision = getattr(getattr(model, "args", None), "vision", None)
+        self.banned_ids = (
+            torch.tensor([vision.image_token_id])
+            if vision is not None and vision.image_token_id < model.args.vocab_size
+            else None
+        )
 
     @classmethod
     def from_rollout(
@@ -315,7 +347,12 @@ class ModelRolloutEngine:
             )
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        images: Sequence[PromptImages | None] | None = None,
+    ) -> list[list[int]]:
         """Sample one completion per prompt (see :class:`RolloutEngine`)."""
         start = time.perf_counter()
         model, settings = self.model, self.settings
@@ -326,7 +363,7 @@ class ModelRolloutEngine:
         width = max(len(prompt) for prompt in prompts)
         self.check_lengths(rows, width)
         # Equal prompts (a GRPO group's G rows) are prefilled once; their rows copy its cache.
-        unique, of_row = distinct_prompts(prompts)
+        unique, of_row = distinct_prompts(prompts, images)
         tokens = torch.full((len(unique), width), self.pad_id, dtype=torch.long)
         for index, prompt in enumerate(unique):
             tokens[index, : len(prompt)] = torch.tensor(prompt)
@@ -354,7 +391,8 @@ class ModelRolloutEngine:
         try:
             with held, merged, packed:
                 positions = torch.arange(width, device=device).expand(len(unique), width)
-                hidden = model(tokens, input_pos=positions, return_hidden=True)
+                vision = _prefill_images(images, of_row, device)
+                hidden = model(tokens, input_pos=positions, return_hidden=True, **vision)
                 last = hidden[torch.arange(len(unique), device=device), unique_lengths - 1]
                 logits = model.output(last)[of_row_index]
                 for layer in model.layers:
@@ -370,6 +408,9 @@ class ModelRolloutEngine:
                     row_entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
                     entropy += row_entropy.masked_fill(batch.done.to(device), 0.0).double().sum()
                     live = ~batch.done
+                    if self.banned_ids is not None:  # drawn from the rest; log-probs unchanged
+                        banned = self.banned_ids.to(device)
+                        logits = logits.index_fill(-1, banned, float("-inf"))
                     next_tokens = sample_tokens(logits, settings, batch.generators, live.tolist())
                     sampled = next_tokens.cpu()
                     out[batch.rows[live], step] = sampled[live]
@@ -408,6 +449,22 @@ class ModelRolloutEngine:
         # a string may span tokens, and decoding is cheap next to a forward at these lengths).
         text = self.decode(completion)
         return any(stop in text for stop in self.settings.stop_strings)
+
+
+def _prefill_images(
+    images: Sequence[PromptImages | None] | None, of_row: list[int], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The prefill's image arguments: each distinct prompt's images once, in prompt order."""
+    if images is None:
+        return {}
+    first = {}
+    for row, index in enumerate(of_row):
+        first.setdefault(index, row)
+    chosen = [images[first[index]] for index in range(len(first))]
+    chosen = [item for item in chosen if item is not None]
+    if not chosen:
+        return {}
+    return {key: torch.cat([item[key] for item in chosen]).to(device) for key in chosen[0]}
 
 
 def _all_done(remaining: int, lockstep: bool) -> bool:

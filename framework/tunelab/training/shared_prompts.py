@@ -21,6 +21,7 @@ batches.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -36,20 +37,33 @@ logger = logging.getLogger(__name__)
 _said: set[str] = set()
 
 
-def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+def distinct_prompts(
+    prompts: list[list[int]], images: Sequence[object | None] | None = None
+) -> tuple[list[list[int]], list[int]]:
     """Each distinct prompt once (first-seen order), and each row's index among them.
 
     Equal prompts are found by their tokens, wherever they sit in the batch.
 
     Args:
         prompts: Prompt token ids, one list per row.
+        images: Each row's images (a vision-language prompt), or None: rows are equal only
+            when their tokens are and they hold the same images object (equal token ids may
+            stand for other images of the same size).
 
     Returns:
         ``(unique, of_row)``: ``prompts[row] == unique[of_row[row]]`` for every row.
     """
-    first: dict[tuple[int, ...], int] = {}
-    of_row = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
-    unique = [list(key) for key in first]
+    if images is None:
+        first: dict[tuple[int, ...], int] = {}
+        of_row = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
+        return [list(key) for key in first], of_row
+    seen: dict[tuple[object, ...], int] = {}
+    unique, of_row = [], []
+    for prompt, image in zip(prompts, images, strict=True):
+        index = seen.setdefault((id(image), *prompt), len(seen))
+        if index == len(unique):
+            unique.append(list(prompt))
+        of_row.append(index)
     return unique, of_row
 
 
