@@ -29,6 +29,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
             "tunelab._rng",
             "tunelab._torch_compat",
             "tunelab._library_noise",
+            "tunelab._process_exit",
             "tunelab._json_lines",
             "tunelab._hub",
         ),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -256,6 +257,10 @@ def recipe_main(
     exit_with_launcher()
     install_stop_handlers()
     configure_logging()
+    # What the recipe imported (torch, DTensor, tunelab: some 250,000 objects) lives as long
+    # as the process: frozen, the collector's full collections no longer walk it (measured: a
+    # 2-process tiny run's full collections took 0.55-0.6 CPU-s a rank, 0.25-0.4 after this).
+    gc.freeze()
     argv = sys.argv[1:] if argv is None else argv
     debug = debug_enabled(argv)
     args = None
