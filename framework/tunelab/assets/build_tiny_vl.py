@@ -13,7 +13,9 @@ Run ``python -m tunelab.assets.build_tiny_vl`` (needs ``transformers``, a dev de
   (2 language layers of width 64; a vision tower of 2 blocks, one windowed, one full);
 - ``images/*.png``: coloured squares and circles on white, of two sizes;
 - ``chat.jsonl``: questions about an image's colour or shape and their one-word answers, half
-  with content parts, half with an ``images`` column and ``<image>`` placeholders.
+  with content parts, half with an ``images`` column and ``<image>`` placeholders;
+- ``grpo_prompts.jsonl``: the same questions as GRPO prompts (``prompt``: the user turn, the
+  ``images`` column where the chat row has one) with the answer in ``answer``.
 
 ``tiny_qwen3_vl`` holds the same tokenizer, Qwen3-VL's preprocessing (16-pixel patches, mean
 and std 0.5, images kept between 64 x 64 and 128 x 128 pixels) and a random tiny
@@ -158,6 +160,18 @@ def _rows(rng: random.Random) -> list[dict]:
                     rows.append(row)
     rng.shuffle(rows)
     return rows
+
+
+def _grpo_prompts(rows: list[dict]) -> list[dict]:
+    """Each chat row as a GRPO prompt: its user turn, its images, its answer in ``answer``."""
+    prompts = []
+    for row in rows:
+        user, assistant = row["messages"]
+        prompt = {"prompt": [user], "answer": assistant["content"]}
+        if "images" in row:
+            prompt["images"] = row["images"]
+        prompts.append(prompt)
+    return prompts
 
 
 def _tokenizer(out: Path, rows: list[dict], gemma3: bool = False) -> Tokenizer:
@@ -376,6 +390,8 @@ def main() -> None:
             for index, size in enumerate(SIZES):
                 _image(colour, shape, size).save(out / f"images/{colour}_{shape}_{index}.png")
     (out / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prompts = _grpo_prompts(rows)
+    (out / "grpo_prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
     tokenizer = _tokenizer(out, rows)
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     _model(out, tokenizer)

@@ -189,7 +189,7 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
 
     processing = image_processing_for(tokenizer)
     token_id = tokenizer.token_to_id(_image_token(tokenizer, node))
-    tokens = list(item["tokens"])
+    tokens = list(item["tokens"] if "tokens" in item else item["prompt_tokens"])  # or a prompt's
     spans = []
     for position, token in enumerate(tokens):
         if token == token_id and (position == 0 or tokens[position - 1] != token_id):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tunelab.data.chat import tokenize_conversation
+from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_sft
 from tunelab.data.images import ImageError, ImageProcessing, open_image
@@ -260,10 +260,14 @@ class ImageChatRows:
             raise BadRow(self.images_column, str(error)) from None
         return ImageRef(str(path), grid), self.processing.num_tokens(image.height, image.width)
 
-    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """Samples of one row; raises ``BadRow``."""
+    def _read(self, messages: Any, row: Mapping[str, Any]) -> tuple[list, list, Any, bool]:
+        """The row read: ``(messages, images, template, in_text)``; raises ``BadRow``.
+
+        The messages with plain image parts, each image checked with its token count, the
+        template that renders them, and whether the images' tokens come in the text (Gemma 3).
+        """
         messages, files = read_image_messages(
-            row.get(self.column), self.column, row.get(self.images_column), self.images_column
+            messages, self.column, row.get(self.images_column), self.images_column
         )
         if files and self.processing is None:
             raise BadRow(
@@ -276,6 +280,53 @@ class ImageChatRows:
         if in_text:
             texts = [self.processing.image_text(image.grid[0] - 1) for image, _ in images]
             template = ImagesInText(self.template, self.processing.placeholder, texts)
+        return messages, images, template, in_text
+
+    def prompt(self, row: Mapping[str, Any]) -> tuple[list[int], list[ImageRef]]:
+        """A generation prompt (GRPO): the row's messages and the assistant's opening.
+
+        The column holds a string (one user message, ``<image>`` placeholders for the
+        ``images`` column) or messages; each image's tokens are expanded as in a chat row.
+
+        Returns:
+            ``(ids, images)``.
+
+        Raises:
+            BadRow: a malformed row or image, or image tokens that do not match the images.
+        """
+        value = row.get(self.column)
+        if isinstance(value, str):
+            value = [{"role": "user", "content": value}]
+        messages, images, template, in_text = self._read(value, row)
+        try:
+            ids = apply_chat_template(
+                self.tokenizer,
+                messages,
+                add_generation_prompt=True,
+                template_kwargs=self.template_kwargs,
+                template=template,
+            )
+        except ChatTemplateError as error:
+            raise BadRow(self.column, str(error)) from None
+        counts = [count for _, count in images]
+        token = self.processing.image_token if in_text else self.image_token
+        image_token_id = self.tokenizer.token_to_id(token)
+        held = ids.count(image_token_id) if image_token_id is not None else 0
+        # Qwen's template writes one image token per image; Gemma 3's text holds them all.
+        expected = sum(counts) if in_text else len(images)
+        if held != expected:
+            raise BadRow(
+                self.column,
+                f"the chat template wrote {held} {token} tokens for {len(images)} images "
+                f"({expected} expected)",
+            )
+        if not in_text and images:
+            ids, _ = expand_image_tokens(ids, [True] * len(ids), image_token_id, counts)
+        return ids, [image for image, _ in images]
+
+    def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """Samples of one row; raises ``BadRow``."""
+        messages, images, template, in_text = self._read(row.get(self.column), row)
         try:
             rendered = tokenize_conversation(
                 self.tokenizer,

@@ -13,6 +13,13 @@ Rows are read with the same sources and source options as the SFT and preference
 (``file:line: row N (0-based), column 'prompt': why``) or skipped and counted. Prompt sets are
 small next to SFT corpora and each rank reads and renders them itself; the tokenized cache the
 other datasets use is not used here.
+
+For a vision-language model a prompt may hold images as ``image_chat_dataset``'s rows do
+(``tunelab.data.image_rows``: content parts, or ``<image>`` placeholders with an ``images``
+column), rendered with the tokenizer's chat template and each image's tokens expanded. Every
+image is opened and checked when the dataset is built (a bad one is one line with its file and
+row, or skipped); its pixels are read when the prompt is sampled
+(:meth:`PromptDataset.prompt_images`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from tunelab.data.cache import describe_malformed
 from tunelab.data.chat import apply_chat_template
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.conversations import check_parts, read_documents, read_part, read_tools
+from tunelab.data.image_dataset import image_rows_per_file
+from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, ImageRef
+from tunelab.data.images import ImageError, open_image
 from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
 from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source, resolve_sources
@@ -49,6 +59,8 @@ class PromptDataset(Dataset):
         prompts: The rendered prompt texts (what the model sees), by index.
         num_truncated: Prompts cut to ``max_prompt_tokens`` (their start is dropped).
         num_skipped: Malformed rows skipped (``skip_malformed``); not in ``rows``.
+        images: Each prompt's images (files and patch grids; empty for a text prompt), or
+            None when no prompt has any.
     """
 
     def __init__(
@@ -58,18 +70,61 @@ class PromptDataset(Dataset):
         rows: list[dict],
         num_truncated: int,
         num_skipped: int = 0,
+        images: list[list[ImageRef]] | None = None,
+        image_rows: ImageChatRows | None = None,
     ) -> None:
         self.tokens, self.prompts, self.rows = tokens, prompts, rows
         self.num_truncated = num_truncated
         self.num_skipped = num_skipped
+        self.images = images
+        self._image_rows = image_rows
+
+    def prompt_images(self, index: int) -> dict[str, torch.Tensor] | None:
+        """The prompt's images as the model's forward takes them, read now; None: none.
+
+        Returns:
+            ``{"pixel_values", "image_grid_thw"}`` (the preprocessing the prompt's tokens were
+            counted with).
+
+        Raises:
+            DataError: An image file that cannot be read now, or whose patch grid changed.
+        """
+        refs = self.images[index] if self.images is not None else []
+        if not refs:
+            return None
+        assert self._image_rows is not None and self._image_rows.processing is not None
+        pixels, grids = [], []
+        for ref in refs:
+            try:
+                values, grid = self._image_rows.processing(
+                    open_image(Path(ref.path), self._image_rows.max_image_pixels)
+                )
+            except ImageError as error:
+                raise DataError(f"prompt {index}: {error}") from None
+            if tuple(grid) != tuple(ref.grid):
+                raise DataError(
+                    f"prompt {index}: {ref.path} is now {list(grid)} patches, not the "
+                    f"{list(ref.grid)} its tokens were counted for (the file changed)"
+                )
+            pixels.append(values)
+            grids.append(list(grid))
+        return {
+            "pixel_values": torch.cat(pixels),
+            "image_grid_thw": torch.tensor(grids, dtype=torch.long),
+        }
 
     def __len__(self) -> int:
         """Number of prompts."""
         return len(self.tokens)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        """The prompt's token ids and its index."""
-        return {"prompt_tokens": self.tokens[index], "index": index}
+        """The prompt's token ids and its index (and its images' files and grids, if any)."""
+        item: dict[str, Any] = {"prompt_tokens": self.tokens[index], "index": index}
+        refs = self.images[index] if self.images is not None else []
+        if refs:  # for `tunelab data preview`; the sampler reads the pixels by index
+            item["images"] = [ref.path for ref in refs]
+            item["image_grids"] = [list(ref.grid) for ref in refs]
+        return item
 
 
 @dataclass
@@ -126,6 +181,9 @@ def prompt_dataset(
     max_prompt_tokens: int | None = None,
     skip_malformed: bool = False,
     allow_unknown_tokens: bool = False,
+    images_column: str = "images",
+    image_token: str = "<|image_pad|>",
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     **load_dataset_kwargs: Any,
 ) -> PromptDataset:
     """Prompts to sample completions for, with their rows for the rewards.
@@ -151,6 +209,12 @@ def prompt_dataset(
         allow_unknown_tokens: Build even when more than half of the content tokens of the first
             prompts are the tokenizer's unknown or padding token (by default that stops the
             build: the tokenizer does not fit the data).
+        images_column: The column of image files for ``<image>`` placeholders in the prompt
+            (a vision-language model; image content parts need none), as
+            ``image_chat_dataset``'s.
+        image_token: The token the chat template writes once per image (Qwen's; Gemma 3's
+            preprocessing names its own).
+        max_image_pixels: Largest area an image file may declare (a decompression bomb).
         **load_dataset_kwargs: Passed to ``datasets.load_dataset`` (for a JSON file only
             ``field``, read as the other datasets read it).
 
@@ -167,12 +231,45 @@ def prompt_dataset(
     chosen = None if template is None else resolve_template(tokenizer, template, template_kwargs)
     sources = resolve_sources(source, data_files, split, **load_dataset_kwargs)
     tokens, prompts, rows = [], [], []
+    images: list[list[ImageRef]] = []
+    image_rows: dict[str, ImageChatRows] = {}  # per source file: its folder holds the images
+
+    def with_images(source: str) -> ImageChatRows:
+        if source not in image_rows:
+            rows_for, _, _ = image_rows_per_file(
+                tokenizer,
+                "prompt_dataset",
+                column=prompt_column,
+                images_column=images_column,
+                image_token=image_token,
+                max_image_pixels=max_image_pixels,
+                max_seq_len=max_prompt_tokens or tokenizer.max_seq_len or 2**31 - 1,
+                template_kwargs=template_kwargs,
+            )
+            image_rows[source] = rows_for(source)
+        return image_rows[source]
+
     num_truncated = num_skipped = 0
     for row in _read_rows(sources, prompt_column):
+        refs: list[ImageRef] = []
         try:
             if row.value is None:
                 raise BadRow("(whole row)", row.problem or "not a row")
-            ids = _render(tokenizer, chosen, row.value, prompt_column, template_kwargs)
+            if _has_images(row.value, prompt_column, images_column):
+                if not isinstance(chosen, ChatTemplate):
+                    raise BadRow(
+                        prompt_column,
+                        "a prompt with images needs template: auto (the chat template)",
+                    )
+                ids, refs = with_images(row.source).prompt(row.value)
+            else:
+                ids = _render(tokenizer, chosen, row.value, prompt_column, template_kwargs)
+            if refs and max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                raise BadRow(
+                    prompt_column,
+                    f"the prompt is {len(ids)} tokens with its images; max_prompt_tokens "
+                    f"{max_prompt_tokens} would cut them",
+                )
         except BadRow as bad:
             if skip_malformed:
                 num_skipped += 1
@@ -184,13 +281,30 @@ def prompt_dataset(
         tokens.append(ids)
         prompts.append(tokenizer.decode(ids, skip_special_tokens=False))
         rows.append(row.value)
+        images.append(refs)
     names = ", ".join(source.name for source in sources)
     if not rows:
         skipped = f" ({num_skipped} malformed rows skipped)" if num_skipped else ""
         raise DataError(f"{names}: no usable rows{skipped}")
     if not allow_unknown_tokens:
         check_tokens_fit(tokenizer, tokens[:UNKNOWN_CHECK_SAMPLES], names)
-    return PromptDataset(tokens, prompts, rows, num_truncated, num_skipped)
+    if not any(images):
+        return PromptDataset(tokens, prompts, rows, num_truncated, num_skipped)
+    some_rows = next(iter(image_rows.values()))
+    return PromptDataset(tokens, prompts, rows, num_truncated, num_skipped, images, some_rows)
+
+
+def _has_images(row: Mapping[str, Any], column: str, images_column: str) -> bool:
+    """Whether a prompt row names images (image content parts, or an ``images`` column)."""
+    value = row.get(column)
+    if row.get(images_column):
+        return True
+    return isinstance(value, list) and any(
+        isinstance(part, Mapping) and (part.get("type") == "image" or "image" in part)
+        for message in value
+        if isinstance(message, Mapping) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 def _render(

@@ -29,6 +29,7 @@ from tunelab.rl.step import (
     Rollout,
     behaviour_logps_batch,
     global_sums,
+    prompt_images,
     rollout_batch,
     sampling_seeds,
 )
@@ -242,7 +243,9 @@ class GroupSampler:
         """Generate one completion per entry of ``repeated`` (dataset indices), each from its seed."""
         data = self.prompts
         prompts = [data.tokens[index] for index in repeated]
-        completions = self.engine.generate(prompts, seeds)
+        images = prompt_images(data, repeated)
+        with_images = {} if images is None else {"images": images}
+        completions = self.engine.generate(prompts, seeds, **with_images)
         texts = [self.decode(completion) for completion in completions]
         # The token ids too: decoded text does not always encode back to them (a byte-level
         # BPE splits differently, a stop token is not in the text), and the loss is theirs.
@@ -250,7 +253,7 @@ class GroupSampler:
             {"completion": text, "completion_ids": list(completion)}
             for text, completion in zip(texts, completions, strict=True)
         ]
-        batch = rollout_batch(prompts, completions, self.pad_id, self.device)
+        batch = rollout_batch(prompts, completions, self.pad_id, self.device, images)
         behaviour = None
         recorded = getattr(self.engine, "last_logps", None)
         if recorded and len(recorded) == len(completions):  # an engine may record none

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from tunelab.errors import DataError
 from tunelab.rl.rollout import ModelRolloutEngine
 
 __all__ = ["bound_prompt_lengths", "cut_prompts"]
@@ -35,9 +36,19 @@ def cut_prompts(prompts: Any, max_tokens: int, tokenizer: Any) -> int:
 
     Returns:
         The number of prompts cut.
+
+    Raises:
+        DataError: A prompt with images would be cut.
     """
     cut = 0
+    images = getattr(prompts, "images", None)
     for index, ids in enumerate(prompts.tokens):
+        if len(ids) > max_tokens and images is not None and images[index]:
+            raise DataError(
+                f"prompt {index} is {len(ids)} tokens with its images, more than the "
+                f"{max_tokens} left for a prompt (max_position_embeddings - max_new_tokens): "
+                "cutting it would cut its images; lower rollout.max_new_tokens or drop the row"
+            )
         if len(ids) > max_tokens:
             prompts.tokens[index] = ids[-max_tokens:]
             prompts.prompts[index] = tokenizer.decode(

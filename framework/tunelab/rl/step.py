@@ -31,6 +31,7 @@ __all__ = [
     "completion_logps",
     "global_sums",
     "policy_gradient_pass",
+    "prompt_images",
     "store_logps",
     "rollout_batch",
     "sampling_seeds",
@@ -104,8 +105,33 @@ class Rollout:
     correction: OffPolicyCorrection | None = None
 
 
+def prompt_images(prompts: Any, indices: list[int]) -> list[Any] | None:
+    """Each row's images (a vision-language prompt set), read once per distinct prompt.
+
+    Args:
+        prompts: The prompt dataset (``PromptDataset``: ``images`` and ``prompt_images``).
+        indices: The dataset index of each row (a group's rows repeat it).
+
+    Returns:
+        One ``{"pixel_values", "image_grid_thw"}`` (or None: a text prompt) per row, the rows of
+        one prompt sharing the object (the rollout engine prefills them once); None when the
+        set has no images.
+    """
+    if getattr(prompts, "images", None) is None:
+        return None
+    read: dict[int, Any] = {}
+    for index in indices:
+        if index not in read:
+            read[index] = prompts.prompt_images(index)
+    return [read[index] for index in indices]
+
+
 def rollout_batch(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device: torch.device
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    images: list[Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Prompt + completion rows for a training forward; only completion tokens are labelled.
 
@@ -114,9 +140,12 @@ def rollout_batch(
         completions: Completion token ids, one per row.
         pad_id: Token after each row's end.
         device: Where the batch goes.
+        images: Each row's images (:func:`prompt_images`), or None: the batch then carries
+            ``pixel_values`` and ``image_grid_thw`` row after row, as an image chat batch does,
+            so the log-prob forward sees the images the rollout engine prefilled.
 
     Returns:
-        ``tokens`` and ``labels`` ``[rows, longest]``.
+        ``tokens`` and ``labels`` ``[rows, longest]`` (and the images).
     """
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -124,7 +153,12 @@ def rollout_batch(
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         tokens[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
         labels[row, len(prompt) : len(prompt) + len(completion)] = torch.tensor(completion)
-    return {"tokens": tokens.to(device), "labels": labels.to(device)}
+    batch = {"tokens": tokens.to(device), "labels": labels.to(device)}
+    held = [item for item in images or () if item is not None]
+    if held:
+        for key in held[0]:  # pixel_values, image_grid_thw
+            batch[key] = torch.cat([item[key] for item in held]).to(device)
+    return batch
 
 
 def behaviour_logps_batch(

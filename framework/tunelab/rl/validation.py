@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from tunelab.errors import DataError
 from tunelab.rl.rewards import Rewards
 from tunelab.rl.rollout import ModelRolloutEngine
-from tunelab.rl.step import global_sums
+from tunelab.rl.step import global_sums, prompt_images
 
 __all__ = ["RolloutValidation"]
 
@@ -60,8 +60,11 @@ class RolloutValidation:
         sums: dict[str, float] = {}
         for batch in self.loader:
             indices = batch["index"].tolist()
+            images = prompt_images(self.prompts, indices)
             completions = self.engine.generate(
-                [self.prompts.tokens[i] for i in indices], [0] * len(indices)
+                [self.prompts.tokens[i] for i in indices],
+                [0] * len(indices),
+                **({} if images is None else {"images": images}),
             )
             total, each = self.rewards(
                 [self.prompts.prompts[i] for i in indices],

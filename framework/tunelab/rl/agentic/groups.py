@@ -24,7 +24,7 @@ import torch
 from tunelab.config.sections import RolloutArgs
 from tunelab.data.conversations import read_part
 from tunelab.data.rows import BadRow
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 from tunelab.rl.advantages import Completions, GroupSampler
 from tunelab.rl.agentic.episodes import STOP_REASONS, Episode, EpisodeRunner, episode_batch
 from tunelab.rl.agentic.tools import ERROR_KINDS
@@ -81,7 +81,15 @@ class EpisodeGroupSampler(GroupSampler):
             rollout: The ``rollout`` settings (``num_generations``, ``dynamic_sampling``).
             seed: The run's seed.
             device: Where rollout batches go.
+
+        Raises:
+            ConfigError: The prompts hold images (episodes do not read them yet).
         """
+        if getattr(prompts, "images", None) is not None:
+            raise ConfigError(
+                "agentic: the dataset's prompts hold images, which agentic episodes do not "
+                "read yet; use grpo_distributed without the agentic section for image prompts"
+            )
         agentic = runner.settings
         return cls(
             runner,
