@@ -1,6 +1,7 @@
-"""Linear weights packed for oneDNN (the rollout's decode matmuls on CPU): the values of
-``F.linear`` up to rounding, rows whose bits do not depend on the batch, and a model left as it
-was after the block."""
+"""Linear weights packed for oneDNN (the rollout's decode matmuls on CPU; the frozen layers of
+the GRPO update): the values of ``F.linear`` up to rounding, rows whose bits do not depend on
+the batch, an update pass whose loss and gradients are the unpacked pass's, and a model left as
+it was after the block."""
 
 import pytest
 import torch
@@ -11,8 +12,18 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
 from tunelab.modules import packed_linear
-from tunelab.modules.packed_linear import linear, pack_weight, packable, packed_linears
+from tunelab.modules.packed_linear import (
+    frozen_linear,
+    linear,
+    pack_weight,
+    packable,
+    packed_frozen_linears,
+    packed_linears,
+)
 from tunelab.peft import LoRALinear, apply_lora, merged_adapters
+from tunelab.rl import GRPOLoss, Rollout, policy_gradient_pass, rollout_batch, store_logps
+from tunelab.rl.step import completion_logps
+from tunelab.training import output_layer
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -115,3 +126,148 @@ def test_weights_that_cannot_run_packed_are_left_alone():
                 assert count == 0
                 assert not any("forward" in m.__dict__ for m in model.modules())
                 assert torch.equal(model(tokens), merged)
+
+
+def spy_packs(monkeypatch) -> list[tuple[tuple[int, int], bool]]:
+    """Record each ``pack_weight`` call: the packed shape, and whether it was a transpose."""
+    packs = []
+    pack = packed_linear.pack_weight
+
+    def recording(weight, rows):
+        packs.append((tuple(weight.shape), not weight.is_contiguous()))
+        return pack(weight, rows)
+
+    monkeypatch.setattr(packed_linear, "pack_weight", recording)
+    return packs
+
+
+def test_frozen_linear_packs_w_for_the_forward_and_w_t_for_the_input_gradient(monkeypatch):
+    packs = spy_packs(monkeypatch)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    x = torch.randn(3, 11, 64, requires_grad=True)
+    grad = torch.randn(3, 11, 96)
+    out = frozen_linear(x, weight, bias)
+    out.backward(grad)
+    plain_x = x.detach().requires_grad_()
+    F.linear(plain_x, weight, bias).backward(grad)
+    assert packs == [((96, 64), False), ((64, 96), True)]
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=0, atol=2e-5)
+    torch.testing.assert_close(x.grad, plain_x.grad, rtol=0, atol=2e-5)
+    with torch.no_grad():
+        frozen_linear(x, weight, bias)
+    assert len(packs) == 3  # no gradient: the forward's pack only
+    # A weight that trains, or one that is not fp32, takes F.linear: it gets its gradient.
+    trainable = weight.clone().requires_grad_()
+    frozen_linear(x, trainable, bias).sum().backward()
+    assert trainable.grad is not None
+    assert frozen_linear(x.bfloat16(), weight.bfloat16(), None).dtype == torch.bfloat16
+    assert len(packs) == 3
+
+
+def grpo_rollouts(model: nn.Module) -> list[Rollout]:
+    """Two micro-batches of GRPO groups (3 prompts x 4 completions of 1 to 7 tokens each).
+
+    Their ``old_logps`` are the model's, moved by up to 0.05, so the ratios (0.95-1.05, none
+    clipped) and the loss depend on the forward's values.
+    """
+    generator = torch.Generator().manual_seed(3)
+    rollouts = []
+    for _ in range(2):
+        prompts, completions = [], []
+        for length in (5, 9, 2):
+            prompt = torch.randint(3, 97, (length,), generator=generator).tolist()
+            for sample in range(4):
+                prompts.append(prompt)
+                size = 1 + (length + 2 * sample) % 7
+                completions.append(torch.randint(3, 97, (size,), generator=generator).tolist())
+        batch = rollout_batch(prompts, completions, 0, torch.device("cpu"))
+        advantages = torch.randn(len(prompts), generator=generator)
+        with torch.no_grad():
+            logps, mask = completion_logps(model, batch, output_layer(model))
+        shift = (torch.rand(logps.shape, generator=generator) - 0.5) * 0.1
+        old = (logps + shift).masked_fill(~mask, 0.0)
+        keep = torch.ones(len(prompts), dtype=torch.bool)
+        rollouts.append(Rollout(batch, advantages, keep, old_logps=old))
+    return rollouts
+
+
+def update(model: nn.Module, rollouts: list[Rollout], *, pack_weights: bool):
+    model.zero_grad()
+    loss_fn = GRPOLoss(aggregation="token_mean")
+    sums = policy_gradient_pass(
+        model, rollouts, loss_fn, output_layer(model), scale=0.1, pack_weights=pack_weights
+    )
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return sums["loss"], grads
+
+
+def assert_same_update(expected, actual) -> None:
+    """Loss and every gradient within fp32 rounding (relative to each gradient's norm)."""
+    (loss, grads), (other_loss, other_grads) = expected, actual
+    assert other_loss == pytest.approx(loss, rel=1e-6)
+    assert sorted(other_grads) == sorted(grads) and len(grads) == 8  # A and B of 4 adapters
+    for name, grad in grads.items():
+        error = (other_grads[name] - grad).norm() / grad.norm()
+        assert error < 1e-6, (name, float(error))
+
+
+def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatch):
+    model = lora_model().train()
+    rollouts = grpo_rollouts(model)
+    unpacked = update(model, rollouts, pack_weights=False)
+    packs = spy_packs(monkeypatch)
+    # Packed per call (the packed weights over the memory budget's share): per micro-batch,
+    # every frozen layer's W packed in the forward (2 adapted bases and 5 plain projections
+    # per block, lm_head), and W^T in the backward, but for the first block's q, k and v,
+    # whose input needs no gradient (the embedding is frozen).
+    monkeypatch.setattr(packed_linear, "_HOLD_SHARE_OF_BUDGET", 0.0)
+    per_call = update(model, rollouts, pack_weights=True)
+    forward_packs = [shape for shape, transposed in packs if not transposed]
+    assert len(forward_packs) == 2 * 15 and forward_packs.count((97, 32)) == 2
+    assert len(packs) - len(forward_packs) == 2 * 12
+    assert_same_update(unpacked, per_call)
+    assert all(m.pack_frozen is None for m in model.modules() if isinstance(m, LoRALinear))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    # Kept (the default at this size): packed once, in the first micro-batch, and reused by
+    # the next micro-batches and passes; the same bits as packing per call.
+    monkeypatch.undo()
+    packs = spy_packs(monkeypatch)
+    for _ in range(2):
+        loss, grads = update(model, rollouts, pack_weights=True)
+        assert loss == per_call[0]
+        assert all(torch.equal(grad, per_call[1][name]) for name, grad in grads.items())
+    assert len(packs) == 15 + 12
+    # The comparison sees a wrong packing: of W (loss and gradients move) or of W^T (the
+    # gradients).
+    monkeypatch.setattr(packed_linear, "_HOLD_SHARE_OF_BUDGET", 0.0)  # drops the kept ones
+    pack = packed_linear.pack_weight
+    for wrong_transpose in (False, True):
+
+        def wrong(weight, rows, wrong_transpose=wrong_transpose):
+            if weight.is_contiguous() != wrong_transpose:
+                weight = weight * (1 + 1e-4)
+            return pack(weight, rows)
+
+        monkeypatch.setattr(packed_linear, "pack_weight", wrong)
+        with pytest.raises(AssertionError):
+            assert_same_update(unpacked, update(model, rollouts, pack_weights=True))
+    monkeypatch.setattr(packed_linear, "pack_weight", pack)
+    # The no-grad passes before the update run packed too (the old and reference log-probs).
+    output = output_layer(model)
+    with torch.no_grad():
+        expected = [completion_logps(model, r.batch, output)[0] for r in rollouts]
+    store_logps(rollouts, model, output, old=True)
+    for rollout, logps in zip(rollouts, expected, strict=True):
+        torch.testing.assert_close(rollout.old_logps, logps, rtol=0, atol=1e-5)
+
+
+def test_frozen_layers_run_packed_only_inside_the_block():
+    model = lora_model()
+    with packed_frozen_linears(model) as count:
+        assert count == 4 + 11  # the adapted layers, the plain frozen ones (lm_head included)
+        with packed_frozen_linears(model) as nested:
+            assert nested == 0  # already set up: the outer block undoes it
+        assert all(m.pack_frozen is not None for m in model.modules() if isinstance(m, LoRALinear))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any(m.pack_frozen for m in model.modules() if isinstance(m, LoRALinear))

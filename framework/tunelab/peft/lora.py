@@ -124,7 +124,8 @@ class LoRALinear(nn.Module):
     ``disabled`` is set the adapter term is skipped, so the output is the base model's.
     Inside ``tunelab.peft.merged_adapters`` it computes one linear with a temporary merged
     weight instead (inference only; the rollout engine may hold it packed for oneDNN,
-    :mod:`tunelab.modules.packed_linear`).
+    :mod:`tunelab.modules.packed_linear`). Inside ``packed_linear.packed_frozen_linears`` (a
+    training pass) the base term runs on packed copies of the frozen ``weight``.
     With ``use_dora`` it also has ``lora_magnitude_vector`` (``[out_dim]``, PEFT's name) and
     computes DoRA (see the module docstring). The base ``weight`` may be a torchao
     ``NF4Tensor`` (QLoRA); it is dequantized on the fly.
@@ -167,6 +168,9 @@ class LoRALinear(nn.Module):
         self.disabled = False
         # Set only inside ``tunelab.peft.merged_adapters`` (inference): W + scale * B A.
         self.merged_weight: torch.Tensor | None = None
+        # Set only inside ``packed_linear.packed_frozen_linears`` (a training pass): where
+        # the base term's matmuls find oneDNN-packed copies of the frozen W.
+        self.pack_frozen: packed_linear._FrozenPacks | None = None
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_dim), requires_grad=False) if bias else None
         self.dropout = nn.Dropout(dropout) if dropout > 0.0 else nn.Identity()
@@ -279,7 +283,10 @@ class LoRALinear(nn.Module):
         """
         if self.merged_weight is not None and not self.disabled:
             return packed_linear.linear(x, self.merged_weight, self.bias)
-        out = F.linear(x, self.weight, self.bias)
+        if self.pack_frozen is not None:
+            out = packed_linear.frozen_linear(x, self.weight, self.bias, self.pack_frozen)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out
         if self.lora_magnitude_vector is None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from tunelab.distributed import all_reduce_sum
 from tunelab.losses import OutputLayer, token_logps
+from tunelab.modules.packed_linear import packed_frozen_linears
 from tunelab.rl.off_policy import OffPolicyCorrection, behaviour_sums
 from tunelab.rl.policy_loss import PolicyLoss
 from tunelab.training.loop import output_layer
@@ -217,7 +218,8 @@ def store_logps(
 
     The sampling policy's log-probs need no pass of their own: the first
     :func:`policy_gradient_pass` runs with the weights that sampled and keeps its log-probs
-    (``keep_old``) for the later ones.
+    (``keep_old``) for the later ones. Frozen fp32 CPU weights run packed, as in
+    :func:`policy_gradient_pass`.
 
     Args:
         rollouts: The step's rollouts; their ``old_logps`` and ``ref_logps`` are set.
@@ -228,12 +230,13 @@ def store_logps(
         reference: A ``ReferenceModel`` or :class:`FrozenReference` (``beta`` > 0), or None;
             its output layer runs chunk by chunk when the policy's does (``output``).
     """
-    for rollout in rollouts if old else ():
-        rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
+    with packed_frozen_linears(model):
+        for rollout in rollouts if old else ():
+            rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
     if reference is None:
         return
     ref_output = output_layer(reference.model) if output is not None else None
-    with reference.active():
+    with reference.active(), packed_frozen_linears(reference.model):
         for rollout in rollouts:
             rollout.ref_logps = completion_logps(reference.model, rollout.batch, ref_output)[0]
 
@@ -246,6 +249,7 @@ def policy_gradient_pass(
     *,
     scale: float,
     keep_old: bool = False,
+    pack_weights: bool = True,
 ) -> dict[str, float]:
     """One pass over the rollouts: the clipped policy-gradient loss, backward per micro-batch.
 
@@ -270,6 +274,10 @@ def policy_gradient_pass(
             normalizer).
         keep_old: Store the detached log-probs as ``old_logps`` where a rollout has none
             (call it so in the first pass only, before any optimizer step on the rollouts).
+        pack_weights: Run the frozen linear layers (a LoRA run's base, ``lm_head``) on
+            oneDNN-packed weights, forward and input gradient, where they are fp32 on CPU
+            (:func:`~tunelab.modules.packed_linear.packed_frozen_linears`; equal to the
+            unpacked pass up to fp32 rounding).
 
     Returns:
         This rank's sums: ``loss`` (unscaled), ``clipped`` tokens, ``kl``, and over the rows
@@ -278,31 +286,35 @@ def policy_gradient_pass(
     """
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
     sums |= {f"off_policy/{key}": 0.0 for key in _OFF_POLICY_SUMS}
-    for rollout in rollouts:
-        logps, mask = completion_logps(model, rollout.batch, output)
-        mask = mask & rollout.keep[:, None]
-        old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
-        if keep_old:
-            rollout.old_logps = old
-        losses, metric_sums = loss_fn.token_losses(
-            logps, old, rollout.advantages, mask, rollout.ref_logps
-        )
-        if rollout.behaviour_logps is not None:
-            behaviour = rollout.behaviour_logps
-            metric_sums |= {
-                f"off_policy/{key}": value
-                for key, value in behaviour_sums(old, behaviour, mask).items()
-            }
-            metric_sums["off_policy/tokens"] = mask.sum().double()
-            if rollout.correction is not None and rollout.lag > 0:
-                weights, cut = rollout.correction.weights((old - behaviour).masked_fill(~mask, 0.0))
-                losses = losses * weights.detach()
-                metric_sums["off_policy/clipped"] = (cut & mask).sum().double()
-        loss_sum = loss_fn.loss_sum(losses, mask)
-        (loss_sum * scale).backward()
-        sums["loss"] += loss_sum.item()
-        for key, value in metric_sums.items():
-            sums[key] += value.item()
+    packed = packed_frozen_linears(model) if pack_weights else contextlib.nullcontext()
+    with packed:
+        for rollout in rollouts:
+            logps, mask = completion_logps(model, rollout.batch, output)
+            mask = mask & rollout.keep[:, None]
+            old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
+            if keep_old:
+                rollout.old_logps = old
+            losses, metric_sums = loss_fn.token_losses(
+                logps, old, rollout.advantages, mask, rollout.ref_logps
+            )
+            if rollout.behaviour_logps is not None:
+                behaviour = rollout.behaviour_logps
+                metric_sums |= {
+                    f"off_policy/{key}": value
+                    for key, value in behaviour_sums(old, behaviour, mask).items()
+                }
+                metric_sums["off_policy/tokens"] = mask.sum().double()
+                if rollout.correction is not None and rollout.lag > 0:
+                    weights, cut = rollout.correction.weights(
+                        (old - behaviour).masked_fill(~mask, 0.0)
+                    )
+                    losses = losses * weights.detach()
+                    metric_sums["off_policy/clipped"] = (cut & mask).sum().double()
+            loss_sum = loss_fn.loss_sum(losses, mask)
+            (loss_sum * scale).backward()
+            sums["loss"] += loss_sum.item()
+            for key, value in metric_sums.items():
+                sums[key] += value.item()
     return sums
 
 
