@@ -23,12 +23,15 @@ sampling by default) against the log-probs recorded while sampling. With ``rollo
 the last N processes only sample (``rollout_rank``) and the others only train, on what they
 sampled: the same schedule, the policy sent to them right after each update by a background
 thread, each trainer its own shards (``RemoteRollouts``); a stop signal stops them after the
-trainers' checkpoint.
+trainers' checkpoint. With ``rollout.overlap`` (colocated async) a worker thread samples the
+next batches on a whole copy of the model while each step trains (``ThreadRollouts``).
 """
 
 import time
 from collections.abc import Iterator
 from functools import partial
+
+import torch
 
 import tunelab.peft as peft
 from tunelab.config import GRPOArgs, instantiate
@@ -48,6 +51,7 @@ from tunelab.rl import (
     RolloutPipeline,
     RolloutValidation,
     ScoredGroups,
+    ThreadRollouts,
     bound_prompt_lengths,
     check_correction,
     check_policy_loss,
@@ -187,6 +191,21 @@ def main(args: GRPOArgs) -> None:
     correction = check_correction(instantiate(args.rollout.off_policy))
     pipeline = RolloutPipeline(max_lag, device, correction)
     remote = RemoteRollouts(split, model, device) if split is not None else None
+    # rollout.overlap (colocated async): the next batches sampled on a whole copy of the model
+    # by a worker thread while each step trains (ThreadRollouts); the same results.
+    overlap = None
+    if args.rollout.overlap and split is None:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            replica = build(lora=args.lora, adapter_dir=args.adapter_dir, meshes=None, shard=False)
+        engine_copy = ModelRolloutEngine.from_rollout(replica, args.rollout, tokenizer)
+        overlap = ThreadRollouts(
+            model,
+            replica,
+            GroupSampler.from_settings(
+                engine_copy, rewards, data.loader.dataset, args.rollout, seed=args.seed,
+                device=device,
+            ),
+        )  # fmt: skip
     if max_lag:
         data.progress_extras["rollouts_in_flight"] = pipeline.state_text
 
@@ -218,6 +237,8 @@ def main(args: GRPOArgs) -> None:
         indices = [next(batches)["index"].tolist() for _ in range(data.gradient_accumulation_steps)]
         if remote is not None:  # a rollout rank samples them with the live policy
             return remote.request(indices, step, policy_step=global_step)
+        if overlap is not None:  # the worker thread samples them with the live policy
+            return overlap.request(indices, step)
         scored = [groups.sample(index, step) for index in indices]
         if args.rollout.dynamic_sampling_refill_rounds:
             scored += groups.refill(
@@ -301,6 +322,8 @@ def main(args: GRPOArgs) -> None:
     # -- clean-up -------------------------------------------------------------------------
     if remote is not None:
         remote.close()
+    if overlap is not None:
+        overlap.close()
     after_step.close()
     if dist_info.is_main:
         print(f"finished at step {global_step}; outputs in {args.output_dir}", flush=True)

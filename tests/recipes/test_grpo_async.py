@@ -3,10 +3,13 @@
 k = 0 is synchronous GRPO bit for bit; with k = 2 two runs are identical, the lag follows the
 fixed schedule, and a run whose rank 1 is SIGKILLed after a checkpoint resumes to the
 uninterrupted run's completions, metrics and exports (the batches in flight restored).
+``rollout.overlap`` (a worker thread sampling on a whole copy of the model) equals the plain
+colocated run bit for bit and resumes its checkpoint exactly.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -134,3 +137,41 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(asy
     after = [m for m in untimed(out) if m["step"] > 3]
     assert after == [m for m in untimed(async_run) if m["step"] > 3]
     assert_same_exports(out, async_run)
+
+
+# rollout.overlap: the colocated run with a worker thread sampling on a whole copy of the model
+# (k = 1: batch s + 1 sampled while step s trains); step_2 holds the batch of step 3 in flight.
+COLOCATED = (
+    *COMMON,
+    "rollout.mode=async",
+    "rollout.max_lag=1",
+    "schedule.max_steps_per_epoch=4",
+    "checkpoint.save_every_n_steps=2",
+)
+
+
+@pytest.fixture(scope="module")
+def colocated_run(tmp_path_factory) -> Path:
+    return run(tmp_path_factory.mktemp("grpo_colocated") / "colocated", *COLOCATED)
+
+
+def test_overlap_equals_the_colocated_run_bit_for_bit(colocated_run, tmp_path):
+    overlapped = run(tmp_path / "overlap", *COLOCATED, "rollout.overlap=true")
+    assert (overlapped / "logs/completions.jsonl").read_bytes() == (
+        colocated_run / "logs/completions.jsonl"
+    ).read_bytes()
+    assert untimed(overlapped) == untimed(colocated_run)
+    assert [m["off_policy/lag"] for m in untimed(overlapped)] == [0, 1, 1, 1]
+    assert_same_exports(overlapped, colocated_run)
+
+
+def test_overlap_resumes_a_colocated_checkpoint_exactly(colocated_run, tmp_path):
+    """step_2 of the colocated run (the batch of step 3 in flight), resumed with the overlap."""
+    out = tmp_path / "resumed"
+    shutil.copytree(colocated_run, out)
+    for later in ("step_4", "epoch_0"):
+        shutil.rmtree(out / later)
+    run(out, *COLOCATED, "rollout.overlap=true", "checkpoint.resume_from_checkpoint=true")
+    assert_step_logs_equal(out, colocated_run)
+    assert untimed(out) == untimed(colocated_run)
+    assert_same_exports(out, colocated_run)

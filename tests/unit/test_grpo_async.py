@@ -253,6 +253,13 @@ def test_rank_split_refusals(tmp_path, monkeypatch, capsys):
     refused = {
         "rollout.ranks=1": "key 'rollout.ranks': 1 rollout ranks sample ahead of training: set "
         "rollout.mode: async",
+        # The sampling thread: colocated async only, and no refill rounds (a collective).
+        "rollout.overlap=true": "key 'rollout.overlap': samples on a worker thread beside "
+        "training in the colocated asynchronous run; set rollout.mode: async and rollout.ranks: 0",
+        "rollout.overlap=true rollout.mode=async rollout.ranks=1": "key 'rollout.overlap'",
+        "rollout.overlap=true rollout.mode=async rollout.dynamic_sampling=true "
+        "rollout.dynamic_sampling_refill_rounds=1": "key 'rollout.overlap': refill rounds agree "
+        "over a collective",
     }
     for overrides, message in refused.items():
         with pytest.raises(SystemExit) as info:

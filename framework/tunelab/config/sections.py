@@ -239,9 +239,11 @@ class RolloutArgs:
     """mode async: the importance weight on each token loss of a batch sampled by an older policy, a tunelab.rl.OffPolicyCorrection: tunelab.rl.TruncatedIS (cap) or tunelab.rl.MaskedIS (low, high)."""
     ranks: Annotated[int, Range(ge=0)] = 0
     """mode async: the last N processes of the job only sample (rollout ranks) and the others only train, on batches the rollout ranks sampled with the policy max_lag updates older (each trainer sends its shards right after each update, in the background: LoRA the adapter, full every weight); the same schedule and results as the colocated run with as many trainers, refill rounds included (0: every process samples and trains). Needs at least N trainers; a checkpoint resumes with any rollout.ranks and as many trainers."""
+    overlap: bool = False
+    """mode async with ranks 0 (colocated): each process keeps a whole, unsharded copy of the model and samples the next batches on it in a worker thread while the step trains (the policy copied over in one all-gather per sampled batch); the same completions, metrics and checkpoints as without it. Costs a second copy of the model per process; not with dynamic_sampling_refill_rounds (their rounds agree over a collective)."""
 
     def check_settings(self) -> list[str]:
-        """Refills need dynamic sampling; greedy sampling trains nothing; max_lag needs async."""
+        """Refills need dynamic sampling; greedy sampling trains nothing; max_lag and overlap need async."""
         problems = []
         if self.dynamic_sampling_refill_rounds and not self.dynamic_sampling:
             problems.append(
@@ -259,6 +261,18 @@ class RolloutArgs:
             problems.append(
                 f"key 'rollout.ranks': {self.ranks} rollout ranks sample ahead of training: "
                 "set rollout.mode: async, or leave rollout.ranks 0"
+            )
+        if self.overlap and (self.mode == "sync" or self.ranks):
+            problems.append(
+                "key 'rollout.overlap': samples on a worker thread beside training in the "
+                "colocated asynchronous run; set rollout.mode: async and rollout.ranks: 0 (split "
+                "ranks overlap already)"
+            )
+        if self.overlap and self.dynamic_sampling_refill_rounds:
+            problems.append(
+                "key 'rollout.overlap': refill rounds agree over a collective, which the "
+                "sampling thread does not run; set rollout.dynamic_sampling_refill_rounds: 0 "
+                "or rollout.overlap: false"
             )
         if self.mode == "sync" and self.max_lag != 1:
             problems.append(

@@ -19,7 +19,8 @@ One module per concern, in the order a step uses them:
   :func:`receive_weights` (checksummed, bounded transfers to rollout ranks, ``weight_sync.py``);
   :func:`lag_histogram`; the rollout/trainer rank split (``rollout.ranks``): :func:`split_ranks`,
   :class:`RankSplit`, :class:`RemoteRollouts` (a trainer's side), :func:`serve_rollouts` (a
-  rollout rank's loop) (``rank_split.py``);
+  rollout rank's loop) (``rank_split.py``); the colocated overlap (``rollout.overlap``):
+  :class:`ThreadRollouts`, :func:`gather_trainable` (``thread_rollouts.py``);
 - the step: :class:`Rollout`, :func:`rollout_batch`, :func:`completion_logps`,
   :func:`store_logps`, :func:`policy_gradient_pass`, :class:`FrozenReference`,
   :func:`global_sums`, :func:`write_completions` (``step.py``); :class:`RolloutValidation`
@@ -82,6 +83,7 @@ from tunelab.rl.step import (
     store_logps,
     write_completions,
 )
+from tunelab.rl.thread_rollouts import ThreadRollouts, gather_trainable
 from tunelab.rl.validation import RolloutValidation
 from tunelab.rl.weight_sync import (
     TransferStats,
@@ -115,6 +117,7 @@ __all__ = [
     "SamplingSettings",
     "TransferStats",
     "ScoredGroups",
+    "ThreadRollouts",
     "TruncatedIS",
     "WeightTransferError",
     "behaviour_logps_batch",
@@ -127,6 +130,7 @@ __all__ = [
     "completion_logps",
     "cut_prompts",
     "exact_answer_reward",
+    "gather_trainable",
     "global_sums",
     "group_advantages",
     "grpo_metrics",

@@ -69,6 +69,7 @@ def build_model(
     lora: LoRAArgs | None = None,
     adapter_dir: str | None = None,
     seed: int = 0,
+    shard: bool = True,
 ) -> nn.Module:
     """Build, shard and load the model a recipe's ``model`` section describes.
 
@@ -86,6 +87,9 @@ def build_model(
         lora: Adapter settings; only adapter parameters train when given.
         adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
         seed: Seed of the fresh adapter's initialisation.
+        shard: False: a whole, unsharded copy on every process, also in a multi-process
+            run (asynchronous GRPO's sampling copy, ``rollout.overlap``); no tensor or
+            expert parallelism then.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
@@ -172,16 +176,17 @@ def build_model(
             block.compile()
     # Only the LoRA recipes' section has frozen_base; without adapters nothing is frozen.
     frozen_base = model.frozen_base if isinstance(model, LoRAModelSetupArgs) else "shard"
-    shard_model(
-        decoder,
-        reshard_after_forward=model.reshard_after_forward,
-        mixed_precision=model.mixed_precision,
-        mesh=mesh,
-        frozen_base=choose_frozen_base(
-            frozen_base, decoder, device, mixed_precision=model.mixed_precision
-        ),
-        ignored_params=experts,
-    )
+    if shard:
+        shard_model(
+            decoder,
+            reshard_after_forward=model.reshard_after_forward,
+            mixed_precision=model.mixed_precision,
+            mesh=mesh,
+            frozen_base=choose_frozen_base(
+                frozen_base, decoder, device, mixed_precision=model.mixed_precision
+            ),
+            ignored_params=experts,
+        )
     decoder.to_empty(device=device)
     decoder.tie_weights()
     # QLoRA: each rank quantizes its rows as they load (one small all-gather per weight).
