@@ -149,6 +149,34 @@ SPM_CHAT_TEMPLATES = {
 }
 
 
+def _training_lines() -> list[str]:
+    """The text the tiny SentencePiece-style tokenizers are trained on (tiny SFT rows)."""
+    from tunelab._paths import assets_dir
+
+    rows = [json.loads(line) for line in (assets_dir() / "tiny" / "sft.jsonl").open()]
+    lines = [" ".join(row.values()) for row in rows[:400]]
+    return lines + ["The quick brown fox jumps over the lazy dog. Hello world, don't you'll."] * 5
+
+
+def _save_spm_tokenizer(tokenizer, folder: Path, chat_template: str | None = None) -> int:
+    """Save ``tokenizer`` and a config (``<s>`` added first, ``chat_template`` when given) into
+    ``folder``; return its vocabulary size."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tokenizer.get_vocab_size()
+
+
 def build_sentencepiece_tokenizer(
     folder: Path, space_prefix: bool = True, phi3: bool = False, chat_template: str | None = None
 ) -> int:
@@ -177,12 +205,8 @@ def build_sentencepiece_tokenizer(
         trainers,
     )
 
-    from tunelab._paths import assets_dir
-
     space = "\u2581"
-    rows = [json.loads(line) for line in (assets_dir() / "tiny" / "sft.jsonl").open()]
-    lines = [" ".join(row.values()) for row in rows[:400]]
-    lines += ["The quick brown fox jumps over the lazy dog. Hello world, don't you'll."] * 5
+    lines = _training_lines()
     trainer = Tokenizer(models.BPE())
     trainer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
     trainer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=500, show_progress=False))
@@ -214,17 +238,106 @@ def build_sentencepiece_tokenizer(
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", 1)]
     )
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "add_bos_token": True,
-        "add_eos_token": False,
-    }
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return tokenizer.get_vocab_size()
+    return _save_spm_tokenizer(tokenizer, folder, chat_template)
+
+
+# SentencePiece's normalization map for build_unigram_tokenizer's T5 layout: a few of the rules
+# of its nmt_nfkc map (a no-break space, tab, newline and carriage return are spaces, the "ﬁ"
+# ligature is "fi"), enough to show that llama.cpp and tokenizers read the same bytes alike.
+CHARSMAP_RULES = {"\u00a0": " ", "\t": " ", "\n": " ", "\r": " ", "\ufb01": "fi"}
+
+
+def precompiled_charsmap(rules: dict[str, str]) -> bytes:
+    """SentencePiece's ``precompiled_charsmap`` bytes for ``rules`` (text -> replacement).
+
+    The layout both readers take (llama.cpp's ``t5`` tokenizer, tokenizers' ``Precompiled``):
+    the trie's size in bytes (uint32), the trie as a Darts-clone double array of uint32 units,
+    then the replacements, each ended by a NUL. A node at position ``p`` whose unit holds
+    offset ``o`` has its children at ``(p ^ o) ^ byte`` and, where a key ends there, the unit
+    of the key's replacement (bit 31 set, its byte offset) at ``p ^ o``. Every position stays
+    below 256 and the array is 256 units long, so no lookup reads past it.
+    """
+    trie: dict = {}
+    for key in rules:
+        node = trie
+        for byte in key.encode():
+            node = node.setdefault(byte, {})
+        node[None] = key
+    replacements, starts = b"", {}
+    for key, value in rules.items():
+        starts[key] = len(replacements)
+        replacements += value.encode() + b"\0"
+    units, used = [0] * 256, {0}
+
+    def positions(node: dict, base: int) -> set[int]:
+        """Where ``node``'s children (and its key's replacement unit) go for ``base``."""
+        return {base ^ label if label is not None else base for label in node}
+
+    def place(node: dict) -> int:
+        """Fill the units below ``node``; return its base."""
+        base = next(b for b in range(1, 256) if not used & positions(node, b))
+        used.update(positions(node, base))
+        for label, child in node.items():
+            if label is None:
+                units[base] = (1 << 31) | starts[child]
+                continue
+            leaf = (1 << 8) if None in child else 0
+            position = base ^ label
+            units[position] = ((position ^ place(child)) << 10) | leaf | label
+        return base
+
+    units[0] = place(trie) << 10  # the root's offset: its base (0 ^ base)
+    array = b"".join(unit.to_bytes(4, "little") for unit in units)
+    return len(array).to_bytes(4, "little") + array + replacements
+
+
+def build_unigram_tokenizer(folder: Path, layout: str) -> int:
+    """Write a tiny SentencePiece-style Unigram ``tokenizer.json`` and config into ``folder``.
+
+    ``<unk> <s> </s>`` then pieces trained by ``tokenizers``' Unigram trainer on the tiny SFT
+    data (spaces as ``▁``), ``<start_of_turn>``/``<end_of_turn>`` added special tokens.
+    ``layout``: ``"prepend"`` (Llama 2's normalizer: ``Prepend("▁")``, ``Replace(" ", "▁")``,
+    no pre-tokenizer) or ``"t5"`` (as transformers converts T5's SentencePiece model: a
+    normalization map, ``Strip`` on the right, runs of spaces made one ``▁``, a Metaspace
+    pre-tokenizer that splits words).
+
+    Returns:
+        The vocabulary size.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    space = "\u2581"
+    lines = _training_lines()
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=500, special_tokens=list(SPM_SPECIALS), unk_token="<unk>", show_progress=False
+    )
+    tokenizer.train_from_iterator(lines, trainer)
+    if layout == "prepend":
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(space), normalizers.Replace(" ", space)]
+        )
+        tokenizer.pre_tokenizer = None
+    else:
+        tokenizer.normalizer = normalizers.Sequence([
+            normalizers.Precompiled(precompiled_charsmap(CHARSMAP_RULES)),
+            normalizers.Strip(left=False, right=True),
+            normalizers.Replace(Regex(" {2,}"), space),
+        ])  # fmt: skip
+    tokenizer.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t in SPM_SPECIALS + SPM_ADDED]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    return _save_spm_tokenizer(tokenizer, folder)

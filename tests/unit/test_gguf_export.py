@@ -1,5 +1,6 @@
 """GGUF export without llama.cpp: file layout, checksums, refusals, crash safety, the Modelfile."""
 
+import base64
 import functools
 import importlib.metadata
 import json
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from tests.gguf_checks import precompiled_charsmap
 from tunelab._paths import assets_dir
 from tunelab.checkpoint import gguf_export
 from tunelab.checkpoint.gguf_export import export_gguf
@@ -186,12 +188,77 @@ def test_sliding_window_is_refused(tiny):
 
 
 _SPACE = "\u2581"
+# The tiny tokenizer's added tokens take ids 0-7.
+_ADDED_IDS = [[f"<|added {i}|>", 0.0] for i in range(8)]
+_UNIGRAM = {
+    "type": "Unigram",
+    "vocab": [*_ADDED_IDS, ["<unk>", 0.0], ["a", -2.0]],
+    "unk_id": 8,
+    "byte_fallback": False,
+}
+# SentencePiece's normalization map that maps nothing (tokenizers cannot read an empty one).
+_IDENTITY_MAP = base64.b64encode(precompiled_charsmap({})).decode()
+# T5's merging of extra spaces (as transformers converts its SentencePiece model).
+_STRIP_AND_MERGE = [
+    {"type": "Strip", "strip_left": False, "strip_right": True},
+    {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": _SPACE},
+]
+_T5_SPACES = {
+    "type": "Sequence",
+    "normalizers": [
+        {"type": "Precompiled", "precompiled_charsmap": _IDENTITY_MAP},
+        *_STRIP_AND_MERGE,
+    ],
+}
+_NO_PREFIX = {"type": "Metaspace", "replacement": _SPACE, "split": False, "prepend_scheme": "never"}
+_WORDPIECE = {
+    "type": "WordPiece",
+    "unk_token": "<unk>",
+    "continuing_subword_prefix": "##",
+    "max_input_chars_per_word": 100,
+}
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model": {"type": "Unigram", "vocab": [["<unk>", 0.0]], "unk_id": 0}}, "is Unigram"),
+        (
+            {"model": {"type": "Unigram", "vocab": [["<unk>", 0.0]], "unk_id": 0}},
+            "Unigram tokenizer falls back to byte tokens",
+        ),
+        ({"model": _WORDPIECE}, "this one is WordPiece"),
+        (
+            {"model": _UNIGRAM, "normalizer": _T5_SPACES, "pre_tokenizer": _NO_PREFIX},
+            "merges spaces without putting",
+        ),
+        (
+            {
+                "model": _UNIGRAM,
+                "normalizer": {"type": "Sequence", "normalizers": _STRIP_AND_MERGE},
+            },
+            "there is none",  # no map that makes tabs and newlines spaces before Strip
+        ),
+        (
+            {"model": {**_UNIGRAM, "unk_id": None}, "normalizer": _T5_SPACES},
+            "Unigram tokenizer has no unk_id",
+        ),
+        (
+            {"model": {**_UNIGRAM, "vocab": [*_ADDED_IDS, ["<unk>", -30.0], ["a", -2.0]]}},
+            "a special token of this Unigram tokenizer has the lowest score",
+        ),
+        (
+            {
+                "model": _UNIGRAM,
+                "normalizer": {
+                    "type": "Sequence",
+                    "normalizers": [
+                        {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE},
+                        {"type": "Precompiled", "precompiled_charsmap": _IDENTITY_MAP},
+                    ],
+                },
+            },
+            "normalizer step Precompiled",  # SentencePiece's map comes first or not at all
+        ),
         ({"normalizer": {"type": "NFKC"}}, "normalizer step NFKC"),
         ({"normalizer": None, "pre_tokenizer": {"type": "Whitespace"}}, "pre-tokenizer Whitespace"),
         ({"normalizer": None}, "keeps spaces as they are"),

@@ -15,7 +15,13 @@ llama.cpp tokenizes with its own implementation, so the file must say everything
   text no token covers), the unknown token is typed so. Whether a ``▁`` is put before the text
   (``add_space_prefix``) follows the normalizer's ``Prepend`` or the Metaspace pre-tokenizer's
   ``prepend_scheme``; a normalizer or pre-tokenizer llama.cpp does not reproduce is refused.
-  Unigram models are refused (llama.cpp's ``llama`` vocabulary does not run Viterbi).
+- SentencePiece-style Unigram (T5, ALBERT, custom ``tokenizers`` models): llama.cpp's ``t5``
+  vocabulary, which runs the same Viterbi search over the tokens' log-probability scores (an
+  unknown character scored 10 below the lowest, runs of unknowns fused, as ``tokenizers``
+  does). The spaces follow the same steps as above, plus T5's merging of extra spaces
+  (``remove_extra_whitespaces``) and SentencePiece's own normalization map (``Precompiled``),
+  which llama.cpp applies from the same bytes. A Unigram model with byte fallback is refused
+  (llama.cpp's ``t5`` vocabulary writes unknown characters as the unknown token).
 
 Each token's type: added special tokens are control tokens, other added tokens user-defined,
 as llama.cpp's converter marks them. The special ids and whether BOS is added come from
@@ -24,8 +30,10 @@ tunelab's ``Tokenizer`` (as it reads them from the config files), then the chat 
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +96,43 @@ def _steps(spec: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     return [spec]
 
 
-def _space_prefix(data: dict[str, Any], tokens: dict[int, str], source: Path) -> bool:
-    """Whether a SentencePiece-style tokenizer puts ``▁`` first (``add_space_prefix``).
+@dataclass(frozen=True)
+class _Spaces:
+    """How a SentencePiece-style tokenizer writes spaces, in llama.cpp's keys."""
 
-    Checks first that it writes spaces as ``▁`` the way llama.cpp does.
+    prefix: bool
+    """A ``▁`` goes before the text (``add_space_prefix``)."""
+    merge: bool = False
+    """Leading and trailing spaces dropped, runs of them made one (``remove_extra_whitespaces``)."""
+    charsmap: bytes | None = None
+    """SentencePiece's normalization map (``precompiled_charsmap``), applied first."""
+
+
+def _is_merge_of_spaces(steps: list[dict[str, Any]], index: int) -> bool:
+    """Whether ``steps[index:index + 2]`` are T5's ``Strip(right)`` and ``Replace(" {2,}", "▁")``."""
+    strip = steps[index]
+    replace = steps[index + 1] if index + 1 < len(steps) else {}
+    return (
+        strip.get("type") == "Strip"
+        and not strip.get("strip_left")
+        and strip.get("strip_right")
+        and replace.get("type") == "Replace"
+        and replace.get("pattern") == {"Regex": " {2,}"}
+        and replace.get("content") == _SPACE
+    )
+
+
+def _spaces(data: dict[str, Any], tokens: dict[int, str], source: Path, unigram: bool) -> _Spaces:
+    """How a SentencePiece-style tokenizer writes spaces, checked to be llama.cpp's way.
+
+    ``unigram``: llama.cpp's ``t5`` vocabulary, which also merges spaces and applies a
+    normalization map (the ``llama`` vocabulary does neither).
     """
-    prefix, spaces = False, False
-    for step in _steps(data.get("normalizer"), "normalizers"):
+    prefix, spaces, merge, charsmap = False, False, False, None
+    steps = _steps(data.get("normalizer"), "normalizers")
+    index = 0
+    while index < len(steps):
+        step = steps[index]
         if step.get("type") == "Prepend" and step.get("prepend") == _SPACE:
             prefix = True
         elif (
@@ -103,12 +141,27 @@ def _space_prefix(data: dict[str, Any], tokens: dict[int, str], source: Path) ->
             and step.get("content") == _SPACE
         ):
             spaces = True
+        elif unigram and step.get("type") == "Precompiled" and index == 0:
+            charsmap = base64.b64decode(step["precompiled_charsmap"]) or None
+        elif unigram and _is_merge_of_spaces(steps, index):
+            if charsmap is None:
+                # Strip drops every whitespace character at the end, llama.cpp only spaces:
+                # the same where SentencePiece's map makes the others spaces first.
+                raise CheckpointError(
+                    f"{source}: GGUF export: this tokenizer strips all whitespace at the end of "
+                    "the text and llama.cpp only spaces; they agree only after a Precompiled "
+                    "normalization map that makes tabs and newlines spaces, and there is none"
+                )
+            merge = spaces = True
+            index += 1
         else:
+            extra = ", Precompiled first, T5's Strip + Replace of ' {2,}'" if unigram else ""
             raise CheckpointError(
                 f"{source}: GGUF export: llama.cpp's SentencePiece tokenizer has no equivalent "
                 f"of the normalizer step {step.get('type')} (supported: Prepend and Replace of "
-                "spaces with \u2581)"
+                f"spaces with \u2581{extra})"
             )
+        index += 1
     for step in _steps(data.get("pre_tokenizer"), "pretokenizers"):
         if step.get("type") != "Metaspace" or step.get("replacement", _SPACE) != _SPACE:
             raise CheckpointError(
@@ -125,10 +178,16 @@ def _space_prefix(data: dict[str, Any], tokens: dict[int, str], source: Path) ->
             )
     if not spaces:
         raise CheckpointError(
-            f"{source}: GGUF export: this byte-fallback tokenizer keeps spaces as they are; "
-            "llama.cpp's SentencePiece tokenizer writes them as \u2581"
+            f"{source}: GGUF export: this SentencePiece-style tokenizer keeps spaces as they "
+            "are; llama.cpp's SentencePiece tokenizer writes them as \u2581"
         )
-    return prefix
+    if merge and not prefix:
+        # llama.cpp puts a ▁ before every word when it merges spaces, the first one included.
+        raise CheckpointError(
+            f"{source}: GGUF export: this tokenizer merges spaces without putting \u2581 before "
+            "the text; llama.cpp's does both or neither"
+        )
+    return _Spaces(prefix, merge, charsmap)
 
 
 def _spm_scores(model: dict[str, Any], tokens: dict[int, str]) -> dict[int, float]:
@@ -177,6 +236,48 @@ def model_name(name: str, added_tokens: list[dict[str, Any]]) -> str:
     return name
 
 
+def _write_unigram(
+    writer: gguf.GGUFWriter,
+    data: dict[str, Any],
+    tokens: dict[int, str],
+    types: dict[int, gguf.TokenType],
+    source: Path,
+    vocab_size: int,
+) -> None:
+    """The ``t5`` vocabulary keys of a Unigram ``tokenizer.json`` but its tokens and types."""
+    model = data["model"]
+    if model.get("byte_fallback"):
+        raise CheckpointError(
+            f"{source}: GGUF export: this Unigram tokenizer falls back to byte tokens; "
+            "llama.cpp's Unigram tokenizer (t5) has no byte fallback"
+        )
+    unk_id = model.get("unk_id")
+    if unk_id is None:
+        raise CheckpointError(
+            f"{source}: GGUF export: this Unigram tokenizer has no unk_id; llama.cpp's (t5) "
+            "writes unknown characters as the unknown token"
+        )
+    scores = [float(entry[1]) for entry in model["vocab"]]
+    # Both score an unknown character 10 below the lowest score: tokenizers' over every
+    # vocabulary entry, llama.cpp's over its normal tokens only.
+    normal = [score for i, score in enumerate(scores) if types[i] == gguf.TokenType.NORMAL]
+    lowest = min(normal, default=min(scores))
+    if min(scores) < lowest:
+        raise CheckpointError(
+            f"{source}: GGUF export: a special token of this Unigram tokenizer has the lowest "
+            "score, which llama.cpp's (t5) leaves out when it scores unknown characters"
+        )
+    spaces = _spaces(data, tokens, source, unigram=True)
+    writer.add_tokenizer_model("t5")
+    writer.add_tokenizer_pre("default")
+    writer.add_add_space_prefix(spaces.prefix)
+    writer.add_remove_extra_whitespaces(spaces.merge)
+    if spaces.charsmap is not None:
+        writer.add_precompiled_charsmap(spaces.charsmap)
+    writer.add_token_scores([scores[i] if i < len(scores) else -1000.0 for i in range(vocab_size)])
+    writer.add_unk_token_id(unk_id)
+
+
 def write_vocab(
     writer: gguf.GGUFWriter, folder: Path, tokenizer: Tokenizer, vocab_size: int
 ) -> list[dict[str, Any]]:
@@ -192,20 +293,24 @@ def write_vocab(
         ``tokenizer.json``'s added tokens (for :func:`model_name`).
 
     Raises:
-        CheckpointError: If the tokenizer is neither byte-level nor SentencePiece-style BPE,
-            llama.cpp would split or normalize its text differently, or it has more tokens
-            than the model.
+        CheckpointError: If the tokenizer is neither byte-level nor SentencePiece-style BPE
+            nor Unigram, llama.cpp would split or normalize its text differently, or it has
+            more tokens than the model.
     """
     source = folder / "tokenizer.json"
     data = json.loads(read_model_text(source, folder))
     model = data.get("model", {})
-    if model.get("type") != "BPE":
+    kind = model.get("type")
+    if kind not in ("BPE", "Unigram"):
         raise CheckpointError(
-            f"{source}: GGUF export supports BPE tokenizers only (byte-level or with byte "
-            f"fallback, SentencePiece-style); this one is {model.get('type')}"
+            f"{source}: GGUF export supports BPE (byte-level or SentencePiece-style) and Unigram "
+            f"tokenizers; this one is {kind}"
         )
     sentencepiece = bool(model.get("byte_fallback"))
-    tokens: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
+    if kind == "Unigram":
+        tokens: dict[int, str] = {i: entry[0] for i, entry in enumerate(model["vocab"])}
+    else:
+        tokens = {int(i): t for t, i in model["vocab"].items()}
     types = dict.fromkeys(tokens, gguf.TokenType.NORMAL)
     if sentencepiece:
         for i, token in tokens.items():
@@ -213,6 +318,8 @@ def write_vocab(
                 types[i] = gguf.TokenType.BYTE
         if model.get("unk_token") in model["vocab"]:
             types[model["vocab"][model["unk_token"]]] = gguf.TokenType.UNKNOWN
+    if kind == "Unigram" and model.get("unk_id") is not None:
+        types[model["unk_id"]] = gguf.TokenType.UNKNOWN
     for added in data.get("added_tokens", []):
         if types.get(added["id"]) in (gguf.TokenType.BYTE, gguf.TokenType.UNKNOWN):
             continue
@@ -223,10 +330,12 @@ def write_vocab(
         raise CheckpointError(
             f"{source}: token id {max(tokens)} does not fit the model's vocab_size {vocab_size}"
         )
-    if sentencepiece:
+    if kind == "Unigram":
+        _write_unigram(writer, data, tokens, types, source, vocab_size)
+    elif sentencepiece:
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
-        writer.add_add_space_prefix(_space_prefix(data, tokens, source))
+        writer.add_add_space_prefix(_spaces(data, tokens, source, unigram=False).prefix)
         scores = _spm_scores(model, tokens)
         writer.add_token_scores([scores.get(i, -1000.0) for i in range(vocab_size)])
         if types.get(model["vocab"].get(model.get("unk_token"), -1)) == gguf.TokenType.UNKNOWN:
