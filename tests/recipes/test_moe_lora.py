@@ -5,7 +5,8 @@ stacked expert weights with packed rows, saves, resumes exactly after a kill, an
 merged weights (the expert updates merged shard by shard) in the hub's per-expert layout, which
 transformers loads with no missing key, and an adapter that PEFT applies to the transformers
 base with the logits of our merged export (where PEFT loads expert LoRA: peft >= 0.17 on
-transformers 5).
+transformers 5). QLoRA with the experts split over the 2 processes (expert parallelism) trains
+and exports as the FSDP run.
 """
 
 import re
@@ -15,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from tests.recipes.conftest import (
+    assert_same_exports,
     interrupted_copy,
     losses_by_step,
     our_model,
@@ -35,6 +37,9 @@ peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow
 _RUN = (*MOE_LORA_RUN, "router.z_loss_coef=0.001")
+# Experts split against FSDP: sums in another order; Adam carries them into the adapter
+# (5.9e-6 seen).
+EXPERT_PARALLEL_EXPORT_TOLERANCE = 1e-5
 
 
 def test_two_process_moe_lora_resumes_exactly_and_exports_the_hub_layout(tmp_path):
@@ -196,6 +201,32 @@ def test_hsdp_moe_qlora_matches_fsdp_and_resumes_on_fsdp(qlora_2p, tmp_path):
                 torch.testing.assert_close(
                     exported.get_tensor(key), expected.get_tensor(key), rtol=0, atol=1e-5
                 )
+
+
+def test_expert_parallel_moe_qlora_matches_fsdp(qlora_2p, tmp_path):
+    """QLoRA with the experts split (``expert_parallel_size`` 2 on 2 processes): each rank
+    packs and quantizes its own 2 experts, the rows FSDP2's shard holds, to the same NF4
+    bytes (the same 6 weights in NF4); the losses, the router loss and the exports are the
+    FSDP run's to fp32 summation order."""
+    reference_dir, _ = qlora_2p
+    out = tmp_path / "ep"
+    result = tunelab_run(
+        "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}", *_QLORA,
+        "parallelism.expert_parallel_size=2",
+    )  # fmt: skip
+    notice = next(line for line in result.stderr.splitlines() if "quantize_base nf4" in line)
+    assert "6 weights in NF4" in notice and "experts" not in notice, notice
+    ours, reference = _steps(out), _steps(reference_dir)
+    assert sorted(ours) == sorted(reference) == [1, 2, 3]
+    for step in ours:
+        for name in ("loss", "router_aux_loss", "grad_norm"):
+            expected = reference[step][name]
+            assert abs(ours[step][name] - expected) <= 1e-5 * max(1.0, expected), (step, name)
+    assert_same_exports(out, reference_dir, atol=EXPERT_PARALLEL_EXPORT_TOLERANCE)
+
+
+def _steps(out):
+    return {row["step"]: row for row in read_metrics(out) if "loss" in row}
 
 
 def test_hsdp_of_whole_replicas_holds_the_nf4_experts_as_one_process(qlora_1p, tmp_path):

@@ -8,22 +8,36 @@ logits of our NF4 model + adapter, as does PEFT with the adapter on the NF4-roun
 QLoRA + DoRA DPO run starts at loss ln 2 (the reference, adapters off, is the policy at step
 0), and its DoRA adapter loads in PEFT with our logits, which its merged export has too, and
 llama.cpp the f16 GGUF export of that merged model (within 1e-2).
+Under tensor parallelism 2 each rank's NF4 piece of every weight is one process's, bit for
+bit (tp_nf4_script.py, on 2 processes and on FSDP 2 x tp 2), the losses are the FSDP run's and
+the adapter loads in PEFT with our logits.
 DoRA on a plain base against PEFT, both ways, is tests/interop/test_peft_dora.py.
 """
 
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.recipes.conftest import interrupted_copy, losses_by_step, our_model, tunelab_run
+from tests.recipes.conftest import (
+    interrupted_copy,
+    losses_by_step,
+    our_model,
+    read_metrics,
+    torchrun,
+    tunelab_run,
+)
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
 TINY = assets_dir() / "tiny"
+SCRIPT = Path(__file__).with_name("tp_nf4_script.py")
+# TP against FSDP: sums in another order; Adam carries them into the adapter (4.6e-6 seen).
+EXPORT_TOLERANCE = 1e-5
 STEPS = 4
 COMMON = [
     "schedule.epochs=1",
@@ -145,6 +159,58 @@ def test_qlora_hsdp_matches_fsdp(qlora_2p, nf4_model_dir, tmp_path, replicate, s
     assert ours.keys() == fsdp.keys()
     for key in ours:
         assert torch.allclose(ours[key], fsdp[key], rtol=0, atol=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def qlora_tp2(tmp_path_factory, nf4_model_dir):
+    """QLoRA with tensor parallelism 2 on 2 processes, the FSDP run's global batch of 8."""
+    out = tmp_path_factory.mktemp("qlora_tp2")
+    result = _run("tiny/qlora", out, f"model.path={nf4_model_dir}",
+                  "parallelism.tensor_parallel_size=2", "schedule.batch_size=8")  # fmt: skip
+    # Each rank's half of every linear weight holds whole NF4 blocks: all of them quantized.
+    assert "kept in the training dtype" not in result.stdout + result.stderr
+    return out
+
+
+def test_qlora_tensor_parallel_matches_fsdp_and_exports_for_peft(
+    qlora_tp2, qlora_2p, nf4_model_dir
+):
+    """Each rank quantizes its rows or columns to one process's NF4 bytes (tp_nf4_script.py
+    checks the pieces): the losses are the FSDP run's (itself one process's) to fp32
+    reduction order, and the adapter and merged export load in PEFT and transformers."""
+    transformers = pytest.importorskip("transformers")
+    losses, reference = losses_by_step(qlora_tp2), losses_by_step(qlora_2p)
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    for step in losses:
+        assert abs(losses[step] - reference[step]) <= 1e-5, (step, losses, reference)
+    norms, expected = _grad_norms(qlora_tp2), _grad_norms(qlora_2p)
+    for step in losses:
+        assert abs(norms[step] - expected[step]) <= 1e-5 * expected[step], (step, norms, expected)
+    export = qlora_tp2 / "epoch_0"
+    ours = our_model(nf4_model_dir, export / "adapter", quantize_base="nf4")
+    with torch.no_grad():
+        expected = ours(TOKENS)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+        assert (merged(TOKENS).logits - expected).abs().max() < 1e-4
+        peft_model = _peft_on_dequantized_base(nf4_model_dir, export / "adapter")
+        assert (peft_model(TOKENS).logits - expected).abs().max() < 1e-4
+    fsdp = load_file(qlora_2p / "epoch_0" / "model.safetensors")
+    tp = load_file(export / "model.safetensors")
+    assert tp.keys() == fsdp.keys()
+    for key in tp:
+        assert torch.allclose(tp[key], fsdp[key], rtol=0, atol=EXPORT_TOLERANCE), key
+
+
+def _grad_norms(output_dir):
+    return {row["step"]: row["grad_norm"] for row in read_metrics(output_dir) if "grad_norm" in row}
+
+
+def test_qlora_fsdp2_x_tp2_pieces_are_one_process_nf4(nf4_model_dir):
+    # FSDP2 shards each tp piece over 2 more processes (a column-wise piece's rows as
+    # _StridedShard). 2 layers x 5 linear weights: k_proj's and v_proj's quarters (32 x 256
+    # values) hold no whole group of NF4 scales and stay in fp32, as without tp.
+    result = torchrun(SCRIPT, str(nf4_model_dir), nproc=4)
+    assert result.stdout.count("checked 10\n") == 4, result.stdout
 
 
 def _peft_on_dequantized_base(base_dir, adapter_dir):

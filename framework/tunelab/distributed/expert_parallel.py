@@ -166,6 +166,8 @@ class ExpertParallel:
         ``W`` it is FSDP's average. Done here, not by a hook on the parameter, because
         materialising the meta model replaces the parameter objects.
         """
+        if not weight.requires_grad:  # frozen (LoRA, QLoRA's NF4 experts): no gradient
+            return weight.to_local()
         return _ExpertGradient.apply(weight.to_local(), 1.0 / self.mesh.size(), self.replicas)
 
     def run(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
@@ -288,6 +290,19 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             owned.add(sharded)
         layer.expert_parallel = exchange
     return owned
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The split expert weights of ``model`` (``shard_experts``), for FSDP2 to ignore.
+
+    Read again after anything replaces them (QLoRA packs them into NF4 parameters).
+    """
+    return {
+        param
+        for layer in _expert_layers(model)
+        if layer.expert_parallel is not None
+        for param in layer.parameters(recurse=False)
+    }
 
 
 def _split(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:

@@ -22,6 +22,8 @@ sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198
 - LoRA adapters follow their base: under a column-wise base ``A`` is replicated (the base's
   input is) and ``B`` is split like the base's output rows; under a row-wise base ``A`` is
   split like the base's input columns and ``B`` replicated, its input being a partial sum.
+  QLoRA's NF4 base is split the same way before it is quantized, each rank quantizing its own
+  piece (``tunelab.peft.nf4``).
   DoRA's magnitude (one value per output row) is split like the rows under a column-wise
   base and replicated under a row-wise one, whose row norms ``||W + scale B A||`` are then
   summed over the ranks' columns (DTensor's norm of a ``Shard(1)`` tensor; at initialisation
@@ -100,7 +102,7 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         if name == "lm_head":
             raise ConfigError(f"{setting} with an adapter on lm_head is not built yet: drop lm_head from lora.targets")  # fmt: skip
         if type(module.weight).__name__ == "NF4Tensor" or isinstance(module.weight, DTensor):
-            raise ConfigError(f"{setting} with lora.quantize_base: nf4 is not built yet")
+            raise ConfigError(f"{setting}: {name}.weight is already quantized or split; split the model before lora.quantize_base: nf4 quantizes it")  # fmt: skip
 
 
 def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -10,6 +10,8 @@ unpack (expected 3, got 1)").
 :func:`gather_one_tensor_on_one_rank` wraps both hooks once: on a group of one rank the packed
 values are the one tensor FSDP2 copies, and the block scales and factors, which are the whole
 weight's already, travel in the metadata; on larger groups torchao's hooks run unchanged.
+Under tensor parallelism FSDP2's later gathers pass its unsharded ``DTensor`` as ``out``, where
+torchao expects the ``NF4Tensor`` inside it: the wrapper hands over that one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ def gather_one_tensor_on_one_rank(nf4_tensor: type) -> None:
         return (quantized_data,), _OneRankGather(quantized_scalers, quantization_factor, metadata)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if isinstance(out, DTensor):
+            # Tensor parallelism: FSDP2 hands over its unsharded DTensor; the NF4 piece inside
+            # is what the gather refilled.
+            out = out.to_local()
         if not isinstance(metadata, _OneRankGather):
             return torchao_post(self, all_gather_outputs, metadata, param_dtype, out=out)
         (quantized_data,) = all_gather_outputs

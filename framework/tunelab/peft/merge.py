@@ -49,7 +49,7 @@ from tunelab.modules.moe import MoEExperts
 from tunelab.peft._names import MAGNITUDE
 from tunelab.peft.apply import expert_weight_fqn, lora_modules
 from tunelab.peft.expert_lora import ExpertLoRA, expert_delta
-from tunelab.peft.nf4 import dequantize, dequantize_experts
+from tunelab.peft.nf4 import dequantize, dequantize_experts, is_nf4, placed_like
 
 
 def _rows_are_local(weight: DTensor, lora_b: torch.Tensor) -> bool:
@@ -127,10 +127,11 @@ def merge_weight(
         local = _merge_plain(
             weight.to_local(), lora_a_full, lora_b.to_local(), scale, local_magnitude
         )
-        return _placed_like(weight, local)
-    if magnitude is None and type(weight.to_local()) is torch.Tensor:
+        return placed_like(weight, local)
+    if magnitude is None and (type(weight.to_local()) is torch.Tensor or is_nf4(weight)):
         # Other layouts (tensor parallel: a block of rows and columns per rank): the small
-        # factors whole, and this rank's block W[r0:r1, c0:c1] + scale * B[r0:r1] A[:, c0:c1].
+        # factors whole, and this rank's block W[r0:r1, c0:c1] + scale * B[r0:r1] A[:, c0:c1]
+        # (an NF4 block dequantized on the way).
         (rows, cols), (row0, col0) = compute_local_shape_and_global_offset(
             weight.shape, weight.device_mesh, weight.placements
         )
@@ -143,8 +144,8 @@ def merge_weight(
             lora_b[row0 : row0 + rows],
             scale,
         )
-        return _placed_like(weight, local)
-    # Others (DoRA, NF4 in another layout): let DTensor plan the communication (a DoRA row's
+        return placed_like(weight, local)
+    # Others (DoRA): let DTensor plan the communication (a DoRA row's
     # norm over the columns of several ranks), then return the base's layout. A factor
     # given whole (the adapter file's A) joins as replicated.
     lora_a, lora_b, magnitude = (
@@ -159,18 +160,6 @@ def _replicated_on(mesh: DeviceMesh, tensor: torch.Tensor | None) -> torch.Tenso
     if tensor is None or isinstance(tensor, DTensor):
         return tensor
     return DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def _placed_like(weight: DTensor, local: torch.Tensor) -> DTensor:
-    # This rank's merged piece as a DTensor with the base's mesh, placements, shape and stride.
-    return DTensor.from_local(
-        local,
-        weight.device_mesh,
-        weight.placements,
-        run_check=False,
-        shape=weight.shape,
-        stride=weight.stride(),
-    )
 
 
 def merge_expert_weight(
@@ -212,14 +201,7 @@ def merge_expert_weight(
     experts = slice(offset[0], offset[0] + shape[0])
     delta = expert_delta(lora_a, lora_b, adapter.num_experts, adapter.scale, experts, transposed)
     merged = (local.float() + delta).to(weight.dtype)
-    return DTensor.from_local(
-        merged,
-        weight.device_mesh,
-        weight.placements,
-        run_check=False,
-        shape=weight.shape,
-        stride=weight.stride(),
-    )
+    return placed_like(weight, merged)
 
 
 def _lora_state(

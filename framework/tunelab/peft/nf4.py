@@ -24,8 +24,26 @@ is 2-D only, and FSDP2 needs its row ops): the codes are ``to_nf4`` of that resh
 projection unpacks its layer's experts for its grouped matmul (``MoEExperts.unpack_weight``),
 in the backward again. FSDP2 shards the rows, so a rank holds whole experts when ``E`` divides
 by the processes; otherwise, or when a rank's experts hold no whole block of scales, the
-weight stays in the training dtype. :func:`dequantize_experts` gives the ``[E, rows, cols]``
-values back (a merge adds each rank's own experts' updates to them).
+weight stays in the training dtype. Under expert parallelism
+(``tunelab.distributed.expert_parallel``) each rank packs and quantizes its own experts (a
+``DTensor`` ``Shard(0)`` over the expert mesh, which FSDP2 does not shard further), the rows
+of the packed weight one process would give them. :func:`dequantize_experts` gives the
+``[E, rows, cols]`` values back (a merge adds each rank's own experts' updates to them).
+
+Under tensor parallelism (``tunelab.distributed.tensor_parallel``) each rank of the ``"tp"``
+mesh holds a block of rows (column-wise layers, ``Shard(0)``) or of columns (row-wise layers,
+``Shard(1)``) of each weight, and quantizes only that block, to the same NF4 bytes a
+one-process quantization of the whole weight gives for those values. Rows are handled as
+above. A block of columns holds whole 64-value blocks when its width divides by 64, but its
+blocks, read in its own row-major order, interleave several 256-block groups of the whole
+weight, each with its own scale factor: such a piece gets a smaller ``scaler_block_size``,
+the largest one whose groups of consecutive blocks each lie in one group of the whole weight
+(``_column_split_scaler_block_size``; 128 for a 2-way split of a weight whose 256 blocks span
+whole rows), and every group keeps the whole weight's factor. A ``Shard(1)`` piece's block
+maxima are all-gathered whole (its mean and factors need them), 1/64 of the weight's values.
+:func:`linear` computes with such a piece (the torchao ``F.linear`` of an ``NF4Tensor`` does
+not see through a ``DTensor``): it dequantizes this rank's piece only, in the forward and
+again in the backward, as torchao's ``linear_nf4`` does with a whole weight.
 
 The model is quantized on the meta device, before ``fully_shard``: FSDP2 then shards the
 ``NF4Tensor`` by rows, ``to_empty`` allocates the packed shards, and the loader fills them with
@@ -35,14 +53,17 @@ FSDP2 copies instead of gathering, and ``_nf4_fsdp`` adapts torchao's hooks to t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tunelab._torch_compat import local_shape_and_global_offset
 from tunelab.errors import ConfigError
 from tunelab.modules.moe import MoEExperts, MoERouter
 from tunelab.peft._nf4_compile import hash_nf4_for_compile_caches
@@ -92,15 +113,23 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
         local = tensor.to_local()
         if not is_nf4(local):
             return tensor
-        return DTensor.from_local(
-            local.get_original_weight(),
-            tensor.device_mesh,
-            tensor.placements,
-            run_check=False,
-            shape=tensor.shape,
-            stride=tensor.stride(),
-        )
+        return placed_like(tensor, local.get_original_weight())
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
+
+
+def placed_like(like: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` as this rank's piece of a DTensor with ``like``'s mesh, placements and shape.
+
+    No communication: ``local`` must be this rank's piece of a tensor laid out as ``like``.
+    """
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def dequantize_experts(tensor: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -150,6 +179,56 @@ def _unpack_nf4(packed: torch.Tensor) -> torch.Tensor:
         packed.quantized_scalers, packed.quantization_factor, packed.scaler_block_size
     )
     return values.mul_(scales.unsqueeze(1)).view(packed.shape)
+
+
+def _quantizable(weight: torch.Tensor, world_size: int) -> tuple[str | None, int]:
+    """Why ``weight`` (plain, or a tensor-parallel DTensor piece) stays unquantized, or None.
+
+    Also returns the ``scaler_block_size`` its (local) ``NF4Tensor`` takes: 256, or less for
+    a tensor-parallel block of columns (see the module docstring).
+    """
+    if not isinstance(weight, DTensor):
+        return _why_not_quantizable(*weight.shape, world_size), NF4_SCALER_BLOCK_SIZE
+    (placement,) = weight.placements  # the "tp" mesh (1-D): FSDP2 comes later
+    rows, cols = weight.to_local().shape
+    if placement.is_shard(0):
+        return _why_not_quantizable(rows, cols, world_size), NF4_SCALER_BLOCK_SIZE
+    if not placement.is_shard(1):
+        return f"placed {placement} by tensor parallelism, not split by rows or columns", 0
+    if cols % NF4_BLOCK_SIZE:
+        return (
+            f"{cols} columns per tensor-parallel rank are not a multiple of {NF4_BLOCK_SIZE}",
+            0,
+        )
+    if rows % world_size:
+        return f"{rows} rows do not split evenly over {world_size} processes", 0
+    if weight.numel() % _ROW_GRANULE:  # one process's NF4 needs whole groups of scales
+        return (
+            f"{rows} x {weight.shape[1]} values are not a multiple of "
+            f"{NF4_BLOCK_SIZE} x {NF4_SCALER_BLOCK_SIZE}",
+            0,
+        )
+    return None, _column_split_scaler_block_size(
+        weight.shape[0], weight.shape[1], weight.device_mesh.size(), world_size
+    )
+
+
+def _column_split_scaler_block_size(out_dim: int, in_dim: int, tp: int, shards: int) -> int:
+    """The largest scaler block size of every ``[out_dim, in_dim / tp]`` column block.
+
+    Each run of that many consecutive blocks (in the piece's row-major order) lies in one
+    256-block group of the whole weight, and the rows FSDP2 gives each of ``shards``
+    processes hold whole runs.
+    """
+    per_row = in_dim // NF4_BLOCK_SIZE
+    local = per_row // tp
+    size = out_dim // shards * local  # one FSDP2 shard's blocks
+    rows = torch.arange(out_dim).unsqueeze(1) * per_row
+    for rank in range(tp):
+        group = ((rows + rank * local + torch.arange(local)).flatten()) // NF4_SCALER_BLOCK_SIZE
+        starts = (group[1:] != group[:-1]).nonzero().flatten() + 1
+        size = math.gcd(size, *starts.tolist())
+    return size
 
 
 def _why_not_quantizable(out_dim: int, in_dim: int, world_size: int) -> str | None:
@@ -223,7 +302,7 @@ def quantize_base_nf4(
             raise ConfigError(
                 f"quantize_base_nf4: {name}.weight is materialised; quantize on the meta device"
             )
-        reason = _why_not_quantizable(weight.shape[0], weight.shape[1], world_size)
+        reason, scaler_block_size = _quantizable(weight, world_size)
         if name.startswith(vision):
             reason = "the vision tower or projector: QLoRA quantizes the language model only"
         elif isinstance(module, MoERouter):
@@ -231,7 +310,10 @@ def quantize_base_nf4(
         if reason is not None:
             plan.kept[name] = reason
             continue
-        module.weight = _empty_nf4(weight, to_nf4, tables, device)
+        module.weight = _empty_nf4(weight, to_nf4, tables, device, scaler_block_size)
+        if isinstance(weight, DTensor) and not hasattr(module, "lora_A"):
+            # An nn.Linear's F.linear would not reach the NF4 piece inside the DTensor.
+            module.forward = _linear_forward.__get__(module)
         plan.quantized.append(name)
     for name, module in model.named_modules():
         if isinstance(module, MoEExperts):
@@ -244,15 +326,23 @@ def _empty_nf4(
     to_nf4: Callable[..., torch.Tensor],
     tables: dict[torch.dtype, torch.Tensor],
     device: torch.device,
+    scaler_block_size: int = NF4_SCALER_BLOCK_SIZE,
 ) -> nn.Parameter:
-    """The frozen NF4 parameter of a 2-D meta weight (its values come at load)."""
-    quantized = to_nf4(weight.detach(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+    """The frozen NF4 parameter of a 2-D meta weight (its values come at load).
+
+    A tensor-parallel ``DTensor`` weight becomes a ``DTensor`` of the same mesh, placements,
+    shape and stride whose local piece is the ``NF4Tensor``.
+    """
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    quantized = to_nf4(local.detach(), NF4_BLOCK_SIZE, scaler_block_size)
     # The two tensors FSDP2 does not shard are shared by every row shard: make them real
     # now, so that to_empty (which allocates only the sharded ones) leaves none on meta.
     if weight.dtype not in tables:
         tables[weight.dtype] = _nf4_levels(to_nf4, weight.dtype, device)
     quantized.nf4 = tables[weight.dtype]
     quantized.scaler_mean = torch.zeros((), dtype=weight.dtype, device=device)
+    if isinstance(weight, DTensor):
+        quantized = placed_like(weight, quantized)
     return nn.Parameter(quantized, requires_grad=False)
 
 
@@ -275,17 +365,28 @@ def _quantize_experts(
             raise ConfigError(
                 f"quantize_base_nf4: {fqn} is materialised; quantize on the meta device"
             )
-        num_experts, rows, cols = weight.shape
-        if num_experts % world_size:
-            plan.kept[fqn] = (
-                f"{num_experts} experts do not split evenly over {world_size} processes"
-            )
+        # Under expert parallelism a DTensor of this rank's experts, which FSDP2 leaves alone.
+        split = isinstance(weight, DTensor)
+        local = weight.to_local() if split else weight
+        shards = 1 if split else world_size
+        num_experts, rows, cols = local.shape
+        if num_experts % shards:
+            plan.kept[fqn] = f"{num_experts} experts do not split evenly over {shards} processes"
             continue
-        reason = _why_not_quantizable(num_experts * rows, cols, world_size)
+        reason = _why_not_quantizable(num_experts * rows, cols, shards)
         if reason is not None:
             plan.kept[fqn] = reason
             continue
-        packed = weight.detach().reshape(num_experts * rows, cols)
+        packed = local.detach().reshape(num_experts * rows, cols)
+        if split:
+            packed = DTensor.from_local(
+                packed,
+                weight.device_mesh,
+                weight.placements,
+                run_check=False,
+                shape=torch.Size((weight.shape[0] * rows, cols)),
+                stride=(cols, 1),
+            )
         setattr(experts, projection, _empty_nf4(packed, to_nf4, tables, device))
         experts.unpack_weight = _unpack_nf4
         plan.quantized.append(fqn)
@@ -346,9 +447,12 @@ def _scaler_mean(rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     absmax = _block_absmax(rows, NF4_BLOCK_SIZE)
     if not isinstance(param, DTensor):
         return absmax.mean()
-    # The mesh dimension that shards the rows (HSDP's 2-D mesh also has a replicating one).
+    # The mesh dimensions that shard the rows (HSDP's 2-D mesh also has a replicating one),
+    # outermost first: under FSDP2 x TP, FSDP2's ``_StridedShard(0)`` cuts each tp rank's
+    # rows (it is not ``is_shard(0)`` in torch 2.13, hence the ``dim``), so the ranks of a
+    # tp block are gathered before the tp blocks.
     for dim, placement in enumerate(param.placements):
-        if placement.is_shard(0) and param.device_mesh.size(dim) > 1:
+        if getattr(placement, "dim", None) == 0 and param.device_mesh.size(dim) > 1:
             group = param.device_mesh.get_group(dim)
             parts = [torch.empty_like(absmax) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, absmax, group=group)
@@ -373,12 +477,92 @@ def copy_rows_nf4_(param: torch.Tensor, rows: torch.Tensor) -> None:
         return
     # A stacked expert weight's rows come as [experts, rows, cols]; it is packed 2-D.
     rows = rows.to(local.dtype).reshape(local.shape).contiguous()
+    if isinstance(param, DTensor) and any(p.is_shard(1) for p in param.placements):
+        _copy_columns_nf4_(param, local, rows)
+        return
     scaler_mean = _scaler_mean(rows, param)
     scalers, factor, data = quantize_rows_nf4(rows, scaler_mean, local.nf4)
     local.quantized_scalers.copy_(scalers)
     local.quantization_factor.copy_(factor)
     local.quantized_data.copy_(data)
     local.scaler_mean.copy_(scaler_mean)
+
+
+def _copy_columns_nf4_(param: DTensor, local: torch.Tensor, rows: torch.Tensor) -> None:
+    """``copy_rows_nf4_`` for a tensor-parallel block of columns (see the module docstring).
+
+    The block maxima of the whole weight are all-gathered (in its row-major block order, the
+    order a one-process quantization reads them in); the mean, each 256-block group's factor
+    and this block's int8 scales are then the whole weight's, bit for bit.
+    """
+    (num_rows, num_cols), (row0, col0) = local_shape_and_global_offset(param)
+    out_dim, in_dim = param.shape
+    per_row = in_dim // NF4_BLOCK_SIZE
+    absmax = _block_absmax(rows, NF4_BLOCK_SIZE)
+    whole = DTensor.from_local(
+        absmax.view(num_rows, num_cols // NF4_BLOCK_SIZE),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=torch.Size((out_dim, per_row)),
+        stride=(per_row, 1),
+    ).full_tensor()
+    whole = whole.reshape(-1)
+    scaler_mean = whole.mean()
+    centred = whole - scaler_mean
+    factors = 256 / (2 * _block_absmax(centred, NF4_SCALER_BLOCK_SIZE))
+    # The whole weight's index of each of this block's 64-value blocks, in its own order.
+    index = (torch.arange(num_rows, device=rows.device).unsqueeze(1) + row0) * per_row
+    index = index + col0 // NF4_BLOCK_SIZE
+    index = (index + torch.arange(num_cols // NF4_BLOCK_SIZE, device=rows.device)).flatten()
+    factor = factors[index // NF4_SCALER_BLOCK_SIZE]
+    scalers = (centred[index] * factor).round().clamp(-128, 127).to(torch.int8)
+    nf4_tensor, _ = _torchao_nf4()
+    data = nf4_tensor.convert_to_norm_float_weight(rows, index.numel(), NF4_BLOCK_SIZE, local.nf4)
+    local.quantized_scalers.copy_(scalers)
+    local.quantization_factor.copy_(factor.view(-1, local.scaler_block_size)[:, 0])
+    local.quantized_data.copy_(data)
+    local.scaler_mean.copy_(scaler_mean)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, also for a tensor-parallel NF4 weight (a ``DTensor`` of an ``NF4Tensor``).
+
+    Such a weight's piece is dequantized on this rank only (no communication), in the forward
+    and again in the backward, so no full-precision copy outlives the forward; DTensor plans
+    the matmul as for a plain split weight. Anything else goes to ``F.linear`` (a plain
+    ``NF4Tensor`` takes torchao's ``linear_nf4`` there).
+
+    Args:
+        x: Input ``[..., in_dim]`` (a DTensor under tensor parallelism).
+        weight: ``[out_dim, in_dim]``.
+        bias: ``[out_dim]`` or None.
+
+    Returns:
+        ``x @ weight.T + bias``.
+    """
+    if not (isinstance(weight, DTensor) and is_nf4(weight.to_local())):
+        return F.linear(x, weight, bias)
+    out = _SplitNF4Linear.apply(x, weight)
+    return out if bias is None else out + bias
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # The forward of an nn.Linear whose weight is a tensor-parallel NF4 piece.
+    return linear(x, self.weight, self.bias)
+
+
+class _SplitNF4Linear(torch.autograd.Function):
+    """``x @ W.T`` for a frozen ``DTensor`` W of an ``NF4Tensor``: dequantized when used."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: DTensor) -> torch.Tensor:  # noqa: D102
+        ctx.weight = weight  # the packed piece, as torchao's LinearNF4 keeps it
+        return F.linear(x, dequantize(weight).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad @ dequantize(ctx.weight).to(grad.dtype), None
 
 
 def frozen_linear_bytes(model: nn.Module) -> int:

@@ -24,7 +24,7 @@ from tunelab.data import StatefulDistributedSampler
 from tunelab.data.stream_loader import StreamLoader, StreamPosition
 from tunelab.data.streaming import StreamingDataset
 from tunelab.distributed import apply_activation_checkpointing, resolve_dtype, shard_model
-from tunelab.distributed.expert_parallel import shard_experts
+from tunelab.distributed.expert_parallel import expert_parameters, shard_experts
 from tunelab.distributed.frozen_base import choose_frozen_base
 from tunelab.distributed.mesh import DeviceMeshes
 from tunelab.distributed.tensor_parallel import parallelize_decoder
@@ -146,25 +146,19 @@ def build_model(
                         param.requires_grad_(how == "full")
     quantized = lora is not None and lora.quantize_base == "nf4"
     if tensor_mesh is not None:
-        if quantized:
-            raise ConfigError(
-                f"parallelism.tensor_parallel_size: {tensor_mesh.size()} with "
-                "lora.quantize_base: nf4 is not built yet"
-            )
+        # Before QLoRA's quantization: each rank then quantizes its own piece of each weight.
         parallelize_decoder(decoder, tensor_mesh)
     experts = set()
     if expert_mesh is not None:
-        if quantized:
-            raise ConfigError(
-                f"parallelism.expert_parallel_size: {expert_mesh.size()} with "
-                "lora.quantize_base: nf4 is not built yet (QLoRA experts are sharded by FSDP)"
-            )
         experts = shard_experts(decoder, expert_mesh)
         # FSDP2 shards the rest over every process: the experts' own mesh when they are split
         # over all of them, else its default mesh (the experts' is (replicate, ep)).
         mesh = expert_mesh if expert_mesh.ndim == 1 else None
     if quantized:
+        # Each rank quantizes its own pieces: of split matmuls, of its experts.
         _quantize_base_nf4(decoder, device, mesh)
+        if expert_mesh is not None:
+            experts = expert_parameters(decoder)  # the NF4 ones now
     if model.activation_checkpointing:
         apply_activation_checkpointing(
             decoder,
