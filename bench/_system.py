@@ -114,3 +114,30 @@ def drop_from_page_cache(paths: Iterable[Path]) -> None:
 def files_under(directory: Path) -> list[Path]:
     """Every regular file below ``directory``, sorted."""
     return sorted(path for path in Path(directory).rglob("*") if path.is_file())
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and every live process under it.
+
+    Read from ``/proc/<pid>/stat`` (fields 14 and 15, in clock ticks); a process that ends
+    while it is read counts 0.
+    """
+    parents: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                # The command name (field 2) may hold spaces: split after its closing ")".
+                fields = handle.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry))
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        total += ticks.get(current, 0)
+        pending.extend(parents.get(current, []))
+    return total / os.sysconf("SC_CLK_TCK")
