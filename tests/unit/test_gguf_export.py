@@ -4,6 +4,7 @@ import base64
 import functools
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -361,6 +362,46 @@ def test_an_interrupted_export_leaves_the_previous_file_or_none(tiny, previous):
         assert files == ["Modelfile", "model-q8_0.gguf", "tunelab_manifest.json"]
         assert (tiny / "gguf" / "model-q8_0.gguf").read_bytes() == before
         assert verify_folder(tiny / "gguf") == []
+
+
+def _cached_pages(path) -> tuple[int, int]:
+    """``(pages of the file in the page cache, pages of the file)``, by ``mincore``."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+        start = ctypes.c_char.from_buffer(mapped)
+        assert libc.mincore(ctypes.addressof(start), size, vector) == 0, ctypes.get_errno()
+        del start
+        mapped.close()
+    return sum(page & 1 for page in vector), pages
+
+
+def test_the_written_gguf_is_dropped_from_the_page_cache(tiny, monkeypatch):
+    """With fsync, each tensor's bytes are waited for on disk and dropped from the page cache
+    once more than _WRITE_BEHIND_BYTES follow them (0 here: at once), and the whole file after
+    the fsync: an export recycles a little cache instead of a new page per byte. Without fsync
+    (the control) its pages stay cached."""
+    probe = tiny / "probe.bin"
+    with open(probe, "wb") as handle:
+        handle.write(bytes(1 << 20))
+        handle.flush()
+        os.fsync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _cached_pages(probe)[0]:
+        pytest.skip(f"{tiny}'s file system keeps pages posix_fadvise drops (tmpfs?)")
+    probe.unlink()
+    monkeypatch.setattr(gguf_export, "_WRITE_BEHIND_BYTES", 0)
+    cached, pages = _cached_pages(export_gguf(tiny, quant="f32"))
+    assert pages > 100 and cached == 0, (cached, pages)
+    cached, pages = _cached_pages(export_gguf(tiny, quant="f32", sync_files=False))
+    assert cached == pages, (cached, pages)
 
 
 LLAMA3 = (
