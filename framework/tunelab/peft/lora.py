@@ -30,13 +30,13 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tunelab.errors import ConfigError
 from tunelab.modules import packed_linear
 from tunelab.peft.nf4 import dequantize
+from tunelab.peft.nf4 import linear as nf4_linear
 
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -128,7 +128,8 @@ class LoRALinear(nn.Module):
     training pass) the base term runs on packed copies of the frozen ``weight``.
     With ``use_dora`` it also has ``lora_magnitude_vector`` (``[out_dim]``, PEFT's name) and
     computes DoRA (see the module docstring). The base ``weight`` may be a torchao
-    ``NF4Tensor`` (QLoRA); it is dequantized on the fly.
+    ``NF4Tensor`` (QLoRA), or a tensor-parallel ``DTensor`` of one; it is dequantized on the
+    fly (``tunelab.peft.nf4.linear``).
 
     Args:
         in_dim: Input features.
@@ -286,7 +287,7 @@ class LoRALinear(nn.Module):
         if self.pack_frozen is not None:
             out = packed_linear.frozen_linear(x, self.weight, self.bias, self.pack_frozen)
         else:
-            out = F.linear(x, self.weight, self.bias)
+            out = nf4_linear(x, self.weight, self.bias)
         if self.disabled:
             return out
         if self.lora_magnitude_vector is None:
@@ -341,7 +342,7 @@ class LoRALinear(nn.Module):
             adapter_input = x
         else:
             adapter_input = self._dropout(x)
-            base = F.linear(adapter_input, self.weight)
+            base = nf4_linear(adapter_input, self.weight)
         lora = self.lora_B(self.lora_A(adapter_input))
         return (gain - 1) * base + gain * lora * self.scale
 
