@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from tunelab.rl.advantages import GroupSampler, ScoredGroups
 
@@ -45,7 +45,8 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     Each process's FSDP2 shard (``Shard(0)``: rows ``r * ceil(n / world)`` on) is padded to
     ``ceil(n / world)`` rows, all of them are flattened into one buffer, and one
     ``all_gather_into_tensor`` brings every process's buffer; a weight every process holds
-    whole is taken from this process.
+    whole is taken from this process; a weight placed otherwise (HSDP's 2-D mesh) is gathered
+    on its own (``full_tensor``).
 
     Args:
         model: The trained model (FSDP2-sharded or plain).
@@ -54,11 +55,13 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
         Name -> the whole weight (new tensors, not views of the live ones).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    pieces, layout = [], []
+    pieces, layout, other = [], [], {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and not _sharded_rows_over_world(param, world):
+            other[name] = param.full_tensor().detach().clone()  # HSDP and the like
+        elif isinstance(param, DTensor):
             rows = -(-param.shape[0] // world)
             width = int(torch.Size(param.shape[1:]).numel())
             local = param.to_local().detach().reshape(-1)
@@ -70,7 +73,7 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
             pieces.append(param.detach().reshape(-1))
             layout.append((name, param.shape, param.numel(), None))
     if not pieces:
-        return {}
+        return other
     mine = torch.cat(pieces)
     every = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
     if world > 1:
@@ -86,7 +89,18 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
             whole[name] = chunk[dist.get_rank() if world > 1 else 0].reshape(shape).clone()
         else:
             whole[name] = chunk.reshape(world * rows, -1)[: shape[0]].reshape(shape).clone()
-    return whole
+    return whole | other
+
+
+def _sharded_rows_over_world(param: DTensor, world: int) -> bool:
+    # Plain FSDP2: a 1-D mesh over every process, rows split (Shard(0)).
+    return (
+        param.device_mesh.ndim == 1
+        and param.device_mesh.size() == world
+        and len(param.placements) == 1
+        and isinstance(param.placements[0], Shard)
+        and param.placements[0].dim == 0
+    )
 
 
 class ThreadRollouts:
