@@ -16,7 +16,8 @@ Expert groups smaller than the world: ``expert_parallel_size=2`` on 4 processes 
 2 expert shards, the other weights FSDP2's over all 4) trains the Mixtral as one process at
 the 4 micro-batches (1e-5), and a run killed after its step-2 checkpoint resumes in that
 layout exactly (every later metric and the export bit for bit); the Qwen3-MoE export is the
-FSDP run's bytes in that layout too.
+FSDP run's bytes in that layout too. HSDP 2 x 2 with the same expert groups trains as one
+process and resumes exactly in that layout.
 """
 
 import pytest
@@ -104,6 +105,25 @@ def test_expert_groups_of_two_on_four_processes_train_as_one_process(expert_grou
     _assert_trains_as_one_process(expert_groups)
     # Adam turns rounding-level differences of near-zero gradients into updates of up to lr.
     assert_same_exports(*expert_groups, atol=1e-4)
+
+
+def test_hsdp_with_expert_groups_trains_as_one_process_and_resumes_exactly(expert_groups, tmp_path):
+    # HSDP 2 x 2 (the other weights sharded within pairs, replicated across them) with the
+    # experts in groups of 2: FSDP2 still averages every gradient over all 4 processes, so
+    # the run is the 1-process one at the same 4 micro-batches; killed after its step-2
+    # checkpoint and resumed in that layout, step 3 and the export bit for bit.
+    _, one = expert_groups
+    hsdp = ("parallelism.data_parallel_replicate_size=2", "parallelism.data_parallel_shard_size=2")
+    out = tmp_path / "hsdp"
+    _run(out, EXPERT_PARALLEL, *hsdp, nproc=4)
+    _assert_trains_as_one_process((out, one))
+    assert_same_exports(out, one, atol=1e-4)
+    resumed = interrupted_copy(out, tmp_path / "resumed", after_step=2, keep_logs=True)
+    _run(resumed, EXPERT_PARALLEL, *hsdp, RESUME, nproc=4)
+    ours, expected = _steps(resumed), _steps(out)
+    for name in METRICS:
+        assert ours[3][name] == expected[3][name], name
+    assert_same_exports(resumed, out)
 
 
 def test_kill_and_resume_within_expert_groups_is_exact(expert_groups, tmp_path):

@@ -94,12 +94,14 @@ def _worker(rank: int, world_size: int, init_file: str, references: dict) -> Non
             assert str(error.value) == (
                 "parallelism.expert_parallel_size: 3 does not divide the 4 processes of this run"
             )
+            # HSDP: the experts' mesh is the same (replicate, ep) one.
             hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            assert tuple(expert_parallel_mesh(2, cpu, hsdp).shape) == (2, 2)
             with pytest.raises(ConfigError) as error:
-                expert_parallel_mesh(2, cpu, hsdp)
-            assert str(error.value).startswith(
-                "parallelism.expert_parallel_size: 2 with a data-parallel mesh of (2, 2) "
-                "processes (replicate, shard) is not built yet"
+                expert_parallel_mesh(2, cpu, None, tensor_parallel_size=2)
+            assert str(error.value) == (
+                "parallelism.expert_parallel_size: 2 with parallelism.tensor_parallel_size: 2 "
+                "is not built yet: experts are split under FSDP or HSDP only"
             )
         dist.barrier()
     finally:

@@ -202,7 +202,11 @@ class ExpertParallel:
 
 
 def expert_parallel_mesh(
-    expert_parallel_size: int, device: torch.device, data_parallel: DeviceMesh | None
+    expert_parallel_size: int,
+    device: torch.device,
+    data_parallel: DeviceMesh | None,
+    *,
+    tensor_parallel_size: int = 1,
 ) -> DeviceMesh | None:
     """The mesh experts are split over, checked against the run.
 
@@ -210,7 +214,11 @@ def expert_parallel_mesh(
         expert_parallel_size: ``parallelism.expert_parallel_size`` (1: off), ``N``.
         device: This process's device.
         data_parallel: The recipe's data-parallel mesh (``data_parallel_mesh``): None for plain
-            FSDP over every process, the only layout expert parallelism composes with so far.
+            FSDP over every process, or HSDP's ``(replicate, shard)``: either way FSDP2
+            averages the other weights' gradients over every process, as the experts' exchange
+            assumes.
+        tensor_parallel_size: ``parallelism.tensor_parallel_size``; above 1 is refused (not
+            built yet).
 
     Returns:
         None when ``N`` is 1; with ``N`` all ``W`` processes the 1-D mesh of them (also to be
@@ -219,7 +227,7 @@ def expert_parallel_mesh(
 
     Raises:
         ConfigError: One line naming the numbers: the size does not divide the processes, or
-            the run is not plain FSDP (HSDP, tensor parallelism).
+            tensor parallelism is on.
     """
     if expert_parallel_size == 1:
         return None
@@ -227,12 +235,10 @@ def expert_parallel_mesh(
     what = f"parallelism.expert_parallel_size: {expert_parallel_size}"
     if world_size % expert_parallel_size:
         raise ConfigError(f"{what} does not divide the {world_size} processes of this run")
-    if data_parallel is not None:
+    if tensor_parallel_size > 1:
         raise ConfigError(
-            f"{what} with a data-parallel mesh of {tuple(data_parallel.shape)} processes "
-            f"({', '.join(data_parallel.mesh_dim_names or ())}) is not built yet: experts are "
-            "split within a plain FSDP run only (data_parallel_replicate_size 1, "
-            "tensor_parallel_size 1)"
+            f"{what} with parallelism.tensor_parallel_size: {tensor_parallel_size} is not built "
+            "yet: experts are split under FSDP or HSDP only"
         )
     if expert_parallel_size == world_size:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))

@@ -110,7 +110,9 @@ def build_device_meshes(
         meshes = DeviceMeshes(
             _data_parallel(device, replicate_size, shard_size, cp, world_size), None
         )
-    expert = expert_parallel_mesh(parallelism.expert_parallel_size, device, meshes.data_parallel)
+    expert = expert_parallel_mesh(
+        parallelism.expert_parallel_size, device, meshes.data_parallel, tensor_parallel_size=tp
+    )
     return DeviceMeshes(meshes.data_parallel, meshes.tensor, expert)
 
 

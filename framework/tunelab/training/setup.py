@@ -151,9 +151,11 @@ def build_model(
     experts = set()
     if expert_mesh is not None:
         experts = shard_experts(decoder, expert_mesh)
-        # FSDP2 shards the rest over every process: the experts' own mesh when they are split
-        # over all of them, else its default mesh (the experts' is (replicate, ep)).
-        mesh = expert_mesh if expert_mesh.ndim == 1 else None
+        if mesh is None:
+            # FSDP2 shards the rest over every process: the experts' own mesh when they are
+            # split over all of them, else its default mesh (the experts' is (replicate, ep)).
+            # HSDP keeps its (replicate, shard) mesh.
+            mesh = expert_mesh if expert_mesh.ndim == 1 else None
     if quantized:
         # Each rank quantizes its own pieces: of split matmuls, of its experts.
         _quantize_base_nf4(decoder, device, mesh)
