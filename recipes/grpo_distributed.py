@@ -36,7 +36,12 @@ import torch
 import tunelab.peft as peft
 from tunelab.config import GRPOArgs, instantiate
 from tunelab.data import padded_collate_prompts
-from tunelab.distributed import build_device_meshes, destroy_distributed, init_distributed
+from tunelab.distributed import (
+    DeviceMeshes,
+    build_device_meshes,
+    destroy_distributed,
+    init_distributed,
+)
 from tunelab.eval import TrainingEval
 from tunelab.lifecycle import RunFolder, defer_stop_signals, recipe_main
 from tunelab.rl import (
@@ -196,7 +201,8 @@ def main(args: GRPOArgs) -> None:
     overlap = None
     if args.rollout.overlap and split is None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            replica = build(lora=args.lora, adapter_dir=args.adapter_dir, meshes=None, shard=False)
+            whole = DeviceMeshes(None, None, whole=True)
+            replica = build(lora=args.lora, adapter_dir=args.adapter_dir, meshes=whole)
         engine_copy = ModelRolloutEngine.from_rollout(replica, args.rollout, tokenizer)
         overlap = ThreadRollouts(
             model,

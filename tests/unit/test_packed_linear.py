@@ -3,11 +3,14 @@ the GRPO update): the values of ``F.linear`` up to rounding, rows whose bits do 
 the batch, an update pass whose loss and gradients are the unpacked pass's, and a model left as
 it was after the block."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tunelab.rl.step as step
 from tunelab.config.lora import LoRAArgs
 from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
@@ -192,12 +195,16 @@ def grpo_rollouts(model: nn.Module) -> list[Rollout]:
     return rollouts
 
 
-def update(model: nn.Module, rollouts: list[Rollout], *, pack_weights: bool):
+def update(model: nn.Module, rollouts: list[Rollout], monkeypatch=None):
+    """The update pass (packed); with ``monkeypatch``, on unpacked weights (``F.linear``)."""
     model.zero_grad()
     loss_fn = GRPOLoss(aggregation="token_mean")
-    sums = policy_gradient_pass(
-        model, rollouts, loss_fn, output_layer(model), scale=0.1, pack_weights=pack_weights
-    )
+    with contextlib.ExitStack() as stack:
+        if monkeypatch is not None:
+            stack.enter_context(monkeypatch.context()).setattr(
+                packed_linear, "packable", lambda weight: False
+            )
+        sums = policy_gradient_pass(model, rollouts, loss_fn, output_layer(model), scale=0.1)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return sums["loss"], grads
 
@@ -215,14 +222,14 @@ def assert_same_update(expected, actual) -> None:
 def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatch):
     model = lora_model().train()
     rollouts = grpo_rollouts(model)
-    unpacked = update(model, rollouts, pack_weights=False)
+    unpacked = update(model, rollouts, monkeypatch)
     packs = spy_packs(monkeypatch)
     # Packed per call (the packed weights over the memory budget's share): per micro-batch,
     # every frozen layer's W packed in the forward (2 adapted bases and 5 plain projections
     # per block, lm_head), and W^T in the backward, but for the first block's q, k and v,
     # whose input needs no gradient (the embedding is frozen).
-    monkeypatch.setattr(packed_linear, "_HOLD_SHARE_OF_BUDGET", 0.0)
-    per_call = update(model, rollouts, pack_weights=True)
+    monkeypatch.setattr(step, "_PACKS_SHARE_OF_BUDGET", 0.0)
+    per_call = update(model, rollouts)
     forward_packs = [shape for shape, transposed in packs if not transposed]
     assert len(forward_packs) == 2 * 15 and forward_packs.count((97, 32)) == 2
     assert len(packs) - len(forward_packs) == 2 * 12
@@ -234,13 +241,13 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     monkeypatch.undo()
     packs = spy_packs(monkeypatch)
     for _ in range(2):
-        loss, grads = update(model, rollouts, pack_weights=True)
+        loss, grads = update(model, rollouts)
         assert loss == per_call[0]
         assert all(torch.equal(grad, per_call[1][name]) for name, grad in grads.items())
     assert len(packs) == 15 + 12
     # The comparison sees a wrong packing: of W (loss and gradients move) or of W^T (the
     # gradients).
-    monkeypatch.setattr(packed_linear, "_HOLD_SHARE_OF_BUDGET", 0.0)  # drops the kept ones
+    monkeypatch.setattr(step, "_PACKS_SHARE_OF_BUDGET", 0.0)  # drops the kept ones
     pack = packed_linear.pack_weight
     for wrong_transpose in (False, True):
 
@@ -251,7 +258,7 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
 
         monkeypatch.setattr(packed_linear, "pack_weight", wrong)
         with pytest.raises(AssertionError):
-            assert_same_update(unpacked, update(model, rollouts, pack_weights=True))
+            assert_same_update(unpacked, update(model, rollouts))
     monkeypatch.setattr(packed_linear, "pack_weight", pack)
     # The no-grad passes before the update run packed too (the old and reference log-probs).
     output = output_layer(model)

@@ -54,6 +54,10 @@ class DeviceMeshes:
     expert: DeviceMesh | None = None
     """The processes each MoE layer's experts are split over (``expert_parallel_mesh``), or
     None without expert parallelism."""
+    whole: bool = False
+    """True: no split at all, a whole copy of the model on every process, also in a
+    multi-process run (asynchronous GRPO's sampling copy, ``rollout.overlap``); the meshes
+    above are then None."""
 
 
 def data_parallel_mesh(

@@ -118,12 +118,6 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
             del module.forward
 
 
-# The packed copies of the frozen weights (W and W^T: twice their size) are kept from one
-# training pass to the next when they take at most this share of the process's memory budget;
-# beyond it each call packs what it multiplies and drops it.
-_HOLD_SHARE_OF_BUDGET = 0.25
-
-
 class _FrozenPacks:
     """A frozen layer's packed ``W`` and ``W^T``, kept between passes or packed per call.
 
@@ -149,6 +143,13 @@ class _FrozenPacks:
 
     def clear(self) -> None:
         self._packs.clear()
+
+    def __deepcopy__(self, memo: dict) -> _FrozenPacks:
+        # A cache of the layer's weights (oneDNN's opaque tensors cannot be copied): a copied
+        # model packs its own weights when it first needs them.
+        copy = _FrozenPacks()
+        copy.hold = self.hold
+        return copy
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -235,17 +236,15 @@ def _frozen_module_forward(module: nn.Linear, packs: _FrozenPacks, x: torch.Tens
     return frozen_linear(x, module.weight, module.bias, packs)
 
 
-def _may_hold(layers: list[nn.Module]) -> bool:
-    """Whether the packed ``W`` and ``W^T`` of ``layers`` fit their share of the memory budget."""
-    from tunelab.distributed.frozen_base import memory_budget_bytes  # noqa: PLC0415 (a cycle)
-
+def _may_hold(layers: list[nn.Module], hold_bytes: int) -> bool:
+    """Whether the packed ``W`` and ``W^T`` of ``layers`` fit in ``hold_bytes``."""
     weights = [layer.weight for layer in layers]
     size = sum(2 * w.numel() * 4 for w in weights if w.dtype == torch.float32)
-    return size <= _HOLD_SHARE_OF_BUDGET * memory_budget_bytes(torch.device("cpu"))
+    return size <= hold_bytes
 
 
 @contextlib.contextmanager
-def packed_frozen_linears(model: nn.Module) -> Iterator[int]:
+def packed_frozen_linears(model: nn.Module, *, hold_bytes: int = 0) -> Iterator[int]:
     """Run ``model``'s frozen linear layers on packed weights inside the ``with`` block.
 
     For training passes (forward and backward inside the block): a frozen layer's forward
@@ -260,13 +259,14 @@ def packed_frozen_linears(model: nn.Module) -> Iterator[int]:
     block compiled with ``Module.compile`` are left alone (their graph runs ``F.linear``).
 
     Memory: the packed ``W`` and ``W^T`` are kept on each layer for the next pass (twice
-    the frozen fp32 weights, held for the run) when they take at most a quarter of the
-    process's memory budget (``tunelab.distributed.frozen_base.memory_budget_bytes``);
-    otherwise each call packs what it multiplies and drops it (one layer's pack at a time,
-    about 5% of a 1664-row matmul's time).
+    the frozen fp32 weights, held for the run) when they fit in ``hold_bytes``; otherwise
+    each call packs what it multiplies and drops it (one layer's pack at a time, about 5% of
+    a 1664-row matmul's time).
 
     Args:
         model: The model.
+        hold_bytes: What the kept packs may take (GRPO: a quarter of the process's memory
+            budget); 0: pack per call.
 
     Yields:
         The number of layers set up.
@@ -291,7 +291,7 @@ def packed_frozen_linears(model: nn.Module) -> Iterator[int]:
             and not any(param.requires_grad for param in module.parameters())
         ):
             plain.append(module)
-    hold = _may_hold(adapted + plain)
+    hold = _may_hold(adapted + plain, hold_bytes)
     try:
         for module in adapted + plain:
             packs = module.__dict__.setdefault("_frozen_packs", _FrozenPacks())

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import all_reduce_sum
+from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.losses import OutputLayer, token_logps
 from tunelab.modules.packed_linear import packed_frozen_linears
 from tunelab.rl.off_policy import OffPolicyCorrection, behaviour_sums
@@ -38,6 +39,22 @@ __all__ = [
     "sampling_seeds",
     "write_completions",
 ]
+
+# The packed copies of the frozen weights (W and W^T: twice their size) are kept from one
+# training pass to the next when they take at most this share of the process's memory budget;
+# beyond it each call packs what it multiplies and drops it.
+_PACKS_SHARE_OF_BUDGET = 0.25
+
+
+def _packed(model: nn.Module) -> contextlib.AbstractContextManager[int]:
+    """Run ``model``'s frozen linear layers on oneDNN-packed weights inside the block.
+
+    Forward and input gradient, where the weights are fp32 on CPU: equal to the unpacked pass
+    up to fp32 rounding (:func:`~tunelab.modules.packed_linear.packed_frozen_linears`).
+    """
+    budget = memory_budget_bytes(torch.device("cpu"))
+    return packed_frozen_linears(model, hold_bytes=int(_PACKS_SHARE_OF_BUDGET * budget))
+
 
 _OFF_POLICY_SUMS = ("tokens", "clipped", "log_ratio", "log_ratio_squares", "kl")
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads nearby integers over the seed space
@@ -230,13 +247,13 @@ def store_logps(
         reference: A ``ReferenceModel`` or :class:`FrozenReference` (``beta`` > 0), or None;
             its output layer runs chunk by chunk when the policy's does (``output``).
     """
-    with packed_frozen_linears(model):
+    with _packed(model):
         for rollout in rollouts if old else ():
             rollout.old_logps = completion_logps(model, rollout.batch, output)[0]
     if reference is None:
         return
     ref_output = output_layer(reference.model) if output is not None else None
-    with reference.active(), packed_frozen_linears(reference.model):
+    with reference.active(), _packed(reference.model):
         for rollout in rollouts:
             rollout.ref_logps = completion_logps(reference.model, rollout.batch, ref_output)[0]
 
@@ -249,7 +266,6 @@ def policy_gradient_pass(
     *,
     scale: float,
     keep_old: bool = False,
-    pack_weights: bool = True,
 ) -> dict[str, float]:
     """One pass over the rollouts: the clipped policy-gradient loss, backward per micro-batch.
 
@@ -274,10 +290,6 @@ def policy_gradient_pass(
             normalizer).
         keep_old: Store the detached log-probs as ``old_logps`` where a rollout has none
             (call it so in the first pass only, before any optimizer step on the rollouts).
-        pack_weights: Run the frozen linear layers (a LoRA run's base, ``lm_head``) on
-            oneDNN-packed weights, forward and input gradient, where they are fp32 on CPU
-            (:func:`~tunelab.modules.packed_linear.packed_frozen_linears`; equal to the
-            unpacked pass up to fp32 rounding).
 
     Returns:
         This rank's sums: ``loss`` (unscaled), ``clipped`` tokens, ``kl``, and over the rows
@@ -286,8 +298,7 @@ def policy_gradient_pass(
     """
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
     sums |= {f"off_policy/{key}": 0.0 for key in _OFF_POLICY_SUMS}
-    packed = packed_frozen_linears(model) if pack_weights else contextlib.nullcontext()
-    with packed:
+    with _packed(model):
         for rollout in rollouts:
             logps, mask = completion_logps(model, rollout.batch, output)
             mask = mask & rollout.keep[:, None]

@@ -69,7 +69,6 @@ def build_model(
     lora: LoRAArgs | None = None,
     adapter_dir: str | None = None,
     seed: int = 0,
-    shard: bool = True,
 ) -> nn.Module:
     """Build, shard and load the model a recipe's ``model`` section describes.
 
@@ -83,13 +82,11 @@ def build_model(
             block's matmuls split over them (``tunelab.distributed.tensor_parallel``);
             ``expert``, the processes each holding only its share of every MoE layer's
             experts, tokens travelling to them (``tunelab.distributed.expert_parallel``).
-            None: plain FSDP over every rank.
+            None: plain FSDP over every rank. ``DeviceMeshes(None, None, whole=True)``: a
+            whole, unsharded copy on every process.
         lora: Adapter settings; only adapter parameters train when given.
         adapter_dir: A PEFT adapter to start from instead of a fresh adapter.
         seed: Seed of the fresh adapter's initialisation.
-        shard: False: a whole, unsharded copy on every process, also in a multi-process
-            run (asynchronous GRPO's sampling copy, ``rollout.overlap``); no tensor or
-            expert parallelism then.
 
     Returns:
         The ready model, sharded with FSDP2 when the world size is above 1.
@@ -172,7 +169,7 @@ def build_model(
             block.compile()
     # Only the LoRA recipes' section has frozen_base; without adapters nothing is frozen.
     frozen_base = model.frozen_base if isinstance(model, LoRAModelSetupArgs) else "shard"
-    if shard:
+    if not meshes.whole:
         shard_model(
             decoder,
             reshard_after_forward=model.reshard_after_forward,
