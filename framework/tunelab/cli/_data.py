@@ -185,7 +185,7 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
     """
     from tunelab.data.image_dataset import image_processing_for  # here: imports torch
     from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS
-    from tunelab.data.images import open_image
+    from tunelab.data.image_sources import open_image_source
 
     processing = image_processing_for(tokenizer)
     token_id = tokenizer.token_to_id(_image_token(tokenizer, node))
@@ -202,7 +202,7 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
         runs, spans = spans[: grid[0] if pieces else 1], spans[grid[0] if pieces else 1 :]
         if not runs:
             break
-        image = open_image(path, node.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
+        image = open_image_source(path, node.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS))
         frames, rows, columns = grid
         record = {
             "path": path,

@@ -200,9 +200,13 @@ logger = logging.getLogger(__name__)
 # Bump when the table's layout or the tokenizing code changes what a fingerprint stands for.
 # 2: one sample per conversation unless a turn is shown otherwise; tool rows. 3: preference
 # rows with tool calls and reasoning (cached as malformed before). 4: tool calls checked
-# against the row's declared tools (cached as samples before).
-CACHE_FORMAT = 4
+# against the row's declared tools (cached as samples before). 5: images named by URL or
+# inline (cached as malformed before).
+CACHE_FORMAT = 5
 _MANIFEST = "tunelab_tokenized.json"
+RETRIED = "(not cached: the next run tries again)"
+"""How the problem of a malformed row ends when it may pass (an image URL that did not answer):
+a table holding such a row is used by this run and built again by the next."""
 # A worker process costs a fork and a pickled tokenizer: below this many rows per worker,
 # tokenizing in the leader itself is faster.
 MIN_ROWS_PER_WORKER = 5000
@@ -303,7 +307,7 @@ def tokenized_table(
         try:
             key = fingerprint(builder, settings, tokenizer, sources)
             target = root / key
-            if not (target / _MANIFEST).is_file():
+            if not _finished(target):
                 workers = num_proc or default_num_proc()
                 _build(target, kind, sources, rows_for, workers)
             result = ("ok", str(target))
@@ -369,6 +373,7 @@ def _build(
     datasets.disable_progress_bars()  # bars of several machines would interleave
     try:
         files: list[str] = []
+        retry = False
         for index, source in enumerate(sources):
             scratch = work / f"raw-{index}.arrow"
             raw = source.read(scratch)
@@ -396,9 +401,10 @@ def _build(
                 new_fingerprint=f"{target.name}-{index}",
             )
             files += [Path(entry["filename"]).name for entry in table.cache_files]
+            retry = retry or _has_retried_rows(table)
             del raw, table
             scratch.unlink(missing_ok=True)
-        manifest = {"format": CACHE_FORMAT, "kind": kind, "files": files}
+        manifest = {"format": CACHE_FORMAT, "kind": kind, "files": files, "retry": retry}
         (work / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _publish(work, target)
     finally:
@@ -411,14 +417,36 @@ def _no_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
     raise AssertionError("a source without object rows has no row function")
 
 
+def _has_retried_rows(table: Any) -> bool:
+    """Whether a tokenized ``datasets.Dataset`` holds a row whose problem may pass (``RETRIED``)."""
+    import pyarrow.compute as pc
+
+    return bool(pc.any(pc.ends_with(table.data.column("problem"), RETRIED)).as_py())
+
+
+def _finished(target: Path) -> bool:
+    """Whether ``target`` holds a finished table to reuse: a manifest, no ``RETRIED`` rows.
+
+    An unreadable manifest counts as finished: opening it says so (``_open``).
+    """
+    path = target / _MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        return not json.loads(path.read_text()).get("retry", False)
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def _publish(work: Path, target: Path) -> None:
     """Rename ``work`` to ``target``; another process's finished ``target`` wins."""
     try:
         os.rename(work, target)
     except OSError:
-        if (target / _MANIFEST).is_file():
+        if _finished(target):
             return  # another machine (or run) finished the same table first
-        # A leftover without a manifest was never finished: replace it.
+        # A leftover without a manifest was never finished, one with retried rows is stale:
+        # replace it.
         stale = target.parent / f".{target.name}.stale-{uuid.uuid4().hex[:8]}"
         os.rename(target, stale)
         shutil.rmtree(stale, ignore_errors=True)

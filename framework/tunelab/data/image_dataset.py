@@ -3,9 +3,11 @@
 The rows are read as ``tunelab.data.image_rows`` describes (content parts or an ``images``
 column with ``<image>`` placeholders); every image is opened and decoded when the dataset is
 built, once per machine, so a bad image stops the build with its file and line before any
-worker starts (or, with ``skip_malformed``, the row is skipped). The cached samples hold each
-image's file and patch grid; the pixels are read by the collate
-(``tunelab.data.image_rows.padded_collate_images``), in the loader's workers.
+worker starts (or, with ``skip_malformed``, the row is skipped); an image named by URL is
+fetched then, once per machine, into the image cache (``tunelab.data.image_sources``). The
+cached samples hold each image's file (or URL) and patch grid; the pixels are read by the
+collate (``tunelab.data.image_rows.padded_collate_images``), in the loader's workers. With
+``packed`` a pack holds whole samples, each with its images (``tunelab.data.packing``).
 """
 
 import json
@@ -17,6 +19,7 @@ from typing import Any
 from tunelab.data.chat import chat_template_of
 from tunelab.data.collate import padded_collate_sft
 from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, padded_collate_images
+from tunelab.data.image_sources import DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_IMAGE_BYTES, ImageFetch
 from tunelab.data.images import ImageProcessing
 from tunelab.data.images_gemma3 import GEMMA3_PROCESSOR, Gemma3ImageProcessing
 from tunelab.data.sources import resolve_sources
@@ -84,6 +87,7 @@ def image_rows_per_file(
     max_image_pixels: int,
     max_seq_len: int | None,
     template_kwargs: dict[str, Any] | None,
+    fetch: ImageFetch | None = None,
 ) -> tuple[Callable[[str], ImageChatRows], dict[str, Any], int]:
     """How a dataset builder with images renders rows: ``ImageChatRows`` per source file.
 
@@ -97,6 +101,7 @@ def image_rows_per_file(
         max_image_pixels: Largest area an image file may declare.
         max_seq_len: Cut samples to this many tokens; None: the tokenizer's.
         template_kwargs: Extra variables for the chat template.
+        fetch: How images named by URL are fetched (None: the defaults).
 
     Returns:
         ``(rows_for, settings, max_seq_len)``: the row function of a source file (relative
@@ -110,6 +115,7 @@ def image_rows_per_file(
     if max_seq_len is None:
         raise ConfigError(f"{builder} needs max_seq_len (or the tokenizer's)")
     template = chat_template_of(tokenizer)
+    fetch = fetch or ImageFetch()
 
     def rows_for(name: str) -> ImageChatRows:
         folder = Path(name).parent if Path(name).is_file() else None
@@ -124,6 +130,7 @@ def image_rows_per_file(
             max_image_pixels=max_image_pixels,
             max_seq_len=max_seq_len,
             template_kwargs=template_kwargs,
+            fetch=fetch,
         )
 
     settings = dict(
@@ -132,6 +139,7 @@ def image_rows_per_file(
         image_token=image_token,
         processing=None if processing is None else asdict(processing),
         max_image_pixels=max_image_pixels,
+        max_image_bytes=fetch.max_bytes,
         template_kwargs=template_kwargs,
         max_seq_len=max_seq_len,
     )
@@ -148,8 +156,11 @@ def image_chat_dataset(
     images_column: str = "images",
     image_token: str = "<|image_pad|>",
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    image_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT,
     template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
+    packed: bool = False,
     skip_malformed: bool = False,
     num_proc: int | None = None,
     cache_dir: str | None = None,
@@ -160,22 +171,28 @@ def image_chat_dataset(
         tokenizer: The tokenizer (passed by the recipe), with its chat template.
         source: As for ``chat_dataset`` (``json`` with ``data_files``, a file, a hub id).
         data_files: File path(s) for a loader ``source``; relative image paths are read from
-            the folder of the file that names them.
+            the folder of the file that names them. An image may also be an http(s) URL or a
+            ``data:`` URI.
         split: Split to read.
         conversation_column: The column of OpenAI-style messages.
         images_column: The column of image files for ``<image>`` placeholders.
         image_token: The token the chat template writes once per image (Qwen's; Gemma 3's
             processor names its own: ``<start_of_image>``, replaced by the image's text).
         max_image_pixels: Largest area an image file may declare (a decompression bomb).
+        max_image_bytes: Largest image a URL or ``data:`` URI may hold, in bytes.
+        image_fetch_timeout: Seconds a URL may take to answer and to send its image.
         template_kwargs: Extra variables for the chat template.
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's); a cut inside
-            an image is a malformed row.
+            an image is a malformed row. With ``packed``, the length of a pack.
+        packed: Pack samples into sequences of ``max_seq_len`` tokens, each with its images
+            (``tunelab.data.packing``).
         skip_malformed: Skip malformed rows (counted in ``num_skipped``) instead of raising.
         num_proc: Tokenizing processes (default: as ``chat_dataset``).
         cache_dir: Root of the tokenized cache.
 
     Returns:
-        The dataset, items ``{"tokens", "labels", "images", "image_grids"}``.
+        The dataset, items ``{"tokens", "labels", "images", "image_grids"}`` (packs add
+        ``input_pos`` and ``document_ids``).
 
     Raises:
         ConfigError: No chat template.
@@ -190,6 +207,7 @@ def image_chat_dataset(
         max_image_pixels=max_image_pixels,
         max_seq_len=max_seq_len,
         template_kwargs=template_kwargs,
+        fetch=ImageFetch(timeout=image_fetch_timeout, max_bytes=max_image_bytes),
     )
     sources = resolve_sources(source, data_files, split)
 
@@ -204,6 +222,7 @@ def image_chat_dataset(
         sources=sources,
         skip_malformed=skip_malformed,
         kind="sft_images",
+        packed=packed,
         max_seq_len=max_seq_len,
         num_proc=num_proc,
         cache_dir=cache_dir,

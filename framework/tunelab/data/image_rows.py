@@ -8,7 +8,9 @@ Two ways to name a row's images are read:
 - the LLaVA / ShareGPT convention: an ``images`` column lists the files, and each ``<image>``
   in the messages' text stands for the next one.
 
-Relative paths are read from ``image_dir`` (the dataset file's folder). The conversation is
+Relative paths are read from ``image_dir`` (the dataset file's folder); an http(s) URL or a
+``data:`` URI is fetched once into the image cache (``tunelab.data.image_sources``). The
+conversation is
 rendered with the tokenizer's own chat template (which writes one image token per image, e.g.
 Qwen2.5-VL's ``<|vision_start|><|image_pad|><|vision_end|>``), and each image token is then
 repeated as many times as the image has language tokens, as transformers' processor does.
@@ -38,7 +40,8 @@ import torch
 from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_sft
-from tunelab.data.images import ImageError, ImageProcessing, open_image
+from tunelab.data.image_sources import ImageFetch, describe, is_url, open_image_source
+from tunelab.data.images import ImageError, ImageProcessing
 from tunelab.data.images_gemma3 import Gemma3ImageProcessing
 from tunelab.data.rows import BadRow, to_sample
 from tunelab.data.tokenizer import Tokenizer
@@ -54,22 +57,22 @@ class ImageRef:
     """One image of a sample: its file and its patch grid."""
 
     path: str
-    """The resolved file path."""
+    """The resolved file path, or the URL (``data:`` URI) as the row wrote it."""
     grid: tuple[int, int, int]
     """``(frames, patch rows, patch columns)`` after resizing."""
 
 
 def _image_part(part: Mapping[str, Any]) -> str | None:
-    """The file an image content part names, or None for another part."""
+    """The file, URL or ``data:`` URI an image content part names, or None for another part."""
     is_image = part.get("type") == "image" or ("type" not in part and "image" in part)
     if not is_image:
         return None
-    for key in ("image", "path"):
+    for key in ("image", "url", "path"):
         if isinstance(part.get(key), str | os.PathLike):
             return os.fspath(part[key])
     raise ValueError(
-        "an image part needs a file path under 'image' or 'path' (URLs and inline images are "
-        "not read: save them as files)"
+        "an image part needs a file path, an http(s) URL or a data: URI under 'image', 'url' "
+        "or 'path'"
     )
 
 
@@ -247,18 +250,21 @@ class ImageChatRows:
     max_seq_len: int | None = None
     template_kwargs: Mapping[str, Any] | None = None
     train_on_reasoning: bool = True
+    fetch: ImageFetch = ImageFetch()
+    """How images named by URL are fetched (each is fetched here, once, and kept)."""
 
     def _image(self, file: str) -> tuple[ImageRef, int]:
         path = Path(file)
         if not path.is_absolute() and self.image_dir is not None:
             path = Path(self.image_dir) / path
+        source = file if is_url(file) else str(path)  # a URL is kept as written
         try:
-            image = open_image(path, self.max_image_pixels)
+            image = open_image_source(source, self.max_image_pixels, self.fetch)
             assert self.processing is not None
             grid = self.processing.grid(image.height, image.width)
         except ImageError as error:
             raise BadRow(self.images_column, str(error)) from None
-        return ImageRef(str(path), grid), self.processing.num_tokens(image.height, image.width)
+        return ImageRef(source, grid), self.processing.num_tokens(image.height, image.width)
 
     def _read(self, messages: Any, row: Mapping[str, Any]) -> tuple[list, list, Any, bool]:
         """The row read: ``(messages, images, template, in_text)``; raises ``BadRow``.
@@ -412,10 +418,12 @@ def padded_collate_images(
 ) -> dict[str, torch.Tensor]:
     """``padded_collate_sft``, plus the batch's images read and cut into patches.
 
-    Images are read here, in the data loader's workers, not when the rows were tokenised.
+    Images are read here, in the data loader's workers, not when the rows were tokenised (an
+    image named by URL from the image cache, fetched again if it is no longer there).
 
     Args:
-        batch: ``ImageChatRows`` samples (``images`` and ``image_grids`` beside the tokens).
+        batch: ``ImageChatRows`` samples (``images`` and ``image_grids`` beside the tokens),
+            or packs of them (``input_pos`` and ``document_ids`` too, images in token order).
         pad_id: token id of padding.
         processing: how images become patches (the one the rows were tokenised with).
         ignore_index: label of padding.
@@ -429,19 +437,22 @@ def padded_collate_images(
         ImageError: an image that cannot be read, or whose grid differs from the one its tokens
             were counted for (the file changed since).
     """
+    # Packs keep their input_pos and document_ids; the images are read below.
+    files = ("images", "image_grids")
     out = padded_collate_sft(
-        [{"tokens": item["tokens"], "labels": item["labels"]} for item in batch],
+        [{key: value for key, value in item.items() if key not in files} for item in batch],
         pad_id,
         ignore_index,
     )
     pixels, grids = [], []
     for item in batch:
         for path, expected in zip(item.get("images") or [], item.get("image_grids") or []):
-            values, grid = processing(open_image(path, max_image_pixels))
+            values, grid = processing(open_image_source(path, max_image_pixels))
             if list(grid) != list(expected):
                 raise ImageError(
-                    f"{path}: the image is now {list(grid)} patches, not the {list(expected)} "
-                    "its tokens were counted for (the file changed after tokenising)"
+                    f"{describe(path)}: the image is now {list(grid)} patches, not the "
+                    f"{list(expected)} its tokens were counted for (the file changed after "
+                    "tokenising)"
                 )
             pixels.append(values)
             grids.append(grid)

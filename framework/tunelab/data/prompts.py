@@ -40,7 +40,8 @@ from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.conversations import check_parts, read_documents, read_part, read_tools
 from tunelab.data.image_dataset import image_rows_per_file
 from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, ImageRef
-from tunelab.data.images import ImageError, open_image
+from tunelab.data.image_sources import open_image_source
+from tunelab.data.images import ImageError
 from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
 from tunelab.data.sources import JSON_LINE, JSON_PROBLEM, JSON_TEXT, Source, resolve_sources
@@ -97,7 +98,7 @@ class PromptDataset(Dataset):
         for ref in refs:
             try:
                 values, grid = self._image_rows.processing(
-                    open_image(Path(ref.path), self._image_rows.max_image_pixels)
+                    open_image_source(ref.path, self._image_rows.max_image_pixels)
                 )
             except ImageError as error:
                 raise DataError(f"prompt {index}: {error}") from None
