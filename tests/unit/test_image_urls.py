@@ -245,3 +245,20 @@ def test_an_unreachable_url_is_one_line(tokenizer, tmp_path):
     assert f"{url}: unreachable (" in message and "\n" not in message
     with pytest.raises(ConfigError, match="image_fetch_timeout must be over 0 seconds, got 0"):
         _dataset(tokenizer, tmp_path, [_row(url)], image_fetch_timeout=0)
+
+
+def test_a_grpo_prompt_reads_its_image_url(server, tokenizer, tmp_path):
+    """``prompt_dataset`` (GRPO) takes image URLs too: the prompt and pixels of the file."""
+    from tunelab.data import prompt_dataset
+
+    name = "blue_square_1.png"
+    url, file = server.url("prompts", name), str(IMAGES / name)
+    rows = [{"prompt": f"<image>{QUESTION}", "images": [image]} for image in (url, file)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prompts = prompt_dataset(tokenizer, source="json", data_files=str(path))
+    assert prompts.tokens[0] == prompts.tokens[1]
+    assert [ref.path for ref in prompts.images[0]] == [url]
+    read, expected = prompts.prompt_images(0), prompts.prompt_images(1)
+    assert torch.equal(read["pixel_values"], expected["pixel_values"])
+    assert _counts(server, "prompts") == {f"/prompts/{name}": 1}
