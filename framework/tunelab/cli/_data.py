@@ -224,6 +224,15 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
     return records
 
 
+def _video_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool) -> list[dict]:
+    """Each video of an item (``tunelab.data.video_rows.video_records``)."""
+    from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS  # here: imports torch
+    from tunelab.data.video_rows import video_processing_for, video_records
+
+    limit = node.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)
+    return video_records(tokenizer, item, video_processing_for(tokenizer), limit, pixels)
+
+
 def _image_lines(records: list[dict]) -> str:
     return "".join(
         f"  image {index}: {record['path']} {record['size'][0]}x{record['size'][1]}, resized "
@@ -292,6 +301,8 @@ def preview(
                 record[f"{prefix}input_ids"], record[f"{prefix}labels"] = ids, labels
             if item.get("images"):
                 record["images"] = _image_records(tokenizer, node, item, pixels=True)
+            if item.get("videos"):
+                record["videos"] = _video_records(tokenizer, node, item, pixels=True)
             out.write(json.dumps(record) + "\n")
         return
     color = out.isatty() and "NO_COLOR" not in os.environ
@@ -308,6 +319,11 @@ def preview(
             if item.get("images"):
                 out.write(_image_lines(_image_records(tokenizer, node, item, pixels=False)))
                 text = _collapse_runs(text, _image_token(tokenizer, node))
+            if item.get("videos"):
+                from tunelab.data.video_rows import VIDEO_PAD, video_lines
+
+                out.write(video_lines(_video_records(tokenizer, node, item, pixels=False)))
+                text = _collapse_runs(text, VIDEO_PAD)
             out.write(text + "\n")
 
 

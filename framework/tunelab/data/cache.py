@@ -66,7 +66,17 @@ SAMPLE_COLUMNS = {
     # KTO's labelled completions; ``desirable`` is ``[1]`` or ``[0]`` (a list like the others).
     "unpaired": ("tokens", "labels", "desirable"),
     # Chat samples with images: each image's file and patch grid (``tunelab.data.image_rows``).
-    "sft_images": ("tokens", "labels", "images", "image_grids"),
+    # Videos (``tunelab.data.video_rows``): each one's frame files joined by newlines, its grid
+    # and seconds per frame pair.
+    "sft_images": (
+        "tokens",
+        "labels",
+        "images",
+        "image_grids",
+        "videos",
+        "video_grids",
+        "video_seconds",
+    ),
     # Preference pairs whose prompt holds images, shared by both sides (``image_preference``).
     "preference_images": (
         "chosen_tokens",
@@ -78,7 +88,14 @@ SAMPLE_COLUMNS = {
     ),
 }
 # Columns of another type than a list of int32.
-_COLUMN_TYPES = {"margin": "float64", "images": "string", "image_grids": "grids"}
+_COLUMN_TYPES = {
+    "margin": "float64",
+    "images": "string",
+    "image_grids": "grids",
+    "videos": "string",
+    "video_grids": "grids",
+    "video_seconds": "float64",
+}
 # Per row of the table: was it cut to max_seq_len, does it keep a trained token on every side
 # (preference pairs), and where it came from. ``problem`` and ``column`` are set for a
 # malformed row only.

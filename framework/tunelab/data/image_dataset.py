@@ -25,6 +25,8 @@ from tunelab.data.images_gemma3 import GEMMA3_PROCESSOR, Gemma3ImageProcessing
 from tunelab.data.sources import resolve_sources
 from tunelab.data.tokenized import TokenizedDataset, build_tokenized
 from tunelab.data.tokenizer import Tokenizer
+from tunelab.data.video_rows import VIDEO_COLUMNS, collate_videos, video_processing_for
+from tunelab.data.videos import VideoProcessing
 from tunelab.errors import ConfigError
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -59,12 +61,18 @@ class ImageCollate:
 
     processing: ImageProcessing | Gemma3ImageProcessing
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    videos: VideoProcessing | None = None
+    """How the samples' videos become patches (``tunelab.data.video_rows.collate_videos``)."""
 
     def __call__(self, batch: list[dict[str, Any]], pad_id: int, ignore_index: int = -100) -> Any:
-        """Collate ``batch`` and read its images (see ``padded_collate_images``)."""
-        return padded_collate_images(
-            batch, pad_id, self.processing, ignore_index, self.max_image_pixels
+        """Collate ``batch`` and read its images and videos (see ``padded_collate_images``)."""
+        plain = [{k: v for k, v in item.items() if k not in VIDEO_COLUMNS} for item in batch]
+        out = padded_collate_images(
+            plain, pad_id, self.processing, ignore_index, self.max_image_pixels
         )
+        if self.videos is not None:
+            out.update(collate_videos(batch, self.videos, self.max_image_pixels))
+        return out
 
 
 def sft_collate(tokenizer: Tokenizer) -> Callable[..., Any]:
@@ -74,7 +82,9 @@ def sft_collate(tokenizer: Tokenizer) -> Callable[..., Any]:
     beside the tokenizer) an ``ImageCollate`` that also reads each batch's images.
     """
     processing = image_processing_for(tokenizer)
-    return padded_collate_sft if processing is None else ImageCollate(processing)
+    if processing is None:
+        return padded_collate_sft
+    return ImageCollate(processing, videos=video_processing_for(tokenizer))
 
 
 def image_rows_per_file(
@@ -115,6 +125,7 @@ def image_rows_per_file(
     if max_seq_len is None:
         raise ConfigError(f"{builder} needs max_seq_len (or the tokenizer's)")
     template = chat_template_of(tokenizer)
+    videos = video_processing_for(tokenizer)
     fetch = fetch or ImageFetch()
 
     def rows_for(name: str) -> ImageChatRows:
@@ -130,6 +141,7 @@ def image_rows_per_file(
             max_image_pixels=max_image_pixels,
             max_seq_len=max_seq_len,
             template_kwargs=template_kwargs,
+            videos=videos,
             fetch=fetch,
         )
 
@@ -138,6 +150,7 @@ def image_rows_per_file(
         images_column=images_column,
         image_token=image_token,
         processing=None if processing is None else asdict(processing),
+        videos=None if videos is None else asdict(videos),
         max_image_pixels=max_image_pixels,
         max_image_bytes=fetch.max_bytes,
         template_kwargs=template_kwargs,

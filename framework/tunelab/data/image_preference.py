@@ -83,6 +83,8 @@ class ImagePreferenceRows:
             if len(samples) != 1:
                 raise BadRow(column, f"the answer rendered as {len(samples)} samples, not one")
             (sample,) = samples
+            if sample.get("videos"):
+                raise BadRow(prompt_column, "videos in preference pairs are not read (SFT only)")
             item[f"{side}_tokens"], item[f"{side}_labels"] = sample["tokens"], sample["labels"]
             item["truncated"] = item["truncated"] or sample["truncated"]
             trained = any(label != IGNORE_INDEX for label in sample["labels"])

@@ -45,6 +45,8 @@ from tunelab.data.images import ImageError, ImageProcessing
 from tunelab.data.images_gemma3 import Gemma3ImageProcessing
 from tunelab.data.rows import BadRow, to_sample
 from tunelab.data.tokenizer import Tokenizer
+from tunelab.data.video_rows import VIDEO_WRAPPER, read_videos, refuse_videos, with_videos
+from tunelab.data.videos import VideoProcessing
 
 IMAGE_PLACEHOLDER = "<image>"
 """What stands for the next image of the ``images`` column in a message's text."""
@@ -250,6 +252,9 @@ class ImageChatRows:
     max_seq_len: int | None = None
     template_kwargs: Mapping[str, Any] | None = None
     train_on_reasoning: bool = True
+    videos: VideoProcessing | None = None
+    """How videos become patches; None for a model without video input (rows with videos are
+    refused; ``tunelab.data.video_rows``)."""
     fetch: ImageFetch = ImageFetch()
     """How images named by URL are fetched (each is fetched here, once, and kept)."""
 
@@ -304,6 +309,7 @@ class ImageChatRows:
         if isinstance(value, str):
             value = [{"role": "user", "content": value}]
         messages, images, template, in_text = self._read(value, row)
+        refuse_videos(messages, self.column)
         try:
             ids = apply_chat_template(
                 self.tokenizer,
@@ -333,6 +339,11 @@ class ImageChatRows:
     def __call__(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Samples of one row; raises ``BadRow``."""
         messages, images, template, in_text = self._read(row.get(self.column), row)
+        messages, videos = read_videos(
+            messages, self.column, self.videos, self.image_dir, self.max_image_pixels
+        )
+        if videos:  # the processor's text for each video, in place of the template's
+            template = ImagesInText(template, VIDEO_WRAPPER, [video.text for video in videos])
         try:
             rendered = tokenize_conversation(
                 self.tokenizer,
@@ -344,7 +355,9 @@ class ImageChatRows:
         except ChatTemplateError as error:
             raise BadRow(self.column, str(error)) from None
         if in_text:
-            return [_image_tokens_sample(self, tokens, mask, images) for tokens, mask in rendered]
+            return with_videos(
+                [(_image_tokens_sample(self, t, m, images), t) for t, m in rendered], videos, self
+            )
         image_token_id = self.tokenizer.token_to_id(self.image_token)
         samples = []
         for tokens, mask in rendered:
@@ -358,8 +371,10 @@ class ImageChatRows:
             tokens, mask = expand_image_tokens(
                 tokens, mask, image_token_id, [count for _, count in images[:held]]
             )
-            samples.append(_image_sample(self, tokens, mask, image_token_id, images[:held]))
-        return samples
+            samples.append(
+                (_image_sample(self, tokens, mask, image_token_id, images[:held]), tokens)
+            )
+        return with_videos(samples, videos, self)
 
 
 def _image_tokens_sample(

@@ -9,10 +9,17 @@ The language model is tunelab's ``TransformerDecoder`` unchanged; what differs i
   axes; an image's tokens, a grid of ``t x h x w``, have ``(s + frame, s + row, s + column)``
   with ``s`` the position after the text before it, and the text after the image resumes at
   ``s + max(h, w)``. Rotary frequency ``i`` of a head follows the temporal, height or width
-  position depending on which of the ``mrope_section`` sizes it falls in.
+  position depending on which of the ``mrope_section`` sizes it falls in;
+* a video (``pixel_values_videos``, ``video_grid_thw``: frames in pairs, ``t`` pairs of
+  ``h x w`` patches) goes through the same tower into its ``video_token_id`` tokens. Qwen2.5-VL
+  spaces its temporal positions by ``tokens_per_second * second_per_grid_ts`` (one video's
+  tokens in one run); Qwen3-VL writes each pair's timestamp in the text, so each pair is a run
+  of its own, positioned as an image of one frame.
 
 Parameter names are the hub checkpoints' (``visual.*``, ``model.*``, ``lm_head.weight``).
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,41 +33,77 @@ from tunelab.modules.vision import VisionTransformer
 from tunelab.modules.vision_qwen3 import Qwen3VisionTransformer
 
 
+@dataclass(frozen=True)
+class VideoSpans:
+    """Where a batch's videos sit for M-RoPE: each run of video tokens and its time axis."""
+
+    token_id: int
+    """The token a video's embeddings replace."""
+    grid_thw: torch.Tensor
+    """Long ``[runs, 3]``: one run of consecutive video tokens each, row after row (a whole
+    video for Qwen2.5-VL; one frame pair, ``t = 1``, for Qwen3-VL)."""
+    intervals: torch.Tensor | None = None
+    """fp32 ``[runs]``: temporal positions per frame pair (Qwen2.5-VL's ``tokens_per_second *
+    second_per_grid_ts``, truncated as transformers does); None: 1."""
+
+    def temporal(self, run: int, frames: int) -> list[int]:
+        """The temporal offsets of run ``run``'s ``frames`` frame pairs."""
+        if self.intervals is None:
+            return list(range(frames))
+        return (torch.arange(frames) * self.intervals[run]).long().tolist()
+
+
 def multimodal_positions(
     tokens: torch.Tensor,
     image_grid_thw: torch.Tensor | None,
     image_token_id: int,
     merge_size: int,
     document_ids: torch.Tensor | None = None,
+    videos: VideoSpans | None = None,
 ) -> torch.Tensor:
-    """M-RoPE positions of a batch, images in the order the rows hold them.
+    """M-RoPE positions of a batch, images and videos in the order the rows hold them.
 
     Args:
         tokens: long ``[batch, seq]``.
         image_grid_thw: long ``[images, 3]`` (frames, patch rows, patch columns) of every
-            image in the batch, row after row; None for text only.
+            image in the batch, row after row; None for no images.
         image_token_id: the token an image's embeddings replace.
         merge_size: the vision tower's ``spatial_merge_size``.
         document_ids: ``[batch, seq]`` of packed rows: positions restart at each document.
+        videos: the batch's runs of video tokens; None for no videos.
 
     Returns:
         Long ``[3, batch, seq]``: temporal, height and width positions.
 
     Raises:
-        ValueError: the image tokens do not match the grids.
+        ValueError: the image or video tokens do not match the grids.
     """
     batch, seq_len = tokens.shape
-    if image_grid_thw is None or not bool((tokens == image_token_id).any()):
+    # token id -> (grids, temporal offsets of run k)
+    kinds: dict[int, tuple[list, object]] = {}
+    if image_grid_thw is not None:
+        kinds[image_token_id] = (
+            [tuple(grid) for grid in image_grid_thw.tolist()],
+            lambda run, frames: list(range(frames)),
+        )
+    if videos is not None:
+        kinds[videos.token_id] = (
+            [tuple(grid) for grid in videos.grid_thw.tolist()],
+            videos.temporal,
+        )
+    is_vision = torch.zeros_like(tokens, dtype=torch.bool)
+    for token_id in kinds:
+        is_vision |= tokens == token_id
+    if not kinds or not bool(is_vision.any()):
         if document_ids is None:
             flat = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
         else:
             flat = positions_from_document_ids(document_ids)
         return flat[None].expand(3, batch, seq_len)
-    grids = [tuple(grid) for grid in image_grid_thw.tolist()]
-    next_grid = 0
+    used = dict.fromkeys(kinds, 0)
     # Plain lists and numpy: a per-token loop over tensor elements cost ~10 ms a batch.
     positions = np.empty((3, batch, seq_len), dtype=np.int64)
-    is_image = (tokens == image_token_id).cpu().tolist()
+    token_rows = torch.where(is_vision, tokens, -1).cpu().tolist()
     if document_ids is None:
         starts = [[True] + [False] * (seq_len - 1) for _ in range(batch)]
     else:
@@ -69,38 +112,45 @@ def multimodal_positions(
         begins[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         starts = begins.tolist()
     for row in range(batch):
-        flags, begins_row = is_image[row], starts[row]
+        kind_row, begins_row = token_rows[row], starts[row]
         index, current = 0, 0
         while index < seq_len:
             if begins_row[index]:
                 current = 0
-            if not flags[index]:
-                # A text run: to the next image token or document start.
+            kind = kind_row[index]
+            if kind < 0:
+                # A text run: to the next image or video token or document start.
                 end = index + 1
-                while end < seq_len and not flags[end] and not begins_row[end]:
+                while end < seq_len and kind_row[end] < 0 and not begins_row[end]:
                     end += 1
                 positions[:, row, index:end] = np.arange(current, current + end - index)
                 current, index = current + end - index, end
                 continue
-            if next_grid >= len(grids):
-                raise ValueError("more image tokens than image_grid_thw describes")
-            frames, rows, columns = grids[next_grid]
-            next_grid += 1
+            grids, temporal = kinds[kind]
+            number = used[kind]
+            name = "image" if kind == image_token_id and image_grid_thw is not None else "video"
+            if number >= len(grids):
+                raise ValueError(f"more {name} tokens than the {name} grids describe")
+            frames, rows, columns = grids[number]
+            used[kind] += 1
             rows, columns = rows // merge_size, columns // merge_size
             count = frames * rows * columns
-            if index + count > seq_len or not all(flags[index : index + count]):
+            if index + count > seq_len or any(k != kind for k in kind_row[index : index + count]):
                 raise ValueError(
-                    f"row {row}: image {next_grid - 1} needs {count} consecutive image tokens "
+                    f"row {row}: {name} {number} needs {count} consecutive {name} tokens "
                     f"at position {index}"
                 )
             grid = np.indices((frames, rows, columns)).reshape(3, -1)
+            grid[0] = np.asarray(temporal(number, frames), dtype=np.int64)[grid[0]]
             positions[:, row, index : index + count] = grid + current
             current += max(rows, columns)
             index += count
-    if next_grid != len(grids):
-        raise ValueError(
-            f"image_grid_thw describes {len(grids)} images but the tokens hold {next_grid}"
-        )
+    for kind, (grids, _) in kinds.items():
+        if used[kind] != len(grids):
+            name = "image" if kind == image_token_id and image_grid_thw is not None else "video"
+            raise ValueError(
+                f"the {name} grids describe {len(grids)} {name}s but the tokens hold {used[kind]}"
+            )
     return torch.from_numpy(positions).to(tokens.device)
 
 
@@ -249,27 +299,60 @@ class VisionLanguageDecoder(TransformerDecoder):
         if not bool((input_pos[:, 0] == 0).all()):
             raise ValueError("with KV caches, images come in the prefill: rows starting at slot 0")
 
+    def video_spans(
+        self, video_grid_thw: torch.Tensor | None, second_per_grid_ts: torch.Tensor | None = None
+    ) -> VideoSpans | None:
+        """The runs of video tokens of a batch's videos, as this family lays them out.
+
+        Qwen2.5-VL: one run per video, its frame pairs ``tokens_per_second *
+        second_per_grid_ts`` positions apart (1 second a pair when not given, as transformers).
+        Qwen3-VL: its processor writes each pair's timestamp before it, so each pair is a run
+        positioned as a one-frame image.
+
+        Args:
+            video_grid_thw: long ``[videos, 3]``; None for no videos.
+            second_per_grid_ts: ``[videos]`` seconds per frame pair (Qwen2.5-VL).
+        """
+        if video_grid_thw is None:
+            return None
+        vision = self.args.vision
+        if vision.layout == "qwen3_vl":
+            grids = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+            grids[:, 0] = 1
+            return VideoSpans(vision.video_token_id, grids)
+        seconds = (
+            torch.ones(video_grid_thw.shape[0])
+            if second_per_grid_ts is None
+            else torch.as_tensor(second_per_grid_ts, dtype=torch.float32).cpu()
+        )
+        return VideoSpans(vision.video_token_id, video_grid_thw, vision.tokens_per_second * seconds)
+
     def _cached_positions(
         self,
         tokens: torch.Tensor,
         image_grid_thw: torch.Tensor | None,
         input_pos: torch.Tensor,
+        videos: VideoSpans | None = None,
     ) -> torch.Tensor:
         """M-RoPE positions ``[3, batch, seq]`` of a forward with KV caches (generation).
 
-        A forward with images is a prefill (the prompts from slot 0): the positions are the
-        training forward's, and each row's offset between slot and position after its prompt
-        (``max position + 1 - seq``, transformers' ``rope_deltas``; 0 for a text row) goes in
-        the caches (``KVCache.position_offsets``, which follow the rows the engine keeps). Any
-        other cached forward (the decode steps) sits at its slots plus that offset, on all
-        three axes.
+        A forward with images or videos is a prefill (the prompts from slot 0): the positions
+        are the training forward's, and each row's offset between slot and position after its
+        prompt (``max position + 1 - seq``, transformers' ``rope_deltas``; 0 for a text row)
+        goes in the caches (``KVCache.position_offsets``, which follow the rows the engine
+        keeps). Any other cached forward (the decode steps) sits at its slots plus that
+        offset, on all three axes.
         """
         vision = self.args.vision
         caches = [attention.kv_cache for attention in self._attentions()]
-        if image_grid_thw is not None:
+        if image_grid_thw is not None or videos is not None:
             self._start_of_prompts(input_pos)
             positions = multimodal_positions(
-                tokens, image_grid_thw, vision.image_token_id, vision.spatial_merge_size
+                tokens,
+                image_grid_thw,
+                vision.image_token_id,
+                vision.spatial_merge_size,
+                videos=videos,
             )
             offsets = positions.amax(dim=(0, 2)) + 1 - tokens.shape[1]
             for cache in caches:
@@ -279,42 +362,83 @@ class VisionLanguageDecoder(TransformerDecoder):
         flat = input_pos if offsets is None else input_pos + offsets[:, None]
         return flat[None].expand(3, *flat.shape)
 
+    def _visual(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        token_id: int,
+        pixels: torch.Tensor | None,
+        grid_thw: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """``h`` with the tower's embeddings of ``pixels`` in the ``token_id`` tokens.
+
+        Returns:
+            ``(h, mask, deepstack)``: the embeddings, where the tokens are, and their
+            deepstack features (empty without pixels).
+        """
+        mask = tokens == token_id
+        name = "image" if token_id == self.args.vision.image_token_id else "video"
+        if pixels is None:
+            if bool(mask.any()):
+                given = "pixel_values" if name == "image" else "pixel_values_videos"
+                raise ValueError(
+                    f"the tokens hold {name} tokens but no {given} were given (a batch "
+                    "collated without them: use tunelab.data.sft_collate)"
+                )
+            return h, mask, []
+        features, deepstack = self.visual(pixels, grid_thw)
+        if int(mask.sum()) != features.shape[0]:
+            raise ValueError(
+                f"{int(mask.sum())} {name} tokens but the {name}s give {features.shape[0]} "
+                "embeddings"
+            )
+        return h.masked_scatter(mask[..., None], features.to(h.dtype)), mask, deepstack
+
     def embed(
         self,
         tokens: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Token embeddings with each image's embeddings in its image tokens.
+        """Token embeddings with each image's and video's embeddings in their tokens.
 
         Args:
             tokens: long ``[batch, seq]``.
             pixel_values: ``[patches, patch_features]`` of the batch's images, in order.
             image_grid_thw: long ``[images, 3]``.
+            pixel_values_videos: ``[patches, patch_features]`` of the batch's videos, in order.
+            video_grid_thw: long ``[videos, 3]``.
 
         Returns:
             ``([batch, seq, dim], deepstack)``: the embeddings, and the tower's deepstack
-            features (``[image tokens, dim]`` each, for the first layers; Qwen3-VL) or ``[]``.
+            features (``[image and video tokens, dim]`` each, in sequence order, for the first
+            layers; Qwen3-VL) or ``[]``.
 
         Raises:
-            ValueError: the image tokens do not match the images' sizes.
+            ValueError: the image or video tokens do not match the pixels' sizes.
         """
+        vision = self.args.vision
         h = self.model.embed_tokens(tokens)
-        if pixel_values is None:
-            if bool((tokens == self.args.vision.image_token_id).any()):
-                raise ValueError(
-                    "the tokens hold image tokens but no pixel_values were given (a batch "
-                    "collated without its images: use tunelab.data.sft_collate)"
-                )
-            return h, []
-        images, deepstack = self.visual(pixel_values, image_grid_thw)
-        is_image = tokens == self.args.vision.image_token_id
-        if int(is_image.sum()) != images.shape[0]:
-            raise ValueError(
-                f"{int(is_image.sum())} image tokens but the images give {images.shape[0]} "
-                "embeddings"
-            )
-        return h.masked_scatter(is_image[..., None], images.to(h.dtype)), deepstack
+        h, is_image, image_deep = self._visual(
+            h, tokens, vision.image_token_id, pixel_values, image_grid_thw
+        )
+        h, is_video, video_deep = self._visual(
+            h, tokens, vision.video_token_id, pixel_values_videos, video_grid_thw
+        )
+        if not (image_deep and video_deep):
+            return h, image_deep or video_deep
+        # Both: each layer's features over the visual tokens in sequence order.
+        visual = is_image | is_video
+        image_at, video_at = is_image[visual], is_video[visual]
+        joint = []
+        for image_part, video_part in zip(image_deep, video_deep, strict=True):
+            merged = image_part.new_zeros(int(visual.sum()), image_part.shape[-1])
+            merged[image_at] = image_part
+            merged[video_at] = video_part.to(merged.dtype)
+            joint.append(merged)
+        return h, joint
 
     def forward(
         self,
@@ -322,19 +446,27 @@ class VisionLanguageDecoder(TransformerDecoder):
         *,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
         **unsupported: object,
     ) -> torch.Tensor:
-        """Compute next-token logits of rows that may hold images.
+        """Compute next-token logits of rows that may hold images and videos.
 
         Args:
             tokens: long ``[batch, seq]``; an image is ``t * h * w / merge_unit`` consecutive
-                image tokens (the image processor gives the count).
+                image tokens (the image processor gives the count), a video likewise in video
+                tokens (Qwen3-VL: ``h * w / merge_unit`` per frame pair, text between pairs).
             pixel_values: ``[patches, patch_features]`` of the batch's images, row after row.
             image_grid_thw: long ``[images, 3]`` of those images.
+            pixel_values_videos: ``[patches, patch_features]`` of the batch's videos.
+            video_grid_thw: long ``[videos, 3]`` of those videos (frame pairs, rows, columns).
+            second_per_grid_ts: ``[videos]`` seconds per frame pair (Qwen2.5-VL's temporal
+                positions; None: 1); Qwen3-VL ignores it (its timestamps are in the text).
             document_ids: ``[batch, seq]`` of packed rows (see ``TransformerDecoder``); an
                 image lies inside one document.
             positions: long ``[3, batch, seq]`` M-RoPE positions; None computes them
@@ -352,16 +484,21 @@ class VisionLanguageDecoder(TransformerDecoder):
             Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
 
         Raises:
-            ValueError: unsupported arguments, or image tokens that do not match the images.
+            ValueError: unsupported arguments, or image or video tokens that do not match
+                the pixels.
         """
         self._refuse_unsupported(tokens, unsupported, document_ids, input_pos)
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw go together")
+        if (pixel_values_videos is None) != (video_grid_thw is None):
+            raise ValueError("pixel_values_videos and video_grid_thw go together")
         vision = self.args.vision
+        videos = self.video_spans(video_grid_thw, second_per_grid_ts)
         cached = self.caches_are_enabled()
         if cached and positions is None:
-            positions = self._cached_positions(tokens, image_grid_thw, input_pos)
-        if positions is None and input_pos is not None and pixel_values is None:
+            positions = self._cached_positions(tokens, image_grid_thw, input_pos, videos)
+        has_pixels = pixel_values is not None or videos is not None
+        if positions is None and input_pos is not None and not has_pixels:
             positions = input_pos[None].expand(3, *input_pos.shape)
         if positions is None:
             positions = multimodal_positions(
@@ -370,8 +507,11 @@ class VisionLanguageDecoder(TransformerDecoder):
                 vision.image_token_id,
                 vision.spatial_merge_size,
                 document_ids,
+                videos,
             )
-        h, deepstack = self.embed(tokens, pixel_values, image_grid_thw)
+        h, deepstack = self.embed(
+            tokens, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
         if cached:  # dense masks over the cache's slots (a query sees those up to its own)
             masks = self._layer_masks(None, input_pos, tokens.shape[1])
         else:
@@ -380,12 +520,14 @@ class VisionLanguageDecoder(TransformerDecoder):
         cos, sin = multimodal_rotary(
             inv_freq, positions, self.args.mrope_section, h.dtype, self.args.mrope_interleaved
         )
-        is_image = tokens == vision.image_token_id
+        is_visual = tokens == vision.image_token_id
+        if pixel_values_videos is not None:
+            is_visual = is_visual | (tokens == vision.video_token_id)
         for index, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, masks[FULL], input_pos)
             if index < len(deepstack):
-                # Deepstack: the k-th feature is added at the image tokens after layer k.
-                added = h[is_image] + deepstack[index].to(h.dtype)
-                h = h.masked_scatter(is_image[..., None], added)
+                # Deepstack: the k-th feature is added at the visual tokens after layer k.
+                added = h[is_visual] + deepstack[index].to(h.dtype)
+                h = h.masked_scatter(is_visual[..., None], added)
         h = self.model.norm(h)
         return h if return_hidden else self.output(h)

@@ -49,6 +49,16 @@ def output_layer(model: nn.Module) -> OutputLayer:
     return OutputLayer(output, trainable, model.args.vocab_size)
 
 
+VISUAL_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+"""A vision-language batch's inputs beside its tokens (images, videos), passed as they are."""
+
+
 def forward(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
@@ -84,12 +94,12 @@ def forward(
             context_parallel=context,
             **routing,
         )
-    if "pixel_values" in batch:
-        # Images (a vision-language model): it computes its own M-RoPE positions.
+    visual = {key: batch[key] for key in VISUAL_INPUTS if key in batch}
+    if visual:
+        # Images or videos (a vision-language model): it computes its own M-RoPE positions.
         return model(
             batch["tokens"],
-            pixel_values=batch["pixel_values"],
-            image_grid_thw=batch["image_grid_thw"],
+            **visual,
             document_ids=batch.get("document_ids"),
             return_hidden=hidden,
         )

@@ -103,7 +103,7 @@ def shared_prompt_forward(
     reason = _unsupported(model)
     if reason is None and ("document_ids" in batch or "input_pos" in batch):
         reason = "packed batches"
-    if reason is None and "pixel_values" in batch:
+    if reason is None and ("pixel_values" in batch or "pixel_values_videos" in batch):
         reason = "image batches"
     if reason is not None:
         if reason not in _said:
