@@ -18,7 +18,18 @@ the 4 micro-batches (1e-5), and a run killed after its step-2 checkpoint resumes
 layout exactly (every later metric and the export bit for bit); the Qwen3-MoE export is the
 FSDP run's bytes in that layout too. HSDP 2 x 2 with the same expert groups trains as one
 process and resumes exactly in that layout.
+
+Tensor and expert parallelism together (``tensor_parallel_size=2`` with
+``expert_parallel_size=2`` on the same 2 processes: attention split by heads, each rank's
+half of the sequence routed to the experts by all-to-all): the Mixtral trains as one process
+at the same micro-batches, router loss included (1e-5), each rank's checkpoint holds only its
+own experts and heads, and its step-2 checkpoint resumes exactly under plain FSDP on 2
+processes; the Qwen3-MoE (q/k norms, a dense MLP layer) gives one process's losses, gradient
+norms and router loss, and exports the FSDP run's bytes. FSDP 2 x TP 2 with EP 2 on 4
+processes trains the Mixtral as one process.
 """
+
+import json
 
 import pytest
 
@@ -48,6 +59,12 @@ RUN = (
 EXPERT_PARALLEL = "parallelism.expert_parallel_size=2"
 ONE_PROCESS = "schedule.gradient_accumulation_steps=2"  # the 2 processes' micro-batches
 RESUME = "checkpoint.resume_from_checkpoint=true"
+TENSOR_AND_EXPERT = ("parallelism.tensor_parallel_size=2", EXPERT_PARALLEL)
+# The Qwen3-MoE runs keep the weights as loaded, so exports compare byte for byte: lr 1e-30
+# alone moves weights that are exactly 0 (the pad token's embedding row) by ~1e-30, by
+# amounts that depend on the batch and the summation order; with eps 1e20 every Adam update
+# rounds to 0.
+FROZEN = ("optimizer.lr=1e-30", "optimizer.eps=1e20")
 METRICS = ("loss", "grad_norm", "router_aux_loss")
 
 
@@ -171,30 +188,41 @@ def test_lora_on_split_experts_trains_as_one_process(tmp_path):
     assert_same_exports(tmp_path / "split", tmp_path / "one", atol=1e-4)
 
 
-def test_qwen3_moe_split_experts_export_the_fsdp_runs_bytes(tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """The tiny Qwen3-MoE (``base``) and its FSDP run on 2 processes (``fsdp``), 2 steps with
+    the weights kept as loaded (``FROZEN``): the folder holding both."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3MoeConfig"):
         pytest.skip("this transformers has no Qwen3-MoE")
-    build_tiny_qwen3_moe(tmp_path / "base")
-    same = (f"model.path={tmp_path / 'base'}", "schedule.max_steps_per_epoch=2")
-    # The weights stay as loaded, so the exports must be equal: lr 1e-30 alone moves weights
-    # that are exactly 0 (the pad token's embedding row) by ~1e-30, by amounts that depend on
-    # the batch and the summation order; with eps 1e20 every Adam update rounds to 0.
-    frozen = ("optimizer.lr=1e-30", "optimizer.eps=1e20")
-    _run(tmp_path / "split", *same, *frozen, EXPERT_PARALLEL)
-    _run(tmp_path / "fsdp", *same, *frozen)
-    # Experts in groups of 2 on 4 processes (each expert held twice, written once; 4 samples
-    # a step against the others' 2: only the exports compare).
-    _run(tmp_path / "groups", *same, *frozen, EXPERT_PARALLEL, nproc=4)
-    _assert_same_steps(_steps(tmp_path / "split"), _steps(tmp_path / "fsdp"), [1, 2])
-    exported = sorted(path.name for path in (tmp_path / "fsdp" / "epoch_0").iterdir())
+    root = tmp_path_factory.mktemp("qwen3_moe")
+    build_tiny_qwen3_moe(root / "base")
+    _run(root / "fsdp", *_qwen3(root), *FROZEN)
+    return root
+
+
+def _qwen3(root) -> tuple[str, ...]:
+    return (f"model.path={root / 'base'}", "schedule.max_steps_per_epoch=2")
+
+
+def _assert_same_export_bytes(out, reference):
+    exported = sorted(path.name for path in (reference / "epoch_0").iterdir())
     assert "model.safetensors" in exported
     for name in exported:
         if name.endswith((".safetensors", ".json")) and name != "tunelab_manifest.json":
-            expected = (tmp_path / "fsdp" / "epoch_0" / name).read_bytes()
-            for layout in ("split", "groups"):
-                ours = (tmp_path / layout / "epoch_0" / name).read_bytes()
-                assert ours == expected, (layout, name)
+            ours = (out / "epoch_0" / name).read_bytes()
+            assert ours == (reference / "epoch_0" / name).read_bytes(), (out.name, name)
+
+
+def test_qwen3_moe_split_experts_export_the_fsdp_runs_bytes(qwen3_moe, tmp_path):
+    fsdp = qwen3_moe / "fsdp"
+    _run(tmp_path / "split", *_qwen3(qwen3_moe), *FROZEN, EXPERT_PARALLEL)
+    # Experts in groups of 2 on 4 processes (each expert held twice, written once; 4 samples
+    # a step against the others' 2: only the exports compare).
+    _run(tmp_path / "groups", *_qwen3(qwen3_moe), *FROZEN, EXPERT_PARALLEL, nproc=4)
+    _assert_same_steps(_steps(tmp_path / "split"), _steps(fsdp), [1, 2])
+    for layout in ("split", "groups"):
+        _assert_same_export_bytes(tmp_path / layout, fsdp)
 
 
 def test_a_size_that_does_not_divide_the_processes_stops_the_run_with_one_line(tmp_path):
@@ -202,3 +230,70 @@ def test_a_size_that_does_not_divide_the_processes_stops_the_run_with_one_line(t
     assert result.returncode != 0
     line = "parallelism.expert_parallel_size: 3 does not divide the 2 processes of this run"
     assert line in result.stderr and "Traceback" not in result.stderr
+
+
+# -- tensor and expert parallelism together ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tensor_and_expert(tmp_path_factory):
+    """The Mixtral with TP 2 and EP 2 on the same 2 processes: one sample stream, so 2
+    accumulated micro-batches, the global batch of ``mixtral_runs`` (2 x 1, 1 x 2)."""
+    out = tmp_path_factory.mktemp("tensor_and_expert") / "run"
+    _run(out, *TENSOR_AND_EXPERT, ONE_PROCESS)
+    return out
+
+
+def test_tp2_x_ep2_trains_as_one_process(tensor_and_expert, mixtral_runs):
+    _, one = mixtral_runs
+    _assert_trains_as_one_process((tensor_and_expert, one))
+    assert_same_exports(tensor_and_expert, one, atol=1e-4)  # Adam, as above
+
+
+def test_tp2_x_ep2_ranks_save_only_their_experts_and_heads(tensor_and_expert):
+    # The step-2 checkpoint as DCP wrote it: which rank's file holds which rows of each
+    # weight. Rank r wrote experts 2r, 2r+1 of every layer (4 experts) and the q_proj rows of
+    # its 2 heads (4 x 32 rows), nothing else of them.
+    metadata = json.loads((tensor_and_expert / "step_2" / ".metadata.json").read_text())
+    written: dict[str, dict[int, list]] = {}
+    for fqn, offsets, _, file, *_ in metadata["items"]:
+        written.setdefault(fqn, {}).setdefault(int(file.split("_")[2]), []).append(offsets)
+    experts = [fqn for fqn in written if fqn.endswith(("experts.gate_up_proj", "experts.down_proj"))]  # fmt: skip
+    queries = [fqn for fqn in written if fqn.endswith("self_attn.q_proj.weight")]
+    assert len(experts) == 2 * 3 and len(queries) == 3, sorted(written)
+    for fqn in experts:
+        assert written[fqn] == {0: [[0, 0, 0]], 1: [[2, 0, 0]]}, fqn
+        assert [sizes for _, sizes in metadata["tensors"][fqn]["chunks"]][0][0] == 2
+    for fqn in queries:
+        assert written[fqn] == {0: [[0, 0]], 1: [[64, 0]]}, fqn
+
+
+def test_tp2_x_ep2_checkpoint_resumes_under_fsdp2(tensor_and_expert, tmp_path):
+    # Saved with attention split by heads and the experts by owner, resumed under plain FSDP
+    # on 2 processes (1 micro-batch each: the same global batch, the same micro-batches).
+    out = interrupted_copy(tensor_and_expert, tmp_path / "to_fsdp", after_step=2)
+    _run(out, RESUME)
+    _assert_same_steps(_steps(out), _steps(tensor_and_expert), [3])
+    assert sorted(_steps(out)) == [3]
+
+
+def test_qwen3_moe_tp2_x_ep2_trains_as_one_process_and_exports_the_fsdp_runs_bytes(
+    qwen3_moe, tmp_path
+):
+    # q/k norms over each rank's heads, a dense MLP layer split column/row-wise among the MoE
+    # layers; 2 accumulated micro-batches against the FSDP run's 2 x 1 and 1 process's 1 x 2.
+    out, one = tmp_path / "tp_ep", tmp_path / "one"
+    _run(out, *_qwen3(qwen3_moe), *FROZEN, *TENSOR_AND_EXPERT, ONE_PROCESS)
+    _run(one, *_qwen3(qwen3_moe), *FROZEN, ONE_PROCESS, nproc=1)
+    ours = _steps(out)
+    assert sorted(ours) == [1, 2] and all(row["router_aux_loss"] > 0 for row in ours.values())
+    _assert_same_steps(ours, _steps(one), [1, 2])
+    _assert_same_export_bytes(out, qwen3_moe / "fsdp")
+
+
+def test_fsdp2_x_tp2_with_ep2_on_four_processes_trains_as_one_process(mixtral_runs, tmp_path):
+    # World mesh (shard 2, tp 2); the experts' (replicate 2, ep 2): ranks 0 and 1 (one tp
+    # group, one sample stream) hold experts 0, 1 and 2, 3, and so do ranks 2 and 3.
+    _, one = mixtral_runs
+    _run(tmp_path / "run", *TENSOR_AND_EXPERT, nproc=4)
+    _assert_trains_as_one_process((tmp_path / "run", one))

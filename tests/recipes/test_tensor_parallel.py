@@ -209,6 +209,25 @@ def test_sizes_and_families_tensor_parallelism_cannot_split_are_refused(changes,
         check_tensor_parallel(_model(**changes), size)
 
 
+def test_a_mixture_of_experts_needs_its_experts_split_and_adapters_on_attention_only():
+    # Tensor parallelism splits an MoE model's attention; its experts must be split by expert
+    # parallelism first (shard_experts sets each layer's exchange: a stand-in here), and
+    # the experts' width is not the dense intermediate size it checks.
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_dim": 16, "intermediate_dim": 63}  # fmt: skip
+    with pytest.raises(ConfigError, match="needs its experts split by parallelism.expert_parallel_size"):  # fmt: skip
+        check_tensor_parallel(_model(**moe), 2)
+    for targets in (["q_proj", "o_proj"], ["q_proj", "experts.down_proj"], ["gate"]):
+        model = _model(**moe)
+        with torch.device("meta"):
+            apply_lora(model, LoRAArgs(targets=targets))
+        model.layers[0].mlp.experts.expert_parallel = object()
+        if targets == ["q_proj", "o_proj"]:
+            check_tensor_parallel(model, 2)
+        else:
+            with pytest.raises(ConfigError, match="adapters on the experts or the router are not built yet"):  # fmt: skip
+                check_tensor_parallel(model, 2)
+
+
 def test_an_adapter_on_lm_head_is_refused_and_dora_with_dropout_accepted():
     for lora in (LoRAArgs(targets=["lm_head"]), LoRAArgs(targets=["q_proj", "o_proj"], use_dora=True, dropout=0.1)):  # fmt: skip
         model = _model()

@@ -97,11 +97,13 @@ def _worker(rank: int, world_size: int, init_file: str, references: dict) -> Non
             # HSDP: the experts' mesh is the same (replicate, ep) one.
             hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
             assert tuple(expert_parallel_mesh(2, cpu, hsdp).shape) == (2, 2)
+            # With tensor parallelism an expert group holds whole tp groups.
             with pytest.raises(ConfigError) as error:
-                expert_parallel_mesh(2, cpu, None, tensor_parallel_size=2)
+                expert_parallel_mesh(2, cpu, None, tensor_parallel_size=4)
             assert str(error.value) == (
-                "parallelism.expert_parallel_size: 2 with parallelism.tensor_parallel_size: 2 "
-                "is not built yet: experts are split under FSDP or HSDP only"
+                "parallelism.expert_parallel_size: 2 is not a multiple of "
+                "parallelism.tensor_parallel_size: 4: an expert group must hold whole "
+                "tensor-parallel groups"
             )
         dist.barrier()
     finally:

@@ -144,9 +144,9 @@ class ModelParallelismArgs(ParallelismArgs):
     """Parallelism of the recipes that can also split the model's matmuls and experts."""
 
     expert_parallel_size: AtLeastOne = 1
-    """Expert parallelism: consecutive processes each MoE layer's experts are split over, whole experts each, tokens sent to them by all-to-all instead of gathering the experts; it must divide the processes and the experts, and processes / expert_parallel_size groups then hold the same experts, their gradients summed (1: off; with data_parallel_replicate_size 1 and tensor_parallel_size 1 only, the other weights FSDP-sharded over every process)."""
+    """Expert parallelism: consecutive processes each MoE layer's experts are split over, whole experts each, tokens sent to them by all-to-all instead of gathering the experts; it must divide the processes and the experts, and processes / expert_parallel_size groups then hold the same experts, their gradients summed (1: off). The other weights stay FSDP's or HSDP's; with tensor_parallel_size > 1 it must be a multiple of it (attention split by heads, each rank's part of the sequence routed to the experts)."""
     tensor_parallel_size: AtLeastOne = 1
-    """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x tensor_parallel_size (1: off)."""
+    """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x tensor_parallel_size (1: off). A mixture-of-experts model needs expert_parallel_size too: its experts are not split by tensor parallelism."""
 
 
 @dataclass(kw_only=True)

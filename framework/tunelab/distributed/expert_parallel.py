@@ -44,6 +44,24 @@ global token count, and FSDP2 averages over ranks; an owned expert's gradient ar
 over the ``N`` ranks of its group whose tokens it served, and the ``R`` replicas hold the sums
 of the other groups: the sum over replicas divided by ``W`` is FSDP's average
 (``ExpertParallel.local``).
+
+With tensor parallelism (``T`` ranks splitting each matmul, ``tunelab.distributed.tensor_parallel``)
+the experts take no part in the split: attention's output leaves each tp rank with its own
+``seq / T`` tokens of the same samples (sequence parallelism), the router runs on them, and
+they travel to their experts as above. An expert group is then ``N / T`` whole tp groups of
+consecutive ranks (``N`` a multiple of ``T``: the ep dimension borrows the tp ranks and some
+data-parallel ones, as torchtitan's ``ep = dp_shard_in_ep x tp``)::
+
+    W = 4, T = 2, N = 2 (FSDP 2 x tp 2):      tp ->
+                                      shard [[0, 1],   ranks 0 and 1: one sample stream,
+                                        |    [2, 3]]   attention split by heads; their tokens
+                                        v              (half the sequence each) go to experts
+                                                       0..E/2-1 on rank 0, E/2..E-1 on rank 1
+    the expert mesh (replicate 2, ep 2): [[0, 1], [2, 3]], the same groups
+
+Each rank's objective then carries ``W / T``, the data-parallel size ``D`` (the tp ranks count
+each token ``T`` times: ``tunelab.distributed.tensor_parallel.tensor_parallel_size``), and an
+expert's gradient is divided by ``D`` instead of ``W``.
 """
 
 import math
@@ -139,10 +157,16 @@ class ExpertParallel:
         mesh: The mesh the experts are split over: 1-D (``Shard(0)``, every process) or 2-D
             ``(replicate, ep)`` (``(Replicate(), Shard(0))``, ``expert_parallel_mesh``).
         num_experts: Experts per MoE layer (``E``), divisible by the ``ep`` size.
+        data_parallel_size: The processes reading different samples, ``D``, which each
+            rank's objective is scaled by (None: every process of ``mesh``; with tensor
+            parallelism the processes over the tp size).
     """
 
-    def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, num_experts: int, data_parallel_size: int | None = None
+    ) -> None:
         self.mesh = mesh
+        self.data_parallel_size = data_parallel_size or mesh.size()
         self.group = mesh.get_group(mesh.ndim - 1)
         """The expert group: the ranks tokens travel between."""
         self.replicas = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -158,17 +182,19 @@ class ExpertParallel:
         self.traffic = ExpertTraffic()
 
     def local(self, weight: DTensor) -> torch.Tensor:
-        """This rank's experts of ``weight``; its gradient summed over replicas, over ``W``.
+        """This rank's experts of ``weight``; its gradient summed over replicas, over ``D``.
 
         The gradient arrives summed over the ranks of the expert group whose tokens the
-        experts served, each rank's objective scaled by the world size ``W`` (FSDP2 averages
-        over ranks); summed over the replicas (the other groups' tokens) and divided by
-        ``W`` it is FSDP's average. Done here, not by a hook on the parameter, because
-        materialising the meta model replaces the parameter objects.
+        experts served, each rank's objective scaled by the data-parallel size ``D`` (the
+        world size without tensor parallelism; FSDP2 averages over the data-parallel ranks);
+        summed over the replicas (the other groups' tokens) and divided by ``D`` it is
+        FSDP's average. Done here, not by a hook on the parameter, because materialising the
+        meta model replaces the parameter objects.
         """
         if not weight.requires_grad:  # frozen (LoRA, QLoRA's NF4 experts): no gradient
             return weight.to_local()
-        return _ExpertGradient.apply(weight.to_local(), 1.0 / self.mesh.size(), self.replicas)
+        scale = 1.0 / self.data_parallel_size
+        return _ExpertGradient.apply(weight.to_local(), scale, self.replicas)
 
     def run(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
         """Send ``rows`` to their experts' owners, apply ``compute`` there, bring the rows back.
@@ -217,17 +243,20 @@ def expert_parallel_mesh(
             FSDP over every process, or HSDP's ``(replicate, shard)``: either way FSDP2
             averages the other weights' gradients over every process, as the experts' exchange
             assumes.
-        tensor_parallel_size: ``parallelism.tensor_parallel_size``; above 1 is refused (not
-            built yet).
+        tensor_parallel_size: ``parallelism.tensor_parallel_size``, ``T``: ``N`` must be a
+            multiple of it, so an expert group is whole tp groups (their ranks hold different
+            tokens of the same samples).
 
     Returns:
-        None when ``N`` is 1; with ``N`` all ``W`` processes the 1-D mesh of them (also to be
-        given to FSDP2); with fewer the 2-D ``(replicate, ep)`` mesh of ``W / N`` groups of
-        ``N`` consecutive ranks (FSDP2 then shards the other weights over every process).
+        None when ``N`` is 1; with ``N`` all ``W`` processes the 1-D mesh of them (without
+        tensor parallelism also to be given to FSDP2); with fewer the 2-D
+        ``(replicate, ep)`` mesh of ``W / N`` groups of ``N`` consecutive ranks (FSDP2 then
+        shards the other weights over every process, or over the data-parallel ranks of the
+        tensor-parallel world mesh).
 
     Raises:
         ConfigError: One line naming the numbers: the size does not divide the processes, or
-            tensor parallelism is on.
+            is not a multiple of the tensor-parallel size.
     """
     if expert_parallel_size == 1:
         return None
@@ -235,13 +264,15 @@ def expert_parallel_mesh(
     what = f"parallelism.expert_parallel_size: {expert_parallel_size}"
     if world_size % expert_parallel_size:
         raise ConfigError(f"{what} does not divide the {world_size} processes of this run")
-    if tensor_parallel_size > 1:
+    if expert_parallel_size % tensor_parallel_size:
         raise ConfigError(
-            f"{what} with parallelism.tensor_parallel_size: {tensor_parallel_size} is not built "
-            "yet: experts are split under FSDP or HSDP only"
+            f"{what} is not a multiple of parallelism.tensor_parallel_size: "
+            f"{tensor_parallel_size}: an expert group must hold whole tensor-parallel groups"
         )
     if expert_parallel_size == world_size:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+        # Without tensor parallelism FSDP2 shards the other weights over this mesh too.
+        name = "shard" if tensor_parallel_size == 1 else EXPERT_DIM
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=(name,))
     return init_device_mesh(
         device.type,
         (world_size // expert_parallel_size, expert_parallel_size),
@@ -249,7 +280,9 @@ def expert_parallel_mesh(
     )
 
 
-def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+def shard_experts(
+    model: nn.Module, mesh: DeviceMesh, *, data_parallel_size: int | None = None
+) -> set[nn.Parameter]:
     """Split every MoE layer's experts over ``mesh`` and route their tokens by all-to-all.
 
     Each expert weight (and bias) becomes a ``DTensor`` ``Shard(0)`` over ``mesh`` (``(Replicate(),
@@ -260,7 +293,10 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     Args:
         model: A decoder, before ``shard_model``.
         mesh: ``expert_parallel_mesh``'s: 1-D (every process, the mesh ``shard_model`` is
-            then given) or 2-D ``(replicate, ep)``.
+            then given without tensor parallelism) or 2-D ``(replicate, ep)``.
+        data_parallel_size: The processes reading different samples (None: every process of
+            ``mesh``; with tensor parallelism the processes over the tp size), which the
+            experts' gradients are divided by (``ExpertParallel.local``).
 
     Returns:
         The expert parameters, for FSDP2 to ignore.
@@ -287,7 +323,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             f"parallelism.expert_parallel_size: {size} does not divide the model's "
             f"{num_experts} experts"
         )
-    exchange = ExpertParallel(mesh, num_experts)
+    exchange = ExpertParallel(mesh, num_experts, data_parallel_size)
     owned: set[nn.Parameter] = set()
     for layer in layers:
         for name, param in list(layer.named_parameters(recurse=False)):

@@ -19,6 +19,14 @@ sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198
   ``[tokens, vocab]`` logits are never gathered. Without the chunked loss (generation,
   ``chunked_output: false``) ``lm_head`` gathers the logits. A sequence classifier's small
   head (a reward model's ``score``) is replicated and reads the gathered sequence.
+- a mixture-of-experts layer (``qwen3_moe``, ``mixtral``) needs its experts split by expert
+  parallelism (``tunelab.distributed.expert_parallel``, with ``expert_parallel_size`` a
+  multiple of N): its input is not gathered, each rank routes its own ``seq / N`` tokens with
+  the router whole on every rank (its weight's gradient summed over the ranks by DTensor),
+  and the tokens travel to their experts' owners by all-to-all and back, staying split over
+  the sequence. The router loss's statistics are summed over the tp ranks
+  (``sequence_parallel_tokens``), so they are those of the whole rows. Dense layers of an
+  MoE model (Qwen3-MoE's ``mlp_only_layers``) are split as above.
 - LoRA adapters follow their base: under a column-wise base ``A`` is replicated (the base's
   input is) and ``B`` is split like the base's output rows; under a row-wise base ``A`` is
   split like the base's input columns and ``B`` replicated, its input being a partial sum.
@@ -30,9 +38,9 @@ sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198
   ``LoRALinear.reset_lora_parameters``). Adapter dropout draws the whole input's mask on
   every rank and keeps its part (``LoRALinear._dropout``): the same mask on every rank.
 
-Every parameter is then a ``DTensor`` on the ``"tp"`` mesh, and FSDP2 shards them further
-over the data-parallel dimensions: checkpoints (DCP) and exports read the same full tensors
-whatever the layout.
+Every parameter is then a ``DTensor`` on the ``"tp"`` mesh (but the experts, on their own
+mesh), and FSDP2 shards them further over the data-parallel dimensions: checkpoints (DCP) and
+exports read the same full tensors whatever the layout.
 
 Sequences are padded at their end to a multiple of N (causal attention: no earlier token
 sees the padding) and the outputs cut back.
@@ -40,10 +48,12 @@ sees the padding) and the outputs cut back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,37 +70,46 @@ from torch.distributed.tensor.parallel.style import distribute_module
 
 from tunelab.errors import ConfigError
 
-__all__ = ["check_tensor_parallel", "parallelize_decoder", "tensor_parallel_output"]
+__all__ = [
+    "check_tensor_parallel",
+    "parallelize_decoder",
+    "sequence_parallel_tokens",
+    "tensor_parallel_output",
+]
 
 
 def check_tensor_parallel(model: nn.Module, size: int) -> None:
     """Refuse a model or setting tensor parallelism does not cover, with one line.
 
     Args:
-        model: The decoder, built (on the meta device) with any LoRA adapters.
+        model: The decoder, built (on the meta device) with any LoRA adapters; a mixture of
+            experts with its experts split already (``shard_experts``).
         size: ``parallelism.tensor_parallel_size``.
 
     Raises:
-        ConfigError: A size that does not divide the heads (query and key/value), the
-            intermediate size or the vocabulary; a family or adapter not covered yet.
+        ConfigError: A size that does not divide the heads (query and key/value), the dense
+            MLP's intermediate size or the vocabulary; a family or adapter not covered yet; a
+            mixture of experts whose experts are not split.
     """
     args = model.args
     setting = f"parallelism.tensor_parallel_size: {size}"
     family = f"model family {args.family!r}"
-    if args.num_experts:
-        raise ConfigError(f"{setting}: {family} is a mixture of experts; tensor parallelism covers dense models only (use parallelism.expert_parallel_size)")  # fmt: skip
+    moe_blocks = [block.mlp for block in model.layers if _is_moe(block.mlp)]
+    if any(block.experts.expert_parallel is None for block in moe_blocks):
+        raise ConfigError(f"{setting}: {family} is a mixture of experts; tensor parallelism splits its attention only, and needs its experts split by parallelism.expert_parallel_size (a multiple of {size})")  # fmt: skip
+    for block in moe_blocks:
+        if len(block.experts.lora) or _is_lora(block.gate):
+            raise ConfigError(f"{setting} with parallelism.expert_parallel_size: adapters on the experts or the router are not built yet: adapt attention only (lora.targets)")  # fmt: skip
     if args.fused_projections:
         raise ConfigError(f"{setting}: {family} fuses q/k/v and gate/up into one projection each, not split by tensor parallelism yet")  # fmt: skip
     if args.attention_sinks:
         raise ConfigError(f"{setting}: {family} has attention sinks, not split by tensor parallelism yet")  # fmt: skip
     if args.vision is not None:
         raise ConfigError(f"{setting}: {family} has a vision tower, not covered by tensor parallelism yet")  # fmt: skip
-    for name, count in (
-        ("num_attention_heads", args.num_heads),
-        ("num_key_value_heads", args.num_kv_heads),
-        ("intermediate_size", args.intermediate_dim),
-        ("vocab_size", args.vocab_size),
-    ):
+    counts = [("num_attention_heads", args.num_heads), ("num_key_value_heads", args.num_kv_heads)]
+    if len(moe_blocks) < len(model.layers):  # dense MLPs to split
+        counts.append(("intermediate_size", args.intermediate_dim))
+    for name, count in (*counts, ("vocab_size", args.vocab_size)):
         if count % size:
             raise ConfigError(
                 f"{setting} does not divide the model's {name} {count}: pick a size that "
@@ -108,7 +127,8 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
 def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split a dense decoder's matmuls over ``mesh`` (the ``"tp"`` ranks), in place.
 
-    Call it on the model built on the meta device (with its adapters), before FSDP2.
+    Call it on the model built on the meta device (with its adapters), before FSDP2; on a
+    mixture of experts after ``shard_experts``.
 
     Args:
         model: A ``TransformerDecoder``; ``check_tensor_parallel`` must accept it.
@@ -125,11 +145,17 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
             "self_attn.k_proj": _colwise(block.self_attn.k_proj),
             "self_attn.v_proj": _colwise(block.self_attn.v_proj),
             "self_attn.o_proj": _rowwise(block.self_attn.o_proj),
-            "mlp": _gather_sequence(1),
-            "mlp.gate_proj": _colwise(block.mlp.gate_proj),
-            "mlp.up_proj": _colwise(block.mlp.up_proj),
-            "mlp.down_proj": _rowwise(block.mlp.down_proj),
         }
+        if _is_moe(block.mlp):
+            # This rank's tokens stay its own: routed here, sent to their experts and back.
+            plan["mlp.gate"] = _TokenwiseReplicated()
+        else:
+            plan |= {
+                "mlp": _gather_sequence(1),
+                "mlp.gate_proj": _colwise(block.mlp.gate_proj),
+                "mlp.up_proj": _colwise(block.mlp.up_proj),
+                "mlp.down_proj": _rowwise(block.mlp.down_proj),
+            }
         norms = ["input_layernorm", "post_attention_layernorm"]
         if args.sandwich_norms:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -192,6 +218,61 @@ def tensor_parallel_output(model: nn.Module) -> tuple[Any, Any] | None:
     return forward, mesh.get_group()
 
 
+def sequence_parallel_tokens(
+    model: nn.Module, mask: torch.Tensor | None, tokens: torch.Tensor
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """What a statistic over the tokens between the blocks needs under tensor parallelism.
+
+    There each tp rank holds its own part of the sequence (the rows padded at their end to a
+    multiple of the tp size, then cut in equal consecutive parts): a mixture-of-experts
+    layer routes only those tokens (``tunelab.modules.moe.RouterStats``).
+
+    Args:
+        model: The decoder.
+        mask: bool or 0/1 ``[batch, seq]``, the tokens that count (None: every token).
+        tokens: ``[batch, seq]``, the model's input (for its shape and device).
+
+    Returns:
+        None when the model is not tensor-parallel; else ``(part, sum_over_ranks)``: ``part``
+        the mask of this rank's tokens (fp32, 0 on the padding) and ``sum_over_ranks`` a
+        sum over the tp group (collective; a copy, autograd-free).
+    """
+    mesh = getattr(model, "tensor_parallel_mesh", None)
+    if mesh is None:
+        return None
+    size = mesh.size()
+    part = torch.ones(tokens.shape, device=tokens.device) if mask is None else mask.float()
+    part = F.pad(part, (0, -part.shape[1] % size)).chunk(size, dim=1)[mesh.get_local_rank()]
+    group = mesh.get_group()
+
+    def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone()
+        dist.all_reduce(value, group=group)
+        return value
+
+    return part, sum_over_ranks
+
+
+class _TokenwiseReplicated(ParallelStyle):
+    """A small layer whole on every rank, applied to this rank's own tokens (a MoE router).
+
+    Its input rows are this rank's tokens, taken as the rank's ``Shard(0)`` part of all the
+    group's rows (each row computes on its own), so its weight's gradient, a partial sum
+    over the ranks, is summed by DTensor; its output is this rank's rows again.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition_fn: distribute_module replicates the parameters.
+        return distribute_module(
+            module, device_mesh, input_fn=_own_rows_input, output_fn=_local_head_output
+        )
+
+
+def _own_rows_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    rows = DTensor.from_local(inputs[0], mesh, [Shard(0)], run_check=False)
+    return (rows, *inputs[1:])
+
+
 class _ReplicatedHead(ParallelStyle):
     """A small output head whole on every rank, reading the whole (gathered) sequence.
 
@@ -233,6 +314,14 @@ def _colwise(module: nn.Module) -> ColwiseParallel:
 
 def _rowwise(module: nn.Module) -> RowwiseParallel:
     return _LoRARowwise(output_layouts=Shard(1)) if _is_lora(module) else RowwiseParallel(output_layouts=Shard(1))  # fmt: skip
+
+
+def _is_moe(module: nn.Module) -> bool:
+    # A mixture-of-experts feed-forward (tunelab.modules.moe.MoEBlock) by its parts: its
+    # experts carry an expert_parallel slot. Not imported: modules and distributed are one
+    # layer and import neither.
+    experts = getattr(module, "experts", None)
+    return experts is not None and hasattr(experts, "expert_parallel")
 
 
 def _is_lora(module: nn.Module) -> bool:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from tunelab.config.sections import RouterArgs, ScheduleArgs
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
 from tunelab.distributed.grad_norm import clip_grad_norm_
-from tunelab.distributed.tensor_parallel import tensor_parallel_output
+from tunelab.distributed.tensor_parallel import sequence_parallel_tokens, tensor_parallel_output
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.moe import RouterStats
@@ -166,6 +166,11 @@ class RouterLoss:
             the rows, so each rank's losses are those of the whole rows (and their logged
             values the unsplit ones), and the term is scaled by the group size, since FSDP2
             then averages over every rank of the group where the unsplit run has one.
+
+    Under tensor parallelism (a mixture of experts with its experts split) each tp rank
+    routes its own part of the sequence: the statistics are summed over the tp ranks in the
+    same way (``sequence_parallel_tokens``), the term unscaled (FSDP2 averages over the
+    data-parallel ranks only, and DTensor sums the router's gradient over the tp ranks).
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class RouterLoss:
         self.coefficient = float(coefficient) if is_moe else 0.0
         self.z_coefficient = float(router.z_loss_coef) if is_moe else 0.0
         self.context = context if context is not None and context.enabled else None
+        self._model = model
         self._device = next(model.parameters()).device
         self._sum = torch.zeros(2, dtype=torch.float64, device=self._device)
         self._count = 0
@@ -195,6 +201,9 @@ class RouterLoss:
         """A record for one micro-batch's forward, or None when disabled."""
         if not self.enabled:
             return None
+        split = sequence_parallel_tokens(self._model, batch.get("token_mask"), batch["tokens"])
+        if split is not None:  # this tp rank's tokens
+            return RouterStats(*split)
         sum_over_ranks = None if self.context is None else self.context.sum_over_group
         return RouterStats(batch.get("token_mask"), sum_over_ranks)
 

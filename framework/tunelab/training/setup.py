@@ -142,17 +142,27 @@ def build_model(
                     if name.startswith(decoder.vision_parts[part]):
                         param.requires_grad_(how == "full")
     quantized = lora is not None and lora.quantize_base == "nf4"
-    if tensor_mesh is not None:
-        # Before QLoRA's quantization: each rank then quantizes its own piece of each weight.
-        parallelize_decoder(decoder, tensor_mesh)
+    if quantized and tensor_mesh is not None and expert_mesh is not None:
+        raise ConfigError(
+            "lora.quantize_base: nf4 with parallelism.tensor_parallel_size and "
+            "parallelism.expert_parallel_size together is not built yet: use one of them"
+        )
     experts = set()
     if expert_mesh is not None:
-        experts = shard_experts(decoder, expert_mesh)
+        # The tensor-parallel ranks read the same samples: the data-parallel ones are fewer.
+        tensor_size = 1 if tensor_mesh is None else tensor_mesh.size()
+        experts = shard_experts(
+            decoder, expert_mesh, data_parallel_size=expert_mesh.size() // tensor_size
+        )
         if mesh is None:
             # FSDP2 shards the rest over every process: the experts' own mesh when they are
             # split over all of them, else its default mesh (the experts' is (replicate, ep)).
             # HSDP keeps its (replicate, shard) mesh.
             mesh = expert_mesh if expert_mesh.ndim == 1 else None
+    if tensor_mesh is not None:
+        # After the experts are split (attention only, in an MoE model); before QLoRA's
+        # quantization: each rank then quantizes its own piece of each weight.
+        parallelize_decoder(decoder, tensor_mesh)
     if quantized:
         # Each rank quantizes its own pieces: of split matmuls, of its experts.
         _quantize_base_nf4(decoder, device, mesh)
