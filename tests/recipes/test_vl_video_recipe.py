@@ -29,7 +29,8 @@ IMAGE_PART = "{% if part['type'] == 'image' or 'image' in part %}"
 VIDEO_PART = "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
 
 
-def _model_with_video_template(folder, asset):
+def model_with_video_template(folder, asset):
+    """A copy of an embedded tiny model whose chat template writes videos, and a video config."""
     shutil.copytree(assets_dir() / asset, folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
@@ -57,7 +58,8 @@ def _frames(folder, name, count, colour, size=(56, 56)):
     return files
 
 
-def _data(folder):
+def video_rows(folder):
+    """``ROWS`` chat rows with generated videos (and an image in every fourth), as a jsonl."""
     colours = {"Red": (200, 20, 20), "Green": (20, 200, 20), "Blue": (20, 20, 200)}
     rows = []
     for number in range(ROWS):
@@ -88,8 +90,8 @@ def _data(folder):
 def family(request, tmp_path_factory):
     config, asset = CONFIGS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    model = _model_with_video_template(root / "model", asset)
-    return config, model, _data(root)
+    model = model_with_video_template(root / "model", asset)
+    return config, model, video_rows(root)
 
 
 def _run(family, out, nproc, accumulation):
