@@ -171,6 +171,17 @@ PYEOF
     step expert_parallel_2gpu_full expert_parallel full full_finetune_distributed "~lora"
     step expert_parallel_2gpu_lora expert_parallel lora lora_finetune_distributed \
         "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]"
+    # Issue 45: tensor and expert parallelism on the same 2 GPUs (attention split by heads,
+    # each GPU's half of the sequence routed to the experts' owners by all-to-all) against
+    # the one-GPU full run above, which takes the same 2 micro-batches (fp32, 1e-4).
+    tensor_and_expert_parallel() {
+        "$TUNELAB" run --nproc_per_node 2 full_finetune_distributed --config tiny/moe_lora \
+            "output_dir=$OUT/tp2_ep2_full" "${COMMON[@]}" "${MOE[@]}" "~lora" \
+            schedule.gradient_accumulation_steps=2 parallelism.tensor_parallel_size=2 \
+            parallelism.expert_parallel_size=2 &&
+        same_losses "$OUT/ep1_full" "$OUT/tp2_ep2_full"
+    }
+    step tensor_and_expert_parallel_2gpu_full tensor_and_expert_parallel
 fi
 
 # 6. issue 40, item 6: the vLLM rollout engine's pieces (docs/vllm.md) on the tiny model:
