@@ -1,5 +1,6 @@
 """LoRA SFT on chat rows with videos through the real ``tunelab run``, for Qwen2.5-VL and
-Qwen3-VL: two processes equal one process with twice the accumulation.
+Qwen3-VL: two processes equal one process with twice the accumulation, and a run killed after
+step 2 and resumed on two processes gives the same losses and exports bit for bit.
 
 The embedded tiny models (``tiny_vl``, ``tiny_qwen3_vl``) are copied with a chat template that
 writes videos as the Qwen templates do; the rows are generated frames: a list of frame files
@@ -15,7 +16,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.recipes.conftest import losses_by_step, tunelab_run
+from tests.recipes.conftest import (
+    assert_same_exports,
+    interrupted_copy,
+    losses_by_step,
+    tunelab_run,
+)
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
@@ -94,14 +100,22 @@ def family(request, tmp_path_factory):
     return config, model, video_rows(root)
 
 
-def _run(family, out, nproc, accumulation):
+def _run(family, out, nproc, accumulation, *extra):
     config, model, data = family
     return tunelab_run(
         "lora_finetune_distributed", config, f"output_dir={out}", f"model.path={model}",
         f"dataset.data_files={data}", "schedule.epochs=1", f"schedule.max_steps_per_epoch={STEPS}",
-        "lr_scheduler.num_warmup_steps=0", "schedule.batch_size=2", "checkpoint.save_every_n_steps=100",
-        f"schedule.gradient_accumulation_steps={accumulation}", nproc=nproc,
+        "lr_scheduler.num_warmup_steps=0", "schedule.batch_size=2", "checkpoint.save_every_n_steps=2",
+        "checkpoint.keep_last_n_checkpoints=null",
+        f"schedule.gradient_accumulation_steps={accumulation}", *extra, nproc=nproc,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_processes(family, tmp_path_factory):
+    out = tmp_path_factory.mktemp("video_2p") / "run"
+    _run(family, out, nproc=2, accumulation=1)
+    return out
 
 
 def test_every_row_holds_its_video(family, tmp_path):
@@ -117,10 +131,17 @@ def test_every_row_holds_its_video(family, tmp_path):
     assert [len(dataset[i]["images"]) for i in range(ROWS)] == [0, 0, 0, 1] * (ROWS // 4)
 
 
-def test_two_processes_equal_one_with_twice_the_accumulation(family, tmp_path):
-    _run(family, tmp_path / "2p", nproc=2, accumulation=1)
+def test_two_processes_equal_one_with_twice_the_accumulation(family, two_processes, tmp_path):
     _run(family, tmp_path / "1p", nproc=1, accumulation=2)
-    two, one = losses_by_step(tmp_path / "2p"), losses_by_step(tmp_path / "1p")
+    two, one = losses_by_step(two_processes), losses_by_step(tmp_path / "1p")
     assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
     for step in two:
         assert abs(two[step] - one[step]) <= 1e-5, (step, two[step], one[step])
+
+
+def test_exact_resume_on_two_processes(family, two_processes, tmp_path):
+    out = interrupted_copy(two_processes, tmp_path / "run", after_step=2)
+    _run(family, out, 2, 1, "checkpoint.resume_from_checkpoint=true")
+    resumed, reference = losses_by_step(out), losses_by_step(two_processes)
+    assert sorted(resumed) == [3] and resumed[3] == reference[3], (resumed, reference)
+    assert_same_exports(out, two_processes)
