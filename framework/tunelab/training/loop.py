@@ -19,7 +19,11 @@ from torch.utils.data import DataLoader
 from tunelab.config.sections import RouterArgs, ScheduleArgs
 from tunelab.distributed import ContextParallel, all_reduce_sum, reshard
 from tunelab.distributed.grad_norm import clip_grad_norm_
-from tunelab.distributed.tensor_parallel import sequence_parallel_tokens, tensor_parallel_output
+from tunelab.distributed.tensor_parallel import (
+    sequence_parallel_tokens,
+    tensor_parallel_output,
+    tensor_parallel_size,
+)
 from tunelab.errors import DataError, TrainingError
 from tunelab.losses import OutputLayer, token_count
 from tunelab.modules.moe import RouterStats
@@ -187,7 +191,7 @@ class RouterLoss:
         self.coefficient = float(coefficient) if is_moe else 0.0
         self.z_coefficient = float(router.z_loss_coef) if is_moe else 0.0
         self.context = context if context is not None and context.enabled else None
-        self._model = model
+        self._model = model if tensor_parallel_size(model) > 1 else None
         self._device = next(model.parameters()).device
         self._sum = torch.zeros(2, dtype=torch.float64, device=self._device)
         self._count = 0
@@ -201,8 +205,8 @@ class RouterLoss:
         """A record for one micro-batch's forward, or None when disabled."""
         if not self.enabled:
             return None
-        split = sequence_parallel_tokens(self._model, batch.get("token_mask"), batch["tokens"])
-        if split is not None:  # this tp rank's tokens
+        if self._model is not None:  # tensor-parallel: this rank's tokens
+            split = sequence_parallel_tokens(self._model, batch.get("token_mask"), batch["tokens"])
             return RouterStats(*split)
         sum_over_ranks = None if self.context is None else self.context.sum_over_group
         return RouterStats(batch.get("token_mask"), sum_over_ranks)
