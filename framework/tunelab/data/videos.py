@@ -250,19 +250,18 @@ class VideoProcessing:
             ``(pixel_values_videos, grid)``: float32 ``[patches, channels *
             temporal_patch_size * patch_size**2]`` and ``(frame pairs, patch rows, columns)``.
         """
-        data = torch.from_numpy(np.stack([np.asarray(frame) for frame in frames]))
-        data = data.permute(0, 3, 1, 2).contiguous()  # [frames, 3, H, W] uint8
+        # [frames, 3, H, W] viewed from the stacked [frames, H, W, 3] bytes (channels last:
+        # torch's uint8 resize is fastest so, and gives the same bytes as on a contiguous copy).
+        stacked = np.stack([np.asarray(frame) for frame in frames])
+        data = torch.from_numpy(stacked).permute(0, 3, 1, 2)
         height, width = self.resized_size(len(frames), data.shape[2], data.shape[3])
         if (height, width) != tuple(data.shape[2:]):
             data = F.interpolate(
                 data, size=[height, width], mode="bicubic", align_corners=False, antialias=True
             )
-        mean = torch.tensor(self.image_mean) * 255.0
-        std = torch.tensor(self.image_std) * 255.0
-        pixels = (data.float() - mean[:, None, None]) / std[:, None, None]
         if pad := -len(frames) % self.temporal_patch_size:
-            pixels = torch.cat((pixels, pixels[-1:].expand(pad, -1, -1, -1)))
-        return _patchify(pixels, self.patch_size, self.merge_size, self.temporal_patch_size)
+            data = torch.cat((data, data[-1:].expand(pad, -1, -1, -1)))
+        return _patches(data, self)
 
 
 def _smart_resize_frames(
@@ -300,26 +299,29 @@ def _smart_resize_frames(
     return new_height, new_width
 
 
-def _patchify(
-    pixels: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int
+def _patches(
+    data: torch.Tensor, processing: VideoProcessing
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Cut normalised ``[frames, C, H, W]`` (frames a multiple of the pair) into patches."""
-    frames, channels, height, width = pixels.shape
-    pairs, rows, columns = frames // temporal_patch_size, height // patch_size, width // patch_size
-    patches = pixels.view(
-        pairs,
-        temporal_patch_size,
-        channels,
-        rows // merge_size,
-        merge_size,
-        patch_size,
-        columns // merge_size,
-        merge_size,
-        patch_size,
+    """Normalised, flattened block-major patches of resized ``uint8 [frames, C, H, W]``.
+
+    The frame count is a multiple of the pair. The bytes are moved into patch order and made float32 in one copy, then normalised in
+    place: ``(x - 255 * mean) / (255 * std)``, the same float32 operations on each value as
+    transformers' fused rescale and normalise before its patchify.
+    """
+    frames, channels, height, width = data.shape
+    side, merge, pair = processing.patch_size, processing.merge_size, processing.temporal_patch_size
+    pairs, rows, columns = frames // pair, height // side, width // side
+    blocks = data.view(
+        pairs, pair, channels, rows // merge, merge, side, columns // merge, merge, side
     )
     # -> pair, block row, block column, row in block, column in block, channel, frame, y, x
-    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    flat = patches.reshape(pairs * rows * columns, channels * temporal_patch_size * patch_size**2)
+    blocks = blocks.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    pixels = torch.empty(blocks.shape, dtype=torch.float32)
+    pixels.copy_(blocks)
+    at_channel = (channels, 1, 1, 1)
+    pixels.sub_((torch.tensor(processing.image_mean) * 255.0).view(at_channel))
+    pixels.div_((torch.tensor(processing.image_std) * 255.0).view(at_channel))
+    flat = pixels.view(pairs * rows * columns, channels * pair * side**2)
     return flat, (pairs, rows, columns)
 
 
