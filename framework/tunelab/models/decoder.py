@@ -264,12 +264,25 @@ class TransformerDecoder(nn.Module):
         return next(self._attentions()).kv_cache is not None
 
     # ---- forward --------------------------------------------------------------------------
+    def _cache_reach(self, input_pos: torch.Tensor) -> int:
+        """How many of the KV cache's first slots a cached forward at ``input_pos`` reads.
+
+        A query at position ``p`` sees slots ``<= p``, so the slots past the largest position
+        are masked for every query: on CPU in eager mode (where the maximum costs no device
+        sync) the mask covers only the slots up to it, and attention reads only those (a
+        decode step early in a completion reads a fraction of the cache). On other devices and
+        under ``torch.compile`` (static shapes), the whole cache.
+        """
+        cache_len = next(self._attentions()).kv_cache.max_seq_len
+        if input_pos.device.type != "cpu" or torch.compiler.is_compiling():
+            return cache_len
+        return min(cache_len, int(input_pos.max()) + 1)
+
     def _prepare_mask(
         self, mask: torch.Tensor | None, input_pos: torch.Tensor, seq_len: int
     ) -> torch.Tensor | None:
         if mask is None and self.caches_are_enabled():
-            cache_len = next(self._attentions()).kv_cache.max_seq_len
-            slots = torch.arange(cache_len, device=input_pos.device)
+            slots = torch.arange(self._cache_reach(input_pos), device=input_pos.device)
             mask = slots[None, None, :] <= input_pos[:, :, None]
         if mask is None:
             return None
@@ -395,9 +408,10 @@ class TransformerDecoder(nn.Module):
             tokens: long ``[batch, seq]``.
             mask: bool ``[batch, seq, seq]`` or ``[batch, 1, seq, seq]``, True = may attend
                 (see ``tunelab.modules.masks``); None means causal. With KV caches the key
-                dimension is the cache length and None means causal over the cache; a mask
-                over fewer keys than the cache has makes attention read only those first slots
-                (an incremental decoder passes the filled prefix).
+                dimension is the cache length and None means causal over the cache (on CPU,
+                over its slots up to the largest position only); a mask over fewer keys than
+                the cache has makes attention read only those first slots (an incremental
+                decoder passes the filled prefix).
             document_ids: integer ``[batch, seq]`` for packed rows, a document being a run of
                 equal ids: causal attention within each document, with the kernel of
                 ``attention_backend`` and no ``[seq, seq]`` tensor where the kernel needs none.

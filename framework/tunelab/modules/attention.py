@@ -110,6 +110,44 @@ def folded_gqa_attention(
     return out.view(batch, heads, seq_len, head_dim)
 
 
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One query token per row against its cached keys, from explicit scores (fp32, CPU).
+
+    ``softmax(mask(q k^T * scale)) v`` with two batched matmuls and one masked softmax over
+    the keys: at a decode step's single query per row this is 2x faster than CPU's SDPA
+    kernel (measured at the GRPO bench's 32 rows x 64 slots, 12/4 heads x 64: 0.4 against
+    0.9 ms), whose blocked online softmax is built for many queries. GQA without repeating
+    K/V: the ``groups = heads / kv_heads`` query heads that share a K/V head (head ``h``
+    uses K/V head ``h // groups``) are that head's ``groups`` query rows, ``[batch, kv_heads,
+    groups, head_dim]`` (a view of ``q``), so each cached key is read once per K/V head.
+
+    Args:
+        q: ``[batch, heads, 1, head_dim]``.
+        k: ``[batch, kv_heads, keys, head_dim]`` (``heads`` a multiple of ``kv_heads``).
+        v: same shape as ``k``.
+        mask: bool ``[batch or 1, 1, 1, keys]``, True = may attend; every row attends to at
+            least one key (its own slot).
+        scale: score scale (None: ``head_dim ** -0.5``).
+
+    Returns:
+        ``[batch, heads, 1, head_dim]``.
+    """
+    batch, heads, _, head_dim = q.shape
+    kv_heads = k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.matmul(grouped, k.transpose(2, 3)).mul_(scale)
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, v).view(batch, heads, 1, head_dim)
+
+
 class Attention(nn.Module):
     """Multi-head attention with ``num_kv_heads`` shared key/value heads (GQA).
 
@@ -236,7 +274,9 @@ class Attention(nn.Module):
             if isinstance(mask, torch.Tensor) and mask.shape[-1] < k.shape[2]:
                 # A mask over the cache's first slots only (the filled ones): read just those.
                 k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
-        if isinstance(mask, SharedPrefix):
+        if self.kv_cache is not None and self._decodes_explicitly(q, mask):
+            out = decode_attention(q, k, v, mask, scale=self.scale)
+        elif isinstance(mask, SharedPrefix):
             out = self._attend_shared_prefix(q, k, v, mask)
         elif isinstance(mask, AttentionMask):
             out = self._attend_described(q, k, v, mask)
@@ -246,6 +286,20 @@ class Attention(nn.Module):
             out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)
         return self.o_proj(out)
+
+    def _decodes_explicitly(self, q: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether a cached forward runs :func:`decode_attention`.
+
+        One query per row, fp32 on CPU, a bool mask, plain scores (soft-capped scores and
+        sinks take their own path). Prefills (several queries) and other devices keep SDPA.
+        """
+        return (
+            q.shape[2] == 1
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and isinstance(mask, torch.Tensor)
+            and not self.explicit_scores
+        )
 
     def _attend_shared_prefix(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SharedPrefix
