@@ -232,3 +232,44 @@ def test_data_preview_shows_each_video_its_tokens_and_pixels(family_folder, tmp_
         f"video 0: 3 frames from {first['first_frame']} 37x70, resized "
         f"{first['resized'][0]}x{first['resized'][1]}, grid {'x'.join(map(str, first['grid']))}"
     ) in text
+
+
+# (family, cap_pixels_per_frame, max_video_tokens) -> {(frames, height, width): grid}: what
+# transformers 5.25's video processors give at their default sizes, by hand (the pixel values of
+# the 480 x 640 and 300 x 200 videos were equal to the byte too).
+GRIDS = {
+    ("qwen2_5_vl", False, None): {
+        (16, 480, 640): (8, 34, 46),
+        (64, 720, 1280): (32, 40, 72),
+        (300, 1080, 1920): (150, 40, 72),
+        (4, 50, 60): (2, 22, 26),
+        (9, 200, 100): (5, 32, 16),
+    },
+    ("qwen2_5_vl", True, 1000): {(16, 480, 640): (8, 20, 26), (6, 300, 200): (3, 28, 20)},
+    ("qwen3_vl", False, None): {
+        (16, 480, 640): (8, 12, 16),
+        (64, 720, 1280): (32, 4, 8),
+        (300, 1080, 1920): (150, 2, 4),
+        (4, 50, 60): (2, 12, 14),
+        (9, 200, 100): (5, 12, 6),
+    },
+    ("qwen3_vl", True, None): {
+        (16, 480, 640): (8, 20, 26),
+        (64, 720, 1280): (32, 16, 30),
+        (300, 1080, 1920): (150, 16, 30),
+        (4, 50, 60): (2, 12, 14),
+        (9, 200, 100): (5, 12, 6),
+    },
+    ("qwen3_vl", True, 1000): {(16, 480, 640): (8, 20, 26), (6, 300, 200): (3, 18, 12)},
+}
+
+
+@pytest.mark.parametrize("setting", sorted(GRIDS, key=str), ids=str)
+def test_grids_at_the_processors_default_sizes(setting):
+    """The pixel bounds of the family's video processor (Qwen3-VL's over all frames, small
+    sides grown) and ``cap_pixels_per_frame``, by transformers' numbers."""
+    family, cap, budget = setting
+    config = {"cap_pixels_per_frame": cap} | ({"max_video_tokens": budget} if budget else {})
+    processing = VideoProcessing.from_config(config, family)
+    for (frames, height, width), grid in GRIDS[setting].items():
+        assert processing.grid(frames, height, width) == grid, (frames, height, width)
