@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from tests.recipes.test_vl_video_recipe import CONFIGS, model_with_video_template, video_rows
+from tests.unit.test_image_packing import _loss_and_gradients
 from tunelab.data import image_chat_dataset, load_tokenizer, sft_collate
-from tunelab.losses import CrossEntropyLoss
 from tunelab.models import load_pretrained
-from tunelab.training.loop import batch_loss
 
 PACK = 256
 
@@ -28,15 +27,6 @@ def family(request, tmp_path_factory):
     rows = image_chat_dataset(tokenizer, **build)
     packs = image_chat_dataset(tokenizer, packed=True, **build)
     return folder, tokenizer, rows, packs
-
-
-def _loss_and_gradients(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss_sum, num_tokens = batch_loss(CrossEntropyLoss(), model, batch)
-    loss = loss_sum / num_tokens
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return float(loss.detach()), grads
 
 
 def test_a_batch_of_packs_trains_as_its_rows(family):
