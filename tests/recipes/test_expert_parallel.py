@@ -172,20 +172,28 @@ def test_checkpoints_reshard_between_split_experts_and_fsdp(mixtral_runs, tmp_pa
 def test_lora_on_split_experts_trains_as_one_process(tmp_path):
     """LoRA on attention and on the experts (its factors FSDP2's, each process using its
     experts' slices): 2 steps equal 1 process's, and so do the exports (1e-4: Adam turns
-    rounding-level differences of near-zero gradients into updates of up to lr)."""
+    rounding-level differences of near-zero gradients into updates of up to lr). The same
+    with TP 2 x EP 2 (one sample stream, 2 accumulated micro-batches): attention's adapters
+    split with their bases, the experts' factors whole on both ranks, their gradients summed
+    over the tp ranks."""
     lora = (
         "~val_dataset", "dataset.packed=true", "schedule.batch_size=1", "schedule.epochs=1",
         "schedule.max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
         "checkpoint.save_every_n_steps=null", "router.aux_loss_coef=0.01",
         "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
     )  # fmt: skip
-    for name, nproc, setting in (("split", 2, EXPERT_PARALLEL), ("one", 1, ONE_PROCESS)):
+    layouts = (
+        ("split", 2, (EXPERT_PARALLEL,)), ("tp_ep", 2, (*TENSOR_AND_EXPERT, ONE_PROCESS)),
+        ("one", 1, (ONE_PROCESS,)),
+    )  # fmt: skip
+    for name, nproc, settings in layouts:
         tunelab_run(
             "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={tmp_path / name}",
-            *lora, setting, nproc=nproc,
+            *lora, *settings, nproc=nproc,
         )  # fmt: skip
-    _assert_same_steps(_steps(tmp_path / "split"), _steps(tmp_path / "one"), [1, 2])
-    assert_same_exports(tmp_path / "split", tmp_path / "one", atol=1e-4)
+    for name in ("split", "tp_ep"):
+        _assert_same_steps(_steps(tmp_path / name), _steps(tmp_path / "one"), [1, 2])
+        assert_same_exports(tmp_path / name, tmp_path / "one", atol=1e-4)
 
 
 @pytest.fixture(scope="module")

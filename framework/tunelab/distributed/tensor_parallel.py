@@ -25,8 +25,11 @@ sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198
   the router whole on every rank (its weight's gradient summed over the ranks by DTensor),
   and the tokens travel to their experts' owners by all-to-all and back, staying split over
   the sequence. The router loss's statistics are summed over the tp ranks
-  (``sequence_parallel_tokens``), so they are those of the whole rows. Dense layers of an
-  MoE model (Qwen3-MoE's ``mlp_only_layers``) are split as above.
+  (``sequence_parallel_tokens``), so they are those of the whole rows. LoRA on the experts
+  keeps its small factors whole on every rank, each rank using its own experts' slices, their
+  partial gradients added over the ranks (``tunelab.peft.ExpertLoRA.delta``); an adapter on
+  the router is refused. Dense layers of an MoE model (Qwen3-MoE's ``mlp_only_layers``) are
+  split as above.
 - LoRA adapters follow their base: under a column-wise base ``A`` is replicated (the base's
   input is) and ``B`` is split like the base's output rows; under a row-wise base ``A`` is
   split like the base's input columns and ``B`` replicated, its input being a partial sum.
@@ -97,9 +100,8 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
     moe_blocks = [block.mlp for block in model.layers if _is_moe(block.mlp)]
     if any(block.experts.expert_parallel is None for block in moe_blocks):
         raise ConfigError(f"{setting}: {family} is a mixture of experts; tensor parallelism splits its attention only, and needs its experts split by parallelism.expert_parallel_size (a multiple of {size})")  # fmt: skip
-    for block in moe_blocks:
-        if len(block.experts.lora) or _is_lora(block.gate):
-            raise ConfigError(f"{setting} with parallelism.expert_parallel_size: adapters on the experts or the router are not built yet: adapt attention only (lora.targets)")  # fmt: skip
+    if any(_is_lora(block.gate) for block in moe_blocks):
+        raise ConfigError(f"{setting} with parallelism.expert_parallel_size: an adapter on the router (gate) is not built yet: drop gate from lora.targets")  # fmt: skip
     if args.fused_projections:
         raise ConfigError(f"{setting}: {family} fuses q/k/v and gate/up into one projection each, not split by tensor parallelism yet")  # fmt: skip
     if args.attention_sinks:
@@ -149,6 +151,9 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
         if _is_moe(block.mlp):
             # This rank's tokens stay its own: routed here, sent to their experts and back.
             plan["mlp.gate"] = _TokenwiseReplicated()
+            # LoRA on the experts: the small factors whole on every rank, each rank applying
+            # its own experts' slices (tunelab.peft.ExpertLoRA.delta sums their gradients).
+            plan |= {f"mlp.experts.lora.{name}": _Replicated() for name in block.mlp.experts.lora}
         else:
             plan |= {
                 "mlp": _gather_sequence(1),
@@ -251,6 +256,13 @@ def sequence_parallel_tokens(
         return value
 
     return part, sum_over_ranks
+
+
+class _Replicated(ParallelStyle):
+    """A module's parameters whole on every rank (``Replicate()``), its inputs untouched."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
 
 
 class _TokenwiseReplicated(ParallelStyle):

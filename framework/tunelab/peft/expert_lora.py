@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from tunelab.modules.moe import grouped_linear
 from tunelab.peft.lora import _init_full_then_copy, lora_scale, validate_lora_options
@@ -126,7 +127,12 @@ class ExpertLoRA(nn.Module):
         Returns:
             ``[S, out]`` in ``rows``' dtype.
         """
-        lora_a, lora_b = self.factors()
+        lora_a, lora_b = self.lora_A.weight, self.lora_B.weight
+        if isinstance(lora_a, DTensor):
+            # Tensor parallelism: whole on every tp rank, each rank using its own experts'
+            # slices; the gradients are partial sums, added over the ranks by DTensor.
+            lora_a, lora_b = (w.to_local(grad_placements=[Partial()]) for w in (lora_a, lora_b))
+        lora_a, lora_b = expert_factors(lora_a, lora_b, self.num_experts)
         lora_a, lora_b = lora_a[experts], lora_b[experts]
         lora_a, lora_b = lora_a.to(rows.dtype), lora_b.to(rows.dtype)
         low = grouped_linear(rows, lora_a, counts, grouped=grouped and _aligned(lora_a))
