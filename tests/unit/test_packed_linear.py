@@ -224,11 +224,10 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     rollouts = grpo_rollouts(model)
     unpacked = update(model, rollouts, monkeypatch)
     packs = spy_packs(monkeypatch)
-    # Packed per call (the packed weights over the memory budget's share): per micro-batch,
-    # every frozen layer's W packed in the forward (2 adapted bases and 5 plain projections
-    # per block, lm_head), and W^T in the backward, but for the first block's q, k and v,
-    # whose input needs no gradient (the embedding is frozen).
-    monkeypatch.setattr(step, "_PACKS_SHARE_OF_BUDGET", 0.0)
+    # Packed per call (GRPO's update): per micro-batch, every frozen layer's W packed in the
+    # forward (2 adapted bases and 5 plain projections per block, lm_head), and W^T in the
+    # backward, but for the first block's q, k and v, whose input needs no gradient (the
+    # embedding is frozen).
     per_call = update(model, rollouts)
     forward_packs = [shape for shape, transposed in packs if not transposed]
     assert len(forward_packs) == 2 * 15 and forward_packs.count((97, 32)) == 2
@@ -236,9 +235,10 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     assert_same_update(unpacked, per_call)
     assert all(m.pack_frozen is None for m in model.modules() if isinstance(m, LoRALinear))
     assert not any("forward" in m.__dict__ for m in model.modules())
-    # Kept (the default at this size): packed once, in the first micro-batch, and reused by
-    # the next micro-batches and passes; the same bits as packing per call.
+    # Kept (``hold_bytes`` over their size): packed once, in the first micro-batch, and
+    # reused by the next micro-batches and passes; the same bits as packing per call.
     monkeypatch.undo()
+    monkeypatch.setattr(step, "_packed", lambda m: packed_frozen_linears(m, hold_bytes=1 << 40))
     packs = spy_packs(monkeypatch)
     for _ in range(2):
         loss, grads = update(model, rollouts)
@@ -247,7 +247,7 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     assert len(packs) == 15 + 12
     # The comparison sees a wrong packing: of W (loss and gradients move) or of W^T (the
     # gradients).
-    monkeypatch.setattr(step, "_PACKS_SHARE_OF_BUDGET", 0.0)  # drops the kept ones
+    monkeypatch.undo()  # GRPO's per-call packing again: drops the kept ones
     pack = packed_linear.pack_weight
     for wrong_transpose in (False, True):
 

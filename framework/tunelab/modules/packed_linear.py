@@ -265,8 +265,8 @@ def packed_frozen_linears(model: nn.Module, *, hold_bytes: int = 0) -> Iterator[
 
     Args:
         model: The model.
-        hold_bytes: What the kept packs may take (GRPO: a quarter of the process's memory
-            budget); 0: pack per call.
+        hold_bytes: What the kept packs may take; 0 (GRPO's update: kept packs would hold
+            the frozen base twice more beside the rollout's weights): pack per call.
 
     Yields:
         The number of layers set up.

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tunelab.distributed import all_reduce_sum
-from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.losses import OutputLayer, token_logps
 from tunelab.modules.packed_linear import packed_frozen_linears
 from tunelab.rl.off_policy import OffPolicyCorrection, behaviour_sums
@@ -40,20 +39,17 @@ __all__ = [
     "write_completions",
 ]
 
-# The packed copies of the frozen weights (W and W^T: twice their size) are kept from one
-# training pass to the next when they take at most this share of the process's memory budget;
-# beyond it each call packs what it multiplies and drops it.
-_PACKS_SHARE_OF_BUDGET = 0.25
-
 
 def _packed(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     """Run ``model``'s frozen linear layers on oneDNN-packed weights inside the block.
 
     Forward and input gradient, where the weights are fp32 on CPU: equal to the unpacked pass
-    up to fp32 rounding (:func:`~tunelab.modules.packed_linear.packed_frozen_linears`).
+    up to fp32 rounding (:func:`~tunelab.modules.packed_linear.packed_frozen_linears`). Each
+    call packs what it multiplies and drops it: packs kept from pass to pass would hold the
+    frozen base twice more (``W`` and ``W^T``) beside the rollout's merged weights, which put
+    peak RSS at 0.96x TRL's on 2 processes (issue 40's bench; 0.79x packing per call).
     """
-    budget = memory_budget_bytes(torch.device("cpu"))
-    return packed_frozen_linears(model, hold_bytes=int(_PACKS_SHARE_OF_BUDGET * budget))
+    return packed_frozen_linears(model)
 
 
 _OFF_POLICY_SUMS = ("tokens", "clipped", "log_ratio", "log_ratio_squares", "kl")
