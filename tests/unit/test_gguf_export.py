@@ -383,11 +383,14 @@ def _cached_pages(path) -> tuple[int, int]:
     return sum(page & 1 for page in vector), pages
 
 
-def test_the_written_gguf_is_dropped_from_the_page_cache(tiny, monkeypatch):
-    """With fsync, each tensor's bytes are waited for on disk and dropped from the page cache
-    once more than _WRITE_BEHIND_BYTES follow them (0 here: at once), and the whole file after
-    the fsync: an export recycles a little cache instead of a new page per byte. Without fsync
-    (the control) its pages stay cached."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "cached"])
+def test_the_written_gguf_is_dropped_from_the_page_cache(tiny, monkeypatch, direct):
+    """With fsync, the pages wholly inside a tensor go to disk with O_DIRECT (none cached), or,
+    where it is off, each tensor's bytes are waited for on disk and dropped from the page cache
+    once more than _WRITE_BEHIND_BYTES follow them (0 here: at once); the whole file's clean
+    pages after the fsync: an export recycles a little cache instead of a new page per byte.
+    Without fsync (the control) its pages stay cached."""
+    monkeypatch.setattr(gguf_export, "_DIRECT", direct)
     probe = tiny / "probe.bin"
     with open(probe, "wb") as handle:
         handle.write(bytes(1 << 20))
@@ -488,3 +491,43 @@ def test_every_quantization_is_written_by_the_gguf_package(tiny, quant):
     weight = load_file(tiny / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
     error = np.abs(values - weight).max() / np.abs(weight).max()
     assert error <= _QUANT_ERROR[quant], error
+
+
+def _direct_writes_counted(monkeypatch) -> list:
+    calls = []
+    original = gguf_export._RangeWriter._write_direct
+
+    def counted(self, data, offset):
+        calls.append((offset, len(data)))
+        return original(self, data, offset)
+
+    monkeypatch.setattr(gguf_export._RangeWriter, "_write_direct", counted)
+    return calls
+
+
+@pytest.mark.parametrize("quant", ["f16", "bf16", "q8_0"])
+def test_direct_writes_through_small_buffers_give_the_cached_writes_bytes(tiny, monkeypatch, quant):
+    """Pages wholly inside a tensor go to disk with O_DIRECT from the buffer the cast wrote,
+    the pages shared with a neighbour through the page cache. With buffers of two pages and
+    pieces of 3000 bytes (partial pages carried to the next buffer, a q/k head group larger
+    than a buffer, tensors within one page) the file equals, byte for byte, the one written
+    all through the page cache, and its checksums verify."""
+    monkeypatch.setattr(gguf_export, "_DIRECT", False)
+    cached = export_gguf(tiny, quant=quant).read_bytes()
+    monkeypatch.setattr(gguf_export, "_DIRECT", True)
+    monkeypatch.setattr(gguf_export, "_BUFFER_BYTES", 2 * gguf_export._PAGE)
+    monkeypatch.setattr(gguf_export, "_PIECE_BYTES", 3000)
+    calls = _direct_writes_counted(monkeypatch)
+    path = export_gguf(tiny, quant=quant)
+    if not calls:
+        pytest.skip(f"{tiny}'s file system refuses O_DIRECT")
+    assert path.read_bytes() == cached
+    assert verify_folder(path.parent) == []
+    assert all(
+        offset % gguf_export._PAGE == 0 == size % gguf_export._PAGE for offset, size in calls
+    )
+    written = sum(size for _, size in calls)
+    assert written > len(cached) // 2, (written, len(cached))  # most bytes skip the cache
+    calls.clear()
+    export_gguf(tiny, quant=quant, sync_files=False)
+    assert calls == []  # without fsync nothing waits for the disk

@@ -21,11 +21,15 @@ whole at the end: an interrupted export leaves the previous GGUF folder or none.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import mmap
 import os
 import shutil
+import threading
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -34,7 +38,12 @@ import torch
 import torch.distributed as dist
 
 from tunelab._model_files import read_model_text
-from tunelab.checkpoint._safetensors_layout import pwrite_all, start_writeback, wait_writeback
+from tunelab.checkpoint._safetensors_layout import (
+    preallocate,
+    pwrite_all,
+    start_writeback,
+    wait_writeback,
+)
 from tunelab.checkpoint.consolidate import temp_name
 from tunelab.checkpoint.gguf_vocab import model_name, write_vocab
 from tunelab.checkpoint.hf_sharded import _swap_into_place
@@ -167,19 +176,20 @@ def _stored(reader: HFCheckpointReader, tensor: PlannedTensor, config: dict) -> 
 
 
 def _stored_pieces(
-    reader: HFCheckpointReader, tensor: PlannedTensor, config: dict, buffers: list[torch.Tensor]
-) -> Iterator[memoryview]:
+    reader: HFCheckpointReader, tensor: PlannedTensor, config: dict, writer: _RangeWriter
+) -> Iterator[tuple[memoryview, bool]]:
     """The tensor's data as stored in the file (unpadded), in consecutive pieces.
 
-    A plain cast (``f32``, ``f16``) of a stored tensor is made ``_PIECE_BYTES`` at a time
-    (whole rows; whole heads when its rows are permuted) into ``buffers[0]``, which each piece
-    overwrites: written and hashed while it is still in the CPU's cache. Where the stored type
+    Each piece comes with whether it is already in ``writer``'s buffer. A plain cast (``f32``,
+    ``f16``) of a stored tensor is made ``_PIECE_BYTES`` at a time (whole rows; whole heads
+    when its rows are permuted) straight into the space ``writer.reserve`` gives: hashed there
+    while it is still in the CPU's cache, and written to disk from there. Where the stored type
     is already the file's, the pieces are the mapped source's own bytes. Quantized, stacked
     (MoE) and generated tensors come whole (``_stored``).
     """
     cast = _TORCH_CASTS.get(tensor.qtype)
     if cast is None or tensor.hf_name is None or tensor.sources:
-        yield _stored(reader, tensor, config)
+        yield _stored(reader, tensor, config), False
         return
     data = reader.get(tensor.hf_name)  # a view of the mapped file: read as it is cast
     rows = data.reshape(data.shape[0], -1)
@@ -190,12 +200,10 @@ def _stored_pieces(
         if tensor.offset:
             part = part.float() + tensor.offset
         if part.dtype == cast and not tensor.permute_heads:
-            yield memoryview(part.reshape(-1).view(torch.uint8).numpy())
+            yield memoryview(part.reshape(-1).view(torch.uint8).numpy()), False
             continue
-        size = part.numel() * cast.itemsize
-        if buffers[0].numel() < size:
-            buffers[0] = torch.empty(max(size, _PIECE_BYTES), dtype=torch.uint8)
-        out = buffers[0][:size].view(cast).view(part.shape)
+        space = writer.reserve(part.numel() * cast.itemsize)
+        out = space.view(cast).view(part.shape)
         # A plain IEEE cast (round to nearest even, as numpy's astype in gguf.quants.quantize),
         # in torch's vectorized kernel. From bfloat16 it equals the cast through float32.
         if tensor.permute_heads:  # HF's rotate-half rows to llama.cpp's pairs, as they cast
@@ -203,7 +211,7 @@ def _stored_pieces(
             out.view(heads, half, 2, -1).copy_(part.view(heads, 2, half, -1).transpose(1, 2))
         else:
             out.copy_(part)
-        yield memoryview(buffers[0][:size].numpy())
+        yield memoryview(space.numpy()), True
 
 
 # Bytes written but still cached before the oldest are waited for on disk and dropped from the
@@ -221,6 +229,7 @@ class _WriteBehind:
     free page reporting), a page not reused soon costs a fault on the host when touched again:
     measured in such a VM, a 1 GB export's CPU fell from 1.9 s per rank in its bad rounds to
     0.33-0.43 s in every round (docs/benchmarks.md). Without ``fsync`` the pages stay (dirty).
+    Only the writes that go through the page cache need it (``_RangeWriter``).
     """
 
     def __init__(self, fd: int, sync_files: bool) -> None:
@@ -251,6 +260,210 @@ class _WriteBehind:
         self.cached_bytes = 0
 
 
+# O_DIRECT's unit: file offsets, lengths and buffer addresses of direct writes are multiples of
+# a page (a multiple of the logical block size of the disks this runs on).
+_PAGE = mmap.PAGESIZE
+# Bytes a rank's buffer holds (one direct write each) and how many buffers it cycles through:
+# one being filled while the others are on their way to disk.
+_BUFFER_BYTES = 4 << 20
+_BUFFERS = 3
+# Whether ``_RangeWriter`` may write with O_DIRECT (tests switch it off for the cached path).
+_DIRECT = hasattr(os, "O_DIRECT")
+
+
+_HUGE_PAGE = 2 << 20
+# Buffers of ``_BUFFER_BYTES`` kept for the next export in this process (``_RangeWriter``).
+_KEPT_BUFFERS: list[torch.Tensor] = []
+_KEPT_LOCK = threading.Lock()
+
+
+def _aligned(size: int) -> torch.Tensor:
+    """An uninitialised byte tensor of ``size`` bytes at a 2 MB boundary, in huge pages.
+
+    Transparent huge pages where the system gives them on request: a direct write pins its
+    buffer's pages, and pinning 4 KB pages one by one took about a tenth of the export's CPU.
+    """
+    mapped = mmap.mmap(-1, size + _HUGE_PAGE)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    skip = -whole.data_ptr() % _HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapped.madvise(mmap.MADV_HUGEPAGE, skip, size)
+    return whole[skip : skip + size]
+
+
+def _take_buffer() -> torch.Tensor:
+    """A buffer of ``_BUFFER_BYTES``: one kept from an earlier export, else a new one.
+
+    Kept because fresh memory costs more than reused memory: touching it faults, and where a
+    VM's freed memory goes back to its host, on the host too (see ``_WriteBehind``).
+    """
+    with _KEPT_LOCK:
+        for index, buffer in enumerate(_KEPT_BUFFERS):
+            if len(buffer) == _BUFFER_BYTES:
+                return _KEPT_BUFFERS.pop(index)
+    return _aligned(_BUFFER_BYTES)
+
+
+class _RangeWriter:
+    """Writes a rank's byte ranges of the GGUF file through page-aligned buffers.
+
+    ``begin(offset)`` starts a range (a tensor and its padding); its bytes are cast into
+    ``reserve``'d space (then ``advance``) or copied in (``write``); ``end()`` finishes it.
+
+    With ``sync_files``, where the file system takes ``O_DIRECT``, each page wholly inside a
+    range goes to disk straight from the buffer (no copy into the page cache, no cached page to
+    drop later, none taken fresh from a VM's host) in a writer thread, while the next bytes are
+    cast into the next buffer: the disk works while the CPU does. The partial pages at either
+    end of a range, which hold the neighbouring tensor's bytes too (maybe another rank's), go
+    through the page cache, as does everything without ``O_DIRECT`` or without ``sync_files``
+    (then kept to a few tens of MB by ``_WriteBehind``). The file's bytes are the same.
+    """
+
+    def __init__(self, path: Path, sync_files: bool) -> None:
+        self.fd = os.open(path, os.O_WRONLY)
+        self.direct: int | None = None
+        if sync_files and _DIRECT:
+            try:
+                self.direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:  # a file system without O_DIRECT (tmpfs before Linux 6.6)
+                self.direct = None
+        self.behind = _WriteBehind(self.fd, sync_files)
+        self.executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="gguf-write")
+            if self.direct is not None
+            else None
+        )
+        self.buffers: list[torch.Tensor] = [_take_buffer()]
+        self.pending: list[Future | None] = [None]
+        # The bytes of shared pages, written once the direct writes are done: a write through
+        # the page cache waits for the file's lock, which a direct write holds until its bytes
+        # are on disk (ext4).
+        self.edges: list[tuple[int, bytes]] = []
+        self.slot = 0
+        self.base = self.start = self.fill = 0  # the buffer holds [base, base + fill)
+
+    @property
+    def position(self) -> int:
+        """The file offset of the next byte of the range."""
+        return self.base + self.fill
+
+    def begin(self, offset: int) -> None:
+        """Start a range at file offset ``offset``."""
+        self.base = offset - offset % _PAGE if self.direct is not None else offset
+        self.start, self.fill = offset, offset - self.base
+
+    def reserve(self, size: int) -> torch.Tensor:
+        """The next ``size`` bytes of the range, in the buffer, to be filled, then ``advance``d."""
+        buffer = self.buffers[self.slot]
+        if self.fill + size > len(buffer):
+            self._flush(final=False)
+            buffer = self.buffers[self.slot]
+        if self.fill + size > len(buffer):  # one piece larger than a buffer
+            larger = _aligned(self.fill + size)
+            larger[: self.fill] = buffer[: self.fill]
+            self.buffers[self.slot] = buffer = larger
+        return buffer[self.fill : self.fill + size]
+
+    def advance(self, size: int) -> None:
+        """Count ``size`` bytes of ``reserve``'d space as written."""
+        self.fill += size
+
+    def write(self, data: memoryview | bytes) -> None:
+        """Copy ``data`` into the range."""
+        data = memoryview(data).cast("B")
+        done = 0
+        while done < len(data):
+            size = min(len(data) - done, max(len(self.buffers[self.slot]) - self.fill, _PAGE))
+            space = self.reserve(size)
+            space.numpy()[:] = np.frombuffer(data[done : done + size], dtype=np.uint8)
+            self.advance(size)
+            done += size
+
+    def end(self) -> None:
+        """Finish the range: everything in the buffer goes to the file."""
+        self._flush(final=True)
+
+    def _flush(self, final: bool) -> None:
+        buffer = self.buffers[self.slot]
+        start, end = self.start, self.base + self.fill
+        if self.direct is None:  # all through the page cache
+            if end > start:
+                pwrite_all(
+                    self.fd, memoryview(buffer[start - self.base : end - self.base].numpy()), start
+                )
+                self.behind.written(start, end - start)
+            self.base = self.start = end
+            self.fill = 0
+            return
+        first = min(-(-start // _PAGE) * _PAGE, end)  # the range's first whole page
+        last = max(end - end % _PAGE, first)  # the end of its whole pages
+        view = memoryview(buffer.numpy())
+        if first > start:  # a page shared with the bytes before the range
+            self.edges.append((start, bytes(view[start - self.base : first - self.base])))
+        if final and end > last:  # one shared with the bytes after it
+            self.edges.append((last, bytes(view[last - self.base : end - self.base])))
+        if last > first:
+            assert self.executor is not None
+            self.pending[self.slot] = self.executor.submit(
+                self._write_direct, view[first - self.base : last - self.base], first
+            )
+            self._next_buffer()
+        carry = 0 if final else end - last
+        if carry and last > self.base:  # the bytes of a page not yet whole, to the front
+            self.buffers[self.slot][:carry] = buffer[last - self.base : end - self.base]
+        self.base = self.start = last if carry else end
+        self.fill = carry
+        if not carry:
+            self.base -= self.base % _PAGE
+            self.fill = self.start - self.base
+
+    def _next_buffer(self) -> None:
+        """Move to a buffer no write still reads from (a new one while fewer than ``_BUFFERS``)."""
+        if len(self.buffers) < _BUFFERS:
+            self.buffers.append(_take_buffer())
+            self.pending.append(None)
+            self.slot = len(self.buffers) - 1
+            return
+        self.slot = (self.slot + 1) % len(self.buffers)
+        pending, self.pending[self.slot] = self.pending[self.slot], None
+        if pending is not None:
+            pending.result()
+
+    def _write_direct(self, data: memoryview, offset: int) -> None:
+        assert self.direct is not None
+        try:
+            pwrite_all(self.direct, data, offset)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            pwrite_all(self.fd, data, offset)  # this file system refuses these direct writes
+
+    def sync(self) -> None:
+        """Finish the file: shared pages' bytes last, fsync, its clean pages dropped."""
+        for index, pending in enumerate(self.pending):
+            self.pending[index] = None
+            if pending is not None:
+                pending.result()
+        for offset, data in self.edges:
+            pwrite_all(self.fd, memoryview(data), offset)
+        self.edges.clear()
+        os.fsync(self.fd)
+        self.behind.synced()
+
+    def close(self) -> None:
+        """Wait for the writer thread (whatever failed), close the file, keep the buffers."""
+        try:
+            if self.executor is not None:
+                self.executor.shutdown(wait=True)
+        finally:
+            if self.direct is not None:
+                os.close(self.direct)
+            os.close(self.fd)
+        with _KEPT_LOCK:
+            _KEPT_BUFFERS.extend(b for b in self.buffers if len(b) == _BUFFER_BYTES)
+        self.buffers = []
+
+
 def _shares(plan: list[PlannedTensor], world_size: int) -> list[int]:
     """Which rank writes each tensor: largest first, to the least loaded rank."""
     load = [0] * world_size
@@ -276,32 +489,33 @@ def _write_tensors(
         offsets.append(position)
         position += _padded(tensor.nbytes)
     pieces = []
-    buffers = [torch.empty(0, dtype=torch.uint8)]
-    fd = os.open(path, os.O_WRONLY)
-    behind = _WriteBehind(fd, sync_files)
+    writer = _RangeWriter(path, sync_files)
     try:
         with HFCheckpointReader(export_dir) as reader:
             for index in mine:
                 tensor, offset = plan[index], offsets[index]
-                hasher, position = digester(), offset
-                for piece in _stored_pieces(reader, tensor, config, buffers):
+                hasher = digester()
+                writer.begin(offset)
+                for piece, placed in _stored_pieces(reader, tensor, config, writer):
                     hasher.update(piece)
-                    pwrite_all(fd, piece, position)
-                    behind.written(position, len(piece))
-                    position += len(piece)
+                    if placed:
+                        writer.advance(len(piece))
+                    else:
+                        writer.write(piece)
+                position = writer.position
                 assert position - offset == tensor.nbytes, (tensor.name, position - offset)
                 # The padding too, so the file's bytes never depend on what was there before.
                 padding = bytes(_padded(tensor.nbytes) - tensor.nbytes)
-                pwrite_all(fd, memoryview(padding), position)
+                writer.write(padding)
+                writer.end()
                 pieces += [
                     (offset, tensor.nbytes, hasher.hexdigest()),
                     (position, len(padding), digest(padding)),
                 ]
         if sync_files:
-            os.fsync(fd)
-            behind.synced()
+            writer.sync()
     finally:
-        os.close(fd)
+        writer.close()
     return pieces
 
 
@@ -364,6 +578,8 @@ def export_gguf(
                 handle.seek(0)
                 handle.write(header)
                 handle.truncate(data_start + total)
+                preallocate(handle.fileno(), data_start + total)  # few extents; direct writes
+                # to allocated blocks share the file's lock (ext4)
             message = [None, data_start]
         except (OSError, TunelabError) as error:
             message = [str(error), 0]
