@@ -19,7 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tunelab.data.chat import chat_template_of
 from tunelab.data.image_rows import ImageChatRows, read_image_messages
-from tunelab.data.images import ImageProcessing
+from tunelab.data.images import ImageProcessing, open_image
 from tunelab.data.rows import IGNORE_INDEX, BadRow
 from tunelab.data.tokenizer import load_tokenizer
 
@@ -182,6 +182,34 @@ def test_ids_masks_and_grids_equal_transformers(folder, name):
     assert sample["labels"] == labels
     assert sample["image_grids"] == grids
     assert any(label != IGNORE_INDEX for label in sample["labels"])
+
+
+def test_a_turned_photo_is_read_upright_as_transformers_does(folder):
+    """A JPEG stored landscape with EXIF orientation 6 (a portrait phone photo) is upright."""
+    stored = torch.arange(60 * 200 * 3).remainder(251).to(torch.uint8).reshape(60, 200, 3)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: turn 90 degrees clockwise to view
+    path = folder / "turned.jpg"
+    Image.fromarray(stored.numpy()).save(path, exif=exif, quality=95)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Colour?"}],
+        },
+        {"role": "assistant", "content": "It is red."},
+    ]
+    rows = _rows_function(folder)
+    (sample,) = rows({"messages": messages})
+    theirs = _hf_processor(folder).apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    assert sample["tokens"] == theirs["input_ids"][0].tolist()
+    assert sample["image_grids"] == theirs["image_grid_thw"].tolist()
+    pixels, grid = rows.processing(open_image(path, 100_000))
+    torch.testing.assert_close(pixels, theirs["pixel_values"], rtol=0, atol=1e-6)
+    assert open_image(path, 100_000).size == (60, 200)
+    # The stored (landscape) image has another grid: the check sees an unturned read.
+    assert rows.processing(Image.open(path))[1] != grid
 
 
 def test_path_parts_and_placeholder_column_give_the_same_sample(folder):

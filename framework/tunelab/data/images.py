@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from tunelab.errors import DataError
 
@@ -217,10 +217,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def open_image(path: str | os.PathLike, max_image_pixels: int) -> Image.Image:
-    """Read an image whole, refusing what cannot or should not be decoded.
+    """Read an image whole, upright, refusing what cannot or should not be decoded.
 
     The pixel count is checked from the header, before any pixel is decoded, so a small file
-    that would decode to gigabytes (a decompression bomb) is refused cheaply.
+    that would decode to gigabytes (a decompression bomb) is refused cheaply. A photo whose
+    EXIF orientation says it was taken turned is turned upright, as transformers'
+    ``load_image`` does before its processor sees it (a portrait phone photo is stored
+    landscape): its size, grid and image tokens are the upright image's.
 
     Args:
         path: the image file.
@@ -246,7 +249,7 @@ def open_image(path: str | os.PathLike, max_image_pixels: int) -> Image.Image:
                     "raise the limit"
                 )
             image.load()
-            return image.copy()
+            return ImageOps.exif_transpose(image)  # a copy, upright: the file is closed after
     except FileNotFoundError:
         raise ImageError(f"{path}: image file not found") from None
     except UnidentifiedImageError:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import Image
 
 from tunelab.data.images import (
     CLIP_MEAN,
@@ -374,7 +374,7 @@ def open_frames(
     frames = []
     for path in chosen:
         try:
-            frame = ImageOps.exif_transpose(open_image(path, max_image_pixels)).convert("RGB")
+            frame = open_image(path, max_image_pixels).convert("RGB")  # upright
         except ImageError as error:
             raise VideoError(f"video frame {error}") from None
         if frames and frame.size != frames[0].size:
