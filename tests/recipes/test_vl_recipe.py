@@ -1,6 +1,8 @@
 """Vision-language LoRA SFT end to end through the real ``tunelab run``: the shipped
-``tiny/vl_lora`` (Qwen2.5-VL) and ``tiny/qwen3_vl_lora`` (Qwen3-VL: deepstack, interleaved
-M-RoPE, a learned position table) on the embedded tiny random models and their generated images.
+``tiny/vl_lora`` (Qwen2.5-VL), ``tiny/qwen3_vl_lora`` (Qwen3-VL: deepstack, interleaved
+M-RoPE, a learned position table) and ``tiny/gemma3_vl_lora`` (Gemma 3: SigLIP tower, pooled
+soft tokens, bidirectional image blocks) on the embedded tiny random models and their
+generated images.
 
 For each family two processes equal one process with twice the accumulation and a
 kill-and-resume on two processes is exact. The Qwen3-VL runs train the tower and projector whole
@@ -39,6 +41,7 @@ SETTINGS = [
 RUNS = {
     "qwen2_5_vl": ("tiny/vl_lora", []),
     "qwen3_vl": ("tiny/qwen3_vl_lora", ["model.vision_tower=full", "model.projector=full"]),
+    "gemma3": ("tiny/gemma3_vl_lora", []),
 }
 
 
@@ -70,6 +73,13 @@ def qwen2_5_vl_2p(tmp_path_factory):
 def qwen3_vl_2p(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen3_vl") / "2p"
     _run("qwen3_vl", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_2p(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma3_vl") / "2p"
+    _run("gemma3", out)
     return out
 
 
