@@ -175,11 +175,13 @@ def test_lora_on_split_experts_trains_as_one_process(tmp_path):
     rounding-level differences of near-zero gradients into updates of up to lr). The same
     with TP 2 x EP 2 (one sample stream, 2 accumulated micro-batches): attention's adapters
     split with their bases, the experts' factors whole on both ranks, their gradients summed
-    over the tp ranks."""
+    over the tp ranks. The router's z-loss is on too: its sums over each rank's tokens give one
+    process's ``router_z_loss`` in both layouts."""
     lora = (
         "~val_dataset", "dataset.packed=true", "schedule.batch_size=1", "schedule.epochs=1",
         "schedule.max_steps_per_epoch=2", "lr_scheduler.num_warmup_steps=0",
         "checkpoint.save_every_n_steps=null", "router.aux_loss_coef=0.01",
+        "router.z_loss_coef=0.001",
         "lora.targets=[q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj]",
     )  # fmt: skip
     layouts = (
@@ -191,8 +193,13 @@ def test_lora_on_split_experts_trains_as_one_process(tmp_path):
             "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={tmp_path / name}",
             *lora, *settings, nproc=nproc,
         )  # fmt: skip
+    one = _steps(tmp_path / "one")
     for name in ("split", "tp_ep"):
-        _assert_same_steps(_steps(tmp_path / name), _steps(tmp_path / "one"), [1, 2])
+        ours = _steps(tmp_path / name)
+        _assert_same_steps(ours, one, [1, 2])
+        for step in (1, 2):
+            z_loss, expected = ours[step]["router_z_loss"], one[step]["router_z_loss"]
+            assert expected > 0 and abs(z_loss - expected) <= 1e-5 * expected, (name, step, z_loss, expected)  # fmt: skip
         assert_same_exports(tmp_path / name, tmp_path / "one", atol=1e-4)
 
 

@@ -34,6 +34,7 @@ from tunelab.errors import ConfigError
 from tunelab.eval import TrainingEval
 from tunelab.models import TransformerDecoder
 from tunelab.models.args import ModelArgs
+from tunelab.modules.vision import VisionArgs
 from tunelab.peft import apply_lora
 
 SCRIPT = Path(__file__).with_name("tp_export_script.py")
@@ -202,6 +203,12 @@ def _model(**changes):
         ({"intermediate_dim": 63}, 2, "does not divide the model's intermediate_size 63"),
         ({"vocab_size": 63}, 2, "does not divide the model's vocab_size 63"),
         ({"fused_projections": True}, 2, "fuses q/k/v and gate/up"),
+        ({"attention_sinks": True}, 2, "has attention sinks, not split by tensor parallelism"),
+        (
+            {"vision": VisionArgs(depth=1, dim=16, intermediate_dim=32, num_heads=2, out_dim=32)},
+            2,
+            "has a vision tower, not covered by tensor parallelism",
+        ),
     ],
 )
 def test_sizes_and_families_tensor_parallelism_cannot_split_are_refused(changes, size, message):

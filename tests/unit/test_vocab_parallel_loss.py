@@ -2,7 +2,9 @@
 
 ``vocab_parallel_script.py`` (2 processes, gloo) runs ``hidden_target_logps`` with each rank
 holding half of the output layer's rows against the whole layer: log-probs, logit sums and the
-gradients (hidden states and weight), trainable and frozen output layers, 1 and 3 chunks.
+gradients (hidden states and weight), trainable and frozen output layers, 1 and 3 chunks. No
+rank gathers the vocabulary: the split forward and backward run all-reduces only, each of at
+most one value per scored position (a gather of the logits would carry vocab / 2 per position).
 """
 
 import json
@@ -24,6 +26,8 @@ def test_split_vocabulary_log_probs_and_gradients_equal_the_whole_ones():
     for row in rows:
         assert row["masked_zero"], row
         assert row["grad_scale"] > 1e-2, row  # not all zero
+        assert row["collectives"] == ["all_reduce"], row
+        assert 0 < row["largest_collective"] <= row["scored"], row
         for key in ("logps", "sums", "grad_hidden", "grad_weight"):
             if key in row:
                 assert row[key] <= TOLERANCE, row

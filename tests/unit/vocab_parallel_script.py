@@ -7,12 +7,15 @@ gradients of a weighted sum of the log-probs with respect to the hidden states (
 part, summed over the ranks as the model does) and to the layer's weight (each rank its rows).
 Both backward paths: a trainable layer (logits recomputed in the backward) and a frozen one
 (hidden-state gradients computed in the forward). Prints one JSON line per case on rank 0, each
-difference relative to the reference's largest magnitude.
+difference relative to the reference's largest magnitude, with every collective the split
+forward and backward ran and the most values any one of them carried (no rank gathers the
+vocabulary: one value per scored position at most).
 
 Usage: vocab_parallel_script.py
 """
 
 import json
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,30 @@ import torch.distributed as dist
 from tunelab.losses._token_logps import OutputLayer, hidden_target_logps
 
 VOCAB, DIM = 64, 16
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single")  # fmt: skip
+
+
+@contextmanager
+def recorded_collectives(calls: list):
+    """Record ``(name, values)`` of every collective ``torch.distributed`` runs meanwhile."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def recording(name):
+        def collective(tensor, *args, **kwargs):
+            tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+            calls.append((name, max(t.numel() for t in tensors)))
+            return originals[name](tensor, *args, **kwargs)
+
+        return collective
+
+    for name in COLLECTIVES:
+        setattr(dist, name, recording(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def run(trainable: bool, group: dist.ProcessGroup | None, num_chunks: int) -> dict:
@@ -37,8 +64,10 @@ def run(trainable: bool, group: dist.ProcessGroup | None, num_chunks: int) -> di
     weight = weight.clone().requires_grad_(trainable)
     hidden.requires_grad_(True)
     output = OutputLayer(lambda h: h @ weight.T, trainable, VOCAB, vocab_group=group)
-    logps, mask, sums = hidden_target_logps(hidden, output, labels, -100, num_chunks)
-    (logps * weights).sum().backward()
+    calls = []
+    with recorded_collectives(calls):
+        logps, mask, sums = hidden_target_logps(hidden, output, labels, -100, num_chunks)
+        (logps * weights).sum().backward()
     grad_hidden = hidden.grad.clone()
     if group is not None:
         dist.all_reduce(grad_hidden, group=group)  # the model sums the ranks' parts
@@ -48,6 +77,7 @@ def run(trainable: bool, group: dist.ProcessGroup | None, num_chunks: int) -> di
         "grad_hidden": grad_hidden,
         "grad_weight": weight.grad if trainable else None,
         "mask": mask,
+        "collectives": calls,
     }
 
 
@@ -71,6 +101,9 @@ def main() -> None:
                 "grad_hidden": relative(split["grad_hidden"], whole["grad_hidden"]),
                 "grad_scale": whole["grad_hidden"].abs().max().item(),
                 "masked_zero": bool((split["logps"][~split["mask"]] == 0).all()),
+                "scored": int(split["mask"].sum()),
+                "collectives": sorted({name for name, _ in split["collectives"]}),
+                "largest_collective": max(values for _, values in split["collectives"]),
             }
             if trainable:
                 part = VOCAB // size
