@@ -9,8 +9,10 @@ Layout and parallel write: the ``gguf`` package's ``GGUFWriter`` writes the head
 metadata and the tensor table (rank 0); every tensor's offset follows from its size, so each
 rank reads its share of tensors from the safetensors files (a balanced split by bytes, the
 largest first), converts and quantizes them with the ``gguf`` package's quantizers (a block
-needs only its own 32 or 256 values), and ``pwrite``s them at their offsets in the one file.
-No rank holds more than one tensor at a time, and none gathers the model. The padding between
+needs only its own 32 or 256 values), and ``pwrite``s them at their offsets in the one file:
+cast into page-aligned buffers and written from them with ``O_DIRECT`` while the next bytes
+are cast, the pages shared with a neighbouring tensor through the page cache
+(``_RangeWriter``). No rank holds more than one tensor at a time, and none gathers the model. The padding between
 tensors is written as zeros by the tensor's writer, so the file is byte-identical whatever the
 number of ranks, and the pieces' digests tile it for the manifest.
 
@@ -263,10 +265,13 @@ class _WriteBehind:
 # O_DIRECT's unit: file offsets, lengths and buffer addresses of direct writes are multiples of
 # a page (a multiple of the logical block size of the disks this runs on).
 _PAGE = mmap.PAGESIZE
-# Bytes a rank's buffer holds (one direct write each) and how many buffers it cycles through:
-# one being filled while the others are on their way to disk.
+# Bytes a rank's buffer holds (one direct write each), how many buffers it cycles through (one
+# being filled while the others are on their way to disk) and how many threads write them: two
+# direct writes in flight per rank, as the disk takes them faster than one at a time (a
+# 1 GB export's rank 0 measured in 0.82-1.18 s against 0.86-1.27 s with one, load 4-5).
 _BUFFER_BYTES = 4 << 20
-_BUFFERS = 3
+_BUFFERS = 5
+_WRITERS = 2
 # Whether ``_RangeWriter`` may write with O_DIRECT (tests switch it off for the cached path).
 _DIRECT = hasattr(os, "O_DIRECT")
 
@@ -312,7 +317,7 @@ class _RangeWriter:
 
     With ``sync_files``, where the file system takes ``O_DIRECT``, each page wholly inside a
     range goes to disk straight from the buffer (no copy into the page cache, no cached page to
-    drop later, none taken fresh from a VM's host) in a writer thread, while the next bytes are
+    drop later, none taken fresh from a VM's host) in writer threads, while the next bytes are
     cast into the next buffer: the disk works while the CPU does. The partial pages at either
     end of a range, which hold the neighbouring tensor's bytes too (maybe another rank's), go
     through the page cache, as does everything without ``O_DIRECT`` or without ``sync_files``
@@ -329,7 +334,7 @@ class _RangeWriter:
                 self.direct = None
         self.behind = _WriteBehind(self.fd, sync_files)
         self.executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="gguf-write")
+            ThreadPoolExecutor(_WRITERS, thread_name_prefix="gguf-write")
             if self.direct is not None
             else None
         )
@@ -451,7 +456,7 @@ class _RangeWriter:
         self.behind.synced()
 
     def close(self) -> None:
-        """Wait for the writer thread (whatever failed), close the file, keep the buffers."""
+        """Wait for the writer threads (whatever failed), close the file, keep the buffers."""
         try:
             if self.executor is not None:
                 self.executor.shutdown(wait=True)
