@@ -9,6 +9,7 @@ exactly (every later metric and the export bit for bit). FSDP=2 x TP=2 on 4 proc
 The unit part checks the one-line refusals.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -261,13 +262,20 @@ def test_tp2_export_is_byte_identical_to_the_fsdp2_export(tmp_path):
     # The same weights under FSDP=2 and TP=2 (where each rank merges and writes its own
     # blocks: rows of the column-wise weights, columns of the row-wise ones) give the same
     # files, byte for byte: the merged model and the adapter.
-    torchrun(SCRIPT, str(tmp_path))
+    result = torchrun(SCRIPT, str(tmp_path))
     fsdp, tp = tmp_path / "fsdp", tmp_path / "tp"
     files = sorted(p.relative_to(fsdp) for p in fsdp.rglob("*.safetensors"))
     assert [str(f) for f in files] == ["adapter/adapter_model.safetensors", "model.safetensors"]
     for name in files:
         assert (tp / name).read_bytes() == (fsdp / name).read_bytes(), name
     assert load_file(tp / "adapter" / "adapter_model.safetensors").keys()  # not empty
+    # Shard-local: the TP export made whole only the adapter's factors (each with the LoRA
+    # rank as a dimension), never a base weight's block of rows or columns.
+    (line,) = [row for row in result.stdout.splitlines() if row.startswith('{"gathered"')]
+    report = json.loads(line)
+    gathered, rank = report["gathered"], report["lora_rank"]
+    assert gathered["names"] and all(".lora_" in name for name in gathered["names"]), gathered
+    assert gathered["shapes"] and all(rank in shape for shape in gathered["shapes"]), gathered
 
 
 def test_eval_tasks_during_training_are_refused_under_tensor_parallelism():

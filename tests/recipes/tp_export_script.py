@@ -4,17 +4,23 @@ Builds tiny/lora's model twice, under plain FSDP=2 and under TP=2 (``parallelize
 colwise weights then ``(_StridedShard, Shard(0))``, rowwise ones ``(Shard(0), Shard(1))``),
 gives every adapter weight the same non-zero values (a fresh B is zero, which would make the
 merge trivial), and exports each (``export_hf``: the PEFT adapter, then the merged model
-written shard-locally by both ranks) to ``{out}/fsdp`` and ``{out}/tp``.
+written shard-locally by both ranks) to ``{out}/fsdp`` and ``{out}/tp``. Rank 0 prints one
+JSON line of what the TP export made whole on the way (``DTensor.full_tensor``, a
+redistribution to replicated, the tensors ``export_hf`` gathers): their names and shapes.
 
 Usage: tp_export_script.py OUT
 """
 
+import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+import tunelab.checkpoint.export as export_module
 from tunelab.checkpoint.export import export_hf
 from tunelab.config.lora import LoRAArgs
 from tunelab.config.sections import LoRAModelSetupArgs, SFTParallelismArgs
@@ -41,6 +47,35 @@ def set_adapters(model: torch.nn.Module) -> None:
             param.copy_(full)
 
 
+@contextmanager
+def recorded_gathers(record: dict):
+    """Record the shapes of the DTensors made whole meanwhile, and the names export_hf gathers."""
+    full_tensor, redistribute = DTensor.full_tensor, DTensor.redistribute
+    gather = export_module.gather_full_tensors
+
+    def recording_full_tensor(self, *args, **kwargs):
+        record["shapes"].append(list(self.shape))
+        return full_tensor(self, *args, **kwargs)
+
+    def recording_redistribute(self, device_mesh=None, placements=None, *args, **kwargs):
+        if placements is not None and all(isinstance(p, Replicate) for p in placements):
+            record["shapes"].append(list(self.shape))
+        return redistribute(self, device_mesh, placements, *args, **kwargs)
+
+    def recording_gather(tensors):
+        record["names"].extend(tensors)
+        record["shapes"].extend(list(tensor.shape) for tensor in tensors.values())
+        return gather(tensors)
+
+    DTensor.full_tensor, DTensor.redistribute = recording_full_tensor, recording_redistribute
+    export_module.gather_full_tensors = recording_gather
+    try:
+        yield
+    finally:
+        DTensor.full_tensor, DTensor.redistribute = full_tensor, redistribute
+        export_module.gather_full_tensors = gather
+
+
 def main() -> None:
     """Export the two layouts."""
     out = Path(sys.argv[1])
@@ -54,7 +89,11 @@ def main() -> None:
             lora=LORA,
         )
         set_adapters(model)
-        export_hf(model, out / name, base_checkpoint_dir=TINY, lora=LORA)
+        record = {"names": [], "shapes": []}
+        with recorded_gathers(record):
+            export_hf(model, out / name, base_checkpoint_dir=TINY, lora=LORA)
+        if name == "tp" and dist.get_rank() == 0:
+            print(json.dumps({"gathered": record, "lora_rank": LORA.rank}), flush=True)
     destroy_distributed()
 
 
