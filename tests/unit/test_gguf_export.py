@@ -1,6 +1,8 @@
 """GGUF export without llama.cpp: file layout, checksums, refusals, crash safety, the Modelfile."""
 
 import base64
+import errno
+import fcntl
 import functools
 import importlib.metadata
 import json
@@ -531,3 +533,48 @@ def test_direct_writes_through_small_buffers_give_the_cached_writes_bytes(tiny, 
     calls.clear()
     export_gguf(tiny, quant=quant, sync_files=False)
     assert calls == []  # without fsync nothing waits for the disk
+
+
+def _refuse_direct_writes(monkeypatch, code: int) -> list:
+    """Make every write through an O_DIRECT descriptor fail with ``code``; return their offsets."""
+    original, refused = gguf_export.pwrite_all, []
+
+    def refuse(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(code, os.strerror(code))
+        return original(fd, data, offset)
+
+    monkeypatch.setattr(gguf_export, "pwrite_all", refuse)
+    return refused
+
+
+def test_a_file_system_refusing_direct_writes_gets_the_same_bytes_through_the_cache(
+    tiny, monkeypatch
+):
+    monkeypatch.setattr(gguf_export, "_DIRECT", False)
+    cached = export_gguf(tiny).read_bytes()
+    monkeypatch.setattr(gguf_export, "_DIRECT", True)
+    refused = _refuse_direct_writes(monkeypatch, errno.EINVAL)
+    path = export_gguf(tiny)
+    if not refused:
+        pytest.skip(f"{tiny}'s file system refuses O_DIRECT at open")
+    assert path.read_bytes() == cached
+    assert verify_folder(path.parent) == []
+
+
+def test_a_failing_direct_write_fails_the_export_in_one_line(tiny, monkeypatch):
+    before = export_gguf(tiny, quant="q8_0").read_bytes()
+    refused = _refuse_direct_writes(monkeypatch, errno.EIO)
+    try:
+        export_gguf(tiny)
+    except CheckpointError as error:
+        assert "OSError" in str(error) and "\n" not in str(error), error
+    else:
+        assert not refused, "no direct write was tried"
+        pytest.skip(f"{tiny}'s file system refuses O_DIRECT at open")
+    assert sorted(p.name for p in (tiny / "gguf").iterdir()) == [
+        "Modelfile", "model-q8_0.gguf", "tunelab_manifest.json",
+    ]  # fmt: skip
+    assert (tiny / "gguf" / "model-q8_0.gguf").read_bytes() == before
+    assert not list(tiny.glob(".gguf*"))
