@@ -6,9 +6,9 @@ same micro-batches (1 x 2 accumulated = 2 x 1) within 1e-5: losses, gradient nor
 router loss. A checkpoint saved with experts split resumes exactly under plain FSDP, and one
 saved by one process resumes exactly with experts split (DCP reshards: expert weights are
 ``Shard(0)`` DTensors either way). LoRA on the experts with experts split trains and exports
-as one process. A tiny Qwen3-MoE run with experts split exports the same
-bytes as the FSDP run (the learning rate 1e-30 leaves the weights as loaded, so the two
-exports can be compared byte for byte). A size that does not divide the processes stops
+as one process. A tiny Qwen3-MoE run with experts split gives one process's losses,
+gradient norms and router loss and exports the same bytes as the FSDP run (the learning rate
+1e-30 leaves the weights as loaded, so the two exports can be compared byte for byte). A size that does not divide the processes stops
 the run with one line. Per-rank ownership (shapes, values) and the all-to-all bytes are
 checked in tests/unit/test_expert_parallel.py.
 
@@ -205,14 +205,16 @@ def test_lora_on_split_experts_trains_as_one_process(tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory):
-    """The tiny Qwen3-MoE (``base``) and its FSDP run on 2 processes (``fsdp``), 2 steps with
-    the weights kept as loaded (``FROZEN``): the folder holding both."""
+    """The tiny Qwen3-MoE (``base``), its FSDP run on 2 processes (``fsdp``) and its run on 1
+    process at the same micro-batches (``one``, 2 accumulated), 2 steps with the weights kept
+    as loaded (``FROZEN``): the folder holding them."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3MoeConfig"):
         pytest.skip("this transformers has no Qwen3-MoE")
     root = tmp_path_factory.mktemp("qwen3_moe")
     build_tiny_qwen3_moe(root / "base")
     _run(root / "fsdp", *_qwen3(root), *FROZEN)
+    _run(root / "one", *_qwen3(root), *FROZEN, ONE_PROCESS, nproc=1)
     return root
 
 
@@ -235,7 +237,10 @@ def test_qwen3_moe_split_experts_export_the_fsdp_runs_bytes(qwen3_moe, tmp_path)
     # Experts in groups of 2 on 4 processes (each expert held twice, written once; 4 samples
     # a step against the others' 2: only the exports compare).
     _run(tmp_path / "groups", *_qwen3(qwen3_moe), *FROZEN, EXPERT_PARALLEL, nproc=4)
-    _assert_same_steps(_steps(tmp_path / "split"), _steps(fsdp), [1, 2])
+    split = _steps(tmp_path / "split")
+    assert sorted(split) == [1, 2] and all(row["router_aux_loss"] > 0 for row in split.values())
+    _assert_same_steps(split, _steps(fsdp), [1, 2])
+    _assert_same_steps(split, _steps(qwen3_moe / "one"), [1, 2])  # and one process's
     for layout in ("split", "groups"):
         _assert_same_export_bytes(tmp_path / layout, fsdp)
 
@@ -297,9 +302,8 @@ def test_qwen3_moe_tp2_x_ep2_trains_as_one_process_and_exports_the_fsdp_runs_byt
 ):
     # q/k norms over each rank's heads, a dense MLP layer split column/row-wise among the MoE
     # layers; 2 accumulated micro-batches against the FSDP run's 2 x 1 and 1 process's 1 x 2.
-    out, one = tmp_path / "tp_ep", tmp_path / "one"
+    out, one = tmp_path / "tp_ep", qwen3_moe / "one"
     _run(out, *_qwen3(qwen3_moe), *FROZEN, *TENSOR_AND_EXPERT, ONE_PROCESS)
-    _run(one, *_qwen3(qwen3_moe), *FROZEN, ONE_PROCESS, nproc=1)
     ours = _steps(out)
     assert sorted(ours) == [1, 2] and all(row["router_aux_loss"] > 0 for row in ours.values())
     _assert_same_steps(ours, _steps(one), [1, 2])
