@@ -117,6 +117,16 @@ def _loss_and_gradients(model, batch):
     }
 
 
+def assert_same_gradients(packed_grads, rows_grads):
+    """Each gradient within 1e-5 of its own size, or of the model's largest for one that is
+    rounding noise by itself (a key bias: softmax ignores it, its true gradient is 0)."""
+    assert packed_grads.keys() == rows_grads.keys()
+    largest = max(float(grad.abs().max()) for grad in rows_grads.values())
+    for name, grad in rows_grads.items():
+        scale = max(float(grad.abs().max()), 1e-3 * largest)
+        assert float((packed_grads[name] - grad).abs().max()) <= 1e-5 * scale, name
+
+
 def test_a_batch_of_packs_trains_as_its_rows(family):
     packed = _packed_rows(family)[:2]
     rows = family["rows"]
@@ -133,14 +143,8 @@ def test_a_batch_of_packs_trains_as_its_rows(family):
     packed_loss, packed_grads = _loss_and_gradients(model, packs_batch)
     rows_loss, rows_grads = _loss_and_gradients(model, rows_batch)
     assert abs(packed_loss - rows_loss) <= 1e-6 * abs(rows_loss), (packed_loss, rows_loss)
-    assert packed_grads.keys() == rows_grads.keys()
     assert any(name.startswith(("visual.", "vision_tower.")) for name in packed_grads)
-    # Each gradient within 1e-5 of its own size, or of the model's largest for one that is
-    # rounding noise by itself (a key bias: softmax ignores it, its true gradient is 0).
-    largest = max(float(grad.abs().max()) for grad in rows_grads.values())
-    for name, grad in rows_grads.items():
-        scale = max(float(grad.abs().max()), 1e-3 * largest)
-        assert float((packed_grads[name] - grad).abs().max()) <= 1e-5 * scale, name
+    assert_same_gradients(packed_grads, rows_grads)
 
     # The documents are what keeps it so: the same packs read as one document each differ.
     one_document = {k: v for k, v in packs_batch.items() if k not in ("document_ids", "input_pos")}
