@@ -4,7 +4,7 @@ A prompt with images renders as the chat row of the same user turn does up to th
 answer (the same ids, image tokens expanded; Gemma 3's soft tokens in the text), its pixels are
 the SFT collate's, and a bad image, a text-only model or a named template is one line naming
 file and row. The rollout engine prefills a group's image prompt once, reads each distinct
-prompt's images, never samples the image token, and leaves a text row's tokens as they are
+prompt's images, never samples the image or video token, and leaves a text row's tokens as they are
 without image rows beside it; the rollout batch carries every row's images for the update pass.
 """
 
@@ -146,17 +146,19 @@ def _engine(model, temperature=1.0):
     return ModelRolloutEngine(model, settings, pad_id=0)
 
 
-def test_the_engine_reads_each_prompt_once_and_samples_no_image_token(model, tokenizer, tmp_path):
+def test_the_engine_reads_each_prompt_once_and_samples_no_pixel_token(model, tokenizer, tmp_path):
     prompts, _ = _prompts(tokenizer, tmp_path)
     rows = [0, 0, 0, 1, 1, 1, 2, 2]
     images = prompt_images(prompts, rows)
     assert images[0] is images[2] and images[3] is images[5] and images[6] is None
     calls = []
     handle = model.visual.register_forward_hook(lambda m, args, out: calls.append(args[1].tolist()))
-    # The image token's logit raised far above the rest: a sampler that could draw it would.
-    image_token = model.args.vision.image_token_id
+    # The image and video tokens' logits raised far above the rest: a sampler that could draw
+    # either would (the training forward would then look for pixels that are not there).
+    image_token, video_token = model.args.vision.image_token_id, model.args.vision.video_token_id
+    assert model.pixel_token_ids == (image_token, video_token)
     bias = torch.zeros(model.args.vocab_size)
-    bias[image_token] = 1e4
+    bias[[image_token, video_token]] = 1e4
     hook = model.lm_head.register_forward_hook(lambda m, args, out: out + bias)
     try:
         engine = _engine(model)
@@ -165,7 +167,7 @@ def test_the_engine_reads_each_prompt_once_and_samples_no_image_token(model, tok
         handle.remove()
         hook.remove()
     assert calls == [[[1, 4, 4], [1, 4, 8]]]  # one prefill, each distinct prompt's image once
-    assert all(image_token not in completion for completion in out)
+    assert not any({image_token, video_token} & set(completion) for completion in out)
     assert all(len(completion) == 6 for completion in out)
     batch = rollout_batch([prompts.tokens[i] for i in rows], out, 0, torch.device("cpu"), images)
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4]] * 3 + [[1, 4, 8]] * 3

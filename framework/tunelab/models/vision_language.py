@@ -209,6 +209,15 @@ class VisionLanguageDecoder(TransformerDecoder):
     }
     """The module prefixes of the parts ``model.vision_tower`` and ``model.projector`` set."""
 
+    @property
+    def pixel_token_ids(self) -> tuple[int, ...]:
+        """The tokens the forward fills with the tower's features (images', videos').
+
+        Text never holds them: generation does not sample them (``ModelRolloutEngine``).
+        """
+        vision = self.args.vision
+        return (vision.image_token_id, vision.video_token_id)
+
     def __init__(self, args: ModelArgs) -> None:
         if args.vision is None:
             raise ValueError("a vision-language model needs args.vision")

@@ -44,6 +44,11 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
     }
     """The module prefixes of the parts ``model.vision_tower`` and ``model.projector`` set."""
 
+    @property
+    def pixel_token_ids(self) -> tuple[int, ...]:
+        """Gemma 3 has images only (its ``video_token_id`` default is a text token there)."""
+        return (self.args.vision.image_token_id,)
+
     def build_vision(self, args: ModelArgs) -> None:
         """Add SigLIP (``vision_tower``) and the projector (``multi_modal_projector``)."""
         if args.vision.layout != "gemma3":

@@ -201,8 +201,8 @@ class ModelRolloutEngine:
     the same images object), its features in the image tokens, M-RoPE positions (Qwen: the
     decoded tokens continue after the prompt's largest position, as transformers' generation
     does) or Gemma 3's bidirectional image blocks; then text is decoded as for any prompt. A
-    vision-language model never samples its image token, which the training forward would
-    take for an image: it is drawn from the other tokens (the recorded log-probs and the
+    vision-language model never samples its image or video token, which the training forward
+    would take for an image or a video: it is drawn from the other tokens (the recorded log-probs and the
     entropy stay the model's own, as the trainer computes them).
 
     After each call, ``last_generation_seconds``, ``last_generated_tokens``,
@@ -255,12 +255,12 @@ class ModelRolloutEngine:
         self.last_generated_tokens = 0
         self.last_entropy_sum = 0.0
         self.last_logps: list[list[float]] = []
-        vision = getattr(getattr(model, "args", None), "vision", None)
-        self.banned_ids = (
-            torch.tensor([vision.image_token_id])
-            if vision is not None and vision.image_token_id < model.args.vocab_size
-            else None
-        )
+        pixel_tokens = [
+            token
+            for token in getattr(model, "pixel_token_ids", ())
+            if token < model.args.vocab_size
+        ]
+        self.banned_ids = torch.tensor(pixel_tokens) if pixel_tokens else None
 
     @classmethod
     def from_rollout(
