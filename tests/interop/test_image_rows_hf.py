@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.interop.vl_checks import write_chat_tokenizer
 from tunelab.data.chat import chat_template_of
 from tunelab.data.image_rows import ImageChatRows, read_image_messages
 from tunelab.data.images import ImageProcessing, open_image
@@ -32,15 +31,6 @@ if int(transformers.__version__.split(".")[0]) < 5:
         allow_module_level=True,
     )
 
-SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
 # Qwen2.5-VL's template, with {% generation %} around what the assistant generates.
 TEMPLATE = (
     "{% for message in messages %}"
@@ -69,28 +59,8 @@ def folder(tmp_path_factory):
 
 def make_vl_folder(path: Path) -> Path:
     """The tokenizer files, a preprocessor config and four images, written into ``path``."""
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    corpus = ["What colour is the square? It is red. Which shape is it? A circle, blue."] * 20
-    tokenizer.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "chat_template": TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    text = "What colour is the square? It is red. Which shape is it? A circle, blue."
+    write_chat_tokenizer(path, text, TEMPLATE)
     preprocessor = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS, "patch_size": 14}
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     for name, size, colour in [

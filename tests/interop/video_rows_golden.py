@@ -24,19 +24,10 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tests.interop.vl_checks import write_chat_tokenizer
 
 GOLDEN = Path(__file__).with_suffix(".json")
-SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
 # Qwen2.5-VL's and Qwen3-VL's templates write images and videos alike; the assistant's text
 # inside {% generation %} blocks, so transformers' return_assistant_tokens_mask gives the
 # trained tokens.
@@ -84,28 +75,8 @@ FPS = {"clip": 2.0, "odd": None, "long": 4.0}  # None: no fps given (transformer
 
 def make_folder(path: Path, family: str) -> Path:
     """Tokenizer, model type, processor settings, one image and the videos' frames."""
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    corpus = ["What happens in the video? <0.5 seconds> <1.0 seconds> A red ball rolls."] * 20
-    tokenizer.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "chat_template": TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    text = "What happens in the video? <0.5 seconds> <1.0 seconds> A red ball rolls."
+    write_chat_tokenizer(path, text, TEMPLATE)
     (path / "config.json").write_text(json.dumps({"model_type": family}))
     settings = SETTINGS[family]
     (path / "preprocessor_config.json").write_text(json.dumps(settings["image"]))

@@ -10,8 +10,42 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tunelab.assets.build_tiny_vl import SPECIALS
 
 TOLERANCE = 1e-5  # fp32; the issue asks 1e-4, measured ~2e-7
+
+
+def write_chat_tokenizer(path: Path, text: str, template: str) -> None:
+    """A byte-level BPE of 300 tokens trained on ``text``, Qwen's specials, into ``path``.
+
+    Writes ``tokenizer.json`` and a ``tokenizer_config.json`` with ``template`` as its chat
+    template (eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos). The same text gives the same
+    ids, which the recorded video rows depend on.
+    """
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(
+        [text] * 20,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @dataclass(frozen=True)
