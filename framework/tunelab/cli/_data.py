@@ -183,7 +183,8 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
     each image is read and cut into patches as the training collate does (``ImageProcessing``),
     and the record gets the pixel values' shape and the sha256 of their float32 bytes.
     """
-    from tunelab.data.image_dataset import image_processing_for  # here: imports torch
+    from tunelab.data.image_budget import patches_for_grid  # here: imports torch
+    from tunelab.data.image_dataset import image_processing_for
     from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS
     from tunelab.data.image_sources import open_image_source
 
@@ -216,7 +217,7 @@ def _image_records(tokenizer: Any, node: Any, item: dict[str, Any], pixels: bool
             "token_end": runs[-1][1],
         }
         if pixels:
-            values, _ = processing(image)
+            values, _ = patches_for_grid(processing, image, grid, path)
             data = values.float().contiguous().numpy().tobytes()
             record["pixel_values_shape"] = list(values.shape)
             record["pixel_values_sha256"] = hashlib.sha256(data).hexdigest()

@@ -116,6 +116,15 @@ _DATASET = {
     "streaming": bool,
     "shuffle_buffer_size": Annotated[int, Range(ge=1)] | None,
 }
+PixelCount = Annotated[int, Range(ge=1)]
+_IMAGES = {
+    "images_column": Annotated[str, NonEmpty()],
+    "image_token": Annotated[str, NonEmpty()],
+    "max_image_pixels": PixelCount,
+    # The pixels of one row's images together after resizing (tunelab.data.image_budget).
+    "max_pixels_per_sample": PixelCount | None,
+}
+"""The image arguments of the datasets whose rows may hold images."""
 _ADAM = {
     "lr": PositiveLR,
     "betas": tuple[Beta, Beta],
@@ -213,8 +222,34 @@ RULES: dict[str, ComponentRules] = {
             "allow_unknown_tokens": bool,
             "template": Template | None,
             "prompt_column": Annotated[str, NonEmpty()],
+            **_IMAGES,
         },
         check_data_source,
+    ),
+    # Chat rows and preference pairs with images (vision-language models). Their data files
+    # are not checked here: the shipped VL configs name the user's own (/tmp/vl_data/...).
+    "tunelab.data.image_dataset.image_chat_dataset": ComponentRules(
+        {
+            **{
+                key: _DATASET[key]
+                for key in ("source", "split", "max_seq_len", "packed", "skip_malformed")
+            },
+            **{key: _DATASET[key] for key in ("num_proc", "cache_dir")},
+            "conversation_column": Annotated[str, NonEmpty()],
+            **_IMAGES,
+            "max_image_bytes": Annotated[int, Range(ge=1)],
+            "image_fetch_timeout": PositiveFloat,
+        },
+    ),
+    "tunelab.data.image_preference.image_preference_dataset": ComponentRules(
+        {
+            **{
+                key: _DATASET[key]
+                for key in ("source", "split", "max_seq_len", "skip_malformed", "column_map")
+            },
+            **{key: _DATASET[key] for key in ("num_proc", "cache_dir")},
+            **_IMAGES,
+        },
     ),
     "tunelab.data.mix.mix_dataset": ComponentRules(
         {

@@ -98,6 +98,7 @@ def image_rows_per_file(
     max_seq_len: int | None,
     template_kwargs: dict[str, Any] | None,
     fetch: ImageFetch | None = None,
+    max_pixels_per_sample: int | None = None,
 ) -> tuple[Callable[[str], ImageChatRows], dict[str, Any], int]:
     """How a dataset builder with images renders rows: ``ImageChatRows`` per source file.
 
@@ -112,6 +113,8 @@ def image_rows_per_file(
         max_seq_len: Cut samples to this many tokens; None: the tokenizer's.
         template_kwargs: Extra variables for the chat template.
         fetch: How images named by URL are fetched (None: the defaults).
+        max_pixels_per_sample: Pixels of a row's images together after resizing; a row over
+            it is downscaled (``tunelab.data.image_budget``). None: no budget.
 
     Returns:
         ``(rows_for, settings, max_seq_len)``: the row function of a source file (relative
@@ -143,6 +146,7 @@ def image_rows_per_file(
             template_kwargs=template_kwargs,
             videos=videos,
             fetch=fetch,
+            max_pixels_per_sample=max_pixels_per_sample,
         )
 
     settings = dict(
@@ -156,6 +160,8 @@ def image_rows_per_file(
         template_kwargs=template_kwargs,
         max_seq_len=max_seq_len,
     )
+    if max_pixels_per_sample is not None:  # absent when unset: earlier caches stay valid
+        settings["max_pixels_per_sample"] = max_pixels_per_sample
     return rows_for, settings, max_seq_len
 
 
@@ -171,6 +177,7 @@ def image_chat_dataset(
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     image_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT,
+    max_pixels_per_sample: int | None = None,
     template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
     packed: bool = False,
@@ -194,6 +201,10 @@ def image_chat_dataset(
         max_image_pixels: Largest area an image file may declare (a decompression bomb).
         max_image_bytes: Largest image a URL or ``data:`` URI may hold, in bytes.
         image_fetch_timeout: Seconds a URL may take to answer and to send its image.
+        max_pixels_per_sample: Pixels of one row's images together, after resizing: a row
+            over it has all its images downscaled by one factor (fewer image tokens), one that
+            cannot fit even at the smallest size is malformed (``tunelab.data.image_budget``).
+            None: no budget.
         template_kwargs: Extra variables for the chat template.
         max_seq_len: Cut samples to this many tokens (default: the tokenizer's); a cut inside
             an image is a malformed row. With ``packed``, the length of a pack.
@@ -221,6 +232,7 @@ def image_chat_dataset(
         max_seq_len=max_seq_len,
         template_kwargs=template_kwargs,
         fetch=ImageFetch(timeout=image_fetch_timeout, max_bytes=max_image_bytes),
+        max_pixels_per_sample=max_pixels_per_sample,
     )
     sources = resolve_sources(source, data_files, split)
 

@@ -107,6 +107,7 @@ def image_preference_dataset(
     images_column: str = "images",
     image_token: str = "<|image_pad|>",
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_pixels_per_sample: int | None = None,
     template_kwargs: dict[str, Any] | None = None,
     max_seq_len: int | None = None,
     skip_malformed: bool = False,
@@ -127,6 +128,10 @@ def image_preference_dataset(
         images_column: The column of image files for ``<image>`` placeholders in the prompt.
         image_token: The token the chat template writes once per image.
         max_image_pixels: Largest area an image file may declare (a decompression bomb).
+        max_pixels_per_sample: Pixels of one row's images together, after resizing: a row
+            over it has all its images downscaled by one factor (fewer image tokens), one that
+            cannot fit even at the smallest size is malformed (``tunelab.data.image_budget``).
+            None: no budget.
         template_kwargs: Extra variables for the chat template.
         max_seq_len: Cut each side to this many tokens (default: the tokenizer's); a cut inside
             an image is a malformed row.
@@ -154,6 +159,7 @@ def image_preference_dataset(
         images_column=images_column,
         image_token=image_token,
         max_image_pixels=max_image_pixels,
+        max_pixels_per_sample=max_pixels_per_sample,
         max_seq_len=max_seq_len,
         template_kwargs=template_kwargs,
     )

@@ -40,6 +40,7 @@ import torch
 from tunelab.data.chat import apply_chat_template, tokenize_conversation
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.collate import padded_collate_sft
+from tunelab.data.image_budget import budget_processings, patches_for_grid
 from tunelab.data.image_sources import ImageFetch, describe, is_url, open_image_source
 from tunelab.data.images import ImageError, ImageProcessing
 from tunelab.data.images_gemma3 import Gemma3ImageProcessing
@@ -257,19 +258,37 @@ class ImageChatRows:
     refused; ``tunelab.data.video_rows``)."""
     fetch: ImageFetch = ImageFetch()
     """How images named by URL are fetched (each is fetched here, once, and kept)."""
+    max_pixels_per_sample: int | None = None
+    """The pixels of a row's images together after resizing; a row over it is downscaled
+    (``tunelab.data.image_budget``). None: no budget."""
 
-    def _image(self, file: str) -> tuple[ImageRef, int]:
-        path = Path(file)
-        if not path.is_absolute() and self.image_dir is not None:
-            path = Path(self.image_dir) / path
-        source = file if is_url(file) else str(path)  # a URL is kept as written
+    def _images(self, files: list[str]) -> list[tuple[ImageRef, int]]:
+        """Each image checked, with its grid and token count (the pixel budget applied)."""
+        opened = []
+        for file in files:
+            path = Path(file)
+            if not path.is_absolute() and self.image_dir is not None:
+                path = Path(self.image_dir) / path
+            source = file if is_url(file) else str(path)  # a URL is kept as written
+            try:
+                image = open_image_source(source, self.max_image_pixels, self.fetch)
+                assert self.processing is not None
+                self.processing.grid(image.height, image.width)  # an empty or too thin image
+            except ImageError as error:
+                raise BadRow(self.images_column, str(error)) from None
+            opened.append((source, image.height, image.width))
+        if not opened:
+            return []
+        assert self.processing is not None
+        sizes = [(height, width) for _, height, width in opened]
         try:
-            image = open_image_source(source, self.max_image_pixels, self.fetch)
-            assert self.processing is not None
-            grid = self.processing.grid(image.height, image.width)
+            chosen = budget_processings(self.processing, sizes, self.max_pixels_per_sample)
         except ImageError as error:
             raise BadRow(self.images_column, str(error)) from None
-        return ImageRef(source, grid), self.processing.num_tokens(image.height, image.width)
+        return [
+            (ImageRef(source, each.grid(height, width)), each.num_tokens(height, width))
+            for each, (source, height, width) in zip(chosen, opened, strict=True)
+        ]
 
     def _read(self, messages: Any, row: Mapping[str, Any]) -> tuple[list, list, Any, bool]:
         """The row read: ``(messages, images, template, in_text)``; raises ``BadRow``.
@@ -285,7 +304,7 @@ class ImageChatRows:
                 self.images_column,
                 "the row has images but the model is text-only (no vision tower)",
             )
-        images = [self._image(file) for file in files]
+        images = self._images(files)
         template: Any = self.template
         in_text = isinstance(self.processing, Gemma3ImageProcessing)
         if in_text:
@@ -462,13 +481,8 @@ def padded_collate_images(
     pixels, grids = [], []
     for item in batch:
         for path, expected in zip(item.get("images") or [], item.get("image_grids") or []):
-            values, grid = processing(open_image_source(path, max_image_pixels))
-            if list(grid) != list(expected):
-                raise ImageError(
-                    f"{describe(path)}: the image is now {list(grid)} patches, not the "
-                    f"{list(expected)} its tokens were counted for (the file changed after "
-                    "tokenising)"
-                )
+            image = open_image_source(path, max_image_pixels)
+            values, grid = patches_for_grid(processing, image, expected, describe(path))
             pixels.append(values)
             grids.append(grid)
     if pixels:

@@ -38,9 +38,10 @@ from tunelab.data.cache import describe_malformed
 from tunelab.data.chat import apply_chat_template
 from tunelab.data.chat_template import ChatTemplate, ChatTemplateError
 from tunelab.data.conversations import check_parts, read_documents, read_part, read_tools
+from tunelab.data.image_budget import patches_for_grid
 from tunelab.data.image_dataset import image_rows_per_file
 from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, ImageRef
-from tunelab.data.image_sources import open_image_source
+from tunelab.data.image_sources import describe, open_image_source
 from tunelab.data.images import ImageError
 from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
@@ -97,16 +98,12 @@ class PromptDataset(Dataset):
         pixels, grids = [], []
         for ref in refs:
             try:
-                values, grid = self._image_rows.processing(
-                    open_image_source(ref.path, self._image_rows.max_image_pixels)
+                image = open_image_source(ref.path, self._image_rows.max_image_pixels)
+                values, grid = patches_for_grid(
+                    self._image_rows.processing, image, ref.grid, describe(ref.path)
                 )
             except ImageError as error:
                 raise DataError(f"prompt {index}: {error}") from None
-            if tuple(grid) != tuple(ref.grid):
-                raise DataError(
-                    f"prompt {index}: {ref.path} is now {list(grid)} patches, not the "
-                    f"{list(ref.grid)} its tokens were counted for (the file changed)"
-                )
             pixels.append(values)
             grids.append(list(grid))
         return {
@@ -185,6 +182,7 @@ def prompt_dataset(
     images_column: str = "images",
     image_token: str = "<|image_pad|>",
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_pixels_per_sample: int | None = None,
     **load_dataset_kwargs: Any,
 ) -> PromptDataset:
     """Prompts to sample completions for, with their rows for the rewards.
@@ -216,6 +214,10 @@ def prompt_dataset(
         image_token: The token the chat template writes once per image (Qwen's; Gemma 3's
             preprocessing names its own).
         max_image_pixels: Largest area an image file may declare (a decompression bomb).
+        max_pixels_per_sample: Pixels of one row's images together, after resizing: a row
+            over it has all its images downscaled by one factor (fewer image tokens), one that
+            cannot fit even at the smallest size is malformed (``tunelab.data.image_budget``).
+            None: no budget.
         **load_dataset_kwargs: Passed to ``datasets.load_dataset`` (for a JSON file only
             ``field``, read as the other datasets read it).
 
@@ -244,6 +246,7 @@ def prompt_dataset(
                 images_column=images_column,
                 image_token=image_token,
                 max_image_pixels=max_image_pixels,
+                max_pixels_per_sample=max_pixels_per_sample,
                 max_seq_len=max_prompt_tokens or tokenizer.max_seq_len or 2**31 - 1,
                 template_kwargs=template_kwargs,
             )
