@@ -171,6 +171,8 @@ class ScheduleArgs:
     """On resume with another number of processes, keep batch_size and gradient_accumulation_steps as configured even though the global batch (batch_size x gradient_accumulation_steps x processes) then differs from the checkpoint's; by default tunelab keeps the checkpoint's global batch, so the run is the uninterrupted one."""
     max_steps_per_epoch: AtLeastOne | None = None
     """Cap on optimizer steps per epoch (None: the whole dataset)."""
+    dataloader_workers: Annotated[int, Range(ge=0)] = 0
+    """Worker processes per process that collate the batches (read and preprocess a batch's images, pad its tokens) ahead of the step; 0: in the training process. The batches are the same whatever the number, in the same order, and a resume continues them exactly (a stream, dataset.streaming, has its own: dataset.num_proc)."""
     clip_grad_norm: Annotated[float, Finite(), Range(gt=0)] | None = 1.0
     """Clip the global gradient norm to this value (None: no clipping)."""
     skip_nonfinite_steps: Annotated[int, Range(ge=0)] = 0

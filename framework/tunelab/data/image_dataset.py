@@ -6,8 +6,8 @@ built, once per machine, so a bad image stops the build with its file and line b
 worker starts (or, with ``skip_malformed``, the row is skipped); an image named by URL is
 fetched then, once per machine, into the image cache (``tunelab.data.image_sources``). The
 cached samples hold each image's file (or URL) and patch grid; the pixels are read by the
-collate (``tunelab.data.image_rows.padded_collate_images``), in the loader's workers. With
-``packed`` a pack holds whole samples, each with its images (``tunelab.data.packing``).
+collate (``tunelab.data.image_rows.padded_collate_images``), in the loader: in its worker
+processes with ``schedule.dataloader_workers``. With ``packed`` a pack holds whole samples, each with its images (``tunelab.data.packing``).
 """
 
 import json

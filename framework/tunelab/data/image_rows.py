@@ -452,7 +452,8 @@ def padded_collate_images(
 ) -> dict[str, torch.Tensor]:
     """``padded_collate_sft``, plus the batch's images read and cut into patches.
 
-    Images are read here, in the data loader's workers, not when the rows were tokenised (an
+    Images are read here, in the data loader (its worker processes with
+    ``schedule.dataloader_workers``), not when the rows were tokenised (an
     image named by URL from the image cache, fetched again if it is no longer there).
 
     Args:

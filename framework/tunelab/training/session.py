@@ -124,7 +124,8 @@ def build_data(
         schedule: The ``schedule`` settings: ``batch_size`` (samples per micro-batch per
             process), ``gradient_accumulation_steps``, ``max_steps_per_epoch``, and
             ``allow_global_batch_change`` (resume with the configured batch even when it
-            changes the global batch: the run is then not the uninterrupted one).
+            changes the global batch: the run is then not the uninterrupted one), and
+            ``dataloader_workers`` (processes collating the batches of a map-style dataset).
         seed: Seed of the per-epoch shuffle.
         resume_from: The run folder when the run may resume (``resume_from_checkpoint`` true
             or auto): the global batch its newest checkpoint recorded is kept on any number
@@ -168,14 +169,15 @@ def build_data(
         )  # fmt: skip
     if datasets.index_pairs:
         train = IndexedPairs(train)
-    loader, sampler = build_dataloader(train, **common, pad_id=tokenizer.pad_id)
+    workers = {"num_workers": schedule.dataloader_workers}
+    loader, sampler = build_dataloader(train, **common, **workers, pad_id=tokenizer.pad_id)
     val_loader = None
     if val_dataset is not None:
         validation = instantiate(val_dataset, tokenizer=tokenizer)
         log_data_counts("val_dataset", validation)
         report_past_context(validation, "val_dataset", model_context)
         val_loader, _ = build_dataloader(
-            validation, **common, shuffle=False, pad_id=tokenizer.pad_id
+            validation, **common, **workers, shuffle=False, pad_id=tokenizer.pad_id
         )
     steps_per_epoch = len(loader) // gradient_accumulation_steps
     if max_steps_per_epoch is not None:

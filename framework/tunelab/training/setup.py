@@ -320,6 +320,7 @@ def build_dataloader(
     seed: int,
     shuffle: bool = True,
     ranks_per_sample: int = 1,
+    num_workers: int = 0,
     **collate_kwargs: Any,
 ) -> tuple[DataLoader, StatefulDistributedSampler]:
     """A loader over this rank's share of ``dataset`` and its resumable sampler.
@@ -335,6 +336,11 @@ def build_dataloader(
         shuffle: Shuffle each epoch.
         ranks_per_sample: Consecutive ranks that share each sample (context- and
             tensor-parallel ranks).
+        num_workers: Worker processes that collate batches (``collate_fn`` reads a batch's
+            images there); 0: in this process. The sampler stays in this process and the
+            loader returns batches in its order, so the batches do not depend on it, and the
+            position the checkpoint saves is the sampler's (moved by ``advance``), not what
+            the workers fetched ahead.
         **collate_kwargs: Passed to ``collate_fn`` (e.g. ``pad_id``).
 
     Returns:
@@ -358,6 +364,9 @@ def build_dataloader(
         # Its own generator: creating an iterator draws a seed from it, and from the global
         # RNG without one, which would shift dropout after a resume restored the RNG state.
         generator=torch.Generator().manual_seed(seed),
+        num_workers=num_workers,
+        # Workers are forked per epoch; one per epoch keeps the main process's pages shared.
+        persistent_workers=False,
     )
     return loader, sampler
 
