@@ -27,14 +27,23 @@ EP ``4 T k (P-1)/P D b`` (rows out and back, forward and backward) against FSDP
 stays gathered from forward to backward, one all-gather fewer), a ratio of ``4 T k / (9 E I)``
 when the routing is even; with frozen experts (LoRA) FSDP has no
 reduce-scatter of them and EP no gradient rows for the weights, but still for the tokens.
+
+Memory per process, measured as ``bench_parallel.py`` measures TP's: the bytes autograd keeps
+for the backward (``saved_tensors_hooks``, each storage once, the parameters FSDP2 gathers
+left out: the activations proper), the peak growth of resident memory over the forward and
+backward (``PeakRSS``: activations, FSDP's gathered experts, transient buffers, gradients), the
+parameters + gradients + AdamW state each process holds (its local parameter elements x 4
+bytes x 4), and their sum with the activations. The issue sets no memory target for EP.
 """
 
 import argparse
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from _common import (
     MiB,
@@ -47,6 +56,7 @@ from _common import (
     print_table,
     relaunch_under_torchrun,
 )
+from _system import PeakRSS
 from tunelab.distributed import shard_model
 from tunelab.distributed.expert_parallel import expert_traffic, shard_experts
 from tunelab.losses import CrossEntropyLoss
@@ -54,6 +64,12 @@ from tunelab.models import ModelArgs, TransformerDecoder
 from tunelab.training.loop import batch_loss, output_layer
 
 BYTES_TARGET = 0.5
+MEMORY_ROWS = (
+    ("saved", "activations saved for backward, per process"),
+    ("memory", "peak memory growth of a step, per process"),
+    ("state", "parameters + gradients + AdamW state, per process"),
+    ("total", "parameters + gradients + AdamW state + activations, per process"),
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -118,21 +134,75 @@ class SentBytes:
         dist.reduce_scatter_single = reduce_scatter_single
 
 
-def step(model, loss_fn, output, batch, sent: SentBytes) -> tuple[float, int, float, int]:
-    """One forward and backward: (seconds, bytes sent by this process, loss, of them the
-    expert exchange's)."""
+class Measured(NamedTuple):
+    """One forward and backward of one layout on this process."""
+
+    seconds: float
+    sent: int
+    """Bytes this process sent (FSDP2's collectives and the expert exchange)."""
+    loss: float
+    exchanged: int
+    """Of ``sent``, the expert exchange's."""
+    memory: int
+    """Peak growth of resident memory."""
+    saved: int
+    """Bytes saved for the backward, parameters left out."""
+
+
+def step(model, loss_fn, output, batch, sent: SentBytes) -> Measured:
+    """One forward and backward of ``model`` on ``batch``."""
     traffic = expert_traffic(model)
     if traffic is not None:
         traffic.reset()
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = _local(tensor)
+        try:
+            storage = local.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a storage-less wrapper: count its elements
+            key, size = id(local), local.numel() * local.element_size()
+        # FSDP2 registers a block's gathered parameters while it runs: those are not
+        # activations (it frees them after the forward and gathers them again).
+        if key not in {_storage(param) for param in model.parameters()}:
+            storages[key] = size
+        return tensor
+
     model.zero_grad(set_to_none=True)
     before = sent.bytes
     barrier()
     start = time.perf_counter()
-    loss, count = batch_loss(loss_fn, model, batch, output)
-    (loss / count).backward()
+    with PeakRSS() as peak:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss, count = batch_loss(loss_fn, model, batch, output)
+        (loss / count).backward()
     seconds = time.perf_counter() - start
     exchanged = traffic.bytes_sent if traffic is not None else 0
-    return seconds, sent.bytes - before + exchanged, float(loss.detach() / count), exchanged
+    return Measured(
+        seconds,
+        sent.bytes - before + exchanged,
+        float(loss.detach() / count),
+        exchanged,
+        peak.peak_growth,
+        sum(storages.values()),
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _storage(param: torch.Tensor) -> int:
+    try:
+        return _local(param).untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """Parameters, gradients and AdamW's two moments this process holds (fp32)."""
+    return sum(_local(param).numel() for param in model.parameters()) * 4 * 4
 
 
 def main() -> None:
@@ -152,7 +222,7 @@ def main() -> None:
     batch = {"tokens": tokens, "labels": tokens.clone()}
     loss_fn = CrossEntropyLoss()
     paths = {"fsdp 2": fsdp, "ep 2": experts}
-    results: dict[str, list[tuple[float, int, float, int]]] = {name: [] for name in paths}
+    results: dict[str, list[Measured]] = {name: [] for name in paths}
     for repeat in range(args.repeats + 1):
         for name, model in paths.items():
             measured = step(model, loss_fn, output_layer(model), batch, sent)
@@ -160,10 +230,14 @@ def main() -> None:
                 results[name].append(measured)
     figures = {
         name: {
-            "bytes": max(gather_floats(max(run[1] for run in runs))),
-            "seconds": max(gather_floats(median(run[0] for run in runs))),
-            "loss": gather_floats(runs[-1][2]),
-            "exchanged": max(gather_floats(max(run[3] for run in runs))),
+            "bytes": max(gather_floats(max(run.sent for run in runs))),
+            "seconds": max(gather_floats(median(run.seconds for run in runs))),
+            "loss": gather_floats(runs[-1].loss),
+            "exchanged": max(gather_floats(max(run.exchanged for run in runs))),
+            "saved": max(gather_floats(max(run.saved for run in runs))),
+            "memory": max(gather_floats(max(run.memory for run in runs))),
+            "state": max(gather_floats(state_bytes(paths[name]))),
+            "total": max(gather_floats(state_bytes(paths[name]) + max(run.saved for run in runs))),
         }
         for name, runs in results.items()
     }
@@ -190,6 +264,17 @@ def main() -> None:
                     f"<= {BYTES_TARGET}x",
                     ratio <= BYTES_TARGET,
                 ),
+                *(
+                    Row(
+                        label,
+                        f"{ours[key] / MiB:.1f} MiB",
+                        f"{theirs[key] / MiB:.1f} MiB",
+                        f"{ours[key] / theirs[key]:.2f}x",
+                        "-",
+                        None,
+                    )
+                    for key, label in MEMORY_ROWS
+                ),
                 Row(
                     "step time (forward + backward), slowest process",
                     f"{ours['seconds']:.3f} s",
@@ -212,6 +297,13 @@ def main() -> None:
                 f"{(ours['bytes'] - ours['exchanged']) / MiB:.1f} MiB (attention, routers, "
                 "embeddings: FSDP-sharded in both layouts). Same weights and rows in both layouts: "
                 f"losses differ by {loss_gap:.1e}. Times on a shared 2-core CPU are noisy.",
+                "Memory per process, the largest of the two (the whole model: both MoE "
+                "layers, attention, embeddings): activations are the storages autograd keeps "
+                "for the backward, FSDP's gathered parameters left out; the peak growth of "
+                "resident memory over the step holds FSDP's gathered experts (freed after "
+                "each block) and the gradients; state is each process's parameter elements "
+                "x 4 bytes x 4 (parameter, gradient, two AdamW moments). No target: the "
+                "issue's EP target is the bytes row.",
             ],
         )
     dist.destroy_process_group()
