@@ -14,7 +14,9 @@ Two comparisons, side by side in one run:
   and Qwen3-VL-8B-Instruct's ``preprocessor_config.json``), on the same decoded pillow images of
   several sizes; each image's pixel values (within 1e-6) and grid are checked equal before
   any figure is printed. One process with one thread does both sides, the order alternating
-  per round; each side is timed by wall and by CPU seconds (``time.process_time``).
+  per round; each side is timed by wall and by CPU seconds (``time.process_time``). The
+  split is printed per size: each side's CPU ms per image (median of rounds) and, timed on
+  its own over the same images, pillow's bicubic resize that both sides make (the same call).
 - **Training, tokens/s.** LoRA SFT (r=8, alpha=16, dropout 0, every projection of the
   language model, as ``tiny/vl_lora``) on the embedded tiny model of ``--family`` in fp32, on
   the same chat rows with images (the embedded ``tiny_vl/chat.jsonl``, repeated, absolute
@@ -154,12 +156,30 @@ def _time_preprocessing(sides: dict, images: list, side: str, _round: int) -> di
     }
 
 
+def _resize_cpu_seconds(ours, images: list) -> float:
+    """CPU seconds per image of the pillow resize both sides make (bicubic, the same sizes)."""
+    from PIL import Image
+
+    from tunelab.data.images import to_rgb
+
+    seconds = []
+    for _ in range(3):
+        began = time.process_time()
+        for image in images:
+            height, width = ours.resized_size(image.height, image.width)
+            if (height, width) != (image.height, image.width):
+                to_rgb(image).resize((width, height), Image.Resampling.BICUBIC)
+        seconds.append((time.process_time() - began) / len(images))
+    return min(seconds)
+
+
 def preprocess_worker(args: argparse.Namespace) -> dict:
     """Both preprocessing sides in this one process, each size alternating their order.
 
     Returns:
-        ``{family: {size: {side: [{"images", "seconds", "cpu_seconds"} per round]}}}`` and
-        the transformers processor's class per family under ``"classes"``.
+        ``{family: {size: {side: [{"images", "seconds", "cpu_seconds"} per round]}}}``, the
+        transformers processor's class per family under ``"classes"`` and the CPU seconds
+        per image of the shared pillow resize under ``"resize"`` (``{family: {size: s}}``).
     """
     import torch
     from transformers import AutoImageProcessor
@@ -168,7 +188,7 @@ def preprocess_worker(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
-    figures: dict = {"classes": {}}
+    figures: dict = {"classes": {}, "resize": {}}
     for family, spec in FAMILIES.items():
         folder = Path(tempfile.mkdtemp(prefix=f"bench_vl_{family}_"))
         settings = {"image_processor_type": "Qwen2VLImageProcessor", **spec["hub_preprocessing"]}
@@ -181,6 +201,7 @@ def preprocess_worker(args: argparse.Namespace) -> dict:
             "transformers": partial(theirs, return_tensors="pt"),
         }
         figures[family] = {}
+        figures["resize"][family] = {}
         for width, height in sizes:
             images = [_test_image(width, height, seed) for seed in range(args.images)]
             pixels, grid = ours(images[0])
@@ -196,12 +217,30 @@ def preprocess_worker(args: argparse.Namespace) -> dict:
             figures[family][f"{width}x{height}"] = alternating_rounds(
                 run_side, list(sides), args.rounds
             )
+            figures["resize"][family][f"{width}x{height}"] = _resize_cpu_seconds(ours, images)
     return figures
 
 
 def _images(note: str) -> str:
     """A throughput note of ``throughput_row`` about images, not tokens."""
     return note.replace("tokens", "images").replace("per cpu_seconds", "per CPU-second")
+
+
+def _split_note(family: str, size: str, results: dict, resize_seconds: float) -> str:
+    """Each side's CPU ms per image (median of rounds), and how much of it the shared resize is."""
+    per_image = {
+        side: 1000 * statistics.median(run["cpu_seconds"] / run["tokens"] for run in runs)
+        for side, runs in results.items()
+    }
+    resize = 1000 * resize_seconds
+    return (
+        f"{family} {size}: CPU ms per image: "
+        + "; ".join(
+            f"{side} {ms:.2f} (the rest after the resize {ms - resize:.2f})"
+            for side, ms in per_image.items()
+        )
+        + f"; pillow's bicubic resize, the same call on both sides: {resize:.2f}"
+    )
 
 
 def preprocess_rows(figures: dict) -> tuple[list[Row], list[str]]:
@@ -215,6 +254,7 @@ def preprocess_rows(figures: dict) -> tuple[list[Row], list[str]]:
             row, round_notes = throughput_row(figure, results, TARGET_RATIO, theirs="transformers")
             rows.append(row)
             notes.append(f"{family} {size}: " + _images(round_notes[-1]))
+            notes.append(_split_note(family, size, results, figures["resize"][family][size]))
             for side, runs in results.items():
                 per_round = totals.setdefault(side, [dict.fromkeys(runs[0], 0.0) for _ in runs])
                 for total, run in zip(per_round, runs, strict=True):

@@ -117,3 +117,36 @@ def test_open_image_refuses_bad_files(tmp_path):
     truncated.write_bytes(good.read_bytes()[:-200])
     with pytest.raises(ImageError, match="truncated"):
         open_image(truncated, 10_000)
+
+
+@pytest.mark.parametrize(
+    "patch_size, temporal_patch_size, mean, std",
+    [
+        (14, 2, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+        (16, 2, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),  # Qwen3-VL's settings
+        (14, 1, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    ],
+)
+def test_every_byte_of_every_channel_is_equal_to_the_bit(
+    patch_size, temporal_patch_size, mean, std
+):
+    """Scaling and normalising are done in place on the patches (``/ 255``, ``- mean``,
+    ``/ std`` in float32): every byte value in each channel, left unresized, gives the very
+    float32 transformers' float64 rescale and float32 normalise give."""
+    side = 2 * patch_size * 2
+    ramp = torch.arange(side * side).view(side, side)
+    values = torch.stack([(ramp * 7 + 85 * channel) % 256 for channel in range(3)], dim=-1)
+    image = Image.fromarray(values.to(torch.uint8).numpy(), mode="RGB")
+    settings = {
+        "min_pixels": side * side, "max_pixels": side * side, "patch_size": patch_size,
+        "temporal_patch_size": temporal_patch_size, "image_mean": mean, "image_std": std,
+    }  # fmt: skip
+    pixels, grid = ImageProcessing.from_preprocessor_config(settings)(image)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    theirs = Qwen2VLImageProcessorPil(**settings)(images=[image], return_tensors="pt")
+    assert all(len(values[..., c].unique()) == 256 for c in range(3))
+    assert list(grid) == theirs["image_grid_thw"][0].tolist()
+    assert torch.equal(pixels, theirs["pixel_values"])

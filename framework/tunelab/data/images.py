@@ -6,11 +6,18 @@ The result equals transformers' ``Qwen2VLImageProcessor`` (its PIL backend) valu
 2. it is resized with bicubic resampling to the size ``smart_resize`` picks: each side a
    multiple of ``patch_size * merge_size``, the area within ``[min_pixels, max_pixels]``,
    the aspect ratio kept as closely as those allow;
-3. values become ``x / 255`` (computed in float64, stored in float32), then
-   ``(x - mean) / std`` per channel;
+3. values become ``x / 255`` (transformers computes it in float64 and stores float32; float32
+   division gives the same float32 for every byte), then ``(x - mean) / std`` per channel in
+   float32;
 4. the ``C x H x W`` image is cut into patches ordered block-major (the patches of each
    ``merge_size`` square adjacent, squares row by row), each patch flattened as channel,
    frame, row, column with the image repeated over the ``temporal_patch_size`` frames.
+
+Done for speed (``ImageProcessing.patches``): the bytes are cut into patches first (one byte
+a value), made float32 and normalised in place there (the same float32 operations, in the same
+order, on each value as transformers'), and repeated over the frames in one copy into an
+output numpy allocates (numpy asks the kernel for huge pages on large arrays, which makes a
+fresh 50 MB output several times cheaper to fault in than torch's own allocation).
 
 An image of ``h x w`` patches becomes ``h * w / merge_size**2`` language tokens.
 
@@ -22,6 +29,7 @@ bomb), each with one line naming the file.
 import math
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -114,21 +122,51 @@ class ImageProcessing:
         height, width = self.resized_size(rgb.height, rgb.width)
         if (height, width) != (rgb.height, rgb.width):
             rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
-        # Scale and normalise through a 256-entry table per channel: the same float32 operations
-        # on each byte as on the image, done once per value instead of once per pixel.
-        table = self._value_table().numpy()
-        data = np.asarray(rgb)  # [H, W, 3] uint8
-        pixels = np.stack([table[channel][data[..., channel]] for channel in range(3)])
-        return patchify(
-            torch.from_numpy(pixels), self.patch_size, self.merge_size, self.temporal_patch_size
-        )
+        return self.patches(np.asarray(rgb))
 
-    def _value_table(self) -> torch.Tensor:
-        """``[3, 256]`` float32: byte ``v`` of channel ``c`` scaled and normalised."""
-        scaled = (torch.arange(256, dtype=torch.float64) * (1 / 255)).float()
-        mean = torch.tensor(self.image_mean, dtype=torch.float32)[:, None]
-        std = torch.tensor(self.image_std, dtype=torch.float32)[:, None]
-        return (scaled[None] - mean) / std
+    def patches(self, data: np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Normalised, block-major patches of a resized image's bytes.
+
+        Args:
+            data: ``uint8 [height, width, 3]`` (pillow's layout), sides multiples of
+                ``patch_size * merge_size``.
+
+        Returns:
+            ``(pixel_values, grid)`` as ``__call__`` returns them.
+        """
+        height, width, channels = data.shape
+        side, merge, frames = self.patch_size, self.merge_size, self.temporal_patch_size
+        rows, columns = height // side, width // side
+        count = rows * columns
+        # -> block row, block column, row in block, column in block, channel, pixel row, column
+        blocks = data.reshape(rows // merge, merge, side, columns // merge, merge, side, channels)
+        blocks = np.ascontiguousarray(blocks.transpose(0, 3, 1, 4, 6, 2, 5))
+        values = _empty((count, channels, 1, side * side))
+        values.copy_(torch.from_numpy(blocks).view(values.shape))
+        mean, std = _normalisation(tuple(self.image_mean), tuple(self.image_std))
+        values.div_(255.0).sub_(mean).div_(std)
+        if frames > 1:
+            repeated = _empty((count, channels, frames, side * side))
+            repeated.copy_(values.expand(repeated.shape))
+            values = repeated
+        return values.view(count, channels * frames * side * side), (1, rows, columns)
+
+
+def _empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 tensor in memory numpy allocates (huge pages when large)."""
+    return torch.from_numpy(np.empty(shape, dtype=np.float32))
+
+
+@lru_cache(maxsize=16)
+def _normalisation(
+    mean: tuple[float, ...], std: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel float32 mean and std shaped ``[C, 1, 1]`` (against ``[N, C, 1, P*P]``)."""
+    as_column = (len(mean), 1, 1)
+    return (
+        torch.tensor(mean, dtype=torch.float32).view(as_column),
+        torch.tensor(std, dtype=torch.float32).view(as_column),
+    )
 
 
 def smart_resize(
@@ -173,43 +211,13 @@ def smart_resize(
     return rounded_height, rounded_width
 
 
-def patchify(
-    pixels: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int
-) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Cut a normalised ``[C, H, W]`` image into flattened, block-major patches.
-
-    Args:
-        pixels: ``[channels, height, width]`` (any dtype), sides multiples of
-            ``patch_size * merge_size``.
-        patch_size: side of a patch.
-        merge_size: side of a merge square, in patches.
-        temporal_patch_size: frames per patch (the image is repeated).
-
-    Returns:
-        ``(patches, (1, rows, columns))`` with ``patches`` ``[rows * columns, C * T * P * P]``.
-    """
-    channels, height, width = pixels.shape
-    rows, columns = height // patch_size, width // patch_size
-    blocks = pixels.view(
-        channels,
-        rows // merge_size,
-        merge_size,
-        patch_size,
-        columns // merge_size,
-        merge_size,
-        patch_size,
-    )
-    # -> block row, block column, row in block, column in block, channel, pixel row, column
-    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
-    frames = blocks[:, :, :, :, :, None].expand(
-        *blocks.shape[:5], temporal_patch_size, *blocks.shape[5:]
-    )
-    patches = frames.reshape(rows * columns, channels * temporal_patch_size * patch_size**2)
-    return patches, (1, rows, columns)
-
-
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited onto white (transformers' rule)."""
+    """RGB, with any transparency composited onto white (transformers' rule).
+
+    An RGB image without a transparent colour is returned as it is (not copied).
+    """
+    if image.mode == "RGB" and image.info.get("transparency") is None:
+        return image
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")

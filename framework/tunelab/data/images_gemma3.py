@@ -184,13 +184,15 @@ class Gemma3ImageProcessing:
         pieces = [rgb] + [rgb.crop(box) for box in self.crops(rgb.height, rgb.width)]
         table = self._value_table()
         side = (self.image_size, self.image_size)
-        values = []
-        for piece in pieces:
+        # Each channel's bytes are looked up straight into the output's plane (no stacking).
+        values = np.empty((len(pieces), 3, self.image_size, self.image_size), dtype=np.float32)
+        for index, piece in enumerate(pieces):
             if piece.size != side:
                 piece = piece.resize(side, Image.Resampling(self.resample))
             data = np.asarray(piece)  # [H, W, 3] uint8
-            values.append(np.stack([table[channel][data[..., channel]] for channel in range(3)]))
-        return torch.from_numpy(np.stack(values)), self.grid(rgb.height, rgb.width)
+            for channel in range(3):
+                np.take(table[channel], data[..., channel], out=values[index, channel], mode="clip")
+        return torch.from_numpy(values), self.grid(rgb.height, rgb.width)
 
     def _value_table(self) -> np.ndarray:
         """``[3, 256]`` float32: byte ``v`` of channel ``c`` rescaled and normalised."""
