@@ -29,8 +29,9 @@ when the routing is even; with frozen experts (LoRA) FSDP has no
 reduce-scatter of them and EP no gradient rows for the weights, but still for the tokens.
 
 Memory per process, measured as ``bench_parallel.py`` measures TP's: the bytes autograd keeps
-for the backward (``saved_tensors_hooks``, each storage once, the parameters FSDP2 gathers
-left out: the activations proper), the peak growth of resident memory over the forward and
+for the backward (``saved_tensors_hooks``, each storage once, the parameters left out: here
+also the whole experts FSDP2 gathers while a block runs, which it frees after the forward;
+``bench_parallel.py`` leaves out only the sharded ones, in both of its layouts), the peak growth of resident memory over the forward and
 backward (``PeakRSS``: activations, FSDP's gathered experts, transient buffers, gradients), the
 parameters + gradients + AdamW state each process holds (its local parameter elements x 4
 bytes x 4), and their sum with the activations. The issue sets no memory target for EP.
@@ -43,7 +44,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from _common import (
     MiB,
@@ -56,6 +56,7 @@ from _common import (
     print_table,
     relaunch_under_torchrun,
 )
+from _saved_bytes import SavedForBackward, state_bytes, storage_keys
 from _system import PeakRSS
 from tunelab.distributed import shard_model
 from tunelab.distributed.expert_parallel import expert_traffic, shard_experts
@@ -154,27 +155,14 @@ def step(model, loss_fn, output, batch, sent: SentBytes) -> Measured:
     traffic = expert_traffic(model)
     if traffic is not None:
         traffic.reset()
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor)
-        try:
-            storage = local.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a storage-less wrapper: count its elements
-            key, size = id(local), local.numel() * local.element_size()
-        # FSDP2 registers a block's gathered parameters while it runs: those are not
-        # activations (it frees them after the forward and gathers them again).
-        if key not in {_storage(param) for param in model.parameters()}:
-            storages[key] = size
-        return tensor
-
     model.zero_grad(set_to_none=True)
     before = sent.bytes
     barrier()
     start = time.perf_counter()
     with PeakRSS() as peak:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        # FSDP2 registers a block's gathered parameters while it runs: those are not
+        # activations (it frees them after the forward and gathers them again).
+        with SavedForBackward(lambda: storage_keys(model.parameters())) as saved:
             loss, count = batch_loss(loss_fn, model, batch, output)
         (loss / count).backward()
     seconds = time.perf_counter() - start
@@ -185,24 +173,8 @@ def step(model, loss_fn, output, batch, sent: SentBytes) -> Measured:
         float(loss.detach() / count),
         exchanged,
         peak.peak_growth,
-        sum(storages.values()),
+        saved.bytes,
     )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _storage(param: torch.Tensor) -> int:
-    try:
-        return _local(param).untyped_storage().data_ptr()
-    except RuntimeError:
-        return -1
-
-
-def state_bytes(model: torch.nn.Module) -> int:
-    """Parameters, gradients and AdamW's two moments this process holds (fp32)."""
-    return sum(_local(param).numel() for param in model.parameters()) * 4 * 4
 
 
 def main() -> None:

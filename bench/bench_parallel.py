@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from _common import (
     MiB,
@@ -42,6 +41,7 @@ from _common import (
     print_table,
     relaunch_under_torchrun,
 )
+from _saved_bytes import SavedForBackward, state_bytes, storage_keys
 from _system import PeakRSS
 from tunelab.config.sections import SFTParallelismArgs
 from tunelab.distributed import build_device_meshes, shard_model
@@ -94,38 +94,16 @@ def row(seq_len: int, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
 
 def step(model, loss_fn, output, batch) -> tuple[float, int, int]:
     """One forward and backward: (seconds, peak memory growth, bytes saved for backward)."""
-    storages: dict[int, int] = {}
-    parameters = {_local(param).data_ptr() for param in model.parameters()}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor)
-        try:
-            storage = local.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a storage-less wrapper: count its elements
-            key, size = id(local), local.numel() * local.element_size()
-        if key not in parameters:
-            storages[key] = size
-        return tensor
-
+    parameters = storage_keys(model.parameters())
     model.zero_grad(set_to_none=True)
     barrier()
     start = time.perf_counter()
     with PeakRSS() as peak:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedForBackward(lambda: parameters) as saved:
             loss, count = batch_loss(loss_fn, model, batch, output)
         (loss / count).backward()
     seconds = time.perf_counter() - start
-    return seconds, peak.peak_growth, sum(storages.values())
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def state_bytes(model: torch.nn.Module) -> int:
-    """Parameters, gradients and AdamW's two moments this process holds (fp32)."""
-    return sum(_local(param).numel() for param in model.parameters()) * 4 * 4
+    return seconds, peak.peak_growth, saved.bytes
 
 
 def main() -> None:
