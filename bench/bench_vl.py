@@ -162,13 +162,14 @@ def _resize_cpu_seconds(ours, images: list) -> float:
 
     from tunelab.data.images import to_rgb
 
+    sizes = [ours.resized_size(image.height, image.width) for image in images]
+    if all(size == (image.height, image.width) for size, image in zip(sizes, images)):
+        return 0.0  # neither side resizes
     seconds = []
     for _ in range(3):
         began = time.process_time()
-        for image in images:
-            height, width = ours.resized_size(image.height, image.width)
-            if (height, width) != (image.height, image.width):
-                to_rgb(image).resize((width, height), Image.Resampling.BICUBIC)
+        for (height, width), image in zip(sizes, images):
+            to_rgb(image).resize((width, height), Image.Resampling.BICUBIC)
         seconds.append((time.process_time() - began) / len(images))
     return min(seconds)
 
@@ -233,6 +234,9 @@ def _split_note(family: str, size: str, results: dict, resize_seconds: float) ->
         for side, runs in results.items()
     }
     resize = 1000 * resize_seconds
+    if not resize_seconds:
+        sides = "; ".join(f"{side} {ms:.2f}" for side, ms in per_image.items())
+        return f"{family} {size}: CPU ms per image: {sides} (no resize at this size)"
     return (
         f"{family} {size}: CPU ms per image: "
         + "; ".join(
