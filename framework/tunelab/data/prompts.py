@@ -5,7 +5,8 @@ tokenizer's chat template and ``add_generation_prompt`` (``template: auto``), wi
 format for a base model, or encoded as raw text (``template: null``). With the chat template the
 messages may carry tool calls, tool results and reasoning, and a row's ``tools`` and
 ``documents`` are passed to it, as ``chat_dataset`` does (``tunelab.data.conversations``). The
-rows stay as read, so a reward can read any column (``answer``, test cases, ...).
+rows stay as read, so a reward can read any column (``answer``, test cases, ...); a prompt
+with images adds its images' local files under ``prompt_images`` (``PROMPT_IMAGES``).
 
 Rows are read with the same sources and source options as the SFT and preference datasets
 (JSON/JSONL, parquet, csv, Arrow, local folders, the hub; ``data_files``, ``split``,
@@ -25,6 +26,7 @@ row, or skipped); its pixels are read when the prompt is sampled
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from tunelab.data.conversations import check_parts, read_documents, read_part, r
 from tunelab.data.image_budget import patches_for_grid
 from tunelab.data.image_dataset import image_rows_per_file
 from tunelab.data.image_rows import DEFAULT_MAX_IMAGE_PIXELS, ImageChatRows, ImageRef
-from tunelab.data.image_sources import describe, open_image_source
+from tunelab.data.image_sources import ImageFetch, describe, is_url, open_image_source
 from tunelab.data.images import ImageError
 from tunelab.data.rows import BadRow, read_messages, read_text, to_messages
 from tunelab.data.sft import resolve_template
@@ -52,12 +54,18 @@ from tunelab.errors import DataError
 
 __all__ = ["PromptDataset", "padded_collate_prompts", "prompt_dataset"]
 
+PROMPT_IMAGES = "prompt_images"
+"""The key of a row with images that lists them for the rewards: each image's local file
+(absolute; a URL's or ``data:`` URI's copy in the image cache), in the prompt's order, the
+image as read from disk (``PIL.ImageOps.exif_transpose`` turns it upright, as the model saw it)."""
+
 
 class PromptDataset(Dataset):
     """Rendered prompts and their rows. Item ``i``: ``{"prompt_tokens": [...], "index": i}``.
 
     Attributes:
-        rows: The rows as read (every column), by index.
+        rows: The rows as read (every column), by index; a prompt with images also has
+            ``prompt_images`` (``PROMPT_IMAGES``), its images' local files, for the rewards.
         prompts: The rendered prompt texts (what the model sees), by index.
         num_truncated: Prompts cut to ``max_prompt_tokens`` (their start is dropped).
         num_skipped: Malformed rows skipped (``skip_malformed``); not in ``rows``.
@@ -266,6 +274,12 @@ def prompt_dataset(
                         "a prompt with images needs template: auto (the chat template)",
                     )
                 ids, refs = with_images(row.source).prompt(row.value)
+                if PROMPT_IMAGES in row.value:
+                    raise BadRow(
+                        PROMPT_IMAGES,
+                        "the column name is kept for the prompt's image files, which the "
+                        "rewards get in it; rename the column",
+                    )
             else:
                 ids = _render(tokenizer, chosen, row.value, prompt_column, template_kwargs)
             if refs and max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
@@ -284,6 +298,9 @@ def prompt_dataset(
             ids, num_truncated = ids[-max_prompt_tokens:], num_truncated + 1
         tokens.append(ids)
         prompts.append(tokenizer.decode(ids, skip_special_tokens=False))
+        if refs:
+            fetch = with_images(row.source).fetch
+            row.value = {**row.value, PROMPT_IMAGES: [_local_file(ref, fetch) for ref in refs]}
         rows.append(row.value)
         images.append(refs)
     names = ", ".join(source.name for source in sources)
@@ -296,6 +313,11 @@ def prompt_dataset(
         return PromptDataset(tokens, prompts, rows, num_truncated, num_skipped)
     some_rows = next(iter(image_rows.values()))
     return PromptDataset(tokens, prompts, rows, num_truncated, num_skipped, images, some_rows)
+
+
+def _local_file(ref: ImageRef, fetch: ImageFetch) -> str:
+    """An image's file: its absolute path, or for a URL or ``data:`` URI the kept copy."""
+    return str(fetch.cached_file(ref.path)) if is_url(ref.path) else os.path.abspath(ref.path)
 
 
 def _has_images(row: Mapping[str, Any], column: str, images_column: str) -> bool:
