@@ -18,7 +18,14 @@ import torch
 from PIL import Image
 
 from tunelab._paths import assets_dir
-from tunelab.data import image_chat_dataset, load_tokenizer, prompt_dataset, sft_collate
+from tunelab.data import (
+    image_chat_dataset,
+    image_preference_dataset,
+    load_tokenizer,
+    preference_collate,
+    prompt_dataset,
+    sft_collate,
+)
 from tunelab.data.image_budget import budget_scale
 from tunelab.data.image_dataset import image_processing_for
 from tunelab.errors import DataError
@@ -215,3 +222,26 @@ def test_grpo_prompts_get_the_budget(tokenizer, data):
     assert images["image_grid_thw"].tolist() == fitted[0]["image_grids"]
     batch = sft_collate(tokenizer)([fitted[0]], pad_id=tokenizer.pad_id)
     torch.testing.assert_close(images["pixel_values"], batch["pixel_values"], rtol=0, atol=0)
+
+
+def test_preference_pairs_get_the_budget(tokenizer, data):
+    file, folder = data
+    parts = [{"type": "image", "image": name} for name in SIZES]
+    parts.append({"type": "text", "text": QUESTION})
+    pairs_file = _write(
+        folder / "pairs.jsonl",
+        [{"prompt": [{"role": "user", "content": parts}], "chosen": "A.", "rejected": "B."}],
+    )
+    pairs = image_preference_dataset(
+        tokenizer,
+        source="json",
+        data_files=pairs_file,
+        num_proc=1,
+        cache_dir=str(folder / "cache"),
+        max_pixels_per_sample=15_000,
+    )
+    fitted = _build(tokenizer, file, folder, max_pixels_per_sample=15_000)
+    assert pairs[0]["image_grids"] == fitted[0]["image_grids"]
+    batch = preference_collate(tokenizer)([{**pairs[0], "pair_index": 0}], pad_id=0)
+    one = sft_collate(tokenizer)([fitted[0]], pad_id=tokenizer.pad_id)["pixel_values"]
+    torch.testing.assert_close(batch["pixel_values"], torch.cat([one, one]), rtol=0, atol=0)
