@@ -7,14 +7,14 @@ runs the merged model, which the HF export has just written.
 
 Layout and parallel write: the ``gguf`` package's ``GGUFWriter`` writes the header, the
 metadata and the tensor table (rank 0); every tensor's offset follows from its size, so each
-rank reads its share of tensors from the safetensors files (a balanced split by bytes, the
-largest first), converts and quantizes them with the ``gguf`` package's quantizers (a block
-needs only its own 32 or 256 values), and ``pwrite``s them at their offsets in the one file:
-cast into page-aligned buffers and written from them with ``O_DIRECT`` while the next bytes
-are cast, the pages shared with a neighbouring tensor through the page cache
-(``_RangeWriter``). No rank holds more than one tensor at a time, and none gathers the model. The padding between
-tensors is written as zeros by the tensor's writer, so the file is byte-identical whatever the
-number of ranks, and the pieces' digests tile it for the manifest.
+rank reads its share of tensors from the safetensors files (one run of consecutive tensors
+per rank, split by bytes), converts and quantizes them with the ``gguf`` package's quantizers
+(a block needs only its own 32 or 256 values), and ``pwrite``s them at their offsets in the one
+file: cast into page-aligned buffers and written from them with ``O_DIRECT`` while the next
+bytes are cast, the two pages a rank's run shares with its neighbours' through the page cache
+(``_RangeWriter``). No rank holds more than one tensor at a time, and none gathers the model.
+The padding between tensors is written as zeros by the tensor's writer, so the file is
+byte-identical whatever the number of ranks, and the pieces' digests tile it for the manifest.
 
 Everything goes into ``.gguf.tunelab-partial`` first, fsynced, and replaces ``gguf/`` as a
 whole at the end: an interrupted export leaves the previous GGUF folder or none.
@@ -27,8 +27,10 @@ import errno
 import json
 import mmap
 import os
+import resource
 import shutil
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,6 +83,10 @@ _ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT
 # Bytes of a tensor cast, hashed and written at a time (``_stored_pieces``): the export's CPU
 # fell by about a fifth against casting whole tensors (the bytes stay in cache between the three).
 _PIECE_BYTES = 1 << 20
+# Seconds per phase of this process's last ``export_gguf`` (and its minor page faults while it
+# read and cast the tensors), for the bench's split of where an export's time goes
+# (bench/bench_gguf.py). Filled as the export goes; a failed export leaves what it reached.
+_LAST_TIMINGS: dict[str, float] = {}
 _TORCH_CASTS = {
     gguf.GGMLQuantizationType.F32: torch.float32,
     gguf.GGMLQuantizationType.F16: torch.float16,
@@ -191,7 +197,10 @@ def _stored_pieces(
     """
     cast = _TORCH_CASTS.get(tensor.qtype)
     if cast is None or tensor.hf_name is None or tensor.sources:
-        yield _stored(reader, tensor, config), False
+        start = time.perf_counter()
+        stored = _stored(reader, tensor, config)
+        _add_time("read and cast", start)
+        yield stored, False
         return
     data = reader.get(tensor.hf_name)  # a view of the mapped file: read as it is cast
     rows = data.reshape(data.shape[0], -1)
@@ -205,6 +214,7 @@ def _stored_pieces(
             yield memoryview(part.reshape(-1).view(torch.uint8).numpy()), False
             continue
         space = writer.reserve(part.numel() * cast.itemsize)
+        start = time.perf_counter()
         out = space.view(cast).view(part.shape)
         # A plain IEEE cast (round to nearest even, as numpy's astype in gguf.quants.quantize),
         # in torch's vectorized kernel. From bfloat16 it equals the cast through float32.
@@ -213,6 +223,7 @@ def _stored_pieces(
             out.view(heads, half, 2, -1).copy_(part.view(heads, 2, half, -1).transpose(1, 2))
         else:
             out.copy_(part)
+        _add_time("read and cast", start)
         yield memoryview(space.numpy()), True
 
 
@@ -312,14 +323,15 @@ def _take_buffer() -> torch.Tensor:
 class _RangeWriter:
     """Writes a rank's byte ranges of the GGUF file through page-aligned buffers.
 
-    ``begin(offset)`` starts a range (a tensor and its padding); its bytes are cast into
-    ``reserve``'d space (then ``advance``) or copied in (``write``); ``end()`` finishes it.
+    ``begin(offset)`` starts a range (a run of consecutive tensors with their padding); its
+    bytes are cast into ``reserve``'d space (then ``advance``) or copied in (``write``);
+    ``end()`` finishes it.
 
     With ``sync_files``, where the file system takes ``O_DIRECT``, each page wholly inside a
     range goes to disk straight from the buffer (no copy into the page cache, no cached page to
     drop later, none taken fresh from a VM's host) in writer threads, while the next bytes are
     cast into the next buffer: the disk works while the CPU does. The partial pages at either
-    end of a range, which hold the neighbouring tensor's bytes too (maybe another rank's), go
+    end of a range, which hold the neighbouring bytes too (maybe another rank's), go
     through the page cache, as does everything without ``O_DIRECT`` or without ``sync_files``
     (then kept to a few tens of MB by ``_WriteBehind``). The file's bytes are the same.
     """
@@ -432,7 +444,9 @@ class _RangeWriter:
         self.slot = (self.slot + 1) % len(self.buffers)
         pending, self.pending[self.slot] = self.pending[self.slot], None
         if pending is not None:
+            start = time.perf_counter()
             pending.result()
+            _add_time("wait for a free buffer", start)
 
     def _write_direct(self, data: memoryview, offset: int) -> None:
         assert self.direct is not None
@@ -445,14 +459,18 @@ class _RangeWriter:
 
     def sync(self) -> None:
         """Finish the file: shared pages' bytes last, fsync, its clean pages dropped."""
+        start = time.perf_counter()
         for index, pending in enumerate(self.pending):
             self.pending[index] = None
             if pending is not None:
                 pending.result()
+        start = _add_time("drain the last direct writes", start)
         for offset, data in self.edges:
             pwrite_all(self.fd, memoryview(data), offset)
         self.edges.clear()
+        start = _add_time("shared pages through the cache", start)
         os.fsync(self.fd)
+        start = _add_time("fsync", start)
         self.behind.synced()
 
     def close(self) -> None:
@@ -470,13 +488,20 @@ class _RangeWriter:
 
 
 def _shares(plan: list[PlannedTensor], world_size: int) -> list[int]:
-    """Which rank writes each tensor: largest first, to the least loaded rank."""
-    load = [0] * world_size
-    owner = [0] * len(plan)
-    for index in sorted(range(len(plan)), key=lambda i: (-plan[i].nbytes, i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[index] = rank
-        load[rank] += plan[index].nbytes
+    """Which rank writes each tensor: one run of consecutive tensors per rank, split by bytes.
+
+    Each tensor goes to the rank whose ``1 / world_size`` of the data its middle byte falls in.
+    Consecutive tensors make one range for ``_RangeWriter``: its direct writes are whole
+    buffers across tensor boundaries, and only the pages at either end of a rank's run go
+    through the page cache (a split largest-first interleaved the ranks' tensors: two shared
+    pages per tensor, and a short direct write at the end of each).
+    """
+    total = sum(_padded(tensor.nbytes) for tensor in plan)
+    owner, position = [], 0
+    for tensor in plan:
+        middle = position + _padded(tensor.nbytes) // 2
+        owner.append(min(world_size - 1, middle * world_size // max(total, 1)))
+        position += _padded(tensor.nbytes)
     return owner
 
 
@@ -495,14 +520,22 @@ def _write_tensors(
         position += _padded(tensor.nbytes)
     pieces = []
     writer = _RangeWriter(path, sync_files)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start_loop = time.perf_counter()
     try:
         with HFCheckpointReader(export_dir) as reader:
+            run_end = None  # where the range being written ends, if one is
             for index in mine:
                 tensor, offset = plan[index], offsets[index]
                 hasher = digester()
-                writer.begin(offset)
+                if offset != run_end:  # not right after this rank's previous tensor
+                    if run_end is not None:
+                        writer.end()
+                    writer.begin(offset)
                 for piece, placed in _stored_pieces(reader, tensor, config, writer):
+                    start = time.perf_counter()
                     hasher.update(piece)
+                    _add_time("digest", start)
                     if placed:
                         writer.advance(len(piece))
                     else:
@@ -512,16 +545,29 @@ def _write_tensors(
                 # The padding too, so the file's bytes never depend on what was there before.
                 padding = bytes(_padded(tensor.nbytes) - tensor.nbytes)
                 writer.write(padding)
-                writer.end()
+                run_end = writer.position
                 pieces += [
                     (offset, tensor.nbytes, hasher.hexdigest()),
                     (position, len(padding), digest(padding)),
                 ]
+            if run_end is not None:
+                writer.end()
+        _LAST_TIMINGS["minor page faults"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        )
+        _add_time("tensor loop", start_loop)
         if sync_files:
             writer.sync()
     finally:
         writer.close()
     return pieces
+
+
+def _add_time(phase: str, start: float) -> float:
+    """Add the seconds since ``start`` to ``phase`` in ``_LAST_TIMINGS``; return the time now."""
+    now = time.perf_counter()
+    _LAST_TIMINGS[phase] = _LAST_TIMINGS.get(phase, 0.0) + now - start
+    return now
 
 
 def export_gguf(
@@ -551,6 +597,8 @@ def export_gguf(
         CheckpointError: One line when the family, tokenizer or quantization is not supported
             or the folder is not a model export.
     """
+    _LAST_TIMINGS.clear()
+    start = time.perf_counter()
     export_dir = Path(export_dir)
     problem = quantization_problem(quant)
     if problem is not None:
@@ -561,6 +609,7 @@ def export_gguf(
     config = json.loads(read_model_text(config_path, export_dir))
     config = {**config, **config.get("text_config", {})}
     plan = _plan(export_dir, config, quant)
+    start = _add_time("plan", start)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     world_size = dist.get_world_size(process_group) if distributed else 1
@@ -593,18 +642,21 @@ def export_gguf(
     if message[0] is not None:
         raise CheckpointError(message[0])
     data_start = message[1]
+    start = _add_time("header and preallocation (rank 0; the others wait)", start)
     owner = _shares(plan, world_size)
     mine = [i for i, r in enumerate(owner) if r == rank]
     try:
         pieces = _write_tensors(path, export_dir, config, plan, data_start, mine, sync_files)
     except Exception as error:  # noqa: BLE001 - any failure is told to rank 0: no rank hangs
         pieces = f"rank {rank}: {type(error).__name__}: {error}"
+    start = _add_time("tensors, written and fsynced", start)
     if rank == 0 and isinstance(pieces, list):
         pieces.append((0, data_start, digest(header)))
     gathered = [pieces]
     if distributed:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(pieces, gathered, group=process_group, group_dst=0)
+    start = _add_time("gather the digests (waits for the slowest rank)", start)
     failure = None
     if rank == 0:
         try:
@@ -625,10 +677,12 @@ def export_gguf(
             failure = str(error)
         if failure is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    start = _add_time("finish (rank 0)", start)
     if distributed:
         result = [failure]
         dist.broadcast_object_list(result, group=process_group, group_src=0)
         failure = result[0]
+    _add_time("broadcast the outcome", start)
     if failure is not None:
         raise CheckpointError(f"GGUF export to {final}: {failure}")
     return final / name
@@ -653,4 +707,6 @@ def _finish(
     text = modelfile(name, tokenizer.chat_template, [s for s in stops if s])
     files["Modelfile"] = write_bytes(staging / "Modelfile", text.encode())
     write_manifest(staging, files, kind="gguf")
+    start = time.perf_counter()
     _swap_into_place(staging, final, sync_files)
+    _add_time("of the finish: swap into place, the previous folder removed", start)
