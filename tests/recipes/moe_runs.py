@@ -56,16 +56,16 @@ def copy_tiny_tokenizer(path: Path) -> None:
         shutil.copy(assets_dir() / "tiny" / name, path / name)
 
 
-def build_tiny_qwen3_moe(path: Path) -> None:
+def build_tiny_qwen3_moe(path: Path, **sizes) -> None:
     """Save a random tiny Qwen3-MoE at ``path`` as transformers writes it, with the tiny
     tokenizer: q/k norms, ``norm_topk_prob``, 4 experts (top-2), and a dense MLP layer among
-    the MoE ones (``mlp_only_layers``)."""
+    the MoE ones (``mlp_only_layers``). ``sizes``: ``Qwen3MoeConfig`` fields to change."""
     import json
 
     import transformers
 
     tiny = json.loads((assets_dir() / "tiny" / "config.json").read_text())
-    config = transformers.Qwen3MoeConfig(
+    fields = dict(
         vocab_size=tiny["vocab_size"], hidden_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
@@ -73,6 +73,7 @@ def build_tiny_qwen3_moe(path: Path) -> None:
         eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"],
         tie_word_embeddings=False,
     )  # fmt: skip
+    config = transformers.Qwen3MoeConfig(**(fields | sizes))
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     copy_tiny_tokenizer(path)

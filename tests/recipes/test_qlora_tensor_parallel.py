@@ -11,8 +11,12 @@ own piece of every weight to one process's NF4 bytes (``tests/recipes/tp_nf4_scr
   gradients into updates of up to lr, as in ``test_tensor_parallel.py``);
 - FSDP 2 x TP 2 on 4 processes equals 1 process the same way.
 
-No run keeps a weight "in the training dtype" (every one of them quantized). QLoRA with
-tensor and expert parallelism together is refused in a real run with one line, rc 1.
+No run keeps a weight "in the training dtype" (every one of them quantized).
+
+With expert parallelism too, on a tiny Qwen3-MoE whose attention, dense layer and each rank's
+experts hold whole NF4 groups (LoRA on all of them, the router term on): TP 2 x EP 2 on 2
+processes and FSDP 2 x TP 2 x EP 2 on 4 equal 1 process at the same micro-batches, and a TP x EP
+run killed after a checkpoint resumes exactly.
 """
 
 import json
@@ -21,7 +25,13 @@ import shutil
 import pytest
 import torch
 
-from tests.recipes.conftest import assert_same_exports, read_metrics, tunelab_run
+from tests.recipes.conftest import (
+    assert_same_exports,
+    interrupted_copy,
+    read_metrics,
+    tunelab_run,
+)
+from tests.recipes.moe_runs import build_tiny_qwen3_moe
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
@@ -112,17 +122,79 @@ def test_qlora_fsdp2_x_tp2_on_four_processes_equals_one_process(runs, tmp_path):
     assert_same_exports(out, one, atol=EXPORT_TOLERANCE)
 
 
-def test_qlora_with_tensor_and_expert_parallelism_stops_the_run_with_one_line(tmp_path):
+# -- with expert parallelism --------------------------------------------------------------
+
+QWEN3_MOE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+}
+"""A tiny Qwen3-MoE (``moe_runs.build_tiny_qwen3_moe``: layer 0 MoE, layer 1 dense) whose
+attention and dense MLP weights hold whole NF4 groups per quarter, and whose experts do per
+rank (2 of 4: 2 x 256 x 256 values of ``gate_up_proj``, 2 x 256 x 128 of ``down_proj``)."""
+MOE_RUN = (
+    "~val_dataset",
+    "dataset.packed=true",
+    "schedule.batch_size=1",
+    "schedule.epochs=1",
+    "schedule.max_steps_per_epoch=3",
+    "lr_scheduler.num_warmup_steps=0",
+    "checkpoint.save_every_n_steps=2",
+    "checkpoint.enable_async_checkpointing=false",
+    "router.aux_loss_coef=0.01",
+    "lora.quantize_base=nf4",
+    "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,"
+    "experts.gate_up_proj,experts.down_proj]",
+)
+TP2_EP2 = (TP2, "parallelism.expert_parallel_size=2")
+TWO_MICRO_BATCHES = "schedule.gradient_accumulation_steps=2"
+METRICS = ("step", "loss", "grad_norm", "router_aux_loss")
+# 8 attention weights, the dense layer's 3, the MoE layer's 2 stacked expert weights.
+IN_NF4 = "13 weights in NF4, 1 kept in the training dtype (model.layers.0.mlp.gate: an MoE router"
+
+
+def _moe_run(out, base, *overrides, nproc):
     result = tunelab_run(
-        "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={tmp_path / 'out'}",
-        "lora.quantize_base=nf4", TP2, "parallelism.expert_parallel_size=2",
-        "schedule.gradient_accumulation_steps=2", *SETTINGS, check=False,
+        "lora_finetune_distributed", "tiny/moe_lora", f"output_dir={out}",
+        f"model.path={base}", *MOE_RUN, *overrides, nproc=nproc,
     )  # fmt: skip
-    assert result.returncode == 1, result.stderr[-2000:]
-    line = (
-        "lora.quantize_base: nf4 with parallelism.tensor_parallel_size and "
-        "parallelism.expert_parallel_size together is not built yet: use one of them"
-    )
-    # Said once (rank 0), and nothing else is wrong.
-    assert result.stderr.count(line) == 1, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert IN_NF4 in result.stdout + result.stderr, result.stderr[-2000:]
+    return out
+
+
+def test_qlora_with_tensor_and_expert_parallelism_trains_as_one_process(tmp_path):
+    """Attention and the dense layer split over tp, the experts over ep, each rank quantizing
+    its own pieces and experts: TP 2 x EP 2 on 2 processes (2 accumulated micro-batches) and
+    FSDP 2 x TP 2 x EP 2 on 4 equal 1 process at the same 2 micro-batches for 3 steps (loss,
+    gradient norm, router loss within 1e-5; exports within 1e-4, Adam), and the TP x EP run
+    killed after its step-2 checkpoint resumes exactly (step 3 and the export bit for bit)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeConfig"):
+        pytest.skip("this transformers has no Qwen3-MoE")
+    base = tmp_path / "base"
+    build_tiny_qwen3_moe(base, **QWEN3_MOE)
+    one = _moe_run(tmp_path / "one", base, TWO_MICRO_BATCHES, nproc=1)
+    tp_ep = _moe_run(tmp_path / "tp_ep", base, *TP2_EP2, TWO_MICRO_BATCHES, nproc=2)
+    four = _moe_run(tmp_path / "fsdp_tp_ep", base, *TP2_EP2, nproc=4)
+    expected = {row["step"]: row for row in read_metrics(one) if "loss" in row}
+    assert sorted(expected) == [1, 2, 3] and expected[3]["loss"] < expected[1]["loss"]
+    for run in (tp_ep, four):
+        ours = {row["step"]: row for row in read_metrics(run) if "loss" in row}
+        assert sorted(ours) == [1, 2, 3], run.name
+        for step in ours:
+            assert ours[step]["router_aux_loss"] > 0
+            for key in METRICS[1:]:
+                value, reference = ours[step][key], expected[step][key]
+                assert abs(value - reference) <= 1e-5 * max(1.0, reference), (run.name, step, key)
+        assert_same_exports(run, one, atol=EXPORT_TOLERANCE)
+    resumed = interrupted_copy(tp_ep, tmp_path / "resumed", after_step=2, keep_logs=True)
+    _moe_run(resumed, base, *TP2_EP2, TWO_MICRO_BATCHES, "checkpoint.resume_from_checkpoint=true",
+             nproc=2)  # fmt: skip
+    steps = [{key: row[key] for key in METRICS} for row in read_metrics(resumed) if "loss" in row]
+    assert steps == [
+        {key: row[key] for key in METRICS} for row in read_metrics(tp_ep) if "loss" in row
+    ]
+    assert_same_exports(resumed, tp_ep)

@@ -28,8 +28,8 @@ from tests.recipes.conftest import (
 from tunelab._paths import assets_dir
 from tunelab.config.lora import LoRAArgs
 from tunelab.config.recipe_args import TrainingEvalArgs
-from tunelab.config.sections import LoRAModelSetupArgs, SFTParallelismArgs
-from tunelab.distributed import DeviceMeshes, build_device_meshes
+from tunelab.config.sections import SFTParallelismArgs
+from tunelab.distributed import build_device_meshes
 from tunelab.distributed.tensor_parallel import check_tensor_parallel
 from tunelab.errors import ConfigError
 from tunelab.eval import TrainingEval
@@ -37,7 +37,6 @@ from tunelab.models import TransformerDecoder
 from tunelab.models.args import ModelArgs
 from tunelab.modules.vision import VisionArgs
 from tunelab.peft import apply_lora
-from tunelab.training import build_model
 
 SCRIPT = Path(__file__).with_name("tp_export_script.py")
 STEPS = 12
@@ -235,18 +234,6 @@ def test_a_mixture_of_experts_needs_its_experts_split_and_no_adapter_on_the_rout
                 check_tensor_parallel(model, 2)
         else:  # trained: tests/recipes/test_expert_parallel.py
             check_tensor_parallel(model, 2)
-
-
-def test_qlora_with_tensor_and_expert_parallelism_together_is_refused():
-    # Checked before any mesh is used (stand-ins here); in a real run the same line, rc 1.
-    lora = LoRAArgs(targets=["q_proj"], quantize_base="nf4")
-    with pytest.raises(ConfigError) as error:
-        build_model(LoRAModelSetupArgs(path=str(assets_dir() / "tiny_moe")), device=torch.device("cpu"),
-                    meshes=DeviceMeshes(None, object(), object()), lora=lora)  # fmt: skip
-    assert str(error.value) == (
-        "lora.quantize_base: nf4 with parallelism.tensor_parallel_size and "
-        "parallelism.expert_parallel_size together is not built yet: use one of them"
-    )
 
 
 def test_an_adapter_on_lm_head_is_refused_and_dora_with_dropout_accepted():

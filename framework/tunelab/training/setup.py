@@ -142,11 +142,6 @@ def build_model(
                     if name.startswith(decoder.vision_parts[part]):
                         param.requires_grad_(how == "full")
     quantized = lora is not None and lora.quantize_base == "nf4"
-    if quantized and tensor_mesh is not None and expert_mesh is not None:
-        raise ConfigError(
-            "lora.quantize_base: nf4 with parallelism.tensor_parallel_size and "
-            "parallelism.expert_parallel_size together is not built yet: use one of them"
-        )
     experts = set()
     if expert_mesh is not None:
         # The tensor-parallel ranks read the same samples: the data-parallel ones are fewer.
@@ -164,7 +159,8 @@ def build_model(
         # quantization: each rank then quantizes its own piece of each weight.
         parallelize_decoder(decoder, tensor_mesh)
     if quantized:
-        # Each rank quantizes its own pieces: of split matmuls, of its experts.
+        # Each rank quantizes its own pieces: of split matmuls, of its experts (both under
+        # tensor and expert parallelism together).
         _quantize_base_nf4(decoder, device, mesh)
         if expert_mesh is not None:
             experts = expert_parameters(decoder)  # the NF4 ones now
