@@ -31,7 +31,7 @@ from tests.recipes.conftest import (
     read_metrics,
     tunelab_run,
 )
-from tests.recipes.moe_runs import build_tiny_qwen3_moe
+from tests.recipes.moe_runs import MOE_LORA_RUN, build_tiny_qwen3_moe
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
@@ -136,15 +136,8 @@ QWEN3_MOE = {
 attention and dense MLP weights hold whole NF4 groups per quarter, and whose experts do per
 rank (2 of 4: 2 x 256 x 256 values of ``gate_up_proj``, 2 x 256 x 128 of ``down_proj``)."""
 MOE_RUN = (
-    "~val_dataset",
-    "dataset.packed=true",
+    *MOE_LORA_RUN,  # later overrides win
     "schedule.batch_size=1",
-    "schedule.epochs=1",
-    "schedule.max_steps_per_epoch=3",
-    "lr_scheduler.num_warmup_steps=0",
-    "checkpoint.save_every_n_steps=2",
-    "checkpoint.enable_async_checkpointing=false",
-    "router.aux_loss_coef=0.01",
     "lora.quantize_base=nf4",
     "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,"
     "experts.gate_up_proj,experts.down_proj]",
