@@ -18,8 +18,9 @@ recomputed (:attr:`tunelab.rl.ModelRolloutEngine.last_logps`). A correction is a
     MaskedIS:           w = rho if low <= rho <= high else 0    (the token leaves the loss)
 
 :func:`behaviour_sums` gives the health metrics logged every step in every mode: the mean and
-spread of ``log rho`` and the k3 estimate of ``KL(mu || pi_old)`` (about 1e-7 at lag 0, where
-only rounding separates the sampling forward from the training forward).
+spread of ``log rho`` and the k3 estimate of ``KL(mu || pi_old)`` over the behaviour's samples,
+``mean(rho - 1 - log rho)`` (about 1e-7 at lag 0, where only rounding separates the sampling
+forward from the training forward).
 """
 
 from __future__ import annotations
@@ -109,14 +110,18 @@ def behaviour_sums(
     """fp64 sums over the masked tokens of the trainer-vs-behaviour log ratio (for the metrics).
 
     ``d = logp_old - logp_mu``: ``log_ratio`` sums ``d``, ``log_ratio_squares`` ``d**2``, and
-    ``kl`` the k3 estimator of ``KL(mu || pi_old)`` over the behaviour's samples,
-    ``exp(-d) + d - 1`` (never negative; Schulman's k3).
+    ``kl`` Schulman's k3 estimator of ``KL(mu || pi_old)`` over the behaviour's samples,
+    ``exp(d) - d - 1`` with ``exp(d) = pi_old / mu`` (never negative, and unbiased because the
+    tokens were drawn from ``mu``: ``E_mu[exp(d)] = 1``, ``E_mu[-d] = KL(mu || pi_old)``). The
+    mirrored ``exp(-d) + d - 1`` is k3 for samples of ``pi_old``; over ``mu``'s samples its
+    mean is ``chi2(mu || pi_old) - KL(mu || pi_old)``, which a few tokens that ``pi_old`` has
+    made unlikely blow up.
     """
     delta = (logps.detach().double() - behaviour_logps.double()).masked_fill(~mask, 0.0)
     return {
         "log_ratio": delta.sum(),
         "log_ratio_squares": (delta**2).sum(),
-        "kl": (torch.exp(-delta) + delta - 1).sum(),
+        "kl": (torch.exp(delta) - delta - 1).sum(),
     }
 
 
