@@ -30,7 +30,7 @@ config that climbs to a reward near 1 in about 10 updates). At 5e-4 the policy m
 about as much as in real fine-tuning: the trainer-vs-rollout KL per token of a lag-1 batch
 (``off_policy/kl``, printed per mode) is about 1e-3 after the first lagged step (5e-3 to 2e-2 at
 step 2, where Adam's first, full-size update shows), against about 5e-3 at 3e-3; and sync still
-climbs visibly in 30 steps (8 prompts a step: from about 0.15 to 0.55-0.7 over its last 10).
+climbs visibly in 30 steps (8 prompts a step: from about 0.2 to 0.49-0.72 over its last 10).
 Async k=1 samples each batch with the policy one update older, so in the take-off, where one
 update changes the reward most, its curve trails sync's; the figures of 5e-4, 1e-3 and 3e-3
 are in docs/benchmarks.md (grpo_async).
