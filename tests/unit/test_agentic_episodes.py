@@ -8,7 +8,14 @@ import torch
 
 from tests.agentic_replay import ReplayPolicy
 from tunelab.data import apply_chat_template, load_tokenizer
-from tunelab.rl import GRPOLoss, Rollout, SamplingSettings, completion_logps, policy_gradient_pass
+from tunelab.rl import (
+    GRPOLoss,
+    Rollout,
+    SamplingSettings,
+    completion_logps,
+    exact_total,
+    policy_gradient_pass,
+)
 from tunelab.rl.agentic import (
     CachedTurnSampler,
     EpisodeLimits,
@@ -98,7 +105,9 @@ def test_sampled_episodes_depend_on_their_seed_only(tiny):
     together = run(prompts * 2, [1, 2, 3, 4])
     alone = run(prompts[1:], [2])
     assert together[1].tokens == alone[0].tokens and together[1].messages == alone[0].messages
-    assert together[0].tokens != together[2].tokens  # another seed, another episode
+    # Other seeds, other episodes: the tiny model's likeliest answer is short, so two seeds may
+    # sample the same one; four seeds of one prompt do not all agree.
+    assert len({tuple(e.tokens) for e in run([prompts[0]] * 4, [1, 3, 5, 7])}) > 1
     for episode in together:
         assert len(episode.tokens) <= limits.max_episode_tokens
         assert episode.trained[0] and len(episode.trained) == len(episode.tokens)
@@ -224,7 +233,7 @@ def test_episode_groups_score_the_whole_episode_with_the_environments_reward(tin
     scored = sampler.sample([0], step=0)
     # exact_answer 1 each; the environment's 1.0 (solved) or 0.5 (both keys read), weight 2.
     assert [r["reward"] for r in scored.records] == [3.0, 2.0]
-    assert scored.sums["rewards/environment"] == 1.5
+    assert exact_total(scored.sums, "rewards/environment") == 1.5
     assert scored.sums["agentic/tool_calls"] == 6 and scored.sums["agentic/turns"] == 6
     assert scored.sums["agentic/stop/answer"] == 2
     assert scored.rollout.advantages[0] > 0 > scored.rollout.advantages[1]

@@ -199,7 +199,7 @@ def test_rollouts_on_packed_weights_sample_the_unpacked_tokens(tokenizer_and_pro
     ],
     ids=["plain", "top_k", "top_p"],
 )
-def test_sample_tokens_draws_what_torch_multinomial_draws(vocab, settings):
+def test_sample_tokens_races_each_rows_own_uniforms(vocab, settings):
     logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
     # The distribution each row samples from, computed as sample_tokens does.
     reference = logits / settings.temperature
@@ -215,12 +215,34 @@ def test_sample_tokens_draws_what_torch_multinomial_draws(vocab, settings):
         ours = [torch.Generator().manual_seed(100 * draw + row) for row in range(12)]
         theirs = [torch.Generator().manual_seed(100 * draw + row) for row in range(12)]
         tokens = sample_tokens(logits, settings, ours)
-        expected = [
-            int(torch.multinomial(probs[row], 1, generator=g)) for row, g in enumerate(theirs)
-        ]
+        expected = []
+        for row, generator in enumerate(theirs):
+            # One row alone: a uniform per token from the row's generator, the exponential
+            # race over them.
+            uniform = torch.rand(vocab, generator=generator)
+            expected.append(int(torch.argmax(probs[row] / -torch.log(uniform))))
         assert tokens.tolist() == expected
-        # The same draws: each generator stands where multinomial left it.
+        assert all(probs[row, token] > 0 for row, token in enumerate(tokens.tolist()))
+        # The same draws: each generator stands where the reference's left it.
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, theirs))
+
+
+def test_sample_tokens_frequencies_follow_the_probabilities():
+    # 40000 draws (4000 rows, each its own generator, 10 rounds) from one distribution with a
+    # token top-k filters out: Pearson's chi-square against the probabilities stays under the
+    # 1e-6 quantile of chi-square with 5 degrees of freedom (35.9); the filtered token, never.
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0005])
+    logits = probs.log().expand(4000, -1)
+    settings = SamplingSettings(1, top_k=6)
+    generators = [torch.Generator().manual_seed(7919 * row) for row in range(4000)]
+    counts = torch.zeros(7, dtype=torch.long)
+    for _ in range(10):
+        counts += torch.bincount(sample_tokens(logits, settings, generators), minlength=7)
+    assert counts[6] == 0
+    kept = probs[:6] / probs[:6].sum()
+    expected = kept.double() * counts.sum()
+    chi_square = float(((counts[:6].double() - expected) ** 2 / expected).sum())
+    assert chi_square < 35.9, (counts.tolist(), chi_square)
 
 
 def test_rows_left_out_of_sampling_keep_their_generator():

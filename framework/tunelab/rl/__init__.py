@@ -23,7 +23,8 @@ One module per concern, in the order a step uses them:
   :class:`ThreadRollouts`, :func:`gather_trainable` (``thread_rollouts.py``);
 - the step: :class:`Rollout`, :func:`rollout_batch`, :func:`completion_logps`,
   :func:`store_logps`, :func:`policy_gradient_pass`, :class:`FrozenReference`,
-  :func:`global_sums`, :func:`write_completions` (``step.py``); :class:`RolloutValidation`
+  :func:`global_sums`, :func:`exact_parts`, :func:`exact_total`, :func:`write_completions`
+  (``step.py``); :class:`RolloutValidation`
   (``validation.py``).
 
 Layer: above ``tunelab.training`` (it runs the model's forward and the reference), below
@@ -76,6 +77,8 @@ from tunelab.rl.step import (
     Rollout,
     behaviour_logps_batch,
     completion_logps,
+    exact_parts,
+    exact_total,
     global_sums,
     policy_gradient_pass,
     rollout_batch,
@@ -131,6 +134,8 @@ __all__ = [
     "cut_prompts",
     "exact_answer_reward",
     "gather_trainable",
+    "exact_parts",
+    "exact_total",
     "global_sums",
     "group_advantages",
     "grpo_metrics",

@@ -28,6 +28,7 @@ from tunelab.rl.rollout import ModelRolloutEngine
 from tunelab.rl.step import (
     Rollout,
     behaviour_logps_batch,
+    exact_parts,
     global_sums,
     prompt_images,
     rollout_batch,
@@ -230,9 +231,14 @@ class GroupSampler:
             sums |= {
                 "num_completions": float(len(done.texts)),
                 "completion_tokens": float(done.lengths.sum()),
-                "reward": float(total.sum()),
-                "reward_squares": float((total**2).sum()),
-                **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
+                # Exact in any grouping: 2 processes log 1 process's reward to the last bit.
+                **exact_parts("reward", total),
+                **exact_parts("reward_squares", total.double() ** 2),
+                **{
+                    key: value
+                    for name, values in each.items()
+                    for key, value in exact_parts(f"rewards/{name}", values).items()
+                },
                 **done.sums,
             }
         rollout = Rollout(done.batch, advantages.to(self.device), keep.to(self.device))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ __all__ = [
     "Rollout",
     "behaviour_logps_batch",
     "completion_logps",
+    "exact_parts",
+    "exact_total",
     "global_sums",
     "policy_gradient_pass",
     "prompt_images",
@@ -232,7 +235,8 @@ def store_logps(
     The sampling policy's log-probs need no pass of their own: the first
     :func:`policy_gradient_pass` runs with the weights that sampled and keeps its log-probs
     (``keep_old``) for the later ones. Frozen fp32 CPU weights run packed, as in
-    :func:`policy_gradient_pass`.
+    :func:`policy_gradient_pass`, except a :class:`FrozenReference`'s (the policy's own layers
+    are trainable, so unpacked: the copy computes as they do).
 
     Args:
         rollouts: The step's rollouts; their ``old_logps`` and ``ref_logps`` are set.
@@ -249,7 +253,11 @@ def store_logps(
     if reference is None:
         return
     ref_output = output_layer(reference.model) if output is not None else None
-    with reference.active(), _packed(reference.model):
+    # Full fine-tuning's frozen copy runs as the trainable policy does (unpacked): where the
+    # weights are still equal (step 1) the two log-probs, and so the KL, are equal to the bit.
+    # The adapter-disabled policy packs the frozen base it shares with the policy's passes.
+    frozen_copy = isinstance(reference, FrozenReference)
+    with reference.active(), contextlib.nullcontext() if frozen_copy else _packed(reference.model):
         for rollout in rollouts:
             rollout.ref_logps = completion_logps(reference.model, rollout.batch, ref_output)[0]
 
@@ -345,11 +353,56 @@ class FrozenReference:
         yield
 
 
+_LIMB = "@limb"
+_LIMB_QUANTA = (2.0**30, 1.0, 2.0**-30, 2.0**-60)
+"""Limb ``i`` of a value is a multiple of ``_LIMB_QUANTA[i]``, below 2**30 times it but for the
+first (the whole multiples of 2**30), so a sum of up to 2**23 limbs of one kind is exact."""
+
+
+def exact_parts(name: str, values: torch.Tensor) -> dict[str, float]:
+    """``values``' sum as limbs whose sums over micro-batches and ranks are exact.
+
+    A float sum depends on its grouping: two processes sum a step's rewards as (rows of rank 0)
+    + (rows of rank 1), one process with accumulation as (micro-batch 0) + (micro-batch 1),
+    and the two round differently. Each value is cut into limbs, multiples of 2**30, 1, 2**-30
+    and 2**-60 (the rest, below 2**-60, dropped), each limb a float with at most 30
+    significant bits above its quantum: limbs of one kind add up exactly in any order, so
+    :func:`global_sums` (or :func:`exact_total`) returns the same correctly rounded total on any
+    number of processes and micro-batches (exact for sums below 2**83 of up to 2**23 values).
+
+    Args:
+        name: The metric; its limbs are the keys ``name@limb0`` ... ``name@limb3``.
+        values: The values to sum (any dtype; finite).
+
+    Returns:
+        The limbs' sums, to add into a sums dict.
+    """
+    rest = values.detach().to(device="cpu", dtype=torch.float64).flatten()
+    parts = {}
+    for index, quantum in enumerate(_LIMB_QUANTA):
+        limb = torch.trunc(rest / quantum) * quantum
+        rest = rest - limb
+        parts[f"{name}{_LIMB}{index}"] = float(limb.sum())
+    return parts
+
+
+def exact_total(sums: dict[str, float], name: str) -> float:
+    """The correctly rounded total of ``name``'s limbs in ``sums`` (see :func:`exact_parts`)."""
+    return math.fsum(sums[f"{name}{_LIMB}{index}"] for index in range(len(_LIMB_QUANTA)))
+
+
 def global_sums(values: dict[str, float | torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Sum every value over the ranks in one all-reduce (fp64)."""
+    """Sum every value over the ranks in one all-reduce (fp64).
+
+    Values given as limbs (:func:`exact_parts`) come back as their exact total under the
+    metric's own name.
+    """
     keys = list(values)
     stacked = torch.tensor([float(values[key]) for key in keys], dtype=torch.float64, device=device)
-    return dict(zip(keys, all_reduce_sum(stacked).tolist(), strict=True))
+    totals = dict(zip(keys, all_reduce_sum(stacked).tolist(), strict=True))
+    exact = {key.partition(_LIMB)[0] for key in keys if _LIMB in key}
+    plain = {key: value for key, value in totals.items() if _LIMB not in key}
+    return plain | {name: exact_total(totals, name) for name in sorted(exact)}
 
 
 def write_completions(

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from tunelab.errors import DataError
 from tunelab.rl.rewards import Rewards
 from tunelab.rl.rollout import ModelRolloutEngine
-from tunelab.rl.step import global_sums, prompt_images
+from tunelab.rl.step import exact_parts, global_sums, prompt_images
 
 __all__ = ["RolloutValidation"]
 
@@ -71,11 +71,14 @@ class RolloutValidation:
                 [self.decode(c) for c in completions],
                 [self.prompts.rows[i] for i in indices],
             )
+            # Rewards as exact limbs: the same totals on any number of processes.
+            limbs = exact_parts("reward", total)
+            for name, values in each.items():
+                limbs |= exact_parts(f"rewards/{name}", values)
             for key, value in {
                 "count": len(indices),
-                "reward": float(total.sum()),
                 "completion_length": sum(len(c) for c in completions),
-                **{f"rewards/{name}": float(values.sum()) for name, values in each.items()},
+                **limbs,
             }.items():
                 sums[key] = sums.get(key, 0.0) + value
         if not sums:  # the sampler gives every rank the same number of batches
