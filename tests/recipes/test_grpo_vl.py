@@ -1,6 +1,7 @@
-"""grpo_distributed on image prompts: the real ``tunelab run`` of tiny/grpo_vl (Qwen2.5-VL).
+"""grpo_distributed on image prompts: the real ``tunelab run`` of tiny/grpo_vl (Qwen2.5-VL), and
+of the same config on the embedded tiny Qwen3-VL (deepstack, interleaved M-RoPE in the rollouts).
 
-One 2-process run (batch 2 per process) serves every check: 1 process with twice the
+For each family one 2-process run (batch 2 per process) serves every check: 1 process with twice the
 accumulation samples the same completions, gets the same rewards and losses and exports the same
 adapter; a kill after step 2's checkpoint resumes to the same completions, losses and export.
 A prompt naming a missing image stops the run with one line naming the file and the row.
@@ -23,6 +24,11 @@ from tunelab._paths import assets_dir
 pytestmark = pytest.mark.slow
 QUESTION = "What colour is the shape?"
 STEPS = 4
+# family -> the overrides its runs add to tiny/grpo_vl
+FAMILIES = {
+    "qwen2_5_vl": (),
+    "qwen3_vl": (f"model.path={assets_dir() / 'tiny_qwen3_vl'}",),
+}
 SETTINGS = (
     f"schedule.max_steps_per_epoch={STEPS}",
     "checkpoint.save_every_n_steps=2",
@@ -30,24 +36,32 @@ SETTINGS = (
 )
 
 
-def _run(out: Path, *extra: str, nproc: int = 2, accumulation: int = 1, check: bool = True):
+def _run(
+    out: Path,
+    *extra: str,
+    family: str = "qwen2_5_vl",
+    nproc: int = 2,
+    accumulation: int = 1,
+    check: bool = True,
+):
     return tunelab_run(
-        "grpo_distributed", "tiny/grpo_vl", f"output_dir={out}", *SETTINGS,
+        "grpo_distributed", "tiny/grpo_vl", f"output_dir={out}", *SETTINGS, *FAMILIES[family],
         "schedule.batch_size=2", f"schedule.gradient_accumulation_steps={accumulation}",
         *extra, nproc=nproc, check=check,
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("grpo_vl") / "two"
-    _run(out)
-    return out
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def two_processes(request, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp(f"grpo_vl_{request.param}") / "two"
+    _run(out, family=request.param)
+    return out, request.param
 
 
 def test_two_processes_equal_one_with_twice_the_accumulation(two_processes, tmp_path):
+    two_processes, family = two_processes
     one = tmp_path / "one"
-    _run(one, nproc=1, accumulation=2)
+    _run(one, family=family, nproc=1, accumulation=2)
     ours, theirs = completions(two_processes), completions(one)
     assert ours == theirs  # the same prompts, images and seeds: the same tokens and rewards
     assert len(ours) == STEPS * 4 * 4
@@ -62,8 +76,9 @@ def test_two_processes_equal_one_with_twice_the_accumulation(two_processes, tmp_
 
 
 def test_kill_and_resume_is_exact(two_processes, tmp_path):
+    two_processes, family = two_processes
     resumed = interrupted_copy(two_processes, tmp_path / "resumed", after_step=2, keep_logs=True)
-    _run(resumed, "checkpoint.resume_from_checkpoint=true")
+    _run(resumed, "checkpoint.resume_from_checkpoint=true", family=family)
     assert completions(resumed) == completions(two_processes)  # token for token
     after = [m for m in read_metrics(resumed) if m["step"] > 2]
     before = [m for m in read_metrics(two_processes) if m["step"] > 2]

@@ -7,6 +7,11 @@ At step 1 the policy is the reference, so the loss is ln 2 to float rounding: bo
 the same images in the same rows. The run then learns to prefer the answers over the refusal
 (the loss falls, the reward margin opens) and exports an adapter. (That the images reach the
 log-probs is ``tests/unit/test_image_preference.py``'s: swapping a pair's image moves them.)
+
+On the embedded tiny Gemma 3 (SigLIP tower, pooled soft tokens, bidirectional image blocks) one
+2-process run serves two checks: one process with twice the accumulation gives the same losses,
+and a run killed after step 2's checkpoint resumes on two processes to the same losses and
+adapter, bit for bit.
 """
 
 import json
@@ -14,11 +19,18 @@ import math
 
 import pytest
 
-from tests.recipes.conftest import read_metrics, tunelab_run
+from tests.recipes.conftest import (
+    assert_same_exports,
+    interrupted_copy,
+    losses_by_step,
+    read_metrics,
+    tunelab_run,
+)
 from tunelab._paths import assets_dir
 
 pytestmark = pytest.mark.slow
 TINY_VL = assets_dir() / "tiny_vl"
+TINY_GEMMA3_VL = assets_dir() / "tiny_gemma3_vl"
 REFUSAL = "I cannot tell."
 EPOCHS = 1
 STEPS = EPOCHS * 16 // 4  # 16 pairs, 2 a step on each of 2 processes
@@ -39,17 +51,22 @@ def _pairs(path):
     return path
 
 
+def _dpo(out, data, *extra, model=TINY_VL, nproc=2, accumulation=1):
+    return tunelab_run(
+        "lora_dpo_distributed", "tiny/lora_dpo", f"output_dir={out}",
+        f"model.path={model}", "dataset._component_=tunelab.data.image_preference_dataset",
+        f"dataset.data_files={data}", "~dataset.template", f"schedule.epochs={EPOCHS}",
+        "schedule.max_steps_per_epoch=null", "schedule.batch_size=2",
+        f"schedule.gradient_accumulation_steps={accumulation}",
+        "lr_scheduler.num_warmup_steps=0", "optimizer.lr=5e-3",
+        "checkpoint.enable_async_checkpointing=false", *extra, nproc=nproc,
+    )  # fmt: skip
+
+
 def test_dpo_on_image_pairs_starts_at_ln2_and_learns(tmp_path):
     data = _pairs(tmp_path / "pairs.jsonl")
     out = tmp_path / "run"
-    tunelab_run(
-        "lora_dpo_distributed", "tiny/lora_dpo", f"output_dir={out}",
-        f"model.path={TINY_VL}", "dataset._component_=tunelab.data.image_preference_dataset",
-        f"dataset.data_files={data}", "~dataset.template", f"schedule.epochs={EPOCHS}",
-        "schedule.max_steps_per_epoch=null", "schedule.batch_size=2",
-        "lr_scheduler.num_warmup_steps=0", "optimizer.lr=5e-3",
-        "checkpoint.save_every_n_steps=null", "checkpoint.enable_async_checkpointing=false",
-    )  # fmt: skip
+    _dpo(out, data, "checkpoint.save_every_n_steps=null")
     rows = {row["step"]: row for row in read_metrics(out) if "loss" in row}
     assert sorted(rows) == list(range(1, STEPS + 1))
     assert abs(rows[1]["loss"] - math.log(2.0)) <= 1e-6, rows[1]
@@ -61,3 +78,35 @@ def test_dpo_on_image_pairs_starts_at_ln2_and_learns(tmp_path):
     assert (adapter / "adapter_model.safetensors").is_file()
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert not any("visual" in name for name in config["target_modules"])
+
+
+GEMMA3_SAVES = ("checkpoint.save_every_n_steps=2", "checkpoint.keep_last_n_checkpoints=null")
+
+
+@pytest.fixture(scope="module")
+def gemma3_2p(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3_vl_dpo")
+    data = _pairs(folder / "pairs.jsonl")
+    _dpo(folder / "2p", data, *GEMMA3_SAVES, model=TINY_GEMMA3_VL)
+    return folder / "2p", data
+
+
+def test_gemma3_two_processes_equal_one_with_twice_the_accumulation(gemma3_2p, tmp_path):
+    two_dir, data = gemma3_2p
+    _dpo(tmp_path / "1p", data, *GEMMA3_SAVES, model=TINY_GEMMA3_VL, nproc=1, accumulation=2)
+    two, one = losses_by_step(two_dir), losses_by_step(tmp_path / "1p")
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
+    assert abs(two[1] - math.log(2.0)) <= 1e-6, two
+    for step in two:
+        assert abs(two[step] - one[step]) <= 1e-5, (step, two[step], one[step])
+    assert two[STEPS] < two[1]  # it learns
+
+
+def test_gemma3_exact_resume_on_two_processes(gemma3_2p, tmp_path):
+    reference_dir, data = gemma3_2p
+    out = interrupted_copy(reference_dir, tmp_path / "run", after_step=2)
+    _dpo(out, data, *GEMMA3_SAVES, "checkpoint.resume_from_checkpoint=true", model=TINY_GEMMA3_VL)
+    resumed, reference = losses_by_step(out), losses_by_step(reference_dir)
+    assert sorted(resumed) == [3, 4]
+    assert all(resumed[step] == reference[step] for step in (3, 4)), (resumed, reference)
+    assert_same_exports(out, reference_dir)

@@ -5,7 +5,9 @@ soft tokens, bidirectional image blocks) on the embedded tiny random models and 
 generated images.
 
 For each family two processes equal one process with twice the accumulation and a
-kill-and-resume on two processes is exact. The Qwen3-VL runs train the tower and projector whole
+kill-and-resume on two processes is exact, and likewise for a full fine-tune of Gemma 3
+(``full_finetune_distributed``: tower, projector and language model trained whole, saved and
+restored through FSDP2). The Qwen3-VL runs train the tower and projector whole
 beside the adapters (``model.vision_tower: full``, ``model.projector: full``), so FSDP2 shards,
 gathers, saves and restores them too; one run serves the 2 = 1 comparison, the resume and the
 export checks. Exports load in transformers (merged) and PEFT (adapter) with our logits on an
@@ -37,11 +39,18 @@ SETTINGS = [
     "checkpoint.save_every_n_steps=2",
     "checkpoint.keep_last_n_checkpoints=null",
 ]
-# family -> its config and the overrides its runs add
+# run -> its recipe, config and the overrides its runs add
+LORA = "lora_finetune_distributed"
 RUNS = {
-    "qwen2_5_vl": ("tiny/vl_lora", []),
-    "qwen3_vl": ("tiny/qwen3_vl_lora", ["model.vision_tower=full", "model.projector=full"]),
-    "gemma3": ("tiny/gemma3_vl_lora", []),
+    "qwen2_5_vl": (LORA, "tiny/vl_lora", []),
+    "qwen3_vl": (LORA, "tiny/qwen3_vl_lora", ["model.vision_tower=full", "model.projector=full"]),
+    "gemma3": (LORA, "tiny/gemma3_vl_lora", []),
+    # full fine-tuning: the SigLIP tower, projector and language model all trained whole
+    "gemma3_full": (
+        "full_finetune_distributed",
+        "tiny/gemma3_vl_lora",
+        ["~lora", "optimizer.lr=1e-3"],
+    ),
 }
 
 
@@ -54,9 +63,9 @@ def _weights(folder):
 
 
 def _run(family, out, *extra, nproc=2, batch=2, accumulation=1):
-    config, overrides = RUNS[family]
+    recipe, config, overrides = RUNS[family]
     return tunelab_run(
-        "lora_finetune_distributed", config, f"output_dir={out}", *SETTINGS, *overrides,
+        recipe, config, f"output_dir={out}", *SETTINGS, *overrides,
         f"schedule.batch_size={batch}", f"schedule.gradient_accumulation_steps={accumulation}",
         *extra, nproc=nproc,
     )  # fmt: skip
@@ -80,6 +89,13 @@ def qwen3_vl_2p(tmp_path_factory):
 def gemma3_2p(tmp_path_factory):
     out = tmp_path_factory.mktemp("gemma3_vl") / "2p"
     _run("gemma3", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_full_2p(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma3_vl_full") / "2p"
+    _run("gemma3_full", out)
     return out
 
 
