@@ -1,10 +1,11 @@
-"""Driven by test_tensor_parallel.py under torchrun (2 processes): exports of two layouts.
+"""Driven by test_tensor_parallel.py under torchrun (2 or 4 processes): exports of two layouts.
 
-Builds tiny/lora's model twice, under plain FSDP=2 and under TP=2 (``parallelize_decoder``;
-colwise weights then ``(_StridedShard, Shard(0))``, rowwise ones ``(Shard(0), Shard(1))``),
+Builds tiny/lora's model twice, under plain FSDP over every process and under TP=2
+(``parallelize_decoder``, FSDP2 over the remaining processes; colwise weights then
+``(_StridedShard, Shard(0))``, rowwise ones ``(Shard(0), Shard(1))``),
 gives every adapter weight the same non-zero values (a fresh B is zero, which would make the
 merge trivial), and exports each (``export_hf``: the PEFT adapter, then the merged model
-written shard-locally by both ranks) to ``{out}/fsdp`` and ``{out}/tp``. Rank 0 prints one
+written shard-locally by every rank) to ``{out}/fsdp`` and ``{out}/tp``. Rank 0 prints one
 JSON line of what the TP export made whole on the way (``DTensor.full_tensor``, a
 redistribution to replicated, the tensors ``export_hf`` gathers): their names and shapes.
 
