@@ -172,12 +172,13 @@ def test_fsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2", "mistral", "qwen3"])
 def test_lora_tp2_on_other_families_equals_one_process(tmp_path, family):
     # Gemma 2: soft-capped attention and logits, sandwich norms, the embedding scale, tied
     # embeddings; Gemma 3: per-head q/k norms (placed over this rank's heads) and sliding
     # windows; Qwen2: q/k/v biases (split with their weights' rows), tied embeddings;
-    # Mistral: a sliding window on every layer. Packed rows, so attention runs under
+    # Mistral: a sliding window on every layer; Qwen3: per-head q/k norms, an untied output
+    # layer, one sliding-window layer. Packed rows, so attention runs under
     # document masks. Plain SGD, so the exports compare at 1e-5: under Adam one lora_B value
     # of Qwen2 moves 6.1e-4 from 1 process's (FSDP=2: 5.3e-5), the others within 1e-6.
     base = tmp_path / "base"
