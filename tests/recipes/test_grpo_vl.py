@@ -4,7 +4,8 @@ of the same config on the embedded tiny Qwen3-VL (deepstack, interleaved M-RoPE 
 For each family one 2-process run (batch 2 per process) serves every check: 1 process with twice the
 accumulation samples the same completions, gets the same rewards and losses and exports the same
 adapter; a kill after step 2's checkpoint resumes to the same completions, losses and export.
-A prompt naming a missing image stops the run with one line naming the file and the row.
+A prompt naming a missing image stops the run with one line naming the file and the row, and
+an agentic run (``tiny/agentic_grpo``) on a vision-language model with one line refusing it.
 """
 
 import json
@@ -101,4 +102,18 @@ def test_a_missing_image_is_one_line_naming_the_file_and_row(tmp_path):
     missing = tmp_path / "images" / "no_such.png"
     line = f"{data}:3: row 2 (0-based), column 'images': {missing}: image file not found"
     errors = [text for text in printed.splitlines() if "error" in text.lower()]
+    assert len(errors) == 1 and line in errors[0], printed[-3000:]
+
+
+def test_agentic_episodes_on_a_vision_model_are_one_line(tmp_path):
+    folder = assets_dir() / "tiny_vl"
+    result = tunelab_run(
+        "grpo_distributed", "tiny/agentic_grpo", f"output_dir={tmp_path / 'out'}",
+        f"model.path={folder}", f"tokenizer.path={folder}", "~tokenizer.chat_template",
+        "schedule.max_steps_per_epoch=1", nproc=1, check=False,
+    )  # fmt: skip
+    printed = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in printed, printed[-3000:]
+    errors = [text for text in printed.splitlines() if "error" in text.lower()]
+    line = "agentic: episodes on a vision-language model (qwen2_5_vl) are not supported yet"
     assert len(errors) == 1 and line in errors[0], printed[-3000:]

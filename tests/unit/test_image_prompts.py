@@ -6,9 +6,11 @@ the SFT collate's, and a bad image, a text-only model or a named template is one
 file and row. The rollout engine prefills a group's image prompt once, reads each distinct
 prompt's images, never samples the image or video token, and leaves a text row's tokens as they are
 without image rows beside it; the rollout batch carries every row's images for the update pass.
+The agentic turn sampler refuses a vision-language policy in one line (not supported yet).
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -172,6 +174,17 @@ def test_the_engine_reads_each_prompt_once_and_samples_no_pixel_token(model, tok
     batch = rollout_batch([prompts.tokens[i] for i in rows], out, 0, torch.device("cpu"), images)
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4]] * 3 + [[1, 4, 8]] * 3
     assert batch["pixel_values"].shape[0] == 3 * 16 + 3 * 32
+
+
+def test_agentic_turns_refuse_a_vision_model_in_one_line(model):
+    # Its forward takes no KV-cache mask, and turns would have to ban its pixel tokens as the
+    # engine does: refused before any episode runs, not a traceback at the first turn.
+    from tunelab.errors import ConfigError
+    from tunelab.rl.agentic.turn_sampler import CachedTurnSampler
+
+    line = "agentic: episodes on a vision-language model (qwen2_5_vl) are not supported yet"
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        CachedTurnSampler(model, SamplingSettings(max_new_tokens=6), pad_id=0)
 
 
 def test_a_text_row_beside_image_rows_decodes_as_alone(model, tokenizer, tmp_path):

@@ -73,6 +73,9 @@ class CachedTurnSampler:
         pad_id: Token that fills short rows.
         gather_once: Hold FSDP2's gathered parameters for the whole session.
         merge_adapters: Merge LoRA adapters into temporary weights for the session.
+
+    Raises:
+        ConfigError: ``model`` is a vision-language model (not supported yet).
     """
 
     def __init__(
@@ -84,6 +87,14 @@ class CachedTurnSampler:
         gather_once: bool = True,
         merge_adapters: bool = True,
     ) -> None:
+        vision = getattr(getattr(model, "args", None), "vision", None)
+        if vision is not None:
+            # Its forward takes no cache mask, and a sampler would have to ban its image and
+            # video tokens as ModelRolloutEngine does (the update pass reads them as pixels).
+            raise ConfigError(
+                f"agentic: episodes on a vision-language model ({vision.layout}) are not "
+                "supported yet; use grpo_distributed without the agentic section"
+            )
         self.model = model
         self.settings = settings
         self.pad_id = pad_id
