@@ -49,7 +49,8 @@ SETTINGS = (
 TP2 = "parallelism.tensor_parallel_size=2"
 LOSS_TOLERANCE = 1e-5
 GRAD_NORM_RELATIVE = 1e-5
-EXPORT_TOLERANCE = 1e-4
+EXPORT_TOLERANCE = 1e-4  # the adapter's factors (Adam's first steps: see test_tensor_parallel)
+MERGED_TOLERANCE = 1e-5  # the merged weights, the bound (measured 6.4e-7, 1.4e-6)
 KEPT = "kept in the training dtype"  # the notice naming weights left unquantized
 
 
@@ -109,7 +110,7 @@ def test_qlora_tp2_equals_one_process(runs, tmp_path):
     model, one = runs
     tp2 = _run(tmp_path / "tp2", model, TP2, "schedule.batch_size=8", nproc=2)
     _assert_same_training(tp2, one)
-    assert_same_exports(tp2, one, atol=EXPORT_TOLERANCE)
+    assert_same_exports(tp2, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
 
 
 def test_qlora_fsdp2_x_tp2_on_four_processes_equals_one_process(runs, tmp_path):
@@ -119,7 +120,7 @@ def test_qlora_fsdp2_x_tp2_on_four_processes_equals_one_process(runs, tmp_path):
     out = _run(tmp_path / "fsdp2_tp2", model, TP2, "schedule.batch_size=4",
                "model.frozen_base=shard", nproc=4)  # fmt: skip
     _assert_same_training(out, one)
-    assert_same_exports(out, one, atol=EXPORT_TOLERANCE)
+    assert_same_exports(out, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
 
 
 # -- with expert parallelism --------------------------------------------------------------
@@ -182,7 +183,7 @@ def test_qlora_with_tensor_and_expert_parallelism_trains_as_one_process(tmp_path
             for key in METRICS[1:]:
                 value, reference = ours[step][key], expected[step][key]
                 assert abs(value - reference) <= 1e-5 * max(1.0, reference), (run.name, step, key)
-        assert_same_exports(run, one, atol=EXPORT_TOLERANCE)
+        assert_same_exports(run, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
     resumed = interrupted_copy(tp_ep, tmp_path / "resumed", after_step=2, keep_logs=True)
     _moe_run(resumed, base, *TP2_EP2, TWO_MICRO_BATCHES, "checkpoint.resume_from_checkpoint=true",
              nproc=2)  # fmt: skip

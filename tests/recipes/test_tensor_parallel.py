@@ -61,6 +61,8 @@ GRAD_NORM_RELATIVE = 1e-5
 # 3.1e-5), the merged weights by at most 2.3e-6 (measured). FSDP=2 alone does the same: on
 # Qwen2 (3 steps) one value of 1024 in a lora_B differs from 1 process's by 5.3e-5.
 EXPORT_TOLERANCE = 1e-4
+# The merged weights: the 1e-5 (measured 2.3e-6 at most).
+MERGED_TOLERANCE = 1e-5
 # Where it does not show: runs that share their first 6 steps and differ in layout only
 # after (measured 3e-8), full fine-tuning at lr 1e-4 (3.1e-6), and plain SGD, which leaves
 # rounding at rounding level.
@@ -106,7 +108,7 @@ def test_lora_tp2_equals_one_process(lora_runs):
     assert _metric(tp2, "val_loss").keys() == {6, 12}
     for step, loss in _metric(tp2, "val_loss").items():
         assert abs(loss - _metric(one, "val_loss")[step]) <= LOSS_TOLERANCE
-    assert_same_exports(tp2, one, atol=EXPORT_TOLERANCE)
+    assert_same_exports(tp2, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
 
 
 @pytest.mark.slow
@@ -168,7 +170,7 @@ def test_fsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, tmp_path):
     out = _run(tmp_path / "fsdp2_tp2", "lora_finetune_distributed", "tiny/lora",
                "schedule.batch_size=4", TP2, "model.frozen_base=shard", nproc=4)  # fmt: skip
     _assert_same_training(out, one)
-    assert_same_exports(out, one, atol=EXPORT_TOLERANCE)
+    assert_same_exports(out, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
 
 
 @pytest.mark.slow
