@@ -223,6 +223,8 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     model = lora_model().train()
     rollouts = grpo_rollouts(model)
     unpacked = update(model, rollouts, monkeypatch)
+    # The packed path on any CPU (an AVX2-only one runs the update unpacked: packing_pays).
+    monkeypatch.setattr(step, "packing_pays", lambda: True)
     packs = spy_packs(monkeypatch)
     # Packed per call (GRPO's update): per micro-batch, every frozen layer's W packed in the
     # forward (2 adapted bases and 5 plain projections per block, lm_head), and W^T in the
@@ -238,6 +240,7 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     # Kept (``hold_bytes`` over their size): packed once, in the first micro-batch, and
     # reused by the next micro-batches and passes; the same bits as packing per call.
     monkeypatch.undo()
+    monkeypatch.setattr(step, "packing_pays", lambda: True)
     monkeypatch.setattr(step, "_packed", lambda m: packed_frozen_linears(m, hold_bytes=1 << 40))
     packs = spy_packs(monkeypatch)
     for _ in range(2):
@@ -248,6 +251,7 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     # The comparison sees a wrong packing: of W (loss and gradients move) or of W^T (the
     # gradients).
     monkeypatch.undo()  # GRPO's per-call packing again: drops the kept ones
+    monkeypatch.setattr(step, "packing_pays", lambda: True)
     pack = packed_linear.pack_weight
     for wrong_transpose in (False, True):
 
@@ -267,6 +271,17 @@ def test_the_packed_update_pass_gives_the_unpacked_loss_and_gradients(monkeypatc
     store_logps(rollouts, model, output, old=True)
     for rollout, logps in zip(rollouts, expected, strict=True):
         torch.testing.assert_close(rollout.old_logps, logps, rtol=0, atol=1e-5)
+
+
+def test_the_update_packs_where_the_cpu_has_avx512_kernels_only(monkeypatch):
+    model = lora_model().train()
+    rollouts = grpo_rollouts(model)
+    for capability, packed in (("AVX2", False), ("DEFAULT", False), ("AVX512", True)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        packs = spy_packs(monkeypatch)
+        update(model, rollouts)
+        assert bool(packs) == packed, capability
+        monkeypatch.undo()
 
 
 def test_frozen_layers_run_packed_only_inside_the_block():

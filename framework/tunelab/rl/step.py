@@ -43,6 +43,21 @@ __all__ = [
 ]
 
 
+def packing_pays() -> bool:
+    """Whether the update's passes run frozen layers on oneDNN-packed weights on this CPU.
+
+    Packed per call, a frozen layer's forward and input gradient pay the two reorders (``W``
+    and ``W^T``) on every micro-batch. On CPUs with AVX-512 (the AMD EPYC Zen 4 and Intel
+    Sapphire Rapids of sessions 16-18) oneDNN's kernels win that back (issue 40's update half
+    1.44-1.60x TRL's). On an AVX2-only CPU (AMD EPYC Zen 3, session 19) they do not: forward
+    and input gradient at 2048 rows, 1 thread, plain ``F.linear`` against packing per call,
+    65 against 69 ms (768 x 768), 145 against 183 (768 x 2048), 300 against 386 (768 x 4096).
+    Decided by the CPU's kernels (``torch.backends.cpu.get_cpu_capability``), the same on
+    every rank of a machine, never by timing, so 1 and N processes take the same path.
+    """
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
+
+
 def _packed(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     """Run ``model``'s frozen linear layers on oneDNN-packed weights inside the block.
 
@@ -50,8 +65,11 @@ def _packed(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     up to fp32 rounding (:func:`~tunelab.modules.packed_linear.packed_frozen_linears`). Each
     call packs what it multiplies and drops it: packs kept from pass to pass would hold the
     frozen base twice more (``W`` and ``W^T``) beside the rollout's merged weights, which put
-    peak RSS at 0.96x TRL's on 2 processes (issue 40's bench; 0.79x packing per call).
+    peak RSS at 0.96x TRL's on 2 processes (issue 40's bench; 0.79x packing per call). Where
+    :func:`packing_pays` says no, the layers run ``F.linear`` (no layer set up: 0).
     """
+    if not packing_pays():
+        return contextlib.nullcontext(0)
     return packed_frozen_linears(model)
 
 
