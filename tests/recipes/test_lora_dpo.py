@@ -374,7 +374,12 @@ def test_precomputed_reference_gives_the_live_losses(full_run, tmp_path):
     for row in rows:
         live = full_run[1][row["step"]]
         for name in names:
-            assert row[name] == pytest.approx(live[name], abs=1e-6), (row["step"], name)
+            # fp32: a few units in the last place of the value (logps/chosen sums ~24 nats,
+            # whose last place is 1.9e-6: step 3 differed by exactly that on an AVX2 CPU).
+            assert row[name] == pytest.approx(live[name], rel=2**-21, abs=1e-6), (
+                row["step"],
+                name,
+            )
         if row["step"] <= 2:
             assert live["rewards/chosen"] == live["rewards/rejected"] == 0.0, live
         else:
