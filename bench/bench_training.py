@@ -101,6 +101,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recipes", default="sft,dpo", help="sft, dpo or both")
     parser.add_argument("--models", default="wide,vocab", help="wide, vocab or both")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows")
+    parser.add_argument(
+        "--peak-size", type=int, default=2048, help="side of the peak-calibration torch.mm"
+    )
     parser.add_argument("--variants", default=None, help="only these variants (comma list)")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -110,10 +113,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     # Smoke: one launch per code path, not per row: the DPO rows (reference forward, DPO loss)
     # on 2 processes in the new settings, under DDP and as TRL where installed; the SFT loss and
-    # the old settings run in the two 1-process vocabulary rows.
+    # the old settings run in the two 1-process vocabulary rows. The peak calibration multiplies
+    # 256-side matrices: 12 products of 2048 cost each worker ~2.5 CPU-s, more than its steps.
     smoke = ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32", "--vocab-dim",
              "64", "--vocab-size", "4096", "--vocab-seq-len", "64", "--steps", "1", "--nprocs", "2",
-             "--recipes", "dpo", "--variants", f"after,DDP,{PEER}"]  # fmt: skip
+             "--recipes", "dpo", "--variants", f"after,DDP,{PEER}", "--peak-size", "256"]  # fmt: skip
     return parse_bench_args(parser, smoke)
 
 
@@ -192,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
     output = output_layer(module) if chunked else None
     reference = ReferenceModel(module, freeze_current_adapter=False)
     sft_loss, dpo_loss = CrossEntropyLoss(), DPOLoss(beta=0.1)
-    peak_before = peak_matmul_flops()
+    peak_before = peak_matmul_flops(args.peak_size)
     reset_peak_rss()
     model.train()
     vocab_size = module.args.vocab_size
@@ -238,7 +242,7 @@ def write_result(
 ) -> None:
     """Rank 0 writes the row's JSON from every rank's phase times (``[1 + steps, phases]``)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    peak_after = peak_matmul_flops()
+    peak_after = peak_matmul_flops(args.peak_size)
     if dist.is_initialized():
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     peak_rss = max(gather_floats(float(peak_rss_bytes())))
@@ -397,7 +401,7 @@ def peer_worker(args: argparse.Namespace, world_size: int) -> None:
         callbacks=[StepTimes()],
     )
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
-    peak_before = peak_matmul_flops()
+    peak_before = peak_matmul_flops(args.peak_size)
     reset_peak_rss()
     trainer.train()
     write_result(args, times, peak_before, model_args, trainable)
@@ -464,7 +468,7 @@ def orchestrate(args: argparse.Namespace) -> None:
             "--worker", "--recipe", row.recipe, "--variant", row.variant,
             "--checkpoint", str(root / row.model / "base"), "--result", str(result_path),
             "--seq-len", str(seq_len), "--batch-size", str(batch_size),
-            "--steps", str(args.steps),
+            "--steps", str(args.steps), "--peak-size", str(args.peak_size),
         ]  # fmt: skip
         for attempt in (1, 2):
             done = torchrun(__file__, worker_args, row.nproc, capture_output=True, text=True)
@@ -488,7 +492,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     calibrated_row = max(results, key=lambda row: results[row]["peak_flops_per_s"])
     calibrated = results[calibrated_row]["peak_flops_per_s"]
     print(
-        f"calibrated peak: {calibrated / 1e9:.1f} GFLOP/s (fp32 2048 x 2048 torch.mm on every "
+        f"calibrated peak: {calibrated / 1e9:.1f} GFLOP/s (fp32 {args.peak_size} x "
+        f"{args.peak_size} torch.mm on every "
         f"process at once, the highest measured in this job, in row {calibrated_row})"
     )
     rows = [
