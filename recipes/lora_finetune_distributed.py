@@ -68,7 +68,7 @@ def main(args: LoRAFinetuneArgs) -> None:
     # Context parallelism when context_parallel_size > 1: its ranks split every sequence.
     # Tensor parallelism when tensor_parallel_size > 1: its ranks split every matmul.
     meshes = build_device_meshes(device, args.parallelism)
-    context = build_context_parallel(args.parallelism.context_parallel_size)
+    context = build_context_parallel(args.parallelism.context_parallel_size, meshes)
     model = build_model(
         args.model,
         device=device,

@@ -4,8 +4,9 @@ TP=2 on 2 processes trains as 1 process with the same global batch for 12 steps 
 the losses, the gradient norms and the exports (merged model, adapter), for LoRA and full
 fine-tuning. A step checkpoint saved under TP=2 resumes under plain FSDP=2 and gives the TP
 run's remaining losses and export; a TP=2 run killed after a checkpoint resumes under TP=2
-exactly (every later metric and the export bit for bit). FSDP=2 x TP=2 on 4 processes equals
-1 process (slow).
+exactly (every later metric and the export bit for bit). FSDP=2 x TP=2, HSDP 2 x TP=2 and
+TP=2 x CP=2 (context parallelism, each cp slice of a row split again over the tp ranks) on 4
+processes equal 1 process (slow); the TP x CP run's step checkpoint resumes on 1 process.
 The unit part checks the one-line refusals.
 """
 
@@ -49,6 +50,7 @@ SETTINGS = [
     "checkpoint.keep_last_n_checkpoints=null",
 ]
 TP2 = "parallelism.tensor_parallel_size=2"
+CP2 = "parallelism.context_parallel_size=2"
 # fp32, the same batch: losses agree to ~1e-6; sums in another order (split matmuls, the
 # vocabulary's softmax statistics summed over ranks) move gradient norms of 3-30 by a few
 # 1e-6 relative.
@@ -85,6 +87,15 @@ def _assert_same_training(ours, reference, steps=range(1, STEPS + 1)):
         )  # fmt: skip
 
 
+def _assert_equals_one_process(ours, one):
+    # Losses, gradient norms, validation losses and exports within the bounds above.
+    _assert_same_training(ours, one)
+    assert _metric(ours, "val_loss").keys() == {6, 12}
+    for step, loss in _metric(ours, "val_loss").items():
+        assert abs(loss - _metric(one, "val_loss")[step]) <= LOSS_TOLERANCE
+    assert_same_exports(ours, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
+
+
 def _run(out, recipe, config, *overrides, nproc):
     tunelab_run(recipe, config, f"output_dir={out}", *SETTINGS, *overrides, nproc=nproc)
     return out
@@ -104,11 +115,7 @@ def lora_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_lora_tp2_equals_one_process(lora_runs):
     one, tp2 = lora_runs
-    _assert_same_training(tp2, one)
-    assert _metric(tp2, "val_loss").keys() == {6, 12}
-    for step, loss in _metric(tp2, "val_loss").items():
-        assert abs(loss - _metric(one, "val_loss")[step]) <= LOSS_TOLERANCE
-    assert_same_exports(tp2, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
+    _assert_equals_one_process(tp2, one)
 
 
 @pytest.mark.slow
@@ -171,6 +178,61 @@ def test_fsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, tmp_path):
                "schedule.batch_size=4", TP2, "model.frozen_base=shard", nproc=4)  # fmt: skip
     _assert_same_training(out, one)
     assert_same_exports(out, one, atol=EXPORT_TOLERANCE, merged_atol=MERGED_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_hsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, tmp_path):
+    # The 3-D mesh (replicate 2, shard 1, tp 2) from the settings: 2 replicas of batch 4 (the
+    # same global batch), each a tp group; FSDP2 replicates over "replicate".
+    one, _ = lora_runs
+    out = _run(tmp_path / "hsdp2_tp2", "lora_finetune_distributed", "tiny/lora",
+               "schedule.batch_size=4", TP2, "parallelism.data_parallel_replicate_size=2",
+               "model.frozen_base=shard", nproc=4)  # fmt: skip
+    _assert_equals_one_process(out, one)
+    # Each piece of the step checkpoint written once, although both replicas hold it.
+    metadata = json.loads((out / "step_6" / ".metadata.json").read_text())
+    written = [(fqn, tuple(offsets)) for fqn, offsets, *_ in metadata["items"]]
+    assert written and len(written) == len(set(written))
+
+
+@pytest.fixture(scope="module")
+def tp2_cp2_run(tmp_path_factory):
+    """tiny/lora with TP=2 x CP=2 on 4 processes (one sample stream of batch 8), read-only."""
+    out = tmp_path_factory.mktemp("tp2_cp2") / "run"
+    return _run(out, "lora_finetune_distributed", "tiny/lora", TP2, CP2, nproc=4)
+
+
+@pytest.mark.slow
+def test_tp2_x_cp2_on_four_processes_equals_one_process(lora_runs, tp2_cp2_run):
+    # The 4 ranks see the same 8 samples: cp splits each row (zig-zag, padded to a multiple
+    # of 2 x 2 x 2), tp splits heads and MLP columns and, between the blocks, each cp slice
+    # over the sequence (sequence-parallel norms); attention gathers K/V over cp on the tp
+    # rank's own heads, and the loss on vocabulary-sharded logits combines over tp.
+    one, _ = lora_runs
+    _assert_equals_one_process(tp2_cp2_run, one)
+
+
+@pytest.mark.slow
+def test_tp2_x_cp2_checkpoint_resumes_on_one_process(tp2_cp2_run, tmp_path):
+    # The step-6 checkpoint (adapter DTensors on the (shard_cp, tp) mesh) loads into one
+    # whole process, and the run goes on as the TP x CP run did.
+    out = interrupted_copy(tp2_cp2_run, tmp_path / "one", after_step=6)
+    _run(out, "lora_finetune_distributed", "tiny/lora", "checkpoint.resume_from_checkpoint=true",
+         nproc=1)  # fmt: skip
+    _assert_same_training(out, tp2_cp2_run, steps=range(7, STEPS + 1))
+    assert_same_exports(out, tp2_cp2_run, atol=TIGHT_EXPORT_TOLERANCE)
+
+
+def test_tp_x_cp_sizes_that_do_not_divide_the_world_are_one_line(tmp_path):
+    result = tunelab_run("lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path / 'out'}",
+                         TP2, CP2, nproc=1, check=False)  # fmt: skip
+    assert result.returncode != 0
+    line = (
+        "parallelism.data_parallel_replicate_size x parallelism.context_parallel_size x "
+        "parallelism.tensor_parallel_size = 1 x 2 x 2 does not divide the 1 processes"
+    )
+    assert line in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
@@ -266,10 +328,16 @@ def test_an_adapter_on_lm_head_is_refused_and_dora_with_dropout_accepted():
 def test_mesh_sizes_must_multiply_to_the_world_size():
     with pytest.raises(ConfigError, match="tensor_parallel_size = 1 x 2 does not divide the 1"):
         build_device_meshes(torch.device("cpu"), SFTParallelismArgs(tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="context_parallel_size: 2 is not built yet"):
+    tp_cp = {"tensor_parallel_size": 2, "context_parallel_size": 2}
+    with pytest.raises(ConfigError, match="context_parallel_size x parallelism.tensor_parallel_size = 1 x 2 x 2 does not divide the 1 processes"):  # fmt: skip
+        build_device_meshes(torch.device("cpu"), SFTParallelismArgs(**tp_cp))
+    with pytest.raises(ConfigError, match=r"data_parallel_shard_size x parallelism.context_parallel_size x parallelism.tensor_parallel_size = 1 x 1 x 2 x 2 = 4, but this run has 1 processes"):  # fmt: skip
         build_device_meshes(
-            torch.device("cpu"),
-            SFTParallelismArgs(tensor_parallel_size=2, context_parallel_size=2),
+            torch.device("cpu"), SFTParallelismArgs(data_parallel_shard_size=1, **tp_cp)
+        )
+    with pytest.raises(ConfigError, match="expert_parallel_size: 2 with parallelism.tensor_parallel_size: 2 and parallelism.context_parallel_size: 2 is not built yet"):  # fmt: skip
+        build_device_meshes(
+            torch.device("cpu"), SFTParallelismArgs(expert_parallel_size=2, **tp_cp)
         )
 
 

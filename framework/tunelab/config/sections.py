@@ -146,7 +146,7 @@ class ModelParallelismArgs(ParallelismArgs):
     expert_parallel_size: AtLeastOne = 1
     """Expert parallelism: consecutive processes each MoE layer's experts are split over, whole experts each, tokens sent to them by all-to-all instead of gathering the experts; it must divide the processes and the experts, and processes / expert_parallel_size groups then hold the same experts, their gradients summed (1: off). The other weights stay FSDP's or HSDP's; with tensor_parallel_size > 1 it must be a multiple of it (attention split by heads, each rank's part of the sequence routed to the experts)."""
     tensor_parallel_size: AtLeastOne = 1
-    """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x tensor_parallel_size (1: off). A mixture-of-experts model needs expert_parallel_size too: its experts are not split by tensor parallelism."""
+    """Tensor parallelism: consecutive processes (usually the GPUs of one node) that split every attention and MLP matmul and the vocabulary (sequence-parallel norms between them); processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size x tensor_parallel_size (1: off; with context parallelism each cp slice of a row is split again over the tp ranks). A mixture-of-experts model needs expert_parallel_size too: its experts are not split by tensor parallelism."""
 
 
 @dataclass(kw_only=True)
@@ -154,7 +154,7 @@ class SFTParallelismArgs(ModelParallelismArgs):
     """Parallelism of the supervised recipes, which can also split sequences."""
 
     context_parallel_size: AtLeastOne = 1
-    """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size, and FSDP shards parameters over shard x context ranks (1: off)."""
+    """Context parallelism: consecutive processes that split every sequence (zig-zag), attention gathering keys and values among them; processes = data_parallel_replicate_size x data_parallel_shard_size x context_parallel_size x tensor_parallel_size, and FSDP shards parameters over shard x context ranks (1: off; with tensor_parallel_size the tp ranks are innermost and a cp group is the ranks of one tp index)."""
 
 
 @dataclass(kw_only=True)

@@ -33,6 +33,7 @@ stays exact.
 """
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from torch.distributed import ProcessGroup
 
 from tunelab.distributed.process_group import collective_timeout
 from tunelab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tunelab.distributed.mesh import DeviceMeshes
 
 _ROW_KEYS = ("tokens", "token_mask", "input_pos")
 
@@ -86,10 +90,18 @@ class ContextParallel:
         size: Ranks per group (``context_parallel_size``).
         group: The group of this rank (None for size 1, or to only split batches).
         rank: This rank in the group (None: read from ``group``).
+        split_within: Ranks that split each rank's slice once more, in equal consecutive
+            parts (tensor parallelism's sequence-parallel regions,
+            ``tunelab.distributed.tensor_parallel``): rows are padded so that the slice
+            divides by it.
     """
 
     def __init__(
-        self, size: int = 1, group: ProcessGroup | None = None, rank: int | None = None
+        self,
+        size: int = 1,
+        group: ProcessGroup | None = None,
+        rank: int | None = None,
+        split_within: int = 1,
     ) -> None:
         if rank is None:
             rank = dist.get_rank(group) if size > 1 else 0
@@ -97,6 +109,7 @@ class ContextParallel:
         self.size = size
         self.group = group
         self.rank = rank
+        self.split_within = split_within
 
     @property
     def enabled(self) -> bool:
@@ -104,8 +117,12 @@ class ContextParallel:
         return self.size > 1
 
     def padded_length(self, seq_len: int) -> int:
-        """``seq_len`` rounded up to a multiple of ``2 * size`` (the zig-zag chunks)."""
-        multiple = 2 * self.size
+        """``seq_len`` rounded up to a multiple of ``2 * size * split_within``.
+
+        ``2 * size``: the zig-zag chunks; ``split_within``: each rank's slice then divides
+        among the tensor-parallel ranks that split it again.
+        """
+        multiple = 2 * self.size * self.split_within
         return math.ceil(seq_len / multiple) * multiple
 
     def query_positions(self, seq_len: int, device: torch.device | str) -> torch.Tensor:
@@ -207,12 +224,22 @@ class ContextParallel:
         return local
 
 
-def build_context_parallel(context_parallel_size: int) -> ContextParallel:
-    """The cp group of this rank: ranks ``k * N .. k * N + N - 1`` for N ranks (collective).
+def build_context_parallel(
+    context_parallel_size: int, meshes: "DeviceMeshes | None" = None
+) -> ContextParallel:
+    """The cp group of this rank (collective).
+
+    Without tensor parallelism the N ranks ``k * N .. k * N + N - 1`` form a group. With it
+    (``meshes.context``, the world mesh's ``"cp"`` dimension, next to the innermost ``"tp"``)
+    a group is the ranks of one data-parallel shard that hold the same tensor-parallel index,
+    ``T`` apart for ``T`` tp ranks; each rank's slice of a row is split again over its tp
+    group (sequence parallelism), so rows are padded to a multiple of ``2 * N * T``.
 
     Args:
         context_parallel_size: ``parallelism.context_parallel_size``, N; must divide the world
             size (``data_parallel_mesh`` checks the whole mesh).
+        meshes: The run's meshes (``build_device_meshes``); None or without ``context``: the
+            consecutive groups above.
 
     Raises:
         ConfigError: N above 1 without a process group, or not dividing the world.
@@ -220,6 +247,9 @@ def build_context_parallel(context_parallel_size: int) -> ContextParallel:
     size = context_parallel_size
     if size == 1:
         return ContextParallel()
+    if meshes is not None and meshes.context is not None:
+        tensor = 1 if meshes.tensor is None else meshes.tensor.size()
+        return ContextParallel(size, meshes.context.get_group(), split_within=tensor)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size % size:
         raise ConfigError(

@@ -23,8 +23,15 @@ shards over the data-parallel dimensions above it. The world mesh is then
                                         |     [2, 3],      the two column halves of q_proj
                                         v     [4, 5],
                                               [6, 7]]   FSDP2 shards each half over 0, 2, 4, 6
+
+With context parallelism too (``context_parallel_size`` C) the ranks are laid out
+``(replicate, shard, cp, tp)``: the world mesh is ``("replicate", "shard_cp", "tp")``, FSDP2
+sharding over the shard x cp ranks as with cp alone, and its ``"shard_cp"`` dimension is
+unflattened into ``("shard", "cp")`` to name the cp groups: the C ranks of one shard group with
+the same tp index, ``tensor_parallel_size`` apart (``build_context_parallel``).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +48,18 @@ SHARD_DIM = "shard"
 """Name of the mesh dimension across which parameters are sharded (within a node)."""
 TENSOR_DIM = "tp"
 """Name of the (innermost) mesh dimension whose ranks split each matmul (tensor parallelism)."""
+CONTEXT_DIM = "cp"
+"""Name of the mesh dimension whose ranks split each sequence, next to ``"tp"`` (context
+parallelism with tensor parallelism)."""
+SHARD_CONTEXT_DIM = "shard_cp"
+"""The ``"shard"`` and ``"cp"`` dimensions flattened into one: what FSDP2 shards over when
+context and tensor parallelism combine."""
+_SETTINGS = {
+    REPLICATE_DIM: "data_parallel_replicate_size",
+    SHARD_DIM: "data_parallel_shard_size",
+    CONTEXT_DIM: "context_parallel_size",
+    TENSOR_DIM: "tensor_parallel_size",
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,10 @@ class DeviceMeshes:
     expert: DeviceMesh | None = None
     """The processes each MoE layer's experts are split over (``expert_parallel_mesh``), or
     None without expert parallelism."""
+    context: DeviceMesh | None = None
+    """With tensor parallelism, the context-parallel ranks (``"cp"``, the ranks holding the
+    same tp index: ``build_context_parallel`` takes its group), or None; without tensor
+    parallelism cp groups are consecutive ranks and built on their own."""
     whole: bool = False
     """True: no split at all, a whole copy of the model on every process, also in a
     multi-process run (asynchronous GRPO's sampling copy, ``rollout.overlap``); the meshes
@@ -95,12 +118,15 @@ def build_device_meshes(
         mesh with dimensions ``("replicate", "shard")``, the second of ``shard_size *
         context_parallel_size`` ranks; with tensor parallelism the ``"shard"`` mesh (1-D) or
         the ``("replicate", "shard")`` one, cut from the world mesh whose ``"tp"`` dimension
-        is ``tensor``; ``expert``: the mesh of ``expert_parallel_mesh`` (None: off).
+        is ``tensor``; with context parallelism too the world mesh is ``(replicate, shard,
+        cp, tp)``, ``data_parallel`` its ``"shard"`` and ``"cp"`` dimensions flattened
+        (``"shard_cp"``, after ``"replicate"`` with HSDP) and ``context`` its ``"cp"``
+        dimension; ``expert``: the mesh of ``expert_parallel_mesh`` (None: off).
 
     Raises:
-        ConfigError: The sizes do not multiply to the world size, context and tensor
-            parallelism together (not built), or an expert-parallel size the run cannot take
-            (``expert_parallel_mesh``).
+        ConfigError: The sizes do not multiply to the world size, expert parallelism with
+            context and tensor parallelism together (not built), or an expert-parallel size
+            the run cannot take (``expert_parallel_mesh``).
     """
     parallelism = parallelism if parallelism is not None else ParallelismArgs()
     replicate_size = parallelism.data_parallel_replicate_size
@@ -108,6 +134,12 @@ def build_device_meshes(
     cp = parallelism.context_parallel_size
     tp = parallelism.tensor_parallel_size
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if tp > 1 and cp > 1 and parallelism.expert_parallel_size > 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_size: {parallelism.expert_parallel_size} with "
+            f"parallelism.tensor_parallel_size: {tp} and parallelism.context_parallel_size: "
+            f"{cp} is not built yet: drop context or expert parallelism"
+        )
     if tp > 1:
         meshes = _tensor_parallel_meshes(device, replicate_size, shard_size, cp, tp, world_size)
     else:
@@ -117,7 +149,7 @@ def build_device_meshes(
     expert = expert_parallel_mesh(
         parallelism.expert_parallel_size, device, meshes.data_parallel, tensor_parallel_size=tp
     )
-    return DeviceMeshes(meshes.data_parallel, meshes.tensor, expert)
+    return DeviceMeshes(meshes.data_parallel, meshes.tensor, expert, context=meshes.context)
 
 
 def _data_parallel(
@@ -163,30 +195,38 @@ def _tensor_parallel_meshes(
     tp: int,
     world_size: int,
 ) -> DeviceMeshes:
-    # The world mesh (replicate, shard, tp), tp innermost: FSDP2 shards over the dimensions
-    # above it, and the tensor-parallel parameters carry both (FSDP2 needs one root mesh).
-    if cp > 1:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_size: {tp} with parallelism.context_parallel_size: "
-            f"{cp} is not built yet: use one of them"
-        )
+    # The ranks are laid out (replicate, shard, cp, tp), tp innermost, then cp: FSDP2 shards
+    # over the dimensions above tp (shard and cp as one, torchtitan's dp_shard_cp), and the
+    # tensor-parallel parameters carry both (FSDP2 needs one root mesh).
+    def named(sizes: dict[str, int]) -> str:
+        used = {name: size for name, size in sizes.items() if name != CONTEXT_DIM or cp > 1}
+        keys = " x ".join(f"parallelism.{_SETTINGS[name]}" for name in used)
+        return f"{keys} = {' x '.join(str(size) for size in used.values())}"
+
     if shard_size is None:
-        if world_size % (replicate_size * tp):
+        given = {REPLICATE_DIM: replicate_size, CONTEXT_DIM: cp, TENSOR_DIM: tp}
+        if world_size % math.prod(given.values()):
             raise ConfigError(
-                f"parallelism.data_parallel_replicate_size x parallelism.tensor_parallel_size = "
-                f"{replicate_size} x {tp} does not divide the {world_size} processes of this run"
+                f"{named(given)} does not divide the {world_size} processes of this run"
             )
-        shard_size = world_size // (replicate_size * tp)
-    if replicate_size * shard_size * tp != world_size:
+        shard_size = world_size // math.prod(given.values())
+    sizes = {REPLICATE_DIM: replicate_size, SHARD_DIM: shard_size, CONTEXT_DIM: cp, TENSOR_DIM: tp}  # fmt: skip
+    if math.prod(sizes.values()) != world_size:
         raise ConfigError(
-            "parallelism.data_parallel_replicate_size x parallelism.data_parallel_shard_size x "
-            f"parallelism.tensor_parallel_size = {replicate_size} x {shard_size} x {tp} = "
-            f"{replicate_size * shard_size * tp}, but this run has {world_size} processes: the "
-            "product must equal the number of processes"
+            f"{named(sizes)} = {math.prod(sizes.values())}, but this run has {world_size} "
+            "processes: the product must equal the number of processes"
         )
-    names = (
-        (SHARD_DIM, TENSOR_DIM) if replicate_size == 1 else (REPLICATE_DIM, SHARD_DIM, TENSOR_DIM)
-    )
-    sizes = (shard_size, tp) if replicate_size == 1 else (replicate_size, shard_size, tp)
-    world = init_device_mesh(device.type, sizes, mesh_dim_names=names)
-    return DeviceMeshes(world[names[:-1]], world[TENSOR_DIM])
+    # FSDP2's mesh and the tp one are cut from one world mesh (FSDP2 needs one root); with
+    # cp its "shard" dimension holds the shard x cp ranks, unflattened only to name the cp
+    # groups: the cp ranks of a shard group compute gradients of the same parameters from
+    # different tokens of the same samples, so FSDP2 shards over them too and its
+    # reduction sums them.
+    replicas = (REPLICATE_DIM,) if replicate_size > 1 else ()
+    data = (*replicas, SHARD_DIM if cp == 1 else SHARD_CONTEXT_DIM)
+    data_sizes = (*((replicate_size,) if replicas else ()), shard_size * cp)
+    world = init_device_mesh(device.type, (*data_sizes, tp), mesh_dim_names=(*data, TENSOR_DIM))
+    context = None
+    if cp > 1:
+        split = world._unflatten(SHARD_CONTEXT_DIM, (shard_size, cp), (SHARD_DIM, CONTEXT_DIM))
+        context = split[CONTEXT_DIM]
+    return DeviceMeshes(world[data], world[TENSOR_DIM], context=context)

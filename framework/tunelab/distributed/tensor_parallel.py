@@ -47,6 +47,14 @@ exports read the same full tensors whatever the layout.
 
 Sequences are padded at their end to a multiple of N (causal attention: no earlier token
 sees the padding) and the outputs cut back.
+
+With context parallelism too (``parallelism.context_parallel_size``, the mesh's ``"cp"``
+dimension next to ``"tp"``) each rank's input is its cp slice of the rows, padded by
+``ContextParallel.shard`` to a multiple of ``2 x cp x N`` so that the slice divides by N
+with no padding here: the sequence-parallel regions split the cp slice over the tp group,
+attention all-gathers it over tp, computes this rank's heads and gathers their keys and
+values over the cp group (``ContextParallel.gather_key_values``), and the loss combines the
+vocabulary's statistics over tp while the token counts sum over every process.
 """
 
 from __future__ import annotations
