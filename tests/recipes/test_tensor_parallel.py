@@ -280,7 +280,9 @@ def _model(**changes):
         ({"num_kv_heads": 1}, 2, "does not divide the model's num_key_value_heads 1"),
         ({"intermediate_dim": 63}, 2, "does not divide the model's intermediate_size 63"),
         ({"vocab_size": 63}, 2, "does not divide the model's vocab_size 63"),
-        ({"fused_projections": True}, 2, "fuses q/k/v and gate/up"),
+        # Phi-3's fused projections: split per part, so each part's count must divide.
+        ({"fused_projections": True, "num_kv_heads": 1}, 2, "num_key_value_heads 1"),
+        ({"fused_projections": True, "intermediate_dim": 63}, 2, "intermediate_size 63"),
         ({"attention_sinks": True}, 2, "has attention sinks, not split by tensor parallelism"),
         (
             {"vision": VisionArgs(depth=1, dim=16, intermediate_dim=32, num_heads=2, out_dim=32)},

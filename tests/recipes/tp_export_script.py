@@ -9,7 +9,8 @@ written shard-locally by every rank) to ``{out}/fsdp`` and ``{out}/tp``. Rank 0 
 JSON line of what the TP export made whole on the way (``DTensor.full_tensor``, a
 redistribution to replicated, the tensors ``export_hf`` gathers): their names and shapes.
 
-Usage: tp_export_script.py OUT
+Usage: tp_export_script.py OUT [MODEL_DIR TARGETS]  (TARGETS comma-separated; default tiny/lora's
+model and every llama projection)
 """
 
 import json
@@ -80,21 +81,24 @@ def recorded_gathers(record: dict):
 def main() -> None:
     """Export the two layouts."""
     out = Path(sys.argv[1])
+    model_dir, lora = TINY, LORA
+    if len(sys.argv) > 2:
+        model_dir, lora = Path(sys.argv[2]), LoRAArgs(targets=sys.argv[3].split(","))
     info = init_distributed("cpu")
     for name, size in (("fsdp", 1), ("tp", 2)):
         meshes = build_device_meshes(info.device, SFTParallelismArgs(tensor_parallel_size=size))
         model = build_model(
-            LoRAModelSetupArgs(path=str(TINY), frozen_base="shard"),
+            LoRAModelSetupArgs(path=str(model_dir), frozen_base="shard"),
             device=info.device,
             meshes=meshes,
-            lora=LORA,
+            lora=lora,
         )
         set_adapters(model)
         record = {"names": [], "shapes": []}
         with recorded_gathers(record):
-            export_hf(model, out / name, base_checkpoint_dir=TINY, lora=LORA)
+            export_hf(model, out / name, base_checkpoint_dir=model_dir, lora=lora)
         if name == "tp" and dist.get_rank() == 0:
-            print(json.dumps({"gathered": record, "lora_rank": LORA.rank}), flush=True)
+            print(json.dumps({"gathered": record, "lora_rank": lora.rank}), flush=True)
     destroy_distributed()
 
 

@@ -8,7 +8,10 @@ sequence parallelism, Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198
 - attention: ``q_proj``, ``k_proj``, ``v_proj`` column-wise (each rank computes
   ``num_heads / N`` query and ``num_kv_heads / N`` key/value heads, attention runs on them
   locally), ``o_proj`` row-wise; the MLP: ``gate_proj`` and ``up_proj`` column-wise,
-  ``down_proj`` row-wise. A row-wise output is reduce-scattered over the sequence.
+  ``down_proj`` row-wise. A row-wise output is reduce-scattered over the sequence. A fused
+  projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) is split as any column-wise weight,
+  and its output regrouped by one all-to-all so that each rank holds its slice of q, k and v
+  (of gate and up): ``tunelab.distributed._fused_parallel``.
 - between the blocks the residual stream is split over the sequence (``Shard(1)``): the norms
   run on each rank's tokens (sequence parallelism), and each attention or MLP input is
   all-gathered over the sequence first. Norm weights are replicated; their gradients are
@@ -79,6 +82,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import distribute_module
 
+from tunelab.distributed._fused_parallel import FusedColwise
 from tunelab.errors import ConfigError
 
 __all__ = [
@@ -110,8 +114,6 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         raise ConfigError(f"{setting}: {family} is a mixture of experts; tensor parallelism splits its attention only, and needs its experts split by parallelism.expert_parallel_size (a multiple of {size})")  # fmt: skip
     if any(_is_lora(block.gate) for block in moe_blocks):
         raise ConfigError(f"{setting} with parallelism.expert_parallel_size: an adapter on the router (gate) is not built yet: drop gate from lora.targets")  # fmt: skip
-    if args.fused_projections:
-        raise ConfigError(f"{setting}: {family} fuses q/k/v and gate/up into one projection each, not split by tensor parallelism yet")  # fmt: skip
     if args.attention_sinks:
         raise ConfigError(f"{setting}: {family} has attention sinks, not split by tensor parallelism yet")  # fmt: skip
     if args.vision is not None:
@@ -149,13 +151,14 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
     # SequenceParallel makes trainable parameters of the norms it places: keep frozen ones so.
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     for block in model.layers:
-        plan: dict[str, Any] = {
-            "self_attn": _gather_sequence(5),
-            "self_attn.q_proj": _colwise(block.self_attn.q_proj),
-            "self_attn.k_proj": _colwise(block.self_attn.k_proj),
-            "self_attn.v_proj": _colwise(block.self_attn.v_proj),
-            "self_attn.o_proj": _rowwise(block.self_attn.o_proj),
-        }
+        attention = block.self_attn
+        plan: dict[str, Any] = {"self_attn": _gather_sequence(5)}
+        if attention.fused_qkv:
+            plan["self_attn.qkv_proj"] = _fused_colwise(attention.qkv_proj, attention.split_sizes)
+        else:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                plan[f"self_attn.{name}"] = _colwise(getattr(attention, name))
+        plan["self_attn.o_proj"] = _rowwise(attention.o_proj)
         if _is_moe(block.mlp):
             # This rank's tokens stay its own: routed here, sent to their experts and back.
             plan["mlp.gate"] = _TokenwiseReplicated()
@@ -163,12 +166,14 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh) -> None:
             # its own experts' slices (tunelab.peft.ExpertLoRA.delta sums their gradients).
             plan |= {f"mlp.experts.lora.{name}": _Replicated() for name in block.mlp.experts.lora}
         else:
-            plan |= {
-                "mlp": _gather_sequence(1),
-                "mlp.gate_proj": _colwise(block.mlp.gate_proj),
-                "mlp.up_proj": _colwise(block.mlp.up_proj),
-                "mlp.down_proj": _rowwise(block.mlp.down_proj),
-            }
+            plan |= {"mlp": _gather_sequence(1), "mlp.down_proj": _rowwise(block.mlp.down_proj)}
+            if block.mlp.fused:
+                plan["mlp.gate_up_proj"] = _fused_colwise(
+                    block.mlp.gate_up_proj, [args.intermediate_dim] * 2
+                )
+            else:
+                plan["mlp.gate_proj"] = _colwise(block.mlp.gate_proj)
+                plan["mlp.up_proj"] = _colwise(block.mlp.up_proj)
         norms = ["input_layernorm", "post_attention_layernorm"]
         if args.sandwich_norms:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -330,6 +335,11 @@ def _gather_sequence(num_inputs: int) -> PrepareModuleInput:
 
 def _colwise(module: nn.Module) -> ColwiseParallel:
     return _LoRAColwise() if _is_lora(module) else ColwiseParallel()
+
+
+def _fused_colwise(module: nn.Module, part_sizes: list[int]) -> FusedColwise:
+    # Split as any column-wise weight; its output then regrouped per part.
+    return FusedColwise(part_sizes, _colwise(module))
 
 
 def _rowwise(module: nn.Module) -> RowwiseParallel:

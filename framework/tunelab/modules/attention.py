@@ -228,7 +228,10 @@ class Attention(nn.Module):
         """q, k, v as ``[batch, seq, heads, head_dim]`` (q/k normed when ``qk_norm``)."""
         batch, seq_len, _ = x.shape
         if self.fused_qkv:
-            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+            qkv = self.qkv_proj(x)
+            # Under tensor parallelism this rank computes its slice of each part.
+            width, total = qkv.shape[-1], sum(self.split_sizes)
+            q, k, v = qkv.split([size * width // total for size in self.split_sizes], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # -1: under tensor parallelism this rank computes num_heads / N of the heads.
