@@ -1,5 +1,7 @@
 """grpo_distributed on image prompts: the real ``tunelab run`` of tiny/grpo_vl (Qwen2.5-VL), and
-of the same config on the embedded tiny Qwen3-VL (deepstack, interleaved M-RoPE in the rollouts).
+of the same config on the embedded tiny Qwen3-VL (deepstack, interleaved M-RoPE in the rollouts)
+and Gemma 3 (SigLIP tower, bidirectional attention over the image tokens, sliding-window layers:
+rollouts prefill each row on its own).
 
 For each family one 2-process run (batch 2 per process) serves every check: 1 process with twice the
 accumulation samples the same completions, gets the same rewards and losses and exports the same
@@ -29,6 +31,7 @@ STEPS = 4
 FAMILIES = {
     "qwen2_5_vl": (),
     "qwen3_vl": (f"model.path={assets_dir() / 'tiny_qwen3_vl'}",),
+    "gemma3_vl": (f"model.path={assets_dir() / 'tiny_gemma3_vl'}",),
 }
 SETTINGS = (
     f"schedule.max_steps_per_epoch={STEPS}",

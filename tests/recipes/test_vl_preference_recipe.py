@@ -8,10 +8,11 @@ the same images in the same rows. The run then learns to prefer the answers over
 (the loss falls, the reward margin opens) and exports an adapter. (That the images reach the
 log-probs is ``tests/unit/test_image_preference.py``'s: swapping a pair's image moves them.)
 
-On the embedded tiny Gemma 3 (SigLIP tower, pooled soft tokens, bidirectional image blocks) one
-2-process run serves two checks: one process with twice the accumulation gives the same losses,
-and a run killed after step 2's checkpoint resumes on two processes to the same losses and
-adapter, bit for bit.
+For each family (Qwen2.5-VL; Qwen3-VL: deepstack, interleaved M-RoPE; Gemma 3: SigLIP tower,
+pooled soft tokens, bidirectional image blocks) one 2-process run serves two checks: one process
+with twice the accumulation gives the same losses, and a run killed after step 2's checkpoint
+resumes on two processes to the same losses and adapter, bit for bit. The Qwen2.5-VL run also
+serves the ln 2 and learning checks.
 """
 
 import json
@@ -31,6 +32,7 @@ from tunelab._paths import assets_dir
 pytestmark = pytest.mark.slow
 TINY_VL = assets_dir() / "tiny_vl"
 TINY_GEMMA3_VL = assets_dir() / "tiny_gemma3_vl"
+TINY_QWEN3_VL = assets_dir() / "tiny_qwen3_vl"
 REFUSAL = "I cannot tell."
 EPOCHS = 1
 STEPS = EPOCHS * 16 // 4  # 16 pairs, 2 a step on each of 2 processes
@@ -63,10 +65,25 @@ def _dpo(out, data, *extra, model=TINY_VL, nproc=2, accumulation=1):
     )  # fmt: skip
 
 
-def test_dpo_on_image_pairs_starts_at_ln2_and_learns(tmp_path):
-    data = _pairs(tmp_path / "pairs.jsonl")
-    out = tmp_path / "run"
-    _dpo(out, data, "checkpoint.save_every_n_steps=null")
+SAVES = ("checkpoint.save_every_n_steps=2", "checkpoint.keep_last_n_checkpoints=null")
+MODELS = {"qwen2_5_vl": TINY_VL, "qwen3_vl": TINY_QWEN3_VL, "gemma3": TINY_GEMMA3_VL}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return _pairs(tmp_path_factory.mktemp("vl_dpo_pairs") / "pairs.jsonl")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def two_processes(request, tmp_path_factory, pairs):
+    out = tmp_path_factory.mktemp(f"vl_dpo_{request.param}") / "2p"
+    _dpo(out, pairs, *SAVES, model=MODELS[request.param])
+    return out, request.param
+
+
+@pytest.mark.parametrize("two_processes", ["qwen2_5_vl"], indirect=True)
+def test_dpo_on_image_pairs_starts_at_ln2_and_learns(two_processes):
+    out, _ = two_processes
     rows = {row["step"]: row for row in read_metrics(out) if "loss" in row}
     assert sorted(rows) == list(range(1, STEPS + 1))
     assert abs(rows[1]["loss"] - math.log(2.0)) <= 1e-6, rows[1]
@@ -80,20 +97,9 @@ def test_dpo_on_image_pairs_starts_at_ln2_and_learns(tmp_path):
     assert not any("visual" in name for name in config["target_modules"])
 
 
-GEMMA3_SAVES = ("checkpoint.save_every_n_steps=2", "checkpoint.keep_last_n_checkpoints=null")
-
-
-@pytest.fixture(scope="module")
-def gemma3_2p(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3_vl_dpo")
-    data = _pairs(folder / "pairs.jsonl")
-    _dpo(folder / "2p", data, *GEMMA3_SAVES, model=TINY_GEMMA3_VL)
-    return folder / "2p", data
-
-
-def test_gemma3_two_processes_equal_one_with_twice_the_accumulation(gemma3_2p, tmp_path):
-    two_dir, data = gemma3_2p
-    _dpo(tmp_path / "1p", data, *GEMMA3_SAVES, model=TINY_GEMMA3_VL, nproc=1, accumulation=2)
+def test_two_processes_equal_one_with_twice_the_accumulation(two_processes, pairs, tmp_path):
+    two_dir, family = two_processes
+    _dpo(tmp_path / "1p", pairs, *SAVES, model=MODELS[family], nproc=1, accumulation=2)
     two, one = losses_by_step(two_dir), losses_by_step(tmp_path / "1p")
     assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
     assert abs(two[1] - math.log(2.0)) <= 1e-6, two
@@ -102,10 +108,10 @@ def test_gemma3_two_processes_equal_one_with_twice_the_accumulation(gemma3_2p, t
     assert two[STEPS] < two[1]  # it learns
 
 
-def test_gemma3_exact_resume_on_two_processes(gemma3_2p, tmp_path):
-    reference_dir, data = gemma3_2p
+def test_exact_resume_on_two_processes(two_processes, pairs, tmp_path):
+    reference_dir, family = two_processes
     out = interrupted_copy(reference_dir, tmp_path / "run", after_step=2)
-    _dpo(out, data, *GEMMA3_SAVES, "checkpoint.resume_from_checkpoint=true", model=TINY_GEMMA3_VL)
+    _dpo(out, pairs, *SAVES, "checkpoint.resume_from_checkpoint=true", model=MODELS[family])
     resumed, reference = losses_by_step(out), losses_by_step(reference_dir)
     assert sorted(resumed) == [3, 4]
     assert all(resumed[step] == reference[step] for step in (3, 4)), (resumed, reference)

@@ -5,9 +5,9 @@ soft tokens, bidirectional image blocks) on the embedded tiny random models and 
 generated images.
 
 For each family two processes equal one process with twice the accumulation and a
-kill-and-resume on two processes is exact, and likewise for a full fine-tune of Gemma 3
-(``full_finetune_distributed``: tower, projector and language model trained whole, saved and
-restored through FSDP2). The Qwen3-VL runs train the tower and projector whole
+kill-and-resume on two processes is exact, and likewise for a full fine-tune of Gemma 3 and of
+Qwen3-VL (``full_finetune_distributed``: tower, projector and language model trained whole,
+saved and restored through FSDP2; Qwen3-VL's deepstack mergers too). The Qwen3-VL runs train the tower and projector whole
 beside the adapters (``model.vision_tower: full``, ``model.projector: full``), so FSDP2 shards,
 gathers, saves and restores them too; one run serves the 2 = 1 comparison, the resume and the
 export checks. Exports load in transformers (merged) and PEFT (adapter) with our logits on an
@@ -49,6 +49,11 @@ RUNS = {
     "gemma3_full": (
         "full_finetune_distributed",
         "tiny/gemma3_vl_lora",
+        ["~lora", "optimizer.lr=1e-3"],
+    ),
+    "qwen3_vl_full": (
+        "full_finetune_distributed",
+        "tiny/qwen3_vl_lora",
         ["~lora", "optimizer.lr=1e-3"],
     ),
 }
@@ -96,6 +101,13 @@ def gemma3_2p(tmp_path_factory):
 def gemma3_full_2p(tmp_path_factory):
     out = tmp_path_factory.mktemp("gemma3_vl_full") / "2p"
     _run("gemma3_full", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_full_2p(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_vl_full") / "2p"
+    _run("qwen3_vl_full", out)
     return out
 
 
