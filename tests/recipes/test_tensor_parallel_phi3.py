@@ -8,7 +8,8 @@ global batch for 3 steps, as the other families do in test_tensor_parallel.py: L
 linear layer, the fused ones included, and full fine-tuning. Losses and gradient norms agree
 within 1e-5, and so do the exports (merged model, PEFT adapter). The TP run's export loads in
 transformers and PEFT. Its step-2 checkpoint resumes under plain FSDP=2 and finishes as the
-TP run did. One set of weights exported under FSDP and under TP=2 gives the same bytes.
+TP run did. FSDP=2 x TP=2 on 4 processes equals 1 process too (slow). One set of weights
+exported under FSDP and under TP=2 gives the same bytes.
 The unit part checks the regrouping plan by hand; a real run, QLoRA's one-line refusal.
 """
 
@@ -115,6 +116,18 @@ def test_lora_tp2_checkpoint_resumes_under_fsdp2(lora_runs, phi3_base, tmp_path)
 
 
 @pytest.mark.slow
+def test_fsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, phi3_base, tmp_path):
+    # FSDP2 shards each rank's block of the fused rows further; the outputs are regrouped
+    # over the tp pairs (0, 1) and (2, 3) only.
+    one, _ = lora_runs
+    out = _run(tmp_path / "fsdp2_tp2", "lora_finetune_distributed", "tiny/lora", phi3_base,
+               f"lora.targets={TARGETS}", "schedule.batch_size=1", TP2,
+               "model.frozen_base=shard", nproc=4)  # fmt: skip
+    _assert_same_training(out, one, steps=range(1, STEPS + 1))
+    assert_same_exports(out, one, atol=TIGHT_EXPORT_TOLERANCE)
+
+
+@pytest.mark.slow
 def test_full_finetune_tp2_equals_one_process(tmp_path, phi3_base):
     recipe = ("full_finetune_distributed", "tiny/full", phi3_base)
     one = _run(tmp_path / "one", *recipe, nproc=1)
@@ -123,12 +136,13 @@ def test_full_finetune_tp2_equals_one_process(tmp_path, phi3_base):
     assert_same_exports(tp2, one, atol=TIGHT_EXPORT_TOLERANCE)
 
 
-def test_tp2_export_of_fused_projections_is_byte_identical_to_the_fsdp_export(tmp_path, phi3_base):  # fmt: skip
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_tp2_export_of_fused_projections_is_byte_identical_to_the_fsdp_export(tmp_path, phi3_base, nproc):  # fmt: skip
     # The same weights (adapters set to the same non-zero values) under plain FSDP and TP=2
     # give the same files, byte for byte: each rank writes its contiguous rows of the fused
-    # weights, as FSDP's ranks do.
+    # weights, as FSDP's ranks do. On 4 processes FSDP=4 against FSDP=2 x TP=2.
     targets = "qkv_proj,o_proj,gate_up_proj,down_proj"
-    result = torchrun(SCRIPT, str(tmp_path), str(phi3_base), targets, nproc=2)
+    result = torchrun(SCRIPT, str(tmp_path), str(phi3_base), targets, nproc=nproc)
     fsdp, tp = tmp_path / "fsdp", tmp_path / "tp"
     files = sorted(p.relative_to(fsdp) for p in fsdp.rglob("*.safetensors"))
     assert [str(f) for f in files] == ["adapter/adapter_model.safetensors", "model.safetensors"]
