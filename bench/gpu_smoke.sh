@@ -182,6 +182,27 @@ PYEOF
         same_losses "$OUT/ep1_full" "$OUT/tp2_ep2_full"
     }
     step tensor_and_expert_parallel_2gpu_full tensor_and_expert_parallel
+    if [ "$num_gpus" -ge 4 ]; then
+        # Issue 45: tp 2 x cp 2 on 4 GPUs (each cp slice split again over the tp pair, K/V
+        # gathered over cp on each GPU's heads) against the one-GPU packed run of
+        # context_parallel_2gpu; HSDP 2 x tp 2 (batch 4 per replica) against the one-GPU
+        # run of tensor_parallel_2gpu_lora (fp32, 1e-4).
+        tensor_context_parallel() {
+            "$TUNELAB" run --nproc_per_node 4 lora_finetune_distributed --config tiny/lora \
+                "output_dir=$OUT/tp2_cp2" "${COMMON[@]}" "${PACKED[@]}" \
+                parallelism.context_parallel_size=2 parallelism.tensor_parallel_size=2 &&
+            same_losses "$OUT/cp1" "$OUT/tp2_cp2"
+        }
+        step tensor_context_parallel_4gpu tensor_context_parallel
+        hsdp_tensor_parallel() {
+            "$TUNELAB" run --nproc_per_node 4 lora_finetune_distributed --config tiny/lora \
+                "output_dir=$OUT/hsdp2_tp2" "${RUN[@]}" "~val_dataset" model.dtype=fp32 \
+                schedule.batch_size=4 parallelism.data_parallel_replicate_size=2 \
+                parallelism.tensor_parallel_size=2 &&
+            same_losses "$OUT/tp1_lora_finetune_distributed" "$OUT/hsdp2_tp2"
+        }
+        step hsdp_tensor_parallel_4gpu hsdp_tensor_parallel
+    fi
 fi
 
 # 6. issue 40, item 6: the vLLM rollout engine's pieces (docs/vllm.md) on the tiny model:
