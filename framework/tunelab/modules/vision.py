@@ -283,14 +283,16 @@ class VisionAttention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, patches, head_dim]
+        # [1, heads, patches, head_dim]: 4-D inputs take the fused (flash) CPU kernel, as in
+        # transformers; 3-D ones fall back to the math path (2-3x the time per window).
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
         outputs = [
             F.scaled_dot_product_attention(q_part, k_part, v_part)
             for q_part, k_part, v_part in zip(
-                q.split(lengths, dim=1), k.split(lengths, dim=1), v.split(lengths, dim=1)
+                q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2)
             )
         ]
-        return self.proj(torch.cat(outputs, dim=1).transpose(0, 1).reshape(patches, -1))
+        return self.proj(torch.cat(outputs, dim=2)[0].transpose(0, 1).reshape(patches, -1))
 
 
 class VisionBlock(nn.Module):
