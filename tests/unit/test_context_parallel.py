@@ -62,6 +62,20 @@ def test_shard_pads_shifts_labels_and_keeps_document_ids_whole():
     assert ContextParallel().shard(batch) is batch
 
 
+def test_slices_split_again_by_tensor_parallelism_divide_by_its_size():
+    # cp 2 x tp 2: rows padded to a multiple of 2 x 2 x 2, so each rank's slice (two chunks)
+    # splits evenly over its tp pair, which then needs no padding of its own.
+    batch = {"tokens": torch.arange(10, 19)[None], "labels": torch.arange(10, 19)[None]}
+    for rank in range(2):
+        context = ContextParallel(2, rank=rank, split_within=2)
+        assert context.padded_length(9) == 16
+        assert context.shard(batch)["tokens"].shape == (1, 8)
+        assert ContextParallel(2, rank=rank).shard(batch)["tokens"].shape == (1, 6)
+    assert ContextParallel(2, rank=0, split_within=2).shard(batch)["tokens"].tolist() == [
+        [10, 11, 12, 13, 0, 0, 0, 0]
+    ]
+
+
 def test_mask_of_a_slice_is_the_rows_of_the_whole_mask():
     document_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
     whole = AttentionMask(1, 8, "cpu", "sdpa", document_ids, sliding_window=3)
