@@ -5,6 +5,7 @@ alternating):
 
     python bench/bench_vl.py
     python bench/bench_vl.py --family qwen3_vl --rounds 4 --steps 16
+    python bench/bench_vl.py --model wide --parts training --rounds 2   # make bench's vl_wide
 
 Two comparisons, side by side in one run:
 
@@ -40,6 +41,15 @@ Two comparisons, side by side in one run:
   fetch), one untimed warm-up step first. Tokens: the non-padding tokens of the timed steps'
   rows, image tokens included; both sides' counts are checked equal per round. tunelab's
   one tokenising pass (cached for later epochs and runs) is printed, not counted.
+
+``--model wide`` trains a realistic shape instead of the embedded tiny model, where per-call
+overhead dominates: a random-init checkpoint of the family (``wide_model_dir``: language model
+768 wide, 4 layers, GQA 12/4, MLP 2048, vocabulary 2048; vision tower 384 wide, 4 blocks)
+written once under the scratch folder with transformers' classes and loaded by both sides from
+those files, the tiny model's tokenizer and images, the images scaled up to 224 x 224
+(Qwen2.5-VL) or 256 x 256 (Qwen3-VL) at least (64 image tokens each) and rows of up to 256
+tokens; the same LoRA, rows, batch and checks. ``--parts training`` leaves the preprocessing
+part out (it does not depend on the model).
 
 Each side runs with ``--threads`` intra-op threads (default 1). The ratios are the claim; the
 absolute figures depend on the machine and its load (printed).
@@ -104,16 +114,55 @@ FAMILIES = {
 }
 IMAGE_SIZES = ("320x240", "640x480", "1280x720", "1920x1080")
 """Width x height of the preprocessing bench's images (make-bench size)."""
+WIDE_TEXT = {
+    "vocab_size": 2048,
+    "hidden_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2048,
+    "max_position_embeddings": 4096,
+}
+"""``--model wide``'s language model (both families): the other benches' wide shape (GQA 12/4)."""
+WIDE_VISION = {
+    "qwen2_5_vl": {  # Qwen2.5-VL-7B's tower scaled down: gated SiLU MLP, windows of 112 px
+        "depth": 4, "hidden_size": 384, "intermediate_size": 1024, "num_heads": 6,
+        "window_size": 112, "fullatt_block_indexes": [3],
+    },
+    "qwen3_vl": {  # Qwen3-VL-8B's tower scaled down: GELU MLP, a 32 x 32 position table
+        "depth": 4, "hidden_size": 384, "intermediate_size": 1536, "num_heads": 6,
+        "patch_size": 16, "num_position_embeddings": 1024, "deepstack_visual_indexes": [1, 2],
+    },
+}  # fmt: skip
+"""``--model wide``'s vision tower per family (its output is the language model's width)."""
+WIDE_MROPE = {"qwen2_5_vl": [8, 12, 12], "qwen3_vl": [12, 10, 10]}
+"""The hub's multimodal rotary sections (head_dim 128) halved for head_dim 64."""
+WIDE_MIN_PIXELS = {"qwen2_5_vl": 224 * 224, "qwen3_vl": 256 * 256}
+"""``--model wide``'s smallest image (the tiny model's images are scaled up to it): 256 patches,
+64 image tokens per image, so the tower sees what a real image gives it."""
+WIDE_MAX_LENGTH = 256
+"""``--max-length`` of ``--model wide``: a row's ~70 text tokens and its 64-70 image tokens."""
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line flags (the orchestrator's, plus the workers' own)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(FAMILIES),
-                        help="the tiny model the training rows run on")  # fmt: skip
+                        help="the training rows' family (its tiny model or --model wide)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=8, help="timed training steps per side")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per training step")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default 128; {WIDE_MAX_LENGTH} with --model wide)",
+    )
+    parser.add_argument(
+        "--parts",
+        default="preprocessing,training",
+        help="what to run: preprocessing, training or both (comma-separated)",
+    )
     parser.add_argument("--sizes", default=",".join(IMAGE_SIZES),
                         help="preprocessing image sizes, WIDTHxHEIGHT,...")  # fmt: skip
     parser.add_argument("--images", type=int, default=8,
@@ -294,6 +343,73 @@ def family_dir(family: str) -> Path:
     return assets_dir() / FAMILIES[family]["assets"]
 
 
+def wide_model_dir(family: str, scratch: Path) -> Path:
+    """``--model wide`` of ``family``: a random-init checkpoint at a realistic width, written once.
+
+    The language model is ``WIDE_TEXT`` (hidden 768, 4 layers, GQA 12/4, MLP 2048, vocabulary
+    2048) and the vision tower ``WIDE_VISION[family]`` (4 blocks of width 384), built with
+    transformers' config and model classes as the embedded tiny model is
+    (``tunelab.assets.build_tiny_vl``) and saved with ``save_pretrained``; the tiny model's
+    tokenizer (its ids all below the vocabulary) and image settings, images scaled up to at
+    least ``WIDE_MIN_PIXELS[family]``. Both sides load these files.
+
+    Args:
+        family: A key of ``FAMILIES``.
+        scratch: The bench's scratch folder; the model goes in ``wide_<family>`` under it.
+
+    Returns:
+        The model folder.
+    """
+    import shutil
+
+    import torch
+    import transformers
+
+    folder = scratch / f"wide_{family}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    tiny = family_dir(family)
+    tiny_config = json.loads((tiny / "config.json").read_text())
+    tiny_text = tiny_config["text_config"]
+    text = {
+        **WIDE_TEXT,
+        "rope_parameters": {**tiny_text["rope_parameters"], "mrope_section": WIDE_MROPE[family]},
+        **{key: tiny_text[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    }
+    vision = {**WIDE_VISION[family], "out_hidden_size": WIDE_TEXT["hidden_size"]}
+    token_ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    config_class = getattr(transformers, FAMILIES[family]["model_class"]).config_class
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **{key: tiny_config[key] for key in token_ids},
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, FAMILIES[family]["model_class"])(config)
+    model.save_pretrained(folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, folder / name)
+    preprocessing = json.loads((tiny / "preprocessor_config.json").read_text())
+    preprocessing["min_pixels"] = WIDE_MIN_PIXELS[family]
+    preprocessing["max_pixels"] = max(preprocessing["max_pixels"], 4 * WIDE_MIN_PIXELS[family])
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessing, indent=2) + "\n")
+    return folder
+
+
+def shape_label(model_dir: Path) -> str:
+    """The training rows' model shape, read from its ``config.json``."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    return (
+        f"LM {text['hidden_size']} x {text['num_hidden_layers']} layers, GQA "
+        f"{text['num_attention_heads']}/{text['num_key_value_heads']}, MLP "
+        f"{text['intermediate_size']}, vocabulary {text['vocab_size']}; vision "
+        f"{vision['hidden_size']} x {vision['depth']} blocks"
+    )
+
+
 def write_rows(path: Path, count: int) -> None:
     """``count`` rows of the embedded ``tiny_vl/chat.jsonl`` in file order (repeated), as
     content parts with absolute image paths (the ``images``-column rows converted)."""
@@ -419,7 +535,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
     from transformers import TrainerCallback
 
     torch.manual_seed(0)
-    family = next(f for f, spec in FAMILIES.items() if spec["assets"] == Path(args.model_dir).name)
+    family = json.loads((Path(args.model_dir) / "config.json").read_text())["model_type"]
     model_class = getattr(transformers, FAMILIES[family]["model_class"])
     model = model_class.from_pretrained(
         args.model_dir, dtype=torch.float32, attn_implementation="sdpa"
@@ -481,16 +597,56 @@ def trl_worker(args: argparse.Namespace) -> dict:
 
 def orchestrate(args: argparse.Namespace) -> None:
     """Preprocessing rounds, then training rounds (the order alternating), then the table."""
-    if args.model != "tiny":
-        raise SystemExit("--model: the VL bench trains the embedded tiny model of --family")
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    if not parts or parts - {"preprocessing", "training"}:
+        raise SystemExit(f"--parts {args.parts!r}: choose preprocessing, training or both")
+    if args.max_length is None:
+        args.max_length = WIDE_MAX_LENGTH if args.model == "wide" else 128
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_vl_"))
     scratch.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
-    preprocessing = run_preprocessing(args, scratch)
+    rows, notes = [], []
+    if "preprocessing" in parts:
+        preprocessing = run_preprocessing(args, scratch)
+        rows, notes = preprocess_rows(preprocessing)
+        notes = [
+            f"preprocessing: the hub checkpoints' image settings, {args.images} images per "
+            f"size, side and round, {args.rounds} round(s), the order alternating, one process "
+            f"with {args.threads} thread(s); transformers' processors: "
+            f"{preprocessing['classes']}.",
+            *notes,
+        ]
+    if "training" in parts:
+        train_rows, train_notes = training_rows(args, scratch)
+        rows += train_rows
+        notes += train_notes
+    notes.append(
+        f"{os.cpu_count()} cores; load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after."
+    )
+    print_table(
+        "Vision-language: preprocessing vs transformers, LoRA SFT vs TRL SFTTrainer",
+        rows,
+        notes,
+    )
+
+
+def training_rows(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[str]]:
+    """The training rounds of ``--model`` (the order alternating), their rows and notes.
+
+    Raises:
+        SystemExit: The sides trained different numbers of tokens in a round.
+    """
     data = scratch / "vl_chat.jsonl"
     write_rows(data, args.batch_size * (1 + args.steps))
-    model_dir = family_dir(args.family)
-    results = run_trainer_rounds(__file__, args, data, model_dir, scratch)
+    if args.model == "wide":
+        model_dir = wide_model_dir(args.family, scratch)
+    else:
+        model_dir = family_dir(args.family)
+    # Each shape's workers in a folder of their own: tunelab's token cache and TRL's output.
+    runs = scratch / f"train_{args.model}"
+    runs.mkdir(exist_ok=True)
+    results = run_trainer_rounds(__file__, args, data, model_dir, runs)
     if "TRL" in results:
         ours = [int(run["tokens"]) for run in results["tunelab"]]
         theirs = [int(run["tokens"]) for run in results["TRL"]]
@@ -499,31 +655,24 @@ def orchestrate(args: argparse.Namespace) -> None:
                 f"the sides trained different tokens per round (tunelab {ours}, TRL {theirs}): "
                 "their rendering of the rows differs, the ratio would mean nothing"
             )
-    rows, notes = preprocess_rows(preprocessing)
+    shape = shape_label(model_dir)
     figure = (
-        f"{args.family} tiny, LoRA SFT with images, 1 process: tokens/s (tunelab / TRL SFTTrainer)"
+        f"{args.family} {args.model} ({shape}), LoRA SFT with images, 1 process: tokens/s "
+        "(tunelab / TRL SFTTrainer)"
     )
-    train_rows, round_notes = throughput_rows(figure, results, TARGET_RATIO)
+    rows, round_notes = throughput_rows(figure, results, TARGET_RATIO)
     tokenize = statistics.median(run["tokenize_seconds"] for run in results["tunelab"])
+    where = "random-init, written here" if args.model == "wide" else "embedded"
     notes = [
-        f"preprocessing: the hub checkpoints' image settings, {args.images} images per size, "
-        f"side and round, {args.rounds} round(s), the order alternating, one process with "
-        f"{args.threads} thread(s); transformers' processors: {preprocessing['classes']}.",
-        *notes,
-        f"training: {model_dir.name}, LoRA r=8 on the language model's projections, fp32, "
-        f"{args.batch_size} rows a step (in file order), {args.steps} timed steps after one "
-        f"warm-up, each with its batch's loading; one process per side with {args.threads} "
-        f"intra-op thread(s), one side at a time; tunelab's tokenising pass over "
-        f"{args.batch_size * (1 + args.steps)} rows before the steps (cached): "
-        f"{tokenize:.2f} s. {os.cpu_count()} cores; load average {load_before:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after.",
+        f"training: {model_dir.name} ({where}: {shape}), LoRA r=8 on the language model's "
+        f"projections, fp32, {args.batch_size} rows a step (in file order), at most "
+        f"{args.max_length} tokens a row, {args.steps} timed steps after one warm-up, each with "
+        f"its batch's loading; one process per side with {args.threads} intra-op thread(s), "
+        f"one side at a time; tunelab's tokenising pass over "
+        f"{args.batch_size * (1 + args.steps)} rows before the steps (cached): {tokenize:.2f} s.",
         *round_notes,
     ]
-    print_table(
-        "Vision-language: preprocessing vs transformers, LoRA SFT vs TRL SFTTrainer",
-        [*rows, *train_rows],
-        notes,
-    )
+    return rows, notes
 
 
 def main() -> None:

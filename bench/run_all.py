@@ -55,7 +55,11 @@ BENCHMARKS = {
     "reward_model": ("bench_reward_model.py", False, ["--model", "wide"],
                      ["--model", "wide", "--steps", "16", "--batch-size", "16"]),
     "vl": ("bench_vl.py", False, [], ["--rounds", "6", "--steps", "16", "--images", "16"]),
+    "vl_wide": ("bench_vl.py", False, ["--model", "wide", "--parts", "training", "--rounds", "2"],
+                ["--model", "wide", "--parts", "training", "--rounds", "4", "--steps", "16"]),
 }  # fmt: skip
+SMOKE_ARGS = {"vl_wide": ["--model", "wide", "--parts", "training"]}
+"""What a benchmark's ``--smoke`` run takes beside it, where one script backs two entries."""
 
 
 def machine_summary() -> str:
@@ -91,7 +95,8 @@ def run(name: str, size: str, scratch: str | None) -> tuple[bool, str, float]:
         Whether it succeeded, its stdout (the table) or the end of its log, and its seconds.
     """
     script, under_torchrun, bench_args, full_args = BENCHMARKS[name]
-    args = list({"bench": bench_args, "full": full_args, "smoke": ["--smoke"]}[size])
+    smoke_args = ["--smoke", *SMOKE_ARGS.get(name, [])]
+    args = list({"bench": bench_args, "full": full_args, "smoke": smoke_args}[size])
     if scratch is not None:
         args += ["--dir", scratch]
     start = time.perf_counter()
