@@ -6,7 +6,8 @@ fine-tuning. A step checkpoint saved under TP=2 resumes under plain FSDP=2 and g
 run's remaining losses and export; a TP=2 run killed after a checkpoint resumes under TP=2
 exactly (every later metric and the export bit for bit). FSDP=2 x TP=2, HSDP 2 x TP=2 and
 TP=2 x CP=2 (context parallelism, each cp slice of a row split again over the tp ranks) on 4
-processes equal 1 process (slow); the TP x CP run's step checkpoint resumes on 1 process.
+processes equal 1 process (slow); the TP x CP run's step checkpoint resumes on 1 process, the
+HSDP x TP run's under TP=2 alone.
 The unit part checks the one-line refusals.
 """
 
@@ -189,10 +190,16 @@ def test_hsdp2_x_tp2_on_four_processes_equals_one_process(lora_runs, tmp_path):
                "schedule.batch_size=4", TP2, "parallelism.data_parallel_replicate_size=2",
                "model.frozen_base=shard", nproc=4)  # fmt: skip
     _assert_equals_one_process(out, one)
-    # Each piece of the step checkpoint written once, although both replicas hold it.
+    # Each piece of the step checkpoint written once, although both replicas hold it; the
+    # checkpoint resumes under TP=2 alone (2 processes of batch 8) as the HSDP run went on.
     metadata = json.loads((out / "step_6" / ".metadata.json").read_text())
     written = [(fqn, tuple(offsets)) for fqn, offsets, *_ in metadata["items"]]
     assert written and len(written) == len(set(written))
+    resumed = interrupted_copy(out, tmp_path / "tp2", after_step=6)
+    _run(resumed, "lora_finetune_distributed", "tiny/lora", TP2,
+         "checkpoint.resume_from_checkpoint=true", nproc=2)  # fmt: skip
+    _assert_same_training(resumed, out, steps=range(7, STEPS + 1))
+    assert_same_exports(resumed, out, atol=TIGHT_EXPORT_TOLERANCE)
 
 
 @pytest.fixture(scope="module")
