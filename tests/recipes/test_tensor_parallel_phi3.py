@@ -10,7 +10,7 @@ within 1e-5, and so do the exports (merged model, PEFT adapter). The TP run's ex
 transformers and PEFT. Its step-2 checkpoint resumes under plain FSDP=2 and finishes as the
 TP run did. FSDP=2 x TP=2 on 4 processes equals 1 process too (slow). One set of weights
 exported under FSDP and under TP=2 gives the same bytes.
-The unit part checks the regrouping plan by hand; a real run, QLoRA's one-line refusal.
+QLoRA (NF4 base, each rank quantizing its own rows of the fused weights) too, on a wider\nPhi-3 (slow). The unit part checks the regrouping plan by hand.
 """
 
 import json
@@ -181,18 +181,48 @@ def test_fused_projections_are_accepted_where_sizes_divide():
     check_tensor_parallel(_model(fused_projections=True), 2)
 
 
-def test_qlora_on_fused_projections_under_tp2_is_refused_in_one_line(tmp_path, phi3_base):
-    # Not covered yet (no run here checks NF4 fused weights under tp against 1 process).
-    # A real 2-process run: one line, no traceback.
-    result = tunelab_run(
-        "lora_finetune_distributed", "tiny/lora", f"output_dir={tmp_path / 'out'}",
-        f"model.path={phi3_base}", f"lora.targets={TARGETS}", "lora.quantize_base=nf4", TP2,
-        nproc=2, check=False,
+@pytest.mark.slow
+def test_dora_with_lora_dropout_tp2_equals_one_process(tmp_path, phi3_base):
+    # DoRA's magnitude split like the fused rows (each rank's rows whole, so their norms are
+    # local); the dropout mask drawn on the whole input, as 1 process draws it. Packed rows of
+    # 120 tokens: no padding to a multiple of 2.
+    recipe = ("lora_finetune_distributed", "tiny/dora", phi3_base, f"lora.targets={TARGETS}",
+              "lora.dropout=0.1", "checkpoint.save_every_n_steps=null")  # fmt: skip
+    one = _run(tmp_path / "one", *recipe, nproc=1)
+    tp2 = _run(tmp_path / "tp2", *recipe, TP2, nproc=2)
+    _assert_same_training(tp2, one, steps=range(1, STEPS + 1))
+    assert_same_exports(tp2, one, atol=TIGHT_EXPORT_TOLERANCE)
+    adapter = load_file(tp2 / "epoch_0" / "adapter" / "adapter_model.safetensors")
+    assert any(".qkv_proj.lora_magnitude_vector" in key for key in adapter)
+
+
+@pytest.mark.slow
+def test_qlora_tp2_equals_one_process(tmp_path):
+    # A Phi-3 whose fused weights split 2 ways into whole NF4 scale groups (hidden 256, 4 heads
+    # of 64: each rank's 384 rows of qkv_proj are 6 groups of 16384 values), so every linear
+    # weight but lm_head is quantized on each rank's own rows (none kept in the training dtype).
+    transformers = pytest.importorskip("transformers")
+    tiny = assets_dir() / "tiny"
+    ids = json.loads((tiny / "config.json").read_text())
+    config = transformers.Phi3Config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=ids["vocab_size"], bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"],
+        initializer_range=0.05, max_position_embeddings=256,
+        original_max_position_embeddings=256,
     )  # fmt: skip
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert errors == [
-        "tunelab: error: lora.quantize_base: nf4 with parallelism.tensor_parallel_size: 2: model "
-        "family 'phi3' fuses q/k/v and gate/up, not covered by QLoRA under tensor parallelism yet"
-    ]
-    assert "Traceback" not in result.stdout + result.stderr
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny / name, base / name)
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    for out, extra, nproc in ((one, (), 1), (tp2, (TP2,), 2)):
+        result = tunelab_run(
+            "lora_finetune_distributed", "tiny/qlora", f"output_dir={out}", f"model.path={base}",
+            *SETTINGS, f"lora.targets={TARGETS}", "checkpoint.save_every_n_steps=null", *extra,
+            nproc=nproc,
+        )  # fmt: skip
+        assert "kept in the training dtype" not in result.stdout + result.stderr
+    _assert_same_training(tp2, one, steps=range(1, STEPS + 1))
+    assert_same_exports(tp2, one, atol=TIGHT_EXPORT_TOLERANCE)

@@ -157,9 +157,6 @@ def build_model(
     if tensor_mesh is not None:
         # After the experts are split (attention only, in an MoE model); before QLoRA's
         # quantization: each rank then quantizes its own piece of each weight.
-        if quantized and decoder.args.fused_projections:
-            # Not covered yet: nothing checks NF4 fused weights under tp against 1 process.
-            raise ConfigError(f"lora.quantize_base: nf4 with parallelism.tensor_parallel_size: {tensor_mesh.size()}: model family {decoder.args.family!r} fuses q/k/v and gate/up, not covered by QLoRA under tensor parallelism yet")  # fmt: skip
         parallelize_decoder(decoder, tensor_mesh)
     if quantized:
         # Each rank quantizes its own pieces: of split matmuls, of its experts (both under
