@@ -636,6 +636,7 @@ class AfterStep:
         schedule = self.schedule
         if schedule.log(global_step):
             metrics = {
+                "num_tokens": num_tokens / self._token_copies,  # a recipe's own count wins
                 **metrics,
                 "tokens_per_second": tokens_per_second,
                 "peak_memory_gib": peak_memory_gib(self.device),
