@@ -309,3 +309,36 @@ def test_state_dict_adapter_tied_head():
         adapter.from_hf({**hf, "lm_head.weight": embedding + 1})
     untied = tiny(tie=False)
     assert "lm_head.weight" in untied.state_dict_adapter.to_hf(untied.state_dict())
+
+
+def test_the_kv_cache_writes_each_rows_slots_as_an_indexed_assignment():
+    # The flat index_copy_ path (CPU, eager) against the assignment it replaces: prefill rows
+    # of several slots, then one slot per row at ragged positions, every head's values.
+    from tunelab.modules import KVCache
+
+    cache = KVCache(3, 2, 10, 4, dtype=torch.float32)
+    expected = torch.zeros(2, 3, 2, 10, 4)
+    generator = torch.Generator().manual_seed(0)
+    for positions in (torch.arange(5).expand(3, 5), torch.tensor([[5], [9], [6]])):
+        k = torch.randn(3, 2, positions.shape[1], 4, generator=generator)
+        v = torch.randn(3, 2, positions.shape[1], 4, generator=generator)
+        k_cache, v_cache = cache.update(positions, k, v)
+        rows = torch.arange(3)[:, None]
+        expected[0][rows, :, positions] = k.transpose(1, 2)
+        expected[1][rows, :, positions] = v.transpose(1, 2)
+        assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
+    cache.select_rows(torch.tensor([2, 0]))  # the write index follows the rows
+    k = torch.randn(2, 2, 1, 4, generator=generator)
+    k_cache, _ = cache.update(torch.tensor([[7], [8]]), k, k)
+    assert torch.equal(k_cache[0, :, 7], k[0, :, 0]) and torch.equal(k_cache[1, :, 8], k[1, :, 0])
+    assert torch.equal(k_cache[0, :, :7], expected[0][2, :, :7])
+
+
+def test_a_cached_forward_past_the_cache_is_refused():
+    model = tiny()
+    model.setup_caches(2, 8)
+    tokens = torch.zeros(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        model(tokens, input_pos=torch.tensor([[3], [7]]))  # the last slot
+        with pytest.raises(ValueError, match="reaches slot 8, past the KV cache's 8 slots"):
+            model(tokens, input_pos=torch.tensor([[3], [8]]))

@@ -14,8 +14,9 @@ import tunelab.rl.step as step
 from tunelab.config.lora import LoRAArgs
 from tunelab.models.args import ModelArgs
 from tunelab.models.decoder import TransformerDecoder
-from tunelab.modules import packed_linear
+from tunelab.modules import Attention, FeedForward, packed_linear
 from tunelab.modules.packed_linear import (
+    PackedProjection,
     frozen_linear,
     linear,
     pack_weight,
@@ -96,6 +97,11 @@ def test_packed_linears_packs_plain_and_merged_layers_and_leaves_the_model_as_it
     inside = {id(sub) for sub in inside_layers(adapters)}
     plain = [m for m in model.modules() if type(m) is nn.Linear and id(m) not in inside]
     assert len(adapters) == 4 and len(plain) == 11  # 2 x (k, o, gate, up, down) + lm_head
+    # q/k/v (merged q and v, plain k) and gate/up run as one packed matrix each
+    groups = [m for m in model.modules() if isinstance(m, (Attention, FeedForward))]
+    siblings = {id(sub) for group in groups for sub in group.sibling_projections()}
+    alone = [m for m in plain if id(m) not in siblings]
+    assert len(groups) == 4 and len(alone) == 5  # 2 x (o, down) + lm_head
     params = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
     with torch.no_grad():
         adapted = model(tokens)
@@ -104,19 +110,62 @@ def test_packed_linears_packs_plain_and_merged_layers_and_leaves_the_model_as_it
             with packed_linears(model, rows=3) as count:
                 calls.clear()
                 packed = model(tokens)
-                # every linear of the forward ran a packed weight
-                assert calls == [True] * (len(adapters) + len(plain))
-                assert all(a.merged_weight.is_mkldnn for a in adapters)  # in place of the copy
-                assert all("forward" in m.__dict__ for m in plain)
+                # every matmul of the forward ran a packed weight, one per group of siblings
+                assert calls == [True] * (len(groups) + len(alone))
+                for group in groups:
+                    assert isinstance(group.packed_projection, PackedProjection)
+                    assert group.packed_projection.weight.is_mkldnn
+                # the merged copies made way for the packed matrices
+                assert all(a.merged_weight is None for a in adapters)
+                assert all("forward" in m.__dict__ for m in alone)
+                assert not any("forward" in m.__dict__ for m in plain if id(m) in siblings)
                 assert not any("forward" in sub.__dict__ for sub in inside_layers(adapters))
+            assert all(group.packed_projection is None for group in groups)
         after = model(tokens)
-    assert count == len(adapters) + len(plain)  # not the adapters' A and B: unused merged
+    assert count == len(groups) + len(alone)  # not the adapters' A and B: unused merged
     torch.testing.assert_close(packed, merged, rtol=0, atol=1e-5)
     assert torch.equal(after, adapted)  # nothing left behind
     assert all("forward" not in m.__dict__ for m in plain)
     assert all(a.merged_weight is None for a in adapters)
     for name, p in model.named_parameters():
         assert p.data_ptr() == params[name][0] and torch.equal(p, params[name][1]), name
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(dim=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_dim=48),
+        # the GRPO bench's wide model (bench/bench_grpo.py), one layer
+        dict(dim=768, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_dim=2048),
+    ],
+    ids=["small", "wide"],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_projections_as_one_packed_matrix_give_the_separate_bits(shape, bias):
+    # One matmul for q/k/v and one for gate/up, with q and k rotated in one call: every logit
+    # equal to the separately packed layers' (prefill rows and decode rows alike), so the
+    # rollout samples the tokens it sampled with three and two matmuls.
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=211, num_layers=1, max_seq_len=64, qkv_bias=bias, **shape)
+    model = TransformerDecoder(args)
+    for param in model.parameters():
+        nn.init.normal_(param, std=0.05)
+    apply_lora(model, LoRAArgs(rank=8, alpha=16.0, targets=["q_proj", "k_proj", "up_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.05)
+    model.eval()
+    for rows, seq in ((16, 16), (16, 1), (32, 1), (3, 9)):
+        tokens = torch.randint(0, 211, (rows, seq), generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad(), merged_adapters(model), packed_linears(model, rows) as count:
+            assert count == 5  # qkv, o, gate/up, down, lm_head
+            fused = model(tokens)
+        with torch.no_grad(), merged_adapters(model), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(packed_linear, "_fuse_siblings", lambda module, rows: [])
+            with packed_linears(model, rows) as count:
+                assert count == 8
+                alone = model(tokens)
+        assert torch.equal(fused, alone), (rows, seq)
 
 
 def test_weights_that_cannot_run_packed_are_left_alone():

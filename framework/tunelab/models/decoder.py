@@ -278,6 +278,22 @@ class TransformerDecoder(nn.Module):
             return cache_len
         return min(cache_len, int(input_pos.max()) + 1)
 
+    def _check_slots(self, input_pos: torch.Tensor) -> None:
+        """Refuse positions past the KV cache (on CPU in eager mode, where it costs no sync).
+
+        ``KVCache.update`` writes there through a flat index, which does not catch a slot
+        past its row's end by itself.
+        """
+        cache = next(self._attentions()).kv_cache
+        if cache is None or input_pos.device.type != "cpu" or torch.compiler.is_compiling():
+            return
+        cache_len = cache.max_seq_len
+        if input_pos.numel() and int(input_pos.max()) >= cache_len:
+            raise ValueError(
+                f"input_pos reaches slot {int(input_pos.max())}, past the KV cache's "
+                f"{cache_len} slots (setup_caches max_seq_len)"
+            )
+
     def _prepare_mask(
         self, mask: torch.Tensor | None, input_pos: torch.Tensor, seq_len: int
     ) -> torch.Tensor | None:
@@ -491,6 +507,7 @@ class TransformerDecoder(nn.Module):
         elif described:
             masks = self._described_masks(tokens, document_ids, context_parallel)
         else:
+            self._check_slots(input_pos)
             masks = self._layer_masks(mask, input_pos, seq_len)
         h = self.model.embed_tokens(tokens)
         if self.args.embed_scale:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunelab.modules import packed_linear
 from tunelab.modules.kv_cache import KVCache
 from tunelab.modules.masks import AttentionMask
 from tunelab.modules.norm import RMSNorm
@@ -139,13 +140,18 @@ def decode_attention(
         ``[batch, heads, 1, head_dim]``.
     """
     batch, heads, _, head_dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, keys = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
-    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(grouped, k.transpose(2, 3)).mul_(scale)
-    scores = scores.masked_fill_(~mask, float("-inf"))
+    # ``torch.matmul`` of these 4-d tensors folds them into the same 3-d ``bmm`` operands
+    # (views of the cache: its first two dims merge); calling ``bmm`` on them directly skips
+    # its expands and reshapes, not a bit of the result.
+    grouped = q.reshape(batch * kv_heads, heads // kv_heads, head_dim)
+    scores = torch.bmm(grouped, k.reshape(batch * kv_heads, keys, head_dim).transpose(1, 2))
+    scores = scores.mul_(scale).view(batch, kv_heads, -1, keys)
+    scores = scores.masked_fill_(~mask, float("-inf")).view(batch * kv_heads, -1, keys)
     weights = torch.softmax(scores, dim=-1)
-    return torch.matmul(weights, v).view(batch, heads, 1, head_dim)
+    out = torch.bmm(weights, v.reshape(batch * kv_heads, keys, head_dim))
+    return out.view(batch, heads, 1, head_dim)
 
 
 class Attention(nn.Module):
@@ -218,6 +224,12 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.kv_cache: KVCache | None = None
+        self.packed_projection: packed_linear.PackedProjection | None = None
+        """Set only inside ``packed_linears``: q, k and v as one packed matrix."""
+
+    def sibling_projections(self) -> list[nn.Module]:
+        """The projections of one input that ``packed_linears`` may run as one matmul."""
+        return [] if self.fused_qkv else [self.q_proj, self.k_proj, self.v_proj]
 
     @property
     def explicit_scores(self) -> bool:
@@ -227,7 +239,9 @@ class Attention(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[batch, seq, heads, head_dim]`` (q/k normed when ``qk_norm``)."""
         batch, seq_len, _ = x.shape
-        if self.fused_qkv:
+        if self.packed_projection is not None:
+            q, k, v = self.packed_projection(x)
+        elif self.fused_qkv:
             qkv = self.qkv_proj(x)
             # Under tensor parallelism this rank computes its slice of each part.
             width, total = qkv.shape[-1], sum(self.split_sizes)
@@ -268,9 +282,12 @@ class Attention(nn.Module):
             ``[batch, seq, dim]``.
         """
         batch, seq_len, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self._project(x))
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.packed_projection is not None and not self.qk_norm:
+            q, k, v = self._project_rotated(x, cos, sin)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in self._project(x))
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             assert input_pos is not None and mask is not None, "the decoder supplies both"
             k, v = self.kv_cache.update(input_pos, k, v)
@@ -289,6 +306,25 @@ class Attention(nn.Module):
             out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)
         return self.o_proj(out)
+
+    def _project_rotated(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated q and k, and v, ``[batch, heads, seq, head_dim]``, from one packed matmul.
+
+        q's and k's heads are adjacent in its output, so one rotary call turns both: each
+        element goes through the same operations as in two calls, to the same bits.
+        """
+        batch, seq_len, _ = x.shape
+        projection = self.packed_projection
+        out = packed_linear.linear(x, projection.weight, projection.bias)
+        q_features, k_features, _ = projection.sizes
+        qk = out[..., : q_features + k_features].view(batch, seq_len, -1, self.head_dim)
+        qk = apply_rotary(qk, cos, sin, head_axis=2)
+        q_heads = q_features // self.head_dim
+        q, k = qk[:, :, :q_heads], qk[:, :, q_heads:]
+        v = out[..., q_features + k_features :].view(batch, seq_len, -1, self.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _decodes_explicitly(self, q: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether a cached forward runs :func:`decode_attention`.

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tunelab.modules import packed_linear
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
@@ -47,6 +49,12 @@ class FeedForward(nn.Module):
             self.gate_proj = nn.Linear(dim, intermediate_dim, bias=bias)
             self.up_proj = nn.Linear(dim, intermediate_dim, bias=bias)
         self.down_proj = nn.Linear(intermediate_dim, dim, bias=bias)
+        self.packed_projection: packed_linear.PackedProjection | None = None
+        """Set only inside ``packed_linears``: gate and up as one packed matrix."""
+
+    def sibling_projections(self) -> list[nn.Module]:
+        """The projections of one input that ``packed_linears`` may run as one matmul."""
+        return [] if self.fused else [self.gate_proj, self.up_proj]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block.
@@ -57,7 +65,9 @@ class FeedForward(nn.Module):
         Returns:
             Output of shape ``[..., dim]``.
         """
-        if self.fused:
+        if self.packed_projection is not None:
+            gate, up = self.packed_projection(x)
+        elif self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

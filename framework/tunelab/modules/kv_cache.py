@@ -44,6 +44,9 @@ class KVCache(nn.Module):
         the tokens decoded after its prompt (a vision-language model's M-RoPE prompt, whose
         images take fewer positions than tokens, sets it at its prefill). Rows follow
         :meth:`select_rows`."""
+        self.slot_rows = self._slot_rows()
+        """Long ``[batch, heads, 1]``: where each row's head starts in the cache seen as rows of
+        ``head_dim`` (:meth:`update`'s write index; follows :meth:`select_rows`)."""
 
     def reset(self) -> None:
         """Clear every slot."""
@@ -61,8 +64,18 @@ class KVCache(nn.Module):
         """
         self.k_cache = self.k_cache.index_select(0, index)
         self.v_cache = self.v_cache.index_select(0, index)
+        self.slot_rows = self._slot_rows()
         if self.position_offsets is not None:
             self.position_offsets = self.position_offsets.index_select(0, index)
+
+    def _slot_rows(self) -> torch.Tensor:
+        """Long ``[batch, heads, 1]``: the row of slot 0 of each row's head in the flat cache."""
+        batch, heads, length, _ = self.k_cache.shape
+        return (
+            torch.arange(batch * heads, device=self.k_cache.device)
+            .mul_(length)
+            .view(batch, heads, 1)
+        )
 
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -77,7 +90,28 @@ class KVCache(nn.Module):
         Returns:
             ``(k_cache, v_cache)``, each ``[batch, num_kv_heads, max_seq_len, head_dim]``.
         """
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        batch, heads, seq_len, head_dim = k.shape
+        if (
+            k.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and self.k_cache.is_contiguous()
+            and self.v_cache.is_contiguous()
+            and k.dtype == self.k_cache.dtype
+            and v.dtype == self.v_cache.dtype
+            and (batch, heads) == self.k_cache.shape[:2]
+            and self.slot_rows.device == k.device
+        ):
+            # One ``index_copy_`` per buffer into the cache seen as rows of ``head_dim``:
+            # slot ``p`` of head ``h`` of row ``b`` is row ``(b * heads + h) * length + p``.
+            # The values are copied as they are (no cast), so the cache holds the same bits
+            # as the indexed assignment below writes, at a fraction of its dispatch cost. A
+            # slot past ``length`` would land in the next head: ``TransformerDecoder``
+            # refuses such positions first (CPU, eager: this path only).
+            index = (self.slot_rows + input_pos[:, None, :]).view(-1)
+            self.k_cache.view(-1, head_dim).index_copy_(0, index, k.reshape(-1, head_dim))
+            self.v_cache.view(-1, head_dim).index_copy_(0, index, v.reshape(-1, head_dim))
+            return self.k_cache, self.v_cache
+        rows = torch.arange(batch, device=k.device)[:, None]
         # Advanced indices on dims 0 and 2 put [batch, seq] first: values are [b, s, heads, dim].
         self.k_cache[rows, :, input_pos] = k.transpose(1, 2).to(self.k_cache.dtype)
         self.v_cache[rows, :, input_pos] = v.transpose(1, 2).to(self.v_cache.dtype)

@@ -49,6 +49,9 @@ class RMSNorm(nn.Module):
             The normalised tensor, same shape and dtype as ``x``.
         """
         input_dtype = x.dtype
+        if input_dtype == torch.float32 and not self.unit_offset:
+            # The same operations as below, without the two casts that are no-ops in fp32.
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

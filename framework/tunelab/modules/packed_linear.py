@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "PackedProjection",
     "frozen_linear",
     "linear",
     "pack_weight",
@@ -63,10 +64,79 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``F.linear(x, weight, bias)``, with ``weight`` plain or packed by :func:`pack_weight`."""
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(
-        x.reshape(-1, x.shape[-1]), weight, bias, "none", [], ""
+    if x.dim() >= 2:  # oneDNN folds the leading dims itself (no view in, none out)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x[None], weight, bias, "none", [], "")
+    return out[0]
+
+
+class PackedProjection:
+    """Sibling projections of one input (q/k/v, gate/up) as one packed matrix.
+
+    Their weights concatenated by output rows and packed once: one oneDNN call computes all
+    of them, and ``__call__`` splits its output back. Each output element is the dot product
+    of the same row and the same weight row as in the separate calls: bit for bit the same on
+    the CPUs the tests run on (tests/unit/test_packed_linear.py checks it at the shapes of the
+    tiny and the bench's wide model), where only the number of calls changes.
+
+    Args:
+        weight: The concatenated weight, packed (:func:`pack_weight`).
+        bias: The concatenated bias, or None.
+        sizes: Each projection's output features, in order.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.sizes = sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each projection's output ``[..., size]`` (views of one result)."""
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def _plain_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weight and bias ``module`` multiplies by as one packable linear, or None."""
+    merged = getattr(module, "merged_weight", None)
+    if merged is not None and not getattr(module, "disabled", False):
+        weight = merged
+    elif type(module) is nn.Linear:
+        weight = module.weight
+    else:
+        return None
+    bias = module.bias
+    plain_bias = bias is None or (
+        type(bias) in (torch.Tensor, nn.Parameter)
+        and bias.dtype == torch.float32
+        and bias.device.type == "cpu"
     )
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return (weight, bias) if packable(weight) and plain_bias else None
+
+
+def _fuse_siblings(module: nn.Module, rows: int) -> list[nn.Module]:
+    """Give ``module`` its siblings as one :class:`PackedProjection`; returns them ([]: none).
+
+    A sibling's merged copy (``merged_weight``) is dropped: the packed matrix replaces it, so
+    it costs no memory of its own. It is not rebuilt on exit (that would cost a reorder per
+    group and call): a sibling called after the block but still inside ``merged_adapters``
+    runs unmerged, the same values up to rounding.
+    """
+    siblings = module.sibling_projections()
+    linears = [_plain_linear(sibling) for sibling in siblings]
+    if len(siblings) < 2 or any(pair is None for pair in linears):
+        return []
+    biases = [bias for _, bias in linears]
+    if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
+        return []
+    weight = pack_weight(torch.cat([weight for weight, _ in linears]), rows)
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    module.packed_projection = PackedProjection(
+        weight, bias, [weight.shape[0] for weight, _ in linears]
+    )
+    for sibling in siblings:
+        if getattr(sibling, "merged_weight", None) is not None:
+            sibling.merged_weight = None
+    return siblings
 
 
 @contextlib.contextmanager
@@ -80,6 +150,12 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     which it no longer calls, are skipped). Weights that are not :func:`packable` (sharded,
     quantized, another dtype or device) are left as they are.
 
+    Sibling projections of one input (an attention's q/k/v, a gated MLP's gate/up: a module
+    with ``sibling_projections``) whose weights all run packed become one packed matrix, a
+    :class:`PackedProjection` set on the module as ``packed_projection`` (one matmul where
+    there were three or two); their merged copies make way for it (and stay dropped after the
+    block: a merged sibling then runs unmerged until ``merged_adapters`` ends).
+
     Args:
         model: The model; its weights must not change inside the block.
         rows: About how many rows each forward multiplies (the decode batch).
@@ -88,6 +164,7 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
         The number of layers packed.
     """
     overridden: list[nn.Module] = []
+    fused: list[nn.Module] = []
     packed = 0
     # A layer that runs its merged weight calls none of its sublayers (LoRA's A and B).
     unused = {
@@ -99,6 +176,14 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     }
     try:
         with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "sibling_projections") and id(module) not in unused:
+                    siblings = _fuse_siblings(module, rows)
+                    if siblings:
+                        fused.append(module)
+                        packed += 1
+                        # The siblings (and their adapters) are not called in the block.
+                        unused.update(id(sub) for sibling in siblings for sub in sibling.modules())
             for module in model.modules():
                 if id(module) in unused:
                     continue
@@ -116,6 +201,8 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     finally:
         for module in overridden:
             del module.forward
+        for module in fused:
+            module.packed_projection = None
 
 
 class _FrozenPacks:

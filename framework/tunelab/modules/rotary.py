@@ -285,21 +285,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int = 1
+) -> torch.Tensor:
     """Rotate ``x`` by the angles whose cosines and sines are given.
 
     With partial rotary the tables are narrower than the head: only the first
-    ``cos.shape[-1]`` features rotate, the others pass through (Phi-3's layout).
+    ``cos.shape[-1]`` features rotate, the others pass through (Phi-3's layout). Each output
+    element is computed from the same inputs by the same operations whatever the layout, so
+    ``head_axis=2`` on ``x.transpose(1, 2)`` gives the transposed result bit for bit.
 
     Args:
-        x: ``[batch, heads, seq, head_dim]``.
+        x: ``[batch, heads, seq, head_dim]`` (``head_axis=1``) or ``[batch, seq, heads,
+            head_dim]`` (``head_axis=2``).
         cos: ``[batch, seq, rotary_dim]``, ``rotary_dim <= head_dim``.
         sin: ``[batch, seq, rotary_dim]``.
+        head_axis: Where ``x`` has its heads.
 
     Returns:
         ``x * cos + rotate_half(x) * sin`` on the rotated features, same shape as ``x``.
     """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
