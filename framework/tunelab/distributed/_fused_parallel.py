@@ -55,8 +55,9 @@ class FusedColwise(ParallelStyle):
 
         def regroup(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
             # [..., features] with the features to exchange first: one row per feature.
-            rows = output.movedim(-1, 0)
-            rows = rows.index_select(0, plan["index"].to(rows.device))
+            if plan["index"].device != output.device:
+                plan["index"] = plan["index"].to(output.device)  # once, not per forward
+            rows = output.movedim(-1, 0).index_select(0, plan["index"])
             rows = _AllToAll.apply(rows, plan["send_splits"], plan["receive_splits"], group)
             return rows.movedim(0, -1)
 
