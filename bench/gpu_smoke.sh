@@ -12,7 +12,8 @@
 # 5. activation offloading (issue 30): its CUDA test (a skip is a failure) and a LoRA run with
 #    offload_activations and selective checkpointing; with two GPUs, context parallelism:
 #    cp 2 with flex (auto) against one GPU on packed rows (losses within 1e-4, fp32); tensor
-#    parallelism: tp 2 over NCCL against one GPU, LoRA, full and DPO; expert parallelism: ep 2
+#    parallelism: tp 2 over NCCL against one GPU, LoRA, full and DPO, and LoRA on Phi-3's fused
+#    projections; expert parallelism: ep 2
 #    over NCCL (all-to-all) against one GPU, full and LoRA on the experts (losses within 1e-4,
 #    fp32);
 # 6. the vLLM rollout engine's pieces (bench/gpu_vllm_engine.py; a skip without vllm);
@@ -141,18 +142,35 @@ PYEOF
     tensor_parallel() {
         local recipe=$1 config=$2
         shift 2
-        "$TUNELAB" run "$recipe" --config "$config" "output_dir=$OUT/tp1_$recipe" \
+        local name=${TP_NAME:-$recipe}
+        "$TUNELAB" run "$recipe" --config "$config" "output_dir=$OUT/tp1_$name" \
             "${RUN[@]}" "$@" model.dtype=fp32 &&
         "$TUNELAB" run --nproc_per_node 2 "$recipe" --config "$config" \
-            "output_dir=$OUT/tp2_$recipe" "${RUN[@]}" "$@" model.dtype=fp32 \
+            "output_dir=$OUT/tp2_$name" "${RUN[@]}" "$@" model.dtype=fp32 \
             parallelism.tensor_parallel_size=2 &&
-        same_losses "$OUT/tp1_$recipe" "$OUT/tp2_$recipe"
+        same_losses "$OUT/tp1_$name" "$OUT/tp2_$name"
     }
     step tensor_parallel_2gpu_lora tensor_parallel lora_finetune_distributed tiny/lora \
         "~val_dataset"
     step tensor_parallel_2gpu_full tensor_parallel full_finetune_distributed tiny/full \
         "~val_dataset"
     step tensor_parallel_2gpu_dpo tensor_parallel lora_dpo_distributed tiny/lora_dpo
+    # Phi-3's fused qkv_proj and gate_up_proj: split as column-wise weights, their outputs
+    # regrouped per part by an NCCL all-to-all; LoRA on every linear layer, the tiny random
+    # Phi-3 of the tests (fp32, 1e-4).
+    phi3_tensor_parallel() {
+        "$PY" -c "import shutil, sys; from pathlib import Path
+from tests.conftest import build_tiny_hf_model
+from tunelab._paths import assets_dir
+base = Path(sys.argv[1])
+build_tiny_hf_model('phi3', vocab_size=810, bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(base)
+for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+    shutil.copy(assets_dir() / 'tiny' / name, base / name)" "$OUT/phi3_base" &&
+        TP_NAME=phi3 tensor_parallel lora_finetune_distributed tiny/lora \
+            "model.path=$OUT/phi3_base" "lora.targets=[qkv_proj,o_proj,gate_up_proj,down_proj]" \
+            "~val_dataset"
+    }
+    step tensor_parallel_2gpu_phi3 phi3_tensor_parallel
     # Issue 45: expert parallelism over NCCL (ep 2: each GPU holds half of every MoE layer's
     # experts of the tiny Mixtral, the tokens go to them by all-to-all) against one GPU taking
     # both GPUs' micro-batches, with the router loss: full fine-tuning, and LoRA on attention
