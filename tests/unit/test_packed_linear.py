@@ -137,8 +137,10 @@ def test_packed_linears_packs_plain_and_merged_layers_and_leaves_the_model_as_it
         dict(dim=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_dim=48),
         # the GRPO bench's wide model (bench/bench_grpo.py), one layer
         dict(dim=768, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_dim=2048),
+        # q/k normed per head (Qwen3): the split q, k and v, each rotated on its own
+        dict(dim=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_dim=48, qk_norm=True),
     ],
-    ids=["small", "wide"],
+    ids=["small", "wide", "qk_norm"],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_sibling_projections_as_one_packed_matrix_give_the_separate_bits(shape, bias):
