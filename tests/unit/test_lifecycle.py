@@ -418,3 +418,58 @@ def test_recipe_main_ends_a_stopped_run_with_one_line_and_143(tmp_path, mode, ex
     assert result.returncode == 143, result.stderr
     assert result.stdout == expected
     assert "Traceback" not in result.stderr
+
+
+def test_a_worker_runs_its_recipe_as_python_recipe_would_with_fewer_collections(tmp_path):
+    """``tunelab run``'s worker start (worker_start): the recipe file is ``__main__`` with the
+    ``sys.argv`` and ``sys.path[0]`` of ``python recipe.py``, imports a module beside it, and
+    runs its imports with the raised threshold, which ``restore_collector`` puts back."""
+    from tunelab.lifecycle.worker_start import IMPORT_THRESHOLD, worker_arguments
+
+    recipes = tmp_path / "my recipes"
+    recipes.mkdir()
+    (recipes / "helper.py").write_text("VALUE = 7\n")
+    recipe = recipes / "recipe.py"
+    recipe.write_text(
+        textwrap.dedent(
+            """
+            import gc, json, sys
+            import helper
+            from tunelab.lifecycle.worker_start import restore_collector
+            during = gc.get_threshold()
+            restore_collector()
+            restore_collector()  # a second call changes nothing
+            print(json.dumps({
+                "name": __name__, "argv": sys.argv, "path0": sys.path[0], "helper": helper.VALUE,
+                "during": during, "after": gc.get_threshold(),
+            }))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, *worker_arguments(str(recipe), ["--config", "x.yaml", "a=1"])],
+        env=ENV, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["name"] == "__main__" and seen["helper"] == 7
+    assert seen["argv"] == [str(recipe), "--config", "x.yaml", "a=1"]
+    assert seen["path0"] == str(recipes)
+    defaults = list(subprocess.run(
+        [sys.executable, "-c", "import gc; print(*gc.get_threshold())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split())  # fmt: skip
+    assert seen["during"] == [IMPORT_THRESHOLD, *map(int, defaults[1:])]
+    assert seen["after"] == list(map(int, defaults))
+
+
+def test_a_failing_recipe_started_as_a_worker_exits_as_it_would_by_itself(tmp_path):
+    from tunelab.lifecycle.worker_start import worker_arguments
+
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text("import sys\nsys.exit(3)\n")
+    done = subprocess.run(
+        [sys.executable, *worker_arguments(str(recipe), [])], env=ENV, capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3

@@ -30,6 +30,7 @@ from tunelab.lifecycle import (
 from tunelab.lifecycle.collective_timeout import PEER_CLOSED_KEY, CollectiveTimeout
 from tunelab.lifecycle.entry import ERROR_FILE_ENV, _recipe_parser
 from tunelab.lifecycle.preemption import REPORTED_BY_LAUNCHER_ENV, STOP_LINE_FILE_ENV, signal_name
+from tunelab.lifecycle.worker_start import worker_arguments
 
 USAGE = """\
 usage: tunelab run [TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDE ...]
@@ -138,7 +139,9 @@ def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
     # that came during the start-up are delivered when the block ends, to these handlers. A
     # second signal kills the child at once.
     with stop_signals_blocked():
-        child = subprocess.Popen([sys.executable, str(recipe), *child_args], env=env)
+        child = subprocess.Popen(
+            [sys.executable, *worker_arguments(str(recipe), child_args)], env=env
+        )
         stop = LauncherStop(child.send_signal, lambda: [child.pid], [error_file.parent])
         previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
@@ -303,6 +306,15 @@ def _run_torchrun(
     parser.prog = "tunelab run"
     launch = parser.parse_args([*torchrun_args, str(recipe), *child_args])
     defaults = parser.parse_args(["recipe.py"])
+    if not (launch.no_python or launch.module or launch.run_path):
+        # Each worker is `python -u -c WORKER_CODE RECIPE ARGS` (worker_start: the recipe runs
+        # as __main__, its imports with fewer garbage collections) where torchrun would start
+        # `python -u RECIPE ARGS`.
+        launch.no_python = True
+        launch.training_script_args = [
+            "-u", *worker_arguments(launch.training_script, launch.training_script_args)
+        ]  # fmt: skip
+        launch.training_script = os.getenv("PYTHON_EXEC", sys.executable)
     rendezvous_keys = ("rdzv_endpoint", "rdzv_backend", "master_addr", "master_port", "nnodes")
     if not any(getattr(launch, key) != getattr(defaults, key) for key in rendezvous_keys) and not (
         os.environ.keys() & {"PET_RDZV_ENDPOINT", "PET_MASTER_PORT", "PET_MASTER_ADDR"}

@@ -42,6 +42,7 @@ from tunelab.lifecycle.preemption import (
 )
 from tunelab.lifecycle.restarts import restart_follows
 from tunelab.lifecycle.run_folder import RunFolder
+from tunelab.lifecycle.worker_start import restore_collector
 
 T = TypeVar("T")
 
@@ -260,6 +261,8 @@ def recipe_main(
     # What the recipe imported (torch, DTensor, tunelab: some 250,000 objects) lives as long
     # as the process: frozen, the collector's full collections no longer walk it (measured: a
     # 2-process tiny run's full collections took 0.55-0.6 CPU-s a rank, 0.25-0.4 after this).
+    # Started by `tunelab run`, the imports ran with fewer collections (worker_start).
+    restore_collector()
     gc.freeze()
     argv = sys.argv[1:] if argv is None else argv
     debug = debug_enabled(argv)
