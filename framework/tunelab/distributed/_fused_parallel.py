@@ -27,10 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from tunelab.distributed.collectives import all_to_all_rows
 
 
 class FusedColwise(ParallelStyle):
@@ -58,7 +59,7 @@ class FusedColwise(ParallelStyle):
             if plan["index"].device != output.device:
                 plan["index"] = plan["index"].to(output.device)  # once, not per forward
             rows = output.movedim(-1, 0).index_select(0, plan["index"])
-            rows = _AllToAll.apply(rows, plan["send_splits"], plan["receive_splits"], group)
+            rows = all_to_all_rows(rows, plan["send_splits"], plan["receive_splits"], group)
             return rows.movedim(0, -1)
 
         # After the colwise style's own hook (the local output of this rank's rows).
@@ -95,25 +96,3 @@ def _regroup_plan(part_sizes: list[int], size: int, rank: int) -> dict[str, Any]
         "send_splits": send_splits,
         "receive_splits": receive_splits,
     }
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows with uneven splits; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, rows, send_splits, receive_splits, group):
-        ctx.splits, ctx.group = (send_splits, receive_splits), group
-        return _exchange(rows, send_splits, receive_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, receive_splits = ctx.splits
-        return _exchange(grad, receive_splits, send_splits, ctx.group), None, None, None
-
-
-def _exchange(
-    rows: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    out = rows.new_empty(sum(receive_splits), *rows.shape[1:])
-    dist.all_to_all_single(out, rows.contiguous(), receive_splits, send_splits, group=group)
-    return out

@@ -1,12 +1,16 @@
-"""Batched gathers of small sharded tensors.
+"""Batched gathers of small sharded tensors, and a differentiable exchange of rows.
 
 Gathering each LoRA adapter with its own ``full_tensor()`` costs one collective per tensor
 (two per adapted layer): on a real model hundreds of latency-bound round trips. These are
 small, so pack every rank's local rows into one buffer and gather them all at once.
+
+:func:`all_to_all_rows` sends rows to the ranks of a group in uneven counts, its backward the
+reverse exchange (expert parallelism's token dispatch, the regrouping of a fused projection's
+output under tensor parallelism).
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -74,3 +78,53 @@ def _gather_group(tensors: dict[str, DTensor], mesh, dtype: torch.dtype) -> dict
         result[name] = stacked.view(tensors[name].shape).to(dtype).clone()
         offset += size
     return result
+
+
+def all_to_all_rows(
+    rows: torch.Tensor,
+    send_splits: list[int],
+    receive_splits: list[int],
+    group: dist.ProcessGroup,
+    on_exchange: Callable[[torch.Tensor, list[int]], None] | None = None,
+) -> torch.Tensor:
+    """Send ``rows`` to the ranks of ``group`` in uneven counts; differentiable.
+
+    Collective: every rank of ``group`` calls it with matching splits.
+
+    Args:
+        rows: ``[sum(send_splits), ...]``, the rows for rank 0 first, then rank 1's, ...
+        send_splits: Rows this rank sends to each rank of ``group`` (itself included).
+        receive_splits: Rows this rank receives from each rank.
+        group: The ranks exchanging.
+        on_exchange: Called with the rows sent and their splits at every exchange, the
+            backward's reverse one included (traffic counters).
+
+    Returns:
+        ``[sum(receive_splits), ...]``, rank 0's rows first. Its gradient goes back by the
+        reverse exchange.
+    """
+    return _AllToAllRows.apply(rows, send_splits, receive_splits, group, on_exchange)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, send_splits, receive_splits, group, on_exchange):
+        ctx.splits, ctx.group, ctx.on_exchange = (send_splits, receive_splits), group, on_exchange
+        return _exchange(rows, send_splits, receive_splits, group, on_exchange)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, receive_splits = ctx.splits
+        grad = _exchange(grad, receive_splits, send_splits, ctx.group, ctx.on_exchange)
+        return grad, None, None, None, None
+
+
+def _exchange(rows, send_splits, receive_splits, group, on_exchange) -> torch.Tensor:
+    rows = rows.contiguous()
+    out = rows.new_empty(sum(receive_splits), *rows.shape[1:])
+    dist.all_to_all_single(out, rows, receive_splits, send_splits, group=group)
+    if on_exchange is not None:
+        on_exchange(rows, send_splits)
+    return out

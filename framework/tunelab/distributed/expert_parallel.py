@@ -17,7 +17,7 @@ One layer's exchange, for the rows already sorted by expert:
    token dropped); the received rows are regrouped by local expert and the grouped matmul
    runs on this rank's experts only;
 3. the outputs return by the reverse exchange. The backward of each exchange is the other
-   one (``_AllToAll``).
+   one (``tunelab.distributed.collectives.all_to_all_rows``).
 
 Expert groups smaller than the world (``N`` dividing the ``W`` processes, ``R = W / N``
 replicas): the experts live on a 2-D ``(replicate, ep)`` mesh, consecutive ranks forming one
@@ -65,6 +65,7 @@ expert's gradient is divided by ``D`` instead of ``W``.
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from tunelab.distributed.collectives import all_to_all_rows
 from tunelab.errors import ConfigError
 
 EXPERT_REPLICATE_DIM = "replicate"
@@ -97,22 +99,16 @@ class ExpertTraffic:
         """Start counting from zero."""
         self.rows_sent = self.bytes_sent = 0
 
+    def counter(self, group: dist.ProcessGroup) -> Callable[[torch.Tensor, list[int]], None]:
+        """What ``all_to_all_rows`` calls at each exchange in ``group``: counts what left."""
+        rank = dist.get_rank(group)
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; its backward is the reverse exchange."""
+        def count(rows: torch.Tensor, send_splits: list[int]) -> None:
+            sent = sum(send_splits) - send_splits[rank]
+            self.rows_sent += sent
+            self.bytes_sent += sent * math.prod(rows.shape[1:]) * rows.element_size()
 
-    @staticmethod
-    def forward(ctx, rows, send_splits, receive_splits, group, traffic):
-        ctx.send_splits, ctx.receive_splits = send_splits, receive_splits
-        ctx.group, ctx.traffic = group, traffic
-        return _exchange(rows, send_splits, receive_splits, group, traffic)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = _exchange(
-            grad.contiguous(), ctx.receive_splits, ctx.send_splits, ctx.group, ctx.traffic
-        )
-        return grad, None, None, None, None
+        return count
 
 
 class _ExpertGradient(torch.autograd.Function):
@@ -132,22 +128,6 @@ class _ExpertGradient(torch.autograd.Function):
         if ctx.group is not None:
             dist.all_reduce(grad, group=ctx.group)
         return grad, None, None
-
-
-def _exchange(
-    rows: torch.Tensor,
-    send_splits: list[int],
-    receive_splits: list[int],
-    group: dist.ProcessGroup,
-    traffic: ExpertTraffic,
-) -> torch.Tensor:
-    out = rows.new_empty(sum(receive_splits), *rows.shape[1:])
-    dist.all_to_all_single(out, rows.contiguous(), receive_splits, send_splits, group=group)
-    rank = dist.get_rank(group)
-    sent = sum(send_splits) - send_splits[rank]
-    traffic.rows_sent += sent
-    traffic.bytes_sent += sent * math.prod(rows.shape[1:]) * rows.element_size()
-    return out
 
 
 class ExpertParallel:
@@ -216,7 +196,8 @@ class ExpertParallel:
         send_splits = counts.view(self.size, local).sum(dim=1).tolist()
         receive_splits = received.sum(dim=1).tolist()
         # 2. the rows, grouped by source rank, then by local expert within each source.
-        arrived = _AllToAll.apply(rows, send_splits, receive_splits, self.group, self.traffic)
+        count = self.traffic.counter(self.group)
+        arrived = all_to_all_rows(rows, send_splits, receive_splits, self.group, count)
         expert_of_row = torch.repeat_interleave(
             torch.arange(local, device=rows.device).repeat(self.size), received.reshape(-1)
         )
@@ -224,7 +205,7 @@ class ExpertParallel:
         out = compute(arrived[by_expert], received.sum(dim=0), expert_of_row[by_expert])
         # 3. back to (source rank, expert) order, and home.
         out = torch.empty_like(out).index_copy(0, by_expert, out)
-        return _AllToAll.apply(out, receive_splits, send_splits, self.group, self.traffic)
+        return all_to_all_rows(out, receive_splits, send_splits, self.group, count)
 
 
 def expert_parallel_mesh(
