@@ -30,7 +30,7 @@ IMPORT_THRESHOLD = 100_000
 """The young generation's collection threshold while a worker imports its recipe's modules."""
 
 WORKER_CODE = (
-    "import gc; t = gc.get_threshold(); gc.set_threshold(100000, *t[1:]); "
+    f"import gc; t = gc.get_threshold(); gc.set_threshold({IMPORT_THRESHOLD}, *t[1:]); "
     "from tunelab.lifecycle.worker_start import run_recipe; run_recipe(t)"
 )
 """What ``python -c`` runs in each worker ``tunelab run`` starts (argv: recipe, its args)."""

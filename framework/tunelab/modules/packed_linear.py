@@ -42,13 +42,20 @@ __all__ = [
 ]
 
 
+def _plain_cpu_fp32(tensor: torch.Tensor) -> bool:
+    """A plain fp32 tensor on CPU (not a DTensor, NF4 or packed one)."""
+    return (
+        type(tensor) in (torch.Tensor, nn.Parameter)
+        and tensor.device.type == "cpu"
+        and tensor.dtype == torch.float32
+    )
+
+
 def packable(weight: torch.Tensor | None) -> bool:
     """Whether ``weight`` can run packed: a plain fp32 matrix on CPU, oneDNN in this build."""
     return (
         weight is not None
-        and type(weight) in (torch.Tensor, nn.Parameter)  # not a DTensor, NF4 or packed one
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and _plain_cpu_fp32(weight)
         and weight.dim() == 2
         and not weight.is_mkldnn
         and torch.backends.mkldnn.is_available()
@@ -105,11 +112,7 @@ def _plain_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     else:
         return None
     bias = module.bias
-    plain_bias = bias is None or (
-        type(bias) in (torch.Tensor, nn.Parameter)
-        and bias.dtype == torch.float32
-        and bias.device.type == "cpu"
-    )
+    plain_bias = bias is None or _plain_cpu_fp32(bias)
     return (weight, bias) if packable(weight) and plain_bias else None
 
 
