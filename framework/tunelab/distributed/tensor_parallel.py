@@ -423,6 +423,9 @@ def _pad_sequence(
 ) -> tuple[tuple, dict[str, Any]]:
     # Pad tokens (and document ids and positions) at the end to a multiple of the tp size, so
     # each rank holds as many tokens; _gather_output cuts the outputs back.
+    if kwargs.get("rows") is not None:
+        # The last layer's row-wise o_proj reduce-scatters the split sequence: every row.
+        raise ValueError("tensor parallelism computes every position: no rows")
     tokens = args[0] if args else kwargs["tokens"]
     seq_len = tokens.shape[1]
     extra = -seq_len % size

@@ -5,7 +5,7 @@ The policy-gradient losses of RL (GRPO, GSPO) live in :mod:`tunelab.rl`.
 See docs/losses.md for the normalisation, the formulas and the metric names.
 """
 
-from tunelab.losses._token_logps import OutputLayer
+from tunelab.losses._token_logps import OutputLayer, scored_rows
 from tunelab.losses.cross_entropy import CrossEntropyLoss, token_count
 from tunelab.losses.distillation import (
     DistillationLoss,
@@ -44,6 +44,7 @@ __all__ = [
     "accumulate_metrics",
     "preference_metrics",
     "reduce_metrics",
+    "scored_rows",
     "sequence_logps",
     "token_count",
     "token_logps",

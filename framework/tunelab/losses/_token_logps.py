@@ -339,6 +339,59 @@ class _FrozenOutputLogProbs(torch.autograd.Function):
         return scaled, None, None, None, None, None
 
 
+def scored_rows(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The positions whose next label is scored, as rows of ``[batch * seq]`` (row-major).
+
+    Position ``t`` of a row predicts ``labels[:, t + 1]``: it is scored where that label is
+    not ``ignore_index``. These are the only rows a loss reads of the model's final hidden
+    states, so a forward given them (``TransformerDecoder.forward(rows=...)``) may compute its
+    last layer's output there only, and the losses take such ``[rows, dim]`` states as they
+    take ``[batch, seq, dim]`` ones. One device sync (``nonzero``).
+
+    Args:
+        labels: ``[batch, seq]`` aligned with the tokens.
+        ignore_index: label value that marks a position as not a target.
+
+    Returns:
+        long ``[rows]``, ascending.
+    """
+    return _scored_positions(labels, ignore_index)[2]
+
+
+def _scored_positions(
+    labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scored positions three ways: ``(mask, scored, rows)``.
+
+    ``mask``: ``[batch, seq - 1]``, True where the next label is scored; ``scored``: their
+    indices in ``[batch * (seq - 1)]`` (one device sync); ``rows``: :func:`scored_rows`.
+    """
+    mask = labels[:, 1:] != ignore_index
+    scored = mask.reshape(-1).nonzero().squeeze(-1)
+    # Each batch row holds one more position than it scores.
+    return mask, scored, scored + scored // max(labels.shape[1] - 1, 1)
+
+
+def scored_states(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[rows, dim]``: the scored rows of ``[batch, seq, dim]`` states, or states that are them.
+
+    ``rows`` is :func:`scored_rows` of the batch's labels. Gathered into one contiguous
+    matrix (a small copy: ``dim``, not ``vocab``, wide), so that each chunk of the output
+    layer is one plain matrix product (a strided 3-D chunk runs as a slower bmm).
+
+    Raises:
+        ValueError: ``[rows, dim]`` states that are not as many rows as ``rows``.
+    """
+    if states.dim() == 3:
+        return states.reshape(-1, states.shape[-1]).index_select(0, rows)
+    if states.dim() != 2 or states.shape[0] != rows.numel():
+        raise ValueError(
+            f"expected states [batch, seq, dim] or one row per scored position "
+            f"[{rows.numel()}, dim], got {tuple(states.shape)}"
+        )
+    return states
+
+
 def hidden_target_logps(
     hidden: torch.Tensor,
     output: OutputLayer,
@@ -351,7 +404,8 @@ def hidden_target_logps(
     """:func:`target_logps` from the final hidden states, applying the output layer per chunk.
 
     Args:
-        hidden: ``[batch, seq, dim]`` final (normed) hidden states.
+        hidden: ``[batch, seq, dim]`` final (normed) hidden states, or those of the scored
+            positions only, ``[rows, dim]`` in the order of :func:`scored_rows`.
         output: The model's output layer.
         labels: ``[batch, seq]`` aligned with the tokens.
         ignore_index: label value that marks a position as not a target.
@@ -369,24 +423,18 @@ def hidden_target_logps(
     Raises:
         ValueError: if the shapes do not line up.
     """
-    _check_shapes(hidden, labels, "hidden states", "dim")
+    if hidden.dim() != 2:
+        _check_shapes(hidden, labels, "hidden states", "dim")
     targets = labels[:, 1:]
-    mask = targets != ignore_index
+    mask, scored, rows = _scored_positions(labels, ignore_index)
     safe_targets = targets.masked_fill(~mask, 0)
     dtype = _compute_dtype(hidden.dtype)
-    if targets.shape[1] == 0:
+    if targets.shape[1] == 0 and hidden.dim() == 3:
         empty = hidden[:, :0, 0].to(dtype) * 0  # keeps the graph, like target_logps
         return empty, mask, empty.detach().float() if with_logit_sums else None
     # Only scored positions go through the output layer (an SFT prompt, a DPO prompt: often
-    # half the rows or more need no logits). Their rows are gathered into one contiguous
-    # [scored, dim] matrix (a small copy: dim, not vocab, wide), so that each chunk is one
-    # plain matrix product (a strided 3-D chunk runs as a slower bmm).
-    batch, seq, dim = hidden.shape
-    # Index of each scored position in [batch * (seq - 1)] (one device sync), and of its row
-    # in [batch * seq]: each batch row holds one more position than it scores.
-    scored = mask.reshape(-1).nonzero().squeeze(-1)
-    rows = scored + scored // (seq - 1)
-    flat_hidden = hidden.reshape(batch * seq, dim).index_select(0, rows)
+    # half the rows or more need no logits), as one [scored, dim] matrix.
+    flat_hidden = scored_states(hidden, rows)
     flat_targets = safe_targets.reshape(-1).index_select(0, scored)
     num_chunks = chunk_count(num_chunks, flat_targets.numel(), output.vocab_size)
     grad_enabled = torch.is_grad_enabled()

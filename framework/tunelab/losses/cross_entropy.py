@@ -78,7 +78,8 @@ class CrossEntropyLoss(nn.Module):
 
         Args:
             logits: ``[batch, seq, vocab]`` in any float dtype; with ``output``, the final
-                hidden states ``[batch, seq, dim]`` instead.
+                hidden states ``[batch, seq, dim]`` instead, or those of the scored positions
+                only (``[rows, dim]``, ``tunelab.losses.scored_rows``).
             labels: ``[batch, seq]`` integer labels aligned with the tokens.
             output: The model's output layer, applied here chunk by chunk, so the logits
                 never exist whole (see :class:`~tunelab.losses.OutputLayer`).

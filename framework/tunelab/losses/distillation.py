@@ -50,7 +50,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tunelab.errors import ConfigError
-from tunelab.losses._token_logps import OutputLayer, chunk_count
+from tunelab.losses._token_logps import (
+    OutputLayer,
+    _scored_positions,
+    chunk_count,
+    scored_states,
+)
 
 __all__ = [
     "DistillationLoss",
@@ -108,6 +113,11 @@ class SupportLogProbs:
     teacher_logps: torch.Tensor
     student_probs: torch.Tensor
     teacher_probs: torch.Tensor
+
+
+def _aligned(values: torch.Tensor, labels: torch.Tensor) -> bool:
+    # [batch, seq, *] values of [batch, seq] labels.
+    return values.dim() == 3 and values.shape[:2] == labels.shape
 
 
 def _identity(values: torch.Tensor) -> torch.Tensor:
@@ -344,9 +354,11 @@ class DistillationLoss(nn.Module):
 
         Args:
             student: The student's logits ``[batch, seq, vocab]``, or with ``output`` its final
-                hidden states ``[batch, seq, dim]``.
+                hidden states ``[batch, seq, dim]`` or those of the scored positions only
+                (``[rows, dim]``, ``tunelab.losses.scored_rows``).
             teacher: The teacher's logits, or with ``teacher_output`` its hidden states
-                ``[batch, seq, teacher_dim]`` (no gradient flows to it); or a precomputed
+                ``[batch, seq, teacher_dim]`` or ``[rows, teacher_dim]`` (no gradient flows to
+                it); or a precomputed
                 teacher top-k of the scored positions in row-major order, ``(index [scored,
                 k], logps [scored, k])`` as :meth:`teacher_support_rows` gives them (then
                 ``teacher_output`` is None).
@@ -365,11 +377,13 @@ class DistillationLoss(nn.Module):
         if not cached and (output is None) != (teacher_output is None):
             raise ValueError("give both output layers (chunked logits) or neither (whole logits)")
         teacher_shape = teacher[1].shape if cached else teacher.shape
-        if (
-            student.dim() != 3
-            or labels.shape != student.shape[:2]
-            or (not cached and teacher_shape[:2] != labels.shape)
-        ):
+        student_fits = _aligned(student, labels) or (output is not None and student.dim() == 2)
+        teacher_fits = (
+            cached
+            or _aligned(teacher, labels)
+            or (teacher_output is not None and teacher.dim() == 2)
+        )
+        if not (student_fits and teacher_fits):
             raise ValueError(
                 f"expected student [batch, seq, *], teacher [batch, seq, *] and labels "
                 f"[batch, seq], got {tuple(student.shape)}, {tuple(teacher_shape)} and "
@@ -379,7 +393,7 @@ class DistillationLoss(nn.Module):
         teacher_forward = teacher_output.forward if teacher_output is not None else _identity
         vocab = output.vocab_size if output is not None else student.shape[-1]
         rows, flat_targets, mask = self._scored_rows(labels)
-        student_rows = student.reshape(-1, student.shape[-1]).index_select(0, rows)
+        student_rows = scored_states(student, rows)
         if cached:
             if teacher[0].shape != teacher_shape or teacher_shape[0] != rows.numel():
                 raise ValueError(
@@ -388,7 +402,7 @@ class DistillationLoss(nn.Module):
                 )
             teacher_rows = (teacher[0], teacher[1])
         else:
-            teacher_rows = teacher.detach().reshape(-1, teacher.shape[-1]).index_select(0, rows)
+            teacher_rows = scored_states(teacher.detach(), rows)
         num_chunks = self._chunk_count(flat_targets.numel(), vocab)
         needs_grad = torch.is_grad_enabled() and student.requires_grad
         if needs_grad and output is not None and not output.trainable:
@@ -427,11 +441,8 @@ class DistillationLoss(nn.Module):
     def _scored_rows(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The flat [batch * seq] rows that predict a scored label (row-major), their targets,
         # and the [batch, seq - 1] mask of scored next labels.
-        targets = labels[:, 1:]
-        mask = targets != self.ignore_index
-        scored = mask.reshape(-1).nonzero().squeeze(-1)
-        rows = scored + scored // max(labels.shape[1] - 1, 1)
-        return rows, targets.reshape(-1).index_select(0, scored), mask
+        mask, scored, rows = _scored_positions(labels, self.ignore_index)
+        return rows, labels[:, 1:].reshape(-1).index_select(0, scored), mask
 
     @torch.no_grad()
     def teacher_support_rows(
@@ -446,7 +457,8 @@ class DistillationLoss(nn.Module):
         loss computed from the result equals the live one.
 
         Args:
-            teacher: The teacher's logits, or with ``teacher_output`` its hidden states.
+            teacher: The teacher's logits, or with ``teacher_output`` its hidden states (of
+                every position, or of the scored ones only: ``[rows, teacher_dim]``).
             labels: ``[batch, seq]``.
             teacher_output: The teacher's output layer, applied chunk by chunk.
 
@@ -460,7 +472,7 @@ class DistillationLoss(nn.Module):
         if self.top_k is None:
             raise ConfigError("loss.top_k: a precomputed teacher top-k needs top_k set")
         rows, _, _ = self._scored_rows(labels)
-        teacher_rows = teacher.reshape(-1, teacher.shape[-1]).index_select(0, rows)
+        teacher_rows = scored_states(teacher, rows)
         vocab = teacher_output.vocab_size if teacher_output is not None else teacher.shape[-1]
         num_chunks = self._chunk_count(rows.numel(), vocab)
         forward = teacher_output.forward if teacher_output is not None else _identity

@@ -31,7 +31,8 @@ def sequence_logps(
 
     Args:
         logits: ``[batch, seq, vocab]`` in any float dtype; with ``output``, the final
-            hidden states ``[batch, seq, dim]`` instead.
+            hidden states ``[batch, seq, dim]`` instead, or those of the scored positions
+            only (``[rows, dim]``, ``tunelab.losses.scored_rows``).
         labels: ``[batch, seq]`` integer labels aligned with the tokens.
         ignore_index: label value that marks a position as not a completion token.
         num_chunks: number of chunks for the fp32 upcast (None: chunks of at most
@@ -89,7 +90,8 @@ def token_logps(
     never exist (see :class:`OutputLayer`).
 
     Args:
-        hidden_or_logits: ``[batch, seq, dim]`` hidden states with ``output``, else logits.
+        hidden_or_logits: ``[batch, seq, dim]`` hidden states with ``output`` (or
+            ``[rows, dim]`` of the scored positions only), else logits.
         labels: ``[batch, seq]`` aligned with the tokens, ``ignore_index`` where not scored.
         output: The model's output layer, or None when logits are given.
         ignore_index: Label of positions that are not completion tokens.

@@ -99,17 +99,23 @@ class TransformerBlock(nn.Module):
         mask: torch.Tensor | AttentionMask | SharedPrefix | None = None,
         input_pos: torch.Tensor | None = None,
         router_stats: RouterStats | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Apply the block (see ``Attention.forward`` for the arguments).
 
         ``router_stats``, if given, records an MoE layer's routing (see ``RouterStats``).
+        ``rows`` (long ``[rows]``, positions of ``[batch * seq]``, row-major): attention runs
+        at every position (each query needs the keys and values of all of them), everything
+        after it (``o_proj``, the residuals, the norms, the MLP) at these rows only, and the
+        block returns ``[rows, dim]``: a last block whose other outputs nothing reads.
         """
+        residual = x if rows is None else x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, rows=rows)
         if self.sandwich_norms:
-            attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
-            h = x + self.post_attention_layernorm(attended)
+            h = residual + self.post_attention_layernorm(attended)
             mlp_out = self._mlp(self.pre_feedforward_layernorm(h), router_stats)
             return h + self.post_feedforward_layernorm(mlp_out)
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+        h = residual + attended
         return h + self._mlp(self.post_attention_layernorm(h), router_stats)
 
     def _mlp(self, normed: torch.Tensor, router_stats: RouterStats | None) -> torch.Tensor:
@@ -388,6 +394,16 @@ class TransformerDecoder(nn.Module):
         tables[SLIDING] = tables[FULL] if local is None else local(input_pos, dtype)
         return tables
 
+    def last_layer_rows(self, index: int, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s ``rows`` keyword: ``rows`` for the last layer, else nothing.
+
+        Only the last layer can compute its output at some positions only: every earlier one
+        feeds the next layer's keys and values at all of them.
+        """
+        if rows is None or index != len(self.model.layers) - 1:
+            return {}
+        return {"rows": rows}
+
     def output(self, h: torch.Tensor) -> torch.Tensor:
         """The output layer: logits of final-normed hidden states ``[..., dim]``.
 
@@ -417,6 +433,7 @@ class TransformerDecoder(nn.Module):
         router_stats: RouterStats | None = None,
         context_parallel: ContextParallel | None = None,
         shared_prefix: SharedPrefix | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -450,9 +467,16 @@ class TransformerDecoder(nn.Module):
                 completions that continue them (``tunelab.modules.SharedPrefix``), with
                 ``input_pos`` their positions: each prompt is computed once. Not with ``mask``,
                 ``document_ids``, KV caches, context parallelism or sliding-window layers.
+            rows: long ``[rows]``, the positions of ``[batch * seq]`` (row-major) whose output
+                is wanted (a loss's scored positions: ``tunelab.losses.scored_rows``). The last
+                layer attends at every position as without it, then computes the rest of the
+                layer (``o_proj``, residuals, norms, MLP), the final norm and the logits at
+                these rows only (``last_layer_rows``); the result equals the full forward's
+                rows. Not under tensor parallelism (whose ``o_proj`` splits the sequence).
 
         Returns:
-            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
+            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``);
+            ``[rows, ...]`` with ``rows``.
 
         Raises:
             ValueError: malformed tokens, mask or positions.
@@ -514,13 +538,12 @@ class TransformerDecoder(nn.Module):
             # Gemma: sqrt(dim) rounded to the activations' dtype first, as transformers does.
             h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
         rotary = self._rotary_tables(input_pos, h.dtype, context_parallel)
+        routing = {} if router_stats is None else {"router_stats": router_stats}
         for index, layer in enumerate(self.model.layers):
             kind = self.args.layer_type(index)
             cos, sin = rotary[kind]
-            if router_stats is None:
-                h = layer(h, cos, sin, masks[kind], input_pos)
-            else:
-                h = layer(h, cos, sin, masks[kind], input_pos, router_stats=router_stats)
+            last = self.last_layer_rows(index, rows)
+            h = layer(h, cos, sin, masks[kind], input_pos, **routing, **last)
         h = self.model.norm(h)
         if return_hidden:
             return h

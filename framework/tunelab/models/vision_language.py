@@ -53,6 +53,26 @@ class VideoSpans:
         return (torch.arange(frames) * self.intervals[run]).long().tolist()
 
 
+def _add_deepstack(
+    h: torch.Tensor, is_visual: torch.Tensor, features: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """``h`` plus one layer's deepstack ``features`` at its visual tokens.
+
+    ``features`` is ``[visual tokens, dim]``, in sequence order; ``h`` is ``[batch, seq,
+    dim]``, or with ``rows`` the ``[rows, dim]`` of those positions of ``[batch * seq]``.
+    """
+    if rows is None:
+        added = h[is_visual] + features.to(h.dtype)
+        return h.masked_scatter(is_visual[..., None], added)
+    visual = is_visual.reshape(-1)
+    # Each position's place among the visual tokens, read at the rows that are visual.
+    rank = visual.cumsum(0).index_select(0, rows) - 1
+    picked = torch.where(visual.index_select(0, rows), rank, -1)
+    chosen = (picked >= 0).nonzero().squeeze(-1)
+    added = features.index_select(0, picked.index_select(0, chosen)).to(h.dtype)
+    return h.index_add(0, chosen, added)
+
+
 def multimodal_positions(
     tokens: torch.Tensor,
     image_grid_thw: torch.Tensor | None,
@@ -462,6 +482,7 @@ class VisionLanguageDecoder(TransformerDecoder):
         positions: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
+        rows: torch.Tensor | None = None,
         **unsupported: object,
     ) -> torch.Tensor:
         """Compute next-token logits of rows that may hold images and videos.
@@ -486,11 +507,15 @@ class VisionLanguageDecoder(TransformerDecoder):
                 is the prefill, from slot 0, and later ones add each row's offset between slot
                 and M-RoPE position, as transformers' generation does (``_cached_positions``).
             return_hidden: return the final normed hidden states instead of the logits.
+            rows: the positions of ``[batch * seq]`` whose output is wanted: the last layer
+                computes everything after its attention at these only (see
+                ``TransformerDecoder.forward``).
             **unsupported: other ``TransformerDecoder.forward`` arguments (masks, context
                 parallelism, shared prefixes) are refused.
 
         Returns:
-            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
+            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``);
+            ``[rows, ...]`` with ``rows``.
 
         Raises:
             ValueError: unsupported arguments, or image or video tokens that do not match
@@ -533,10 +558,10 @@ class VisionLanguageDecoder(TransformerDecoder):
         if pixel_values_videos is not None:
             is_visual = is_visual | (tokens == vision.video_token_id)
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, masks[FULL], input_pos)
+            last = self.last_layer_rows(index, rows)
+            h = layer(h, cos, sin, masks[FULL], input_pos, **last)
             if index < len(deepstack):
                 # Deepstack: the k-th feature is added at the visual tokens after layer k.
-                added = h[is_visual] + deepstack[index].to(h.dtype)
-                h = h.masked_scatter(is_visual[..., None], added)
+                h = _add_deepstack(h, is_visual, deepstack[index], last.get("rows"))
         h = self.model.norm(h)
         return h if return_hidden else self.output(h)

@@ -139,6 +139,7 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
         document_ids: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         return_hidden: bool = False,
+        rows: torch.Tensor | None = None,
         **unsupported: object,
     ) -> torch.Tensor:
         """Compute next-token logits of rows that may hold images.
@@ -156,11 +157,15 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
                 KV caches (generation) they are the cache slots, required, and a forward with
                 images is the prefill (rows from slot 0; each image's tokens see each other).
             return_hidden: return the final normed hidden states instead of the logits.
+            rows: the positions of ``[batch * seq]`` whose output is wanted: the last layer
+                computes everything after its attention at these only (see
+                ``TransformerDecoder.forward``).
             **unsupported: other ``TransformerDecoder.forward`` arguments (masks, context
                 parallelism, shared prefixes) are refused.
 
         Returns:
-            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``).
+            Logits ``[batch, seq, vocab_size]`` (hidden states with ``return_hidden``);
+            ``[rows, ...]`` with ``rows``.
 
         Raises:
             ValueError: unsupported arguments, or image tokens that do not match the images.
@@ -191,6 +196,6 @@ class Gemma3VisionLanguageDecoder(VisionLanguageDecoder):
         for index, layer in enumerate(self.model.layers):
             kind = self.args.layer_type(index)
             cos, sin = rotary[kind]
-            h = layer(h, cos, sin, masks[kind], input_pos)
+            h = layer(h, cos, sin, masks[kind], input_pos, **self.last_layer_rows(index, rows))
         h = self.model.norm(h)
         return h if return_hidden else self.output(h)

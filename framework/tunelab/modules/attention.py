@@ -263,6 +263,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | AttentionMask | SharedPrefix | None = None,
         input_pos: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend.
 
@@ -277,9 +278,11 @@ class Attention(nn.Module):
                 only the cache's first ``keys`` slots are read (a decoder that knows no query
                 sees past them skips the rest).
             input_pos: cache slots ``[batch, seq]``; used only when a KV cache is set up.
+            rows: long ``[rows]``, positions of ``[batch * seq]`` (row-major): every position
+                attends as without it, and only these rows go through ``o_proj``.
 
         Returns:
-            ``[batch, seq, dim]``.
+            ``[batch, seq, dim]``, or ``[rows, dim]`` with ``rows``.
         """
         batch, seq_len, _ = x.shape
         if self.packed_projection is not None and not self.qk_norm:
@@ -305,6 +308,8 @@ class Attention(nn.Module):
         else:
             out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        if rows is not None:
+            out = out.reshape(batch * seq_len, -1).index_select(0, rows)
         return self.o_proj(out)
 
     def _project_rotated(

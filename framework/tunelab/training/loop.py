@@ -25,7 +25,8 @@ from tunelab.distributed.tensor_parallel import (
     tensor_parallel_size,
 )
 from tunelab.errors import DataError, TrainingError
-from tunelab.losses import OutputLayer, token_count
+from tunelab.losses import OutputLayer, scored_rows, token_count
+from tunelab.models import TransformerDecoder
 from tunelab.modules.moe import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,15 @@ def forward(
     Packed batches pass their ``document_ids``: the model's ``attention_backend`` builds what
     its kernel needs (a flex ``BlockMask``, or a dense mask on the fallback path).
 
+    With ``output`` the loss reads the final hidden states at the scored positions only
+    (``tunelab.losses.scored_rows`` of ``batch["labels"]``), so the model computes its last
+    layer past attention (``o_proj``, MLP, norms) at those rows only and returns ``[rows,
+    dim]`` (``TransformerDecoder.forward(rows=...)``; image tokens and prompts skip most of a
+    layer). The layouts that keep every position (``[batch, seq, dim]``, which the losses
+    take alike): a batch without labels; a router loss (``router_stats``: the last layer's
+    routing of every token is part of it); context and tensor parallelism (the rows of a
+    sequence split over ranks).
+
     Args:
         model: The decoder.
         batch: ``tokens`` (and for packed batches ``document_ids`` and ``input_pos``).
@@ -85,7 +95,8 @@ def forward(
 
     Returns:
         Logits ``[batch, seq, vocab]``, or with ``output`` the final hidden states
-        ``[batch, seq, dim]``.
+        ``[rows, dim]`` of the scored positions (``[batch, seq, dim]`` where the layout keeps
+        every position).
     """
     hidden = output is not None
     routing = {} if router_stats is None else {"router_stats": router_stats}
@@ -98,6 +109,7 @@ def forward(
             context_parallel=context,
             **routing,
         )
+    rows = _scored_rows_only(model, batch, output, router_stats)
     visual = {key: batch[key] for key in VISUAL_INPUTS if key in batch}
     if visual:
         # Images or videos (a vision-language model): it computes its own M-RoPE positions.
@@ -106,6 +118,7 @@ def forward(
             **visual,
             document_ids=batch.get("document_ids"),
             return_hidden=hidden,
+            **rows,
         )
     if "document_ids" in batch:
         return model(
@@ -114,8 +127,32 @@ def forward(
             input_pos=batch["input_pos"],
             return_hidden=hidden,
             **routing,
+            **rows,
         )
-    return model(batch["tokens"], return_hidden=hidden, **routing)
+    return model(batch["tokens"], return_hidden=hidden, **routing, **rows)
+
+
+def _scored_rows_only(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    output: OutputLayer | None,
+    router_stats: RouterStats | None,
+) -> dict[str, torch.Tensor]:
+    """The forward's ``rows`` keyword (the scored positions), or nothing for every position.
+
+    Context parallelism never reaches here (:func:`forward` returns before); tensor
+    parallelism keeps every position: its row-wise ``o_proj`` reduce-scatters the sequence
+    split over the ranks, which a subset of rows is not.
+    """
+    if (
+        output is None
+        or router_stats is not None
+        or "labels" not in batch
+        or not isinstance(model, TransformerDecoder)
+        or tensor_parallel_size(model) > 1
+    ):
+        return {}
+    return {"rows": scored_rows(batch["labels"])}
 
 
 def batch_loss(

@@ -182,7 +182,9 @@ def forward_sharing_prompts(
 
     Returns:
         Logits ``[rows, seq, ...]`` (final hidden states with ``output``), equal to the per-row
-        forward's at every position up to each row's last label.
+        forward's at every position up to each row's last label; the per-row fallback with
+        ``output`` gives the hidden states of the scored positions only (``[scored, dim]``,
+        see :func:`~tunelab.training.forward`), which the losses take alike.
     """
     out = shared_prompt_forward(model, batch, return_hidden=output is not None)
     return forward(model, batch, output) if out is None else out
