@@ -161,13 +161,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         default="preprocessing,training",
-        help="what to run: preprocessing, training or both (comma-separated)",
+        help="what to run: preprocessing, training, trim (comma-separated; trim: tunelab's "
+        "step with the last layer at the scored positions only against at every position)",
     )
     parser.add_argument("--sizes", default=",".join(IMAGE_SIZES),
                         help="preprocessing image sizes, WIDTHxHEIGHT,...")  # fmt: skip
     parser.add_argument("--images", type=int, default=8,
                         help="preprocessed images per size, side and round")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=WIDE_TEXT["num_hidden_layers"],
+                        help="--model wide's language-model layers")  # fmt: skip
     parser.add_argument("--preprocess-result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trim-result", default=None, help=argparse.SUPPRESS)
     add_trainer_bench_args(parser)
     smoke = ["--steps", "1", "--batch-size", "2", "--rounds", "1", "--sizes", "96x64",
              "--images", "1"]  # fmt: skip
@@ -343,7 +347,9 @@ def family_dir(family: str) -> Path:
     return assets_dir() / FAMILIES[family]["assets"]
 
 
-def wide_model_dir(family: str, scratch: Path) -> Path:
+def wide_model_dir(
+    family: str, scratch: Path, layers: int = WIDE_TEXT["num_hidden_layers"]
+) -> Path:
     """``--model wide`` of ``family``: a random-init checkpoint at a realistic width, written once.
 
     The language model is ``WIDE_TEXT`` (hidden 768, 4 layers, GQA 12/4, MLP 2048, vocabulary
@@ -355,7 +361,9 @@ def wide_model_dir(family: str, scratch: Path) -> Path:
 
     Args:
         family: A key of ``FAMILIES``.
-        scratch: The bench's scratch folder; the model goes in ``wide_<family>`` under it.
+        scratch: The bench's scratch folder; the model goes in ``wide_<family>`` under it
+            (``wide_<family>_<layers>layers`` at another depth than ``WIDE_TEXT``'s).
+        layers: The language model's layers (``--layers``).
 
     Returns:
         The model folder.
@@ -365,7 +373,8 @@ def wide_model_dir(family: str, scratch: Path) -> Path:
     import torch
     import transformers
 
-    folder = scratch / f"wide_{family}"
+    default = layers == WIDE_TEXT["num_hidden_layers"]
+    folder = scratch / (f"wide_{family}" if default else f"wide_{family}_{layers}layers")
     if (folder / "model.safetensors").exists():
         return folder
     tiny = family_dir(family)
@@ -373,6 +382,7 @@ def wide_model_dir(family: str, scratch: Path) -> Path:
     tiny_text = tiny_config["text_config"]
     text = {
         **WIDE_TEXT,
+        "num_hidden_layers": layers,
         "rope_parameters": {**tiny_text["rope_parameters"], "mrope_section": WIDE_MROPE[family]},
         **{key: tiny_text[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
     }
@@ -442,22 +452,19 @@ def write_rows(path: Path, count: int) -> None:
             out.write(json.dumps({"messages": messages}) + "\n")
 
 
-def tunelab_worker(args: argparse.Namespace) -> dict:
-    """The tunelab side: the recipe's step with its batch's loading, timed per optimizer step."""
+def _tunelab_setup(args: argparse.Namespace) -> dict:
+    """The recipe's set-up: tokenizer, dataset (tokenised into its cache), loader, LoRA model.
+
+    Returns:
+        ``tokenizer``, ``loader``, ``model`` (training mode), ``trainable`` (the adapters),
+        ``output`` (the chunked output layer) and ``tokenize_seconds``.
+    """
     import torch
 
     import tunelab.peft as peft
     from tunelab.config.lora import LoRAArgs
     from tunelab.data import image_chat_dataset, load_tokenizer, sft_collate
-    from tunelab.losses import CrossEntropyLoss
-    from tunelab.training import (
-        OptimizerStep,
-        adamw,
-        batch_loss,
-        global_token_count,
-        load_model,
-        output_layer,
-    )
+    from tunelab.training import load_model, output_layer
     from tunelab.training.setup import build_dataloader
 
     torch.manual_seed(0)
@@ -465,7 +472,7 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
     began = time.perf_counter()
     dataset = image_chat_dataset(
         tokenizer, source="json", data_files=args.data, max_seq_len=args.max_length,
-        cache_dir=str(Path(args.result).with_suffix("")), num_proc=1,
+        cache_dir=str(Path(args.result or args.trim_result).with_suffix("")), num_proc=1,
     )  # fmt: skip
     tokenize_seconds = time.perf_counter() - began
     loader, _ = build_dataloader(
@@ -475,11 +482,27 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
     lora = LoRAArgs(rank=8, alpha=16.0, dropout=0.0, targets=LORA_TARGETS)
     model = load_model(args.model_dir, device=torch.device("cpu"), dtype=torch.float32, lora=lora)
     model.train()
-    trainable = list(peft.get_adapter_params(model).values())
+    return {
+        "tokenizer": tokenizer,
+        "loader": loader,
+        "model": model,
+        "trainable": list(peft.get_adapter_params(model).values()),
+        "output": output_layer(model),
+        "tokenize_seconds": tokenize_seconds,
+    }
+
+
+def tunelab_worker(args: argparse.Namespace) -> dict:
+    """The tunelab side: the recipe's step with its batch's loading, timed per optimizer step."""
+    from tunelab.losses import CrossEntropyLoss
+    from tunelab.training import OptimizerStep, adamw, batch_loss, global_token_count
+
+    setup = _tunelab_setup(args)
+    tokenizer, loader, model = setup["tokenizer"], setup["loader"], setup["model"]
+    trainable, output = setup["trainable"], setup["output"]
     optimizer_step = OptimizerStep(
         adamw(trainable, lr=1e-4, weight_decay=0.0), trainable, clip_grad_norm=1.0
     )
-    output = output_layer(model)
     loss_fn = CrossEntropyLoss()
     seconds, cpu_seconds, tokens = 0.0, 0.0, 0
     batches = iter(loader)
@@ -499,8 +522,69 @@ def tunelab_worker(args: argparse.Namespace) -> dict:
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
         "tokens": tokens,
-        "tokenize_seconds": tokenize_seconds,
+        "tokenize_seconds": setup["tokenize_seconds"],
     }
+
+
+TRIM_SIDES = ("scored rows", "every row")
+"""The trim part's two forwards: the last layer past attention at the scored positions only
+(``training.forward``'s default with the chunked output layer), and at every position (the
+same forward given the batch without its labels, the loss then picking the scored rows)."""
+
+
+def trim_worker(args: argparse.Namespace) -> dict:
+    """tunelab's forward and backward, the last layer trimmed and not, alternating per batch.
+
+    Each of ``--steps`` batches (after one untimed warm-up of each side) runs both sides, the
+    order alternating per batch (ABBA); gradients are dropped after each (no optimizer step:
+    both sides see the same weights). Timed: the forward, the loss and the backward.
+
+    Returns:
+        ``{side: [{"seconds", "cpu_seconds", "tokens"} per batch]}``.
+    """
+    from tunelab.losses import CrossEntropyLoss
+    from tunelab.training import forward, global_token_count
+
+    setup = _tunelab_setup(args)
+    model, output, pad_id = setup["model"], setup["output"], setup["tokenizer"].pad_id
+    loss_fn = CrossEntropyLoss()
+
+    def step(batch: dict, side: str) -> dict[str, float]:
+        began, began_cpu = time.perf_counter(), time.process_time()
+        given = (
+            batch if side == TRIM_SIDES[0] else {k: v for k, v in batch.items() if k != "labels"}
+        )
+        loss_sum, _ = loss_fn(forward(model, given, output), batch["labels"], output=output)
+        (loss_sum / global_token_count([batch])).backward()
+        model.zero_grad(set_to_none=True)
+        return {
+            "seconds": time.perf_counter() - began,
+            "cpu_seconds": time.process_time() - began_cpu,
+            "tokens": int((batch["tokens"] != pad_id).sum()),
+        }
+
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in TRIM_SIDES}
+    for index, batch in enumerate(setup["loader"]):
+        if index > args.steps:
+            break
+        order = TRIM_SIDES if index % 2 == 0 else TRIM_SIDES[::-1]
+        for side in order:
+            figures = step(batch, side)
+            if index > 0:  # the first batch warms both up
+                results[side].append(figures)
+    return results
+
+
+def run_trim(args: argparse.Namespace, data: Path, model_dir: Path, scratch: Path) -> dict:
+    """The trim worker in its own process, ``--threads`` threads."""
+    result = scratch / "trim.json"
+    command = [
+        sys.executable, __file__, "--trim-result", str(result), "--data", str(data),
+        "--model-dir", str(model_dir), "--steps", str(args.steps),
+        "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+        "--threads", str(args.threads),
+    ]  # fmt: skip
+    return run_json_worker(command, result, args.threads, "trim")
 
 
 def _trl_processor(family: str, model_dir: str):
@@ -598,8 +682,8 @@ def trl_worker(args: argparse.Namespace) -> dict:
 def orchestrate(args: argparse.Namespace) -> None:
     """Preprocessing rounds, then training rounds (the order alternating), then the table."""
     parts = {part.strip() for part in args.parts.split(",") if part.strip()}
-    if not parts or parts - {"preprocessing", "training"}:
-        raise SystemExit(f"--parts {args.parts!r}: choose preprocessing, training or both")
+    if not parts or parts - {"preprocessing", "training", "trim"}:
+        raise SystemExit(f"--parts {args.parts!r}: choose from preprocessing, training, trim")
     if args.max_length is None:
         args.max_length = WIDE_MAX_LENGTH if args.model == "wide" else 128
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_vl_"))
@@ -620,6 +704,10 @@ def orchestrate(args: argparse.Namespace) -> None:
         train_rows, train_notes = training_rows(args, scratch)
         rows += train_rows
         notes += train_notes
+    if "trim" in parts:
+        more_rows, more_notes = trim_rows(args, scratch)
+        rows += more_rows
+        notes += more_notes
     notes.append(
         f"{os.cpu_count()} cores; load average {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after."
@@ -631,18 +719,53 @@ def orchestrate(args: argparse.Namespace) -> None:
     )
 
 
+def _rows_and_model(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path]:
+    """The chat rows file of the steps, and the model folder of ``--model`` (and ``--layers``)."""
+    data = scratch / "vl_chat.jsonl"
+    write_rows(data, args.batch_size * (1 + args.steps))
+    if args.model == "wide":
+        return data, wide_model_dir(args.family, scratch, args.layers)
+    return data, family_dir(args.family)
+
+
+def trim_rows(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[str]]:
+    """The trim part's rows: tunelab's forward and backward per second and per CPU-second with
+    the last layer at the scored positions only, against at every position (no target)."""
+    import dataclasses
+
+    data, model_dir = _rows_and_model(args, scratch)
+    results = run_trim(args, data, model_dir, scratch)
+    ours, theirs = TRIM_SIDES
+    shape = shape_label(model_dir)
+    figure = (
+        f"{args.family} {args.model} ({shape}), LoRA SFT forward + backward with images: "
+        f"tokens/s, the last layer past attention at the {ours} / at {theirs}"
+    )
+    rows, notes = [], []
+    for time_key, unit in (("seconds", "tokens/s"), ("cpu_seconds", "tokens per CPU-second")):
+        row, row_notes = throughput_row(
+            figure.replace("tokens/s", unit), results, 1.0, ours=ours, theirs=theirs,
+            time_key=time_key,
+        )  # fmt: skip
+        rows.append(dataclasses.replace(row, target="-", met=None))
+        notes += [f"trim, {note}" for note in row_notes]
+    notes.insert(
+        0,
+        f"trim: one process, {args.threads} intra-op thread(s), {args.steps} batches of "
+        f"{args.batch_size} rows after one warm-up; each batch runs both sides, the order "
+        "alternating per batch; the forward, the chunked loss and the backward are timed (no "
+        "optimizer step); 'rounds' in the notes are batches.",
+    )
+    return rows, notes
+
+
 def training_rows(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[str]]:
     """The training rounds of ``--model`` (the order alternating), their rows and notes.
 
     Raises:
         SystemExit: The sides trained different numbers of tokens in a round.
     """
-    data = scratch / "vl_chat.jsonl"
-    write_rows(data, args.batch_size * (1 + args.steps))
-    if args.model == "wide":
-        model_dir = wide_model_dir(args.family, scratch)
-    else:
-        model_dir = family_dir(args.family)
+    data, model_dir = _rows_and_model(args, scratch)
     # Each shape's workers in a folder of their own: tunelab's token cache and TRL's output.
     runs = scratch / f"train_{args.model}"
     runs.mkdir(exist_ok=True)
@@ -680,6 +803,9 @@ def main() -> None:
     args = parse_args()
     if args.preprocess_result:
         Path(args.preprocess_result).write_text(json.dumps(preprocess_worker(args)))
+        return
+    if args.trim_result:
+        Path(args.trim_result).write_text(json.dumps(trim_worker(args)))
         return
     workers = {"tunelab": tunelab_worker, "TRL": trl_worker}
     trainer_bench_main(args, workers, orchestrate)

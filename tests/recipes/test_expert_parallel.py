@@ -126,6 +126,21 @@ def test_split_experts_train_as_one_process_router_loss_included(mixtral_runs):
     assert_same_exports(*mixtral_runs, atol=1e-5)  # measured 7.5e-8
 
 
+def test_split_experts_without_a_router_loss_train_as_one_process(tmp_path):
+    # Without a router loss the last layer's experts take only the scored positions (the
+    # trimmed last layer): each rank sends its own number of rows through the all-to-all.
+    no_router_loss = "router.aux_loss_coef=0"
+    _run(tmp_path / "split", EXPERT_PARALLEL, no_router_loss)
+    _run(tmp_path / "one", ONE_PROCESS, no_router_loss, nproc=1)
+    split, one = _steps(tmp_path / "split"), _steps(tmp_path / "one")
+    assert sorted(split) == sorted(one) == [1, 2, 3]
+    assert all("router_aux_loss" not in row for row in split.values())
+    for step in split:
+        for name in ("loss", "grad_norm"):
+            ours, expected = split[step][name], one[step][name]
+            assert abs(ours - expected) <= 1e-5 * max(1.0, abs(expected)), (step, name, ours)
+
+
 def test_expert_groups_of_two_on_four_processes_train_as_one_process(expert_groups):
     _assert_trains_as_one_process(expert_groups)
     assert_same_exports(*expert_groups, atol=1e-5)  # measured 3e-7
