@@ -175,10 +175,22 @@ class Nodes:
                 )  # fmt: skip
 
     def workers(self, node: int) -> list[int]:
-        """The pids of ``node``'s workers (children of its launcher, Linux)."""
-        pid = self.procs[node].pid
-        children = Path(f"/proc/{pid}/task/{pid}/children")
-        return [int(child) for child in children.read_text().split()] if children.exists() else []
+        """The pids of ``node``'s workers (Linux): the processes that run the recipe.
+
+        The children of its launcher, or, where its zygote forked them
+        (``tunelab.lifecycle.zygote``), the zygote's children instead of the zygote and of the
+        stand-ins torchrun started (a frozen stand-in would leave its worker running).
+        """
+        from tunelab.lifecycle.zygote import ZYGOTE_CODE
+
+        workers = []
+        for child in _children(self.procs[node].pid):
+            command = _cmdline(child)
+            if ZYGOTE_CODE.encode() in command:
+                workers += _children(child)
+            elif not command.startswith(b"tunelab worker client"):
+                workers.append(child)
+        return workers
 
     def output(self, tail: int | None = None) -> str:
         """What the nodes printed (each node's last ``tail`` characters)."""
@@ -210,6 +222,21 @@ class Nodes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(child) for child in children.read_text().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def wait_for(condition, timeout: float, what: str, nodes: Nodes | None = None):

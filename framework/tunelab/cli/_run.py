@@ -30,7 +30,8 @@ from tunelab.lifecycle import (
 from tunelab.lifecycle.collective_timeout import PEER_CLOSED_KEY, CollectiveTimeout
 from tunelab.lifecycle.entry import ERROR_FILE_ENV, _recipe_parser
 from tunelab.lifecycle.preemption import REPORTED_BY_LAUNCHER_ENV, STOP_LINE_FILE_ENV, signal_name
-from tunelab.lifecycle.worker_start import worker_arguments
+from tunelab.lifecycle.worker_start import WORKER_CODE, worker_arguments
+from tunelab.lifecycle.zygote import CLIENT_CODE, Zygote, start_zygote, zygote_enabled
 
 USAGE = """\
 usage: tunelab run [TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDE ...]
@@ -180,15 +181,23 @@ def _exit_status(code: int) -> int:
     return code if code > 0 else 128 - code
 
 
+# The zygotes of this process's torchrun launches: children, but no workers (see _own_children).
+_zygote_pids: set[int] = set()
+
+
 def _own_children() -> list[int]:
-    """The live child processes of this process (Linux ``/proc``; none found elsewhere)."""
+    """The live worker processes of this process (Linux ``/proc``; none found elsewhere).
+
+    Its children, less the zygote (which holds stop signals for the workers it forks and
+    dies with this process).
+    """
     pids: list[int] = []
     for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         try:
             pids += [int(pid) for pid in children.read_text().split()]
         except (OSError, ValueError):
             continue
-    return pids
+    return [pid for pid in pids if pid not in _zygote_pids]
 
 
 def _stop_workers_torchrun_missed(signum: int) -> None:
@@ -306,7 +315,8 @@ def _run_torchrun(
     parser.prog = "tunelab run"
     launch = parser.parse_args([*torchrun_args, str(recipe), *child_args])
     defaults = parser.parse_args(["recipe.py"])
-    if not (launch.no_python or launch.module or launch.run_path):
+    ours = not (launch.no_python or launch.module or launch.run_path)
+    if ours:
         # Each worker is `python -u -c WORKER_CODE RECIPE ARGS` (worker_start: the recipe runs
         # as __main__, its imports with fewer garbage collections) where torchrun would start
         # `python -u RECIPE ARGS`.
@@ -347,10 +357,33 @@ def _run_torchrun(
     # only when the run was really stopped, not when torchrun stopped it after a rank died.
     stop_line = Path(tempfile.mkdtemp(prefix="tunelab-stop-")) / "line"
     os.environ[STOP_LINE_FILE_ENV] = str(stop_line)
+    zygote = None
     try:
+        if ours and zygote_enabled():
+            zygote = _start_zygote(launch, recipe, debug)
         return _launch(launch, recipe, stop_line)
     finally:
+        if zygote is not None:
+            zygote.close()
+            _zygote_pids.discard(zygote.pid)
         shutil.rmtree(stop_line.parent, ignore_errors=True)
+
+
+def _start_zygote(launch: argparse.Namespace, recipe: Path, debug: bool) -> Zygote | None:
+    """Start the zygote that forks this launch's workers (``lifecycle.zygote``), if it can.
+
+    Each worker torchrun starts is then ``python -u -c CLIENT_CODE RECIPE ARGS`` instead of
+    ``python -u -c WORKER_CODE RECIPE ARGS``; a client the zygote cannot serve runs the recipe
+    itself, as the latter does.
+    """
+    arguments = launch.training_script_args
+    code = arguments.index(WORKER_CODE)
+    client = [*arguments[:code], CLIENT_CODE, *arguments[code + 1 :]]
+    zygote = start_zygote(str(recipe), [launch.training_script, *client], debug)
+    if zygote is not None:
+        launch.training_script_args = client
+        _zygote_pids.add(zygote.pid)
+    return zygote
 
 
 def _print_stop_line(stop_line: Path) -> None:
