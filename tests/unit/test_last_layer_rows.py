@@ -8,7 +8,7 @@ mixture of experts, Qwen2.5-VL, Qwen3-VL with deepstack, Gemma 3 VL), on padded 
 rows, the loss and the gradients (LoRA adapters, or every parameter) equal the full path's
 within 1e-6 in fp32; a forward with any rows, image tokens included, equals the full
 forward's rows; and the last MLP sees only the scored rows (a hook counts them), unless a
-router loss needs every token's routing.
+router loss needs every token's routing or the last layer draws dropout masks.
 """
 
 import json
@@ -244,6 +244,20 @@ def test_the_last_mlp_sees_only_the_scored_rows(family):
         stats = RouterStats()
         assert _mlp_rows(model, lambda: forward(model, batch, output, stats)) == [positions] * 2
         assert stats.num_layers == 2
+
+
+def test_a_last_layer_drawing_dropout_keeps_every_row():
+    # Masks drawn for fewer rows would take other random numbers than the full forward's
+    # (and tensor parallelism's): LoRA dropout while training keeps the full path.
+    model = _text_model("llama")
+    peft.apply_lora(model, LoRAArgs(targets=TARGETS, rank=4, alpha=8.0, dropout=0.1))
+    batch = _text_batch(packed=False)
+    output = output_layer(model)
+    positions = batch["tokens"].numel()
+    scored = int((batch["labels"][:, 1:] != IGNORE).sum())
+    assert _mlp_rows(model, lambda: forward(model, batch, output)) == [positions, positions]
+    model.eval()  # no dropout drawn
+    assert _mlp_rows(model, lambda: forward(model, batch, output)) == [positions, scored]
 
 
 def test_sequence_logps_of_scored_rows_weigh_each_row_as_the_full_path():

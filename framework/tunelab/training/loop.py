@@ -83,7 +83,7 @@ def forward(
     layer). The layouts that keep every position (``[batch, seq, dim]``, which the losses
     take alike): a batch without labels; a router loss (``router_stats``: the last layer's
     routing of every token is part of it); context and tensor parallelism (the rows of a
-    sequence split over ranks).
+    sequence split over ranks); dropout in the last layer (its masks drawn per row).
 
     Args:
         model: The decoder.
@@ -142,7 +142,9 @@ def _scored_rows_only(
 
     Context parallelism never reaches here (:func:`forward` returns before); tensor
     parallelism keeps every position: its row-wise ``o_proj`` reduce-scatters the sequence
-    split over the ranks, which a subset of rows is not.
+    split over the ranks, which a subset of rows is not. So does a last layer that draws
+    dropout masks (LoRA's ``dropout`` while training): a mask drawn for fewer rows takes other
+    random numbers than the full forward's (and tensor parallelism's) would.
     """
     if (
         output is None
@@ -150,9 +152,17 @@ def _scored_rows_only(
         or "labels" not in batch
         or not isinstance(model, TransformerDecoder)
         or tensor_parallel_size(model) > 1
+        or _draws_dropout(model.layers[-1])
     ):
         return {}
     return {"rows": scored_rows(batch["labels"])}
+
+
+def _draws_dropout(module: nn.Module) -> bool:
+    # An active dropout anywhere in ``module`` (training, p > 0).
+    return any(
+        isinstance(part, nn.Dropout) and part.training and part.p > 0 for part in module.modules()
+    )
 
 
 def batch_loss(
