@@ -20,6 +20,7 @@ import tunelab.peft as peft
 from tunelab._paths import assets_dir
 from tunelab.config.lora import LoRAArgs
 from tunelab.data import image_chat_dataset, load_tokenizer, sft_collate
+from tunelab.distributed import apply_activation_checkpointing
 from tunelab.losses import (
     CrossEntropyLoss,
     ForwardKLLoss,
@@ -158,6 +159,14 @@ def test_text_families_loss_and_gradients_equal_the_full_path(family, packed, lo
     model = _text_model(family).to(dtype)
     params = _adapt(model, lora)
     _assert_trim_is_exact(model, _text_batch(packed), params)
+
+
+@pytest.mark.parametrize("scope", ["block", "attention"])
+def test_activation_checkpointing_recomputes_the_trimmed_last_layer(scope):
+    model = _text_model("gemma2")
+    params = _adapt(model, lora=True)
+    apply_activation_checkpointing(model, scope=scope)
+    _assert_trim_is_exact(model, _text_batch(packed=True), params)
 
 
 @DTYPES
