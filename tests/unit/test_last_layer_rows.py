@@ -33,6 +33,7 @@ from tunelab.modules import positions_from_document_ids
 from tunelab.modules.moe import RouterStats
 from tunelab.training import output_layer
 from tunelab.training.loop import forward
+from tunelab.training.shared_prompts import forward_sharing_prompts
 
 IGNORE = -100
 VOCAB = 97
@@ -267,6 +268,34 @@ def test_a_last_layer_drawing_dropout_keeps_every_row():
     assert _mlp_rows(model, lambda: forward(model, batch, output)) == [positions, positions]
     model.eval()  # no dropout drawn
     assert _mlp_rows(model, lambda: forward(model, batch, output)) == [positions, scored]
+
+
+def test_rows_sharing_a_prompt_trim_the_last_layer_too():
+    # A GRPO group: one prompt computed once, three completions, one shorter (padding).
+    model = _text_model("llama")
+    params = _adapt(model, lora=True)
+    tokens = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(5))
+    tokens[:, :5] = tokens[0, :5]
+    labels = tokens.clone()
+    labels[:, :5] = IGNORE
+    labels[1, -3:] = IGNORE
+    batch = {"tokens": tokens, "labels": labels}
+    output = output_layer(model)
+    scored = int((labels[:, 1:] != IGNORE).sum())
+    shared = 5 + 7 + 7 + 4  # the prompt once, then each row's span
+    seen = _mlp_rows(model, lambda: forward_sharing_prompts(model, batch, output))
+    assert seen == [shared, scored]
+    states = forward_sharing_prompts(model, batch, output)
+    assert states.shape == (scored, model.args.dim)
+    loss_sum, _ = CrossEntropyLoss()(states, labels, output=output)
+    full_sum, _ = CrossEntropyLoss()(
+        forward(model, {"tokens": tokens}, output), labels, output=output
+    )
+    loss, full_loss = loss_sum / scored, full_sum / scored
+    torch.testing.assert_close(loss, full_loss, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(loss, params)
+    for got, want in zip(grads, torch.autograd.grad(full_loss, params), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * max(1.0, want.abs().max()))
 
 
 def test_sequence_logps_of_scored_rows_weigh_each_row_as_the_full_path():

@@ -109,7 +109,7 @@ def forward(
             context_parallel=context,
             **routing,
         )
-    rows = _scored_rows_only(model, batch, output, router_stats)
+    rows = scored_rows_only(model, batch, output, router_stats)
     visual = {key: batch[key] for key in VISUAL_INPUTS if key in batch}
     if visual:
         # Images or videos (a vision-language model): it computes its own M-RoPE positions.
@@ -132,11 +132,11 @@ def forward(
     return model(batch["tokens"], return_hidden=hidden, **routing, **rows)
 
 
-def _scored_rows_only(
+def scored_rows_only(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
     output: OutputLayer | None,
-    router_stats: RouterStats | None,
+    router_stats: RouterStats | None = None,
 ) -> dict[str, torch.Tensor]:
     """The forward's ``rows`` keyword (the scored positions), or nothing for every position.
 
@@ -145,6 +145,15 @@ def _scored_rows_only(
     split over the ranks, which a subset of rows is not. So does a last layer that draws
     dropout masks (LoRA's ``dropout`` while training): a mask drawn for fewer rows takes other
     random numbers than the full forward's (and tensor parallelism's) would.
+
+    Args:
+        model: The decoder.
+        batch: The collated batch (its ``labels`` name the scored positions).
+        output: The chunked output layer, or None (whole logits: every position).
+        router_stats: A mixture of experts' routing record, or None.
+
+    Returns:
+        ``{"rows": scored_rows(labels)}``, or ``{}``.
     """
     if (
         output is None

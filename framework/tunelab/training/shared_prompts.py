@@ -29,7 +29,7 @@ from torch import nn
 from tunelab.losses import OutputLayer
 from tunelab.models.args import SLIDING
 from tunelab.modules import SharedPrefix
-from tunelab.training.loop import forward
+from tunelab.training.loop import forward, scored_rows_only
 
 __all__ = ["distinct_prompts", "forward_sharing_prompts", "shared_prompt_forward"]
 
@@ -85,7 +85,11 @@ def _unsupported(model: nn.Module) -> str | None:
 
 
 def shared_prompt_forward(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, return_hidden: bool
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    return_hidden: bool,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The model's output for ``batch``, each distinct prompt computed once; None: per row.
 
@@ -94,11 +98,15 @@ def shared_prompt_forward(
         batch: ``tokens`` and ``labels`` ``[rows, seq]`` (-100 off the completions): a
             rollout, preference or KTO batch.
         return_hidden: Final hidden states (for the chunked output layer) instead of logits.
+        positions: Positions of ``[rows * seq]`` whose output is wanted (in each row's span),
+            e.g. ``tunelab.losses.scored_rows``: the last layer computes past attention at
+            their packed positions only (``TransformerDecoder.forward(rows=...)``).
 
     Returns:
         ``[rows, seq, dim]`` hidden states (or ``[rows, seq, vocab]`` logits) equal to
-        ``model(batch["tokens"])``'s at every position up to each row's last label, or None
-        when no two rows share a prompt or the model or batch does not allow it.
+        ``model(batch["tokens"])``'s at every position up to each row's last label (with
+        ``positions``: ``[len(positions), ...]``, theirs), or None when no two rows share a
+        prompt or the model or batch does not allow it.
     """
     reason = _unsupported(model)
     if reason is None and ("document_ids" in batch or "input_pos" in batch):
@@ -151,12 +159,6 @@ def shared_prompt_forward(
     layout = SharedPrefix(
         len(unique), prompt_len, of_row_index, prompt_lengths, completion_len, slots=slots
     )
-    out = model(
-        grid_tokens[slots][None],
-        input_pos=grid_positions[slots][None],
-        shared_prefix=layout,
-        return_hidden=return_hidden,
-    )
     # Each batch position's grid slot (its prompt's, or its own continuation's), then that
     # slot's place in the packed row; a position past its row's span reads any computed slot
     # (the first): nothing reads it.
@@ -170,7 +172,17 @@ def shared_prompt_forward(
     grid_index = torch.where(columns < prompt_lengths[:, None], in_prompt, in_completion)
     packed_index = torch.zeros(occupied.numel(), dtype=torch.long, device=device)
     packed_index[slots] = torch.arange(slots.numel(), device=device)
-    return out[0][packed_index[grid_index]]
+    index = packed_index[grid_index]  # [rows, seq]: each position's place in the packed row
+    # A prompt's last position, scored in each row continuing it, is wanted once per row.
+    wanted = {} if positions is None else {"rows": index.reshape(-1).index_select(0, positions)}
+    out = model(
+        grid_tokens[slots][None],
+        input_pos=grid_positions[slots][None],
+        shared_prefix=layout,
+        return_hidden=return_hidden,
+        **wanted,
+    )
+    return out if positions is not None else out[0][index]
 
 
 def forward_sharing_prompts(
@@ -183,8 +195,12 @@ def forward_sharing_prompts(
     Returns:
         Logits ``[rows, seq, ...]`` (final hidden states with ``output``), equal to the per-row
         forward's at every position up to each row's last label; the per-row fallback with
-        ``output`` gives the hidden states of the scored positions only (``[scored, dim]``,
-        see :func:`~tunelab.training.forward`), which the losses take alike.
+        ``output`` the hidden states of the scored positions only (``[scored, dim]``, see
+        :func:`~tunelab.training.forward`), which the losses take alike, and so does the
+        shared forward where the layout allows it.
     """
-    out = shared_prompt_forward(model, batch, return_hidden=output is not None)
+    scored = scored_rows_only(model, batch, output)
+    out = shared_prompt_forward(
+        model, batch, return_hidden=output is not None, positions=scored.get("rows")
+    )
     return forward(model, batch, output) if out is None else out
