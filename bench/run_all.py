@@ -45,7 +45,7 @@ BENCHMARKS = {
     "training": ("bench_training.py", False, [],
                  ["--steps", "5", "--seq-len", "512", "--wide-layers", "4"]),
     "grpo": ("bench_grpo.py", False, ["--shapes", "tiny-16,wide-16"], []),
-    "grpo_async": ("bench_grpo_async.py", False, [], ["--nprocs", "2,4", "--steps", "30"]),
+    "grpo_async": ("bench_grpo_async.py", False, [], ["--nprocs", "2,4"]),
     "agentic": ("bench_agentic.py", False, [], ["--rounds", "3", "--steps", "5"]),
     "distill": ("bench_distill.py", False, [], ["--loss-tokens", "4096"]),
     "kto": ("bench_kto.py", False, ["--model", "wide"],
