@@ -54,16 +54,23 @@ class VideoSpans:
 
 
 def _add_deepstack(
-    h: torch.Tensor, is_visual: torch.Tensor, features: torch.Tensor, rows: torch.Tensor | None
+    h: torch.Tensor,
+    is_visual: torch.Tensor,
+    visual_index: torch.Tensor,
+    features: torch.Tensor,
+    rows: torch.Tensor | None,
 ) -> torch.Tensor:
     """``h`` plus one layer's deepstack ``features`` at its visual tokens.
 
     ``features`` is ``[visual tokens, dim]``, in sequence order; ``h`` is ``[batch, seq,
     dim]``, or with ``rows`` the ``[rows, dim]`` of those positions of ``[batch * seq]``.
+    ``visual_index`` is ``is_visual.reshape(-1).nonzero()``'s column, computed once a forward:
+    one ``index_add`` (its backward passes ``h``'s gradient through whole) instead of a boolean
+    gather and ``masked_scatter`` (whose backward gathers and zero-fills).
     """
     if rows is None:
-        added = h[is_visual] + features.to(h.dtype)
-        return h.masked_scatter(is_visual[..., None], added)
+        flat = h.reshape(-1, h.shape[-1])
+        return flat.index_add(0, visual_index, features.to(h.dtype)).view_as(h)
     visual = is_visual.reshape(-1)
     # Each position's place among the visual tokens, read at the rows that are visual.
     rank = visual.cumsum(0).index_select(0, rows) - 1
@@ -557,11 +564,12 @@ class VisionLanguageDecoder(TransformerDecoder):
         is_visual = tokens == vision.image_token_id
         if pixel_values_videos is not None:
             is_visual = is_visual | (tokens == vision.video_token_id)
+        visual_index = is_visual.reshape(-1).nonzero().squeeze(-1) if deepstack else None
         for index, layer in enumerate(self.model.layers):
             last = self.last_layer_rows(index, rows)
             h = layer(h, cos, sin, masks[FULL], input_pos, **last)
             if index < len(deepstack):
                 # Deepstack: the k-th feature is added at the visual tokens after layer k.
-                h = _add_deepstack(h, is_visual, deepstack[index], last.get("rows"))
+                h = _add_deepstack(h, is_visual, visual_index, deepstack[index], last.get("rows"))
         h = self.model.norm(h)
         return h if return_hidden else self.output(h)

@@ -278,11 +278,13 @@ class VisionAttention(nn.Module):
             ``[patches, dim]``.
         """
         patches = x.shape[0]
-        q, k, v = self.qkv(x).view(patches, 3, self.num_heads, self.head_dim).unbind(1)
-        # Rotate in fp32 and cast back, as transformers does.
-        cos, sin = cos[:, None], sin[:, None]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        qkv = self.qkv(x).view(patches, 3, self.num_heads, self.head_dim)
+        # Rotate q and k in one pass (half the ops of one each), in fp32 and cast back, as
+        # transformers does.
+        qk = qkv[:, :2].float()
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        q, k = (qk * cos + _rotate_half(qk) * sin).to(x.dtype).unbind(1)
+        v = qkv[:, 2]
         # [1, heads, patches, head_dim]: 4-D inputs take the fused (flash) CPU kernel, as in
         # transformers; 3-D ones fall back to the math path (2-3x the time per window).
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
