@@ -8,7 +8,10 @@ calculator ran. One 8-step run is shared by the tests: its reward rises while th
 lr 1e-12 stays where it started; it logs whole episodes; its first two steps equal one process
 with twice the batch or twice the accumulation; a kill-and-resume at step 4 replays it exactly,
 tool calls included. Plain function tools run in worker processes: a hung or crashing calculator
-is killed and read as its error (one more 2-step run).
+is killed and read as its error (one more 2-step run). Asynchronous GRPO over episodes
+(``rollout.mode: async``, colocated): k = 0 is synchronous agentic GRPO bit for bit; with k = 1
+two runs are identical and a run whose rank 1 is SIGKILLed after a checkpoint resumes to the
+uninterrupted run, the episodes in flight restored (4-step runs).
 """
 
 import json
@@ -23,11 +26,14 @@ import pytest
 from tests.recipes.conftest import (
     RECIPE_TIMEOUT_S,
     TUNELAB,
+    assert_same_exports,
     interrupted_copy,
     read_metrics,
     run_env,
     tunelab_run,
 )
+from tests.recipes.test_grpo import assert_step_logs_equal, sigkill_rank_1
+from tests.recipes.test_grpo_async import in_flight_after_the_kill
 from tunelab.rl.agentic import calculator
 
 pytestmark = pytest.mark.slow
@@ -199,3 +205,86 @@ def test_hung_and_crashing_tools_are_killed_and_read_as_errors(sft_model, tmp_pa
     metrics = read_metrics(out)
     assert sum(m["agentic/tool_errors/timeout"] for m in metrics) > 0
     assert sum(m["agentic/tool_errors/crash"] for m in metrics) > 0
+
+
+# -- asynchronous GRPO over episodes (rollout.mode async, colocated) --------------------------
+
+# k = 1: the episodes of step s + 1 sampled by the policy of step s; step_2 holds step 3's.
+ASYNC = (
+    "rollout.mode=async",
+    "rollout.max_lag=1",
+    "schedule.max_steps_per_epoch=4",
+    "checkpoint.save_every_n_steps=2",
+)
+TIMINGS = ("tokens_per_second", "generation_tokens_per_second", "train_tokens_per_second",
+           "off_policy/sample_seconds", "peak_memory_gib", "agentic/generation_seconds",
+           "agentic/tool_seconds", "agentic/tools_wall_seconds")  # fmt: skip
+
+
+def untimed(output_dir: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in read_metrics(output_dir)]
+
+
+def test_async_lag_zero_is_synchronous_agentic_grpo_bit_for_bit(sft_model, tmp_path):
+    steps = ("schedule.max_steps_per_epoch=2", "checkpoint.save_every_n_steps=null")
+    sync = agentic_run(tmp_path / "sync", sft_model, *steps)
+    lag_zero = agentic_run(
+        tmp_path / "k0", sft_model, *steps, "rollout.mode=async", "rollout.max_lag=0"
+    )
+    assert (sync / "logs/completions.jsonl").read_bytes() == (
+        lag_zero / "logs/completions.jsonl"
+    ).read_bytes()
+    ours = untimed(lag_zero)
+    assert ours == untimed(sync)  # loss, grad_norm, off_policy/*: every number equal
+    assert [m["off_policy/lag"] for m in ours] == [0, 0]
+    # Episodes with tool results: the recorded log-probs of the policy's tokens are the
+    # trainer's up to rounding (KL ~1e-13 measured), the tool tokens masked out (had they
+    # been compared, at log-prob 0 recorded, the KL would be of order 1).
+    assert all(m["agentic/tool_calls"] > 0.2 for m in ours)
+    assert all(0 <= m["off_policy/kl"] < 1e-9 for m in ours)
+    assert all(m["off_policy/clip_fraction"] == 0 for m in ours)
+    assert_same_exports(lag_zero, sync)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, sft_model) -> Path:
+    return agentic_run(tmp_path_factory.mktemp("agentic_async") / "full", sft_model, *ASYNC)
+
+
+def test_async_episodes_follow_the_schedule_and_two_runs_are_identical(
+    async_run, sft_model, tmp_path
+):
+    metrics = untimed(async_run)
+    assert [m["off_policy/lag"] for m in metrics] == [0, 1, 1, 1]
+    assert metrics[0]["off_policy/kl"] < 1e-9
+    # Lagged episodes: the policy moved (lr 2e-3), the trainer and behaviour log-probs differ
+    # (measured 8e-4 to 2.4e-3), within what a lag of one update should cost.
+    assert all(1e-6 < m["off_policy/kl"] < 0.05 for m in metrics[1:])
+    assert all(m["agentic/tool_calls"] > 0.2 for m in metrics)
+    again = agentic_run(tmp_path / "again", sft_model, *ASYNC)
+    assert (again / "logs/completions.jsonl").read_bytes() == (
+        async_run / "logs/completions.jsonl"
+    ).read_bytes()
+    assert untimed(again) == metrics
+    assert_same_exports(again, async_run)
+
+
+def test_async_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(
+    async_run, sft_model, tmp_path
+):
+    """Rank 1 SIGKILLed in step 3 (step_2 committed, step 3's episodes in flight); resumed."""
+    out = tmp_path / "killed"
+    command = [TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config",
+               "tiny/agentic_grpo", f"output_dir={out}", f"model.path={sft_model}", *ASYNC]  # fmt: skip
+    assert sigkill_rank_1(command, out, at_step=3, printed=tmp_path / "killed.out") != 0
+    (batch,) = in_flight_after_the_kill(out, committed=2)
+    assert (batch["step"], batch["behaviour_step"]) == (2, 1)  # 0-based: step 3, policy of 2
+    # The episodes themselves, tool results and recorded log-probs included.
+    (part,) = batch["parts"]
+    assert any(r["num_tool_calls"] for r in part["records"])
+    assert part["behaviour_logps"] is not None
+    agentic_run(out, sft_model, *ASYNC, "checkpoint.resume_from_checkpoint=true")
+    assert_step_logs_equal(out, async_run)
+    after = [m for m in untimed(out) if m["step"] > 2]
+    assert after == [m for m in untimed(async_run) if m["step"] > 2]
+    assert_same_exports(out, async_run)

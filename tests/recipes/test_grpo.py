@@ -119,26 +119,8 @@ def test_sigkill_of_rank_1_after_a_checkpoint_then_resume_logs_each_step_once(si
         TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config", "tiny/grpo",
         f"output_dir={out}", "schedule.batch_size=2", *SIX_STEPS,
     ]  # fmt: skip
-    with open(tmp_path / "killed.out", "w+") as printed:
-        run = subprocess.Popen(
-            command, env=run_env(), stdout=printed, stderr=printed, start_new_session=True
-        )
-        try:
-            # Step 4's completions are written as it starts, after step_3 committed.
-            wait_for(
-                lambda: run.poll() is not None or 4 in _completion_steps(out),
-                RECIPE_TIMEOUT_S,
-                "step 4's completions",
-            )
-            rank_1 = [pid for pid in _workers(out) if _rank(pid) == "1"]
-            assert run.poll() is None and len(rank_1) == 1, (tmp_path / "killed.out").read_text()
-            os.kill(rank_1[0], signal.SIGKILL)
-            run.wait(RECIPE_TIMEOUT_S)
-        finally:
-            if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
-                run.wait()
-    assert run.returncode != 0
+    # Step 4's completions are written as it starts, after step_3 committed.
+    assert sigkill_rank_1(command, out, at_step=4, printed=tmp_path / "killed.out") != 0
     committed = sorted(int(p.parent.name[5:]) for p in out.glob("step_*/tunelab_manifest.json"))
     assert committed == [3]
     assert max(_completion_steps(out)) > 3  # the logs hold steps past the checkpoint
@@ -181,6 +163,30 @@ def _rank(pid: int) -> str | None:
     except OSError:
         return None
     return next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), None)
+
+
+def sigkill_rank_1(command: list[str], out: Path, *, at_step: int, printed: Path) -> int:
+    """Launch ``command`` (a 2-process run into ``out``) and SIGKILL its rank 1 once step
+    ``at_step``'s completions are logged (written as the step starts); the exit status."""
+    with open(printed, "w+") as log:
+        launched = subprocess.Popen(
+            command, env=run_env(), stdout=log, stderr=log, start_new_session=True
+        )
+        try:
+            wait_for(
+                lambda: launched.poll() is not None or at_step in _completion_steps(out),
+                RECIPE_TIMEOUT_S,
+                f"step {at_step}'s completions",
+            )
+            rank_1 = [pid for pid in _workers(out) if _rank(pid) == "1"]
+            assert launched.poll() is None and len(rank_1) == 1, printed.read_text()
+            os.kill(rank_1[0], signal.SIGKILL)
+            launched.wait(RECIPE_TIMEOUT_S)
+        finally:
+            if launched.poll() is None:
+                os.killpg(launched.pid, signal.SIGKILL)
+                launched.wait()
+    return launched.returncode
 
 
 def assert_step_logs_equal(output_dir: Path, reference: Path) -> None:

@@ -8,30 +8,18 @@ colocated run bit for bit and resumes its checkpoint exactly.
 """
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.recipes.conftest import (
-    RECIPE_TIMEOUT_S,
     TUNELAB,
     assert_same_exports,
     read_metrics,
-    run_env,
     tunelab_run,
-    wait_for,
 )
-from tests.recipes.test_grpo import (
-    _completion_steps,
-    _rank,
-    _workers,
-    assert_step_logs_equal,
-    completions,
-)
+from tests.recipes.test_grpo import assert_step_logs_equal, completions, sigkill_rank_1
 
 pytestmark = pytest.mark.slow
 
@@ -102,36 +90,25 @@ def test_two_async_runs_with_one_seed_are_identical(async_run, tmp_path):
     assert_same_exports(again, async_run)
 
 
+def in_flight_after_the_kill(out: Path, *, committed: int) -> list[dict]:
+    """Rank 0's batches in flight in ``step_<committed>``, the only step checkpoint committed
+    (the record holds one entry per rank)."""
+    steps = sorted(int(p.parent.name[5:]) for p in out.glob("step_*/tunelab_manifest.json"))
+    assert steps == [committed]
+    state = json.loads((out / f"step_{committed}" / "trainer_state.json").read_text())
+    per_rank = json.loads(state["progress"]["rollouts_in_flight"])
+    assert len(per_rank) == 2
+    return json.loads(per_rank[0])
+
+
 def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(async_run, tmp_path):
     """Rank 1 SIGKILLed in step 4 (step_3 committed, steps 4 and 5 in flight); resume in place."""
     out = tmp_path / "killed"
     command = [TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config",
                "tiny/grpo", f"output_dir={out}", *ASYNC]  # fmt: skip
-    with open(tmp_path / "killed.out", "w+") as printed:
-        launched = subprocess.Popen(
-            command, env=run_env(), stdout=printed, stderr=printed, start_new_session=True
-        )
-        try:
-            wait_for(
-                lambda: launched.poll() is not None or 4 in _completion_steps(out),
-                RECIPE_TIMEOUT_S,
-                "step 4's completions",
-            )
-            rank_1 = [pid for pid in _workers(out) if _rank(pid) == "1"]
-            assert launched.poll() is None and len(rank_1) == 1, printed.name
-            os.kill(rank_1[0], signal.SIGKILL)
-            launched.wait(RECIPE_TIMEOUT_S)
-        finally:
-            if launched.poll() is None:
-                os.killpg(launched.pid, signal.SIGKILL)
-                launched.wait()
-    assert launched.returncode != 0
-    committed = sorted(int(p.parent.name[5:]) for p in out.glob("step_*/tunelab_manifest.json"))
-    assert committed == [3]
-    state = json.loads((out / "step_3" / "trainer_state.json").read_text())
-    in_flight = json.loads(state["progress"]["rollouts_in_flight"])
-    assert len(in_flight) == 2  # one record per rank
-    assert sorted(batch["step"] for batch in json.loads(in_flight[0])) == [3, 4]  # 0-based
+    assert sigkill_rank_1(command, out, at_step=4, printed=tmp_path / "killed.out") != 0
+    in_flight = in_flight_after_the_kill(out, committed=3)
+    assert sorted(batch["step"] for batch in in_flight) == [3, 4]  # 0-based
     run(out, *ASYNC, "checkpoint.resume_from_checkpoint=true")
     assert_step_logs_equal(out, async_run)
     after = [m for m in untimed(out) if m["step"] > 3]

@@ -111,6 +111,10 @@ def test_sampled_episodes_depend_on_their_seed_only(tiny):
     for episode in together:
         assert len(episode.tokens) <= limits.max_episode_tokens
         assert episode.trained[0] and len(episode.trained) == len(episode.tokens)
+        # The recorded behaviour log-probs, one per id (0.0 on template and tool ids).
+        assert len(episode.logps) == len(episode.tokens)
+        assert all(v < 0 for v, t in zip(episode.logps, episode.trained, strict=True) if t)
+        assert all(v == 0 for v, t in zip(episode.logps, episode.trained, strict=True) if not t)
 
 
 def multi_turn_episodes(tokenizer):
@@ -237,6 +241,7 @@ def test_episode_groups_score_the_whole_episode_with_the_environments_reward(tin
     assert scored.sums["agentic/tool_calls"] == 6 and scored.sums["agentic/turns"] == 6
     assert scored.sums["agentic/stop/answer"] == 2
     assert scored.rollout.advantages[0] > 0 > scored.rollout.advantages[1]
+    assert scored.rollout.behaviour_logps is None  # a replayed policy records no log-probs
     record = scored.records[0]
     assert [m["role"] for m in record["messages"]] == [
         "user", "assistant", "tool", "tool", "assistant", "tool", "assistant"]  # fmt: skip
@@ -302,3 +307,56 @@ def test_a_long_tool_error_is_cut_to_its_token_budget_and_the_episode_goes_on(ti
                            tokenizer.chat_template, box, whole)  # fmt: skip
     (uncut,) = runner.run([(conversation[:1], {})], [0])
     assert uncut.stop_reason == "max_episode_tokens" and len(uncut.tokens) < len(episode.tokens)
+
+
+def test_recorded_behaviour_logps_equal_a_fresh_forward_with_tool_tokens_masked(tiny):
+    """Each sampled token's recorded log-prob is the training forward's (fp32, as the single-turn
+    engine's: tests/unit/test_grpo_async.py); the tokens fed between turns (a tool result's
+    delta) carry none and are masked out of the loss and the off-policy correction."""
+    from tunelab.rl import behaviour_logps_batch
+    from tunelab.rl.agentic import Episode
+    from tunelab.training import output_layer
+
+    tokenizer, model = tiny
+    sampler = CachedTurnSampler(model, SamplingSettings(max_new_tokens=6), pad_id=tokenizer.pad_id)
+    g = torch.Generator().manual_seed(3)
+
+    def tokens(n):
+        return torch.randint(3, model.args.vocab_size, (n,), generator=g).tolist()
+
+    # Three episodes, ragged: row 2 ends after its first reply; rows 0 and 1 get a delta.
+    plan = [[tokens(7), tokens(3)], [tokens(12), tokens(9)], [tokens(4), None]]
+    limits = [[5, 4], [2, 6], [6, 0]]
+    episodes = [Episode(row[0]) for row in plan]
+    generators = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    with sampler.session(rows=3, capacity=64):
+        for turn in range(2):
+            new = [row[turn] for row in plan]
+            replies = sampler.turn(new, generators, [row[turn] for row in limits])
+            assert [len(v) for v in sampler.last_logps] == [len(r) for r in replies]
+            for row, (episode, reply) in enumerate(zip(episodes, replies, strict=True)):
+                if new[row] is None:
+                    continue
+                if turn:  # the delta fed before this reply: not sampled, never trained
+                    episode.tokens += new[row]
+                    episode.trained += [False] * len(new[row])
+                    episode.logps += [0.0] * len(new[row])
+                episode.tokens += reply
+                episode.trained += [True] * len(reply)
+                episode.logps += sampler.last_logps[row]
+    batch = episode_batch(episodes, tokenizer.pad_id, torch.device("cpu"))
+    width = batch["tokens"].shape[1]
+    recorded = behaviour_logps_batch(
+        [e.prompt_tokens for e in episodes], [e.logps for e in episodes], width, "cpu"
+    )
+    with torch.no_grad():
+        logps, mask = completion_logps(model, batch, output_layer(model))
+    assert mask.sum() == sum(sum(e.trained) for e in episodes) == 5 + 4 + 2 + 6 + 6
+    for row, episode in enumerate(episodes):  # the deltas' positions are masked
+        start = len(episode.prompt_tokens) - 1
+        trained = torch.tensor(episode.trained)
+        assert mask[row, start : start + len(trained)].tolist() == trained.tolist()
+    assert (recorded[~mask] == 0).all()
+    # The KV cache across turns rounds differently from the training forward (fp32).
+    torch.testing.assert_close(recorded[mask], logps[mask], atol=2e-5, rtol=0)
+    assert (logps[mask] < -1e-3).any()  # not a trivially certain model

@@ -80,24 +80,43 @@ def test_engine_records_the_log_probs_the_trainer_computes(tiny):
     assert (logps[mask] < -1e-3).any()  # not a trivially certain model
 
 
-def test_lagged_loss_and_gradients_equal_an_fp64_tis_reference(tiny):
+@pytest.mark.parametrize("kind", ["single_turn", "agentic"])
+def test_lagged_loss_and_gradients_equal_an_fp64_tis_reference(tiny, kind):
     """k = 1: the pass's loss and gradients equal the TIS formula in fp64 on recorded log-probs.
 
     ``L = -1/T sum_it min(rho A, clip(rho) A) * min(exp(logp_old - logp_mu), C)``, with
     ``rho = exp(logp - logp_old)`` (1 in the first pass, its gradient that of ``logp``).
+    ``agentic``: episodes with tool calls (tests/unit/test_agentic_episodes.py), whose tool and
+    template tokens carry garbage behaviour log-probs: masked, they weigh nothing.
     """
     model, tokenizer, prompts = tiny
     model = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(1)
-    completions = [torch.randint(3, 800, (4 + i,), generator=generator).tolist() for i in range(4)]
-    batch = rollout_batch(prompts, completions, tokenizer.pad_id, torch.device("cpu"))
+    if kind == "agentic":
+        from tests.unit.test_agentic_episodes import multi_turn_episodes
+        from tunelab.rl.agentic import episode_batch
+
+        tools = load_tokenizer(
+            str(TINY), max_seq_len=512, chat_template=str(TINY / "tools_chat_template.jinja")
+        )
+        episodes, _ = multi_turn_episodes(tools)
+        batch = episode_batch(episodes, tools.pad_id, torch.device("cpu"))
+        advantages = torch.tensor([1.0, -0.5, 0.25])
+    else:
+        completions = [
+            torch.randint(3, 800, (4 + i,), generator=generator).tolist() for i in range(4)
+        ]
+        batch = rollout_batch(prompts, completions, tokenizer.pad_id, torch.device("cpu"))
+        advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
     with torch.no_grad():
         logps, mask = completion_logps(model, batch)
-    # The behaviour policy: an older one, its log-probs off by up to +-1.
+    # Trained positions: the labelled ones only (an episode's tool tokens are not).
+    assert mask.tolist() == (batch["labels"][:, 1:] != -100).tolist()
+    # The behaviour policy: an older one, its log-probs off by up to +-1; garbage elsewhere.
     noise = (torch.rand(logps.shape, generator=generator) * 2 - 1).masked_fill(~mask, 0.0)
-    behaviour = (logps + noise).masked_fill(~mask, 0.0)
-    advantages = torch.tensor([1.0, -0.5, 0.25, -0.75])
-    rollout = Rollout(batch, advantages, torch.ones(4, dtype=torch.bool), lag=1)
+    behaviour = (logps + noise).masked_fill(~mask, -50.0)
+    rows = len(advantages)
+    rollout = Rollout(batch, advantages, torch.ones(rows, dtype=torch.bool), lag=1)
     rollout.behaviour_logps = behaviour
     cap = 1.5
     rollout.correction = TruncatedIS(cap=cap)
@@ -248,25 +267,28 @@ def test_a_new_policy_is_sent_only_when_a_fill_samples_with_it():
     assert not RolloutPipeline(2, torch.device("cpu")).samples_with(0, 0, False)
 
 
-def test_validate_refuses_async_agentic_episodes(tmp_path, monkeypatch, capsys):
+def test_validate_takes_colocated_async_agentic_episodes_only(tmp_path, monkeypatch, capsys):
     from tunelab.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("TUNELAB_DEBUG", raising=False)
-    errors = {}
-    for config in ("tiny/agentic_grpo", "tiny/grpo"):
+
+    def validate(config: str, *overrides: str) -> tuple[int, str]:
         with pytest.raises(SystemExit) as info:
             main(["validate", config, f"output_dir={tmp_path}/out", f"model.path={TINY}",
-                  "rollout.mode=async"])  # fmt: skip
-        errors[config] = (info.value.code, capsys.readouterr().err)
-    code, err = errors["tiny/agentic_grpo"]
-    assert code == 1 and "key 'rollout.mode': async rollouts are not built for agentic" in err, err
-    assert "Traceback" not in err
-    assert errors["tiny/grpo"][0] == 0, errors["tiny/grpo"][1]
-    with pytest.raises(SystemExit) as info:
-        main(["validate", "tiny/grpo", f"output_dir={tmp_path}/out", "rollout.max_lag=2"])
-    err = capsys.readouterr().err
-    assert info.value.code == 1, err
+                  *overrides])  # fmt: skip
+        return info.value.code, capsys.readouterr().err
+
+    for config in ("tiny/agentic_grpo", "tiny/grpo"):
+        code, err = validate(config, "rollout.mode=async")
+        assert code == 0, err
+    # The rollout ranks and the sampling thread build single-turn samplers only.
+    for key, value in (("ranks", "1"), ("overlap", "true")):
+        code, err = validate("tiny/agentic_grpo", "rollout.mode=async", f"rollout.{key}={value}")
+        message = f"key 'rollout.{key}': async agentic episodes are sampled colocated only"
+        assert code == 1 and message in err and "Traceback" not in err, err
+    code, err = validate("tiny/grpo", "rollout.max_lag=2")
+    assert code == 1, err
     assert "key 'rollout.max_lag': 2 is read only with rollout.mode: async" in err, err
 
 

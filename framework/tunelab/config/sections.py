@@ -234,15 +234,15 @@ class RolloutArgs:
     compile: bool = False
     """torch.compile the decode step (inductor on CPU, CUDA graphs on CUDA), once per shape bucket; tokens equal the eager step's; a failed compile decodes eagerly with one logged line. Off by default: compiling takes minutes on a small CPU, for 1.04x (768-wide model) to 1.36x (tiny) faster decode steps there."""
     mode: Literal["sync", "async"] = "sync"
-    """sync: each step trains on completions its own policy sampled; async: the batch of step s is sampled by the policy of step s - max_lag (a fixed pipeline depth within an epoch, so the schedule depends on the step and max_lag only; the batches in flight go into step checkpoints) and corrected with off_policy."""
+    """sync: each step trains on completions its own policy sampled; async: the batch of step s is sampled by the policy of step s - max_lag (a fixed pipeline depth within an epoch, so the schedule depends on the step and max_lag only; the batches in flight go into step checkpoints) and corrected with off_policy; agentic episodes too (colocated: ranks 0, no overlap)."""
     max_lag: Annotated[int, Range(ge=0)] = 1
     """mode async: policy updates between the policy that samples a batch and the update that trains on it (0: synchronous GRPO, bit for bit)."""
     off_policy: Component = component(default="tunelab.rl.TruncatedIS")
     """mode async: the importance weight on each token loss of a batch sampled by an older policy, a tunelab.rl.OffPolicyCorrection: tunelab.rl.TruncatedIS (cap) or tunelab.rl.MaskedIS (low, high)."""
     ranks: Annotated[int, Range(ge=0)] = 0
-    """mode async: the last N processes of the job only sample (rollout ranks) and the others only train, on batches the rollout ranks sampled with the policy max_lag updates older (each trainer sends its shards right after each update, in the background: LoRA the adapter, full every weight); the same schedule and results as the colocated run with as many trainers, refill rounds included (0: every process samples and trains). Needs at least N trainers; a checkpoint resumes with any rollout.ranks and as many trainers."""
+    """mode async: the last N processes of the job only sample (rollout ranks) and the others only train, on batches the rollout ranks sampled with the policy max_lag updates older (each trainer sends its shards right after each update, in the background: LoRA the adapter, full every weight); the same schedule and results as the colocated run with as many trainers, refill rounds included (0: every process samples and trains). Needs at least N trainers; a checkpoint resumes with any rollout.ranks and as many trainers. Not with an agentic section."""
     overlap: bool = False
-    """mode async with ranks 0 (colocated): each process keeps a whole, unsharded copy of the model and samples the next batches on it in a worker thread while the step trains (the policy copied over in one all-gather per sampled batch); the same completions, metrics and checkpoints as without it. Costs a second copy of the model per process; not with dynamic_sampling_refill_rounds (their rounds agree over a collective)."""
+    """mode async with ranks 0 (colocated): each process keeps a whole, unsharded copy of the model and samples the next batches on it in a worker thread while the step trains (the policy copied over in one all-gather per sampled batch); the same completions, metrics and checkpoints as without it. Costs a second copy of the model per process; not with dynamic_sampling_refill_rounds (their rounds agree over a collective) nor an agentic section."""
 
     def check_settings(self) -> list[str]:
         """Refills need dynamic sampling; greedy sampling trains nothing; max_lag and overlap need async."""

@@ -100,6 +100,9 @@ class Episode:
         tokens: The ids after the prompt: replies and tool deltas, in order.
         trained: Per id of ``tokens``: True where the policy sampled it (the loss's
             positions), False for template and tool tokens.
+        logps: Per id of ``tokens``: the behaviour policy's log-prob of a sampled id (recorded
+            while sampling, ``CachedTurnSampler.last_logps``), 0.0 for template and tool
+            tokens (never trained, so never weighed); None when the sampler records none.
         messages: The whole conversation (prompt, parsed replies, tool results).
         tools: The JSON schemas the prompt offered.
         environment: The environment's class name ('' for none).
@@ -117,6 +120,7 @@ class Episode:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     trained: list[bool] = field(default_factory=list)
+    logps: list[float] | None = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
     environment: str = ""
@@ -335,10 +339,14 @@ class EpisodeRunner:
                     [None if s.done else s.next_tokens for s in states], generators, limits
                 )
                 generation_seconds += time.perf_counter() - turn_start
+                # A sampler that records no log-probs (a replayed policy) leaves them None.
+                recorded = getattr(self.sampler, "last_logps", None) or [None] * len(states)
                 tool_start = time.perf_counter()
                 calls = {
-                    i: self._take_reply(s, reply)
-                    for i, (s, reply) in enumerate(zip(states, replies, strict=True))
+                    i: self._take_reply(s, reply, logps)
+                    for i, (s, reply, logps) in enumerate(
+                        zip(states, replies, recorded, strict=True)
+                    )
                     if not s.done
                 }
                 futures = {
@@ -365,11 +373,17 @@ class EpisodeRunner:
         }
         return episodes
 
-    def _take_reply(self, state: _State, reply: list[int]) -> list[ToolCall]:
-        """Append a reply; the calls to run, or [] (and ``done``) when the episode ends."""
+    def _take_reply(
+        self, state: _State, reply: list[int], logps: list[float] | None
+    ) -> list[ToolCall]:
+        """Append a reply (and its recorded log-probs); the calls to run, or [] (and ``done``)."""
         episode = state.episode
         episode.tokens += reply
         episode.trained += [True] * len(reply)
+        if logps is None or episode.logps is None:
+            episode.logps = None
+        else:
+            episode.logps += logps
         episode.num_turns += 1
         stopped = bool(reply) and reply[-1] in self.tokenizer.stop_ids
         text = self.tokenizer.decode(reply[:-1] if stopped else reply, skip_special_tokens=False)
@@ -423,6 +437,8 @@ class EpisodeRunner:
             return
         episode.tokens += ids
         episode.trained += [False] * len(ids)
+        if episode.logps is not None:  # never trained: any value, masked out of the loss
+            episode.logps += [0.0] * len(ids)
         state.rendered, state.next_tokens = after, ids
 
 

@@ -29,6 +29,7 @@ from tunelab.rl.advantages import Completions, GroupSampler
 from tunelab.rl.agentic.episodes import STOP_REASONS, Episode, EpisodeRunner, episode_batch
 from tunelab.rl.agentic.tools import ERROR_KINDS
 from tunelab.rl.rewards import Rewards
+from tunelab.rl.step import behaviour_logps_batch
 
 __all__ = ["EpisodeGroupSampler", "episode_sums"]
 
@@ -118,6 +119,15 @@ class EpisodeGroupSampler(GroupSampler):
         data = self.prompts
         episodes = self.runner.run([(self._messages(i), data.rows[i]) for i in repeated], seeds)
         timings = self.runner.last_metrics
+        batch = episode_batch(episodes, self.pad_id, self.device)
+        # The behaviour log-probs along each episode (tool tokens 0.0, masked by the labels):
+        # the off-policy correction and metrics read them as a single-turn rollout's.
+        behaviour = None
+        if episodes and all(e.logps is not None for e in episodes):
+            behaviour = behaviour_logps_batch(
+                [e.prompt_tokens for e in episodes], [e.logps for e in episodes],
+                batch["tokens"].shape[1], self.device,
+            )  # fmt: skip
         extra_rewards = {}
         if any(e.environment_reward is not None for e in episodes):
             environment = [e.environment_reward or 0.0 for e in episodes]
@@ -131,7 +141,7 @@ class EpisodeGroupSampler(GroupSampler):
                 dict(data.rows[i], episode=e.record())
                 for i, e in zip(repeated, episodes, strict=True)
             ],
-            batch=episode_batch(episodes, self.pad_id, self.device),
+            batch=batch,
             lengths=torch.tensor([sum(e.trained) for e in episodes], dtype=torch.float64),
             records=[
                 {**e.record(), "completion_ids": e.tokens, "trained": e.trained} for e in episodes
@@ -142,6 +152,7 @@ class EpisodeGroupSampler(GroupSampler):
                 **episode_sums(episodes, timings),
             },
             extra_rewards=extra_rewards,
+            behaviour_logps=behaviour,
         )
 
 

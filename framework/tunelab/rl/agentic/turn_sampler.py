@@ -106,6 +106,7 @@ class CachedTurnSampler:
         self.prefill_tokens = 0
         self.generated_tokens = 0
         self.entropy_sum = 0.0
+        self.last_logps: list[list[float]] = []
 
     @contextlib.contextmanager
     def session(self, rows: int, capacity: int) -> Iterator[CachedTurnSampler]:
@@ -176,7 +177,9 @@ class CachedTurnSampler:
 
         Returns:
             Per row, the reply's tokens (its stop token included when sampled); empty for a
-            row without a turn.
+            row without a turn. ``last_logps`` then holds, per row, each reply token's
+            log-prob at temperature 1 (the behaviour log-probs of
+            :mod:`tunelab.rl.off_policy`, as ``ModelRolloutEngine.last_logps``).
         """
         model = self.model
         device = model.model.embed_tokens.weight.device
@@ -214,6 +217,7 @@ class CachedTurnSampler:
         budget = torch.tensor(max_new_tokens, dtype=torch.long)
         active = torch.tensor([bool(tokens) for tokens in inputs]) & (budget > 0)
         replies = torch.full((rows, max(1, max(max_new_tokens))), self.pad_id, dtype=torch.long)
+        reply_logps = torch.zeros(replies.shape, dtype=torch.float32)
         counts = torch.zeros(rows, dtype=torch.long)
         stop_ids = torch.tensor(sorted(self.settings.stop_ids), dtype=torch.long)
         # Held gathered (or one process), a forward is local: each rank stops when its own
@@ -225,9 +229,14 @@ class CachedTurnSampler:
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(dim=-1).double().cpu()
             self.entropy_sum += float(entropy[active].sum())
-            next_tokens = sample_tokens(logits, self.settings, generators, active.tolist()).cpu()
+            sampled = sample_tokens(logits, self.settings, generators, active.tolist())
+            next_tokens = sampled.cpu()
             live = active.nonzero()[:, 0]
             replies[live, counts[live]] = next_tokens[live]
+            # The behaviour log-prob (temperature 1, as the trainer computes it), recorded as
+            # ModelRolloutEngine records it, so an off-policy correction never recomputes it.
+            chosen = log_probs.gather(-1, sampled[:, None])[:, 0].cpu()
+            reply_logps[live, counts[live]] = chosen[live]
             counts += active
             finished = active & (torch.isin(next_tokens, stop_ids) | (counts >= budget))
             for row in finished.nonzero()[:, 0].tolist():
@@ -248,5 +257,8 @@ class CachedTurnSampler:
             logits = model.output(hidden[:, -1])
         self.lengths = lengths.tolist()
         out = [reply[:count] for reply, count in zip(replies.tolist(), counts.tolist())]
+        self.last_logps = [
+            values[:count] for values, count in zip(reply_logps.tolist(), counts.tolist())
+        ]
         self.generated_tokens += sum(len(reply) for reply in out)
         return out
