@@ -1,6 +1,6 @@
 """The Qwen3-VL training step's cheaper passes (issue 44's bench): same results, less work.
 
-* The vision MLP's ``gelu_pytorch_tanh`` runs as ``x * sigmoid(2u)`` in place on CPU fp32
+* The vision MLPs' ``gelu_pytorch_tanh`` (Qwen3-VL's tower, Gemma 3's SigLIP) runs as ``x * sigmoid(2u)`` in place on CPU fp32
   without autograd (``gelu_tanh``): equal to ``F.gelu(approximate="tanh")`` within fp32
   rounding, the input untouched; with autograd, in bf16, it is ``F.gelu`` itself.
 * Deepstack features are added with one ``index_add`` (no boolean gather, no
@@ -17,7 +17,9 @@ from tunelab.config.lora import LoRAArgs
 from tunelab.data import image_chat_dataset, load_tokenizer, sft_collate
 from tunelab.losses import CrossEntropyLoss
 from tunelab.models import load_pretrained, vision_language
-from tunelab.modules.vision_qwen3 import VisionMLP, gelu_tanh
+from tunelab.modules.feed_forward import gelu_tanh
+from tunelab.modules.vision_qwen3 import VisionMLP
+from tunelab.modules.vision_siglip import SiglipMLP
 from tunelab.training import output_layer
 from tunelab.training.loop import forward
 
@@ -49,8 +51,9 @@ def test_gelu_tanh_is_torchs_with_autograd_and_in_bf16():
     assert torch.equal(gelu_tanh(half), F.gelu(half, approximate="tanh"))
 
 
-def test_the_vision_mlp_runs_gelu_tanh_for_the_hub_activation():
+def test_the_towers_mlps_run_gelu_tanh_for_the_hub_activation():
     assert VisionMLP(8, 16, "gelu_pytorch_tanh").activation is gelu_tanh
+    assert SiglipMLP(8, 16, "gelu_pytorch_tanh").activation is gelu_tanh  # Gemma 3's tower
     assert VisionMLP(8, 16, "silu").activation is F.silu
 
 

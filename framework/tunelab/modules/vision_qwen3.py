@@ -19,13 +19,12 @@ Module names are HF's under ``visual.``.
 """
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunelab.modules.feed_forward import ACTIVATIONS
+from tunelab.modules.feed_forward import tower_activation
 from tunelab.modules.vision import (
     PatchEmbed,
     VisionArgs,
@@ -37,46 +36,17 @@ from tunelab.modules.vision import (
 _NORM_EPS = 1e-6
 
 
-_GELU_TANH_LINEAR = 2 * math.sqrt(2 / math.pi)
-_GELU_TANH_CUBIC = _GELU_TANH_LINEAR * 0.044715
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation (``gelu_pytorch_tanh``), quicker on CPU without autograd.
-
-    ``0.5 * x * (1 + tanh(u))`` is ``x * sigmoid(2 * u)``, ``u = sqrt(2 / pi) * (x + 0.044715 *
-    x**3)``. For an fp32 CPU tensor that needs no gradient (a frozen tower) that is five
-    passes in place over one buffer, about 0.6x of ``F.gelu(approximate="tanh")``'s time on
-    one AVX2 core (its vectorised ``tanh`` is the slow part), equal to it within fp32 rounding
-    (a few 1e-7). Otherwise (autograd, whose backward ``F.gelu`` fuses; a GPU, where ``F.gelu``
-    is one kernel; bf16, whose in-place passes would round five times) it is ``F.gelu``.
-
-    Args:
-        x: any shape.
-
-    Returns:
-        ``gelu(x, approximate="tanh")``, ``x``'s shape and dtype.
-    """
-    quick = x.device.type == "cpu" and x.dtype == torch.float32
-    if not quick or (torch.is_grad_enabled() and x.requires_grad):
-        return F.gelu(x, approximate="tanh")
-    inner = x * x
-    return inner.mul_(_GELU_TANH_CUBIC).add_(_GELU_TANH_LINEAR).mul_(x).sigmoid_().mul_(x)
-
-
 class VisionMLP(nn.Module):
     """``linear_fc2(act(linear_fc1(x)))``, both biased (HF ``Qwen3VLVisionMLP``).
 
-    ``gelu_pytorch_tanh`` (the hub checkpoints') runs as ``gelu_tanh``.
+    ``gelu_pytorch_tanh`` (the hub checkpoints') runs as ``feed_forward.gelu_tanh``.
     """
 
     def __init__(self, dim: int, intermediate_dim: int, activation: str) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(dim, intermediate_dim)
         self.linear_fc2 = nn.Linear(intermediate_dim, dim)
-        self.activation = (
-            gelu_tanh if activation == "gelu_pytorch_tanh" else ACTIVATIONS[activation]
-        )
+        self.activation = tower_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., dim]`` to ``[..., dim]``."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunelab.modules.feed_forward import ACTIVATIONS
+from tunelab.modules.feed_forward import tower_activation
 from tunelab.modules.norm import RMSNorm
 from tunelab.modules.vision import VisionArgs
 
@@ -69,13 +69,13 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipMLP(nn.Module):
-    """``fc2(act(fc1(x)))``, both biased."""
+    """``fc2(act(fc1(x)))``, both biased (``gelu_pytorch_tanh`` as ``feed_forward.gelu_tanh``)."""
 
     def __init__(self, dim: int, intermediate_dim: int, activation: str) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, intermediate_dim)
         self.fc2 = nn.Linear(intermediate_dim, dim)
-        self.activation = ACTIVATIONS[activation]
+        self.activation = tower_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., dim]`` to ``[..., dim]``."""
