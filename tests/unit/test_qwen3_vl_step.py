@@ -1,8 +1,9 @@
 """The Qwen3-VL training step's cheaper passes (issue 44's bench): same results, less work.
 
-* The vision MLPs' ``gelu_pytorch_tanh`` (Qwen3-VL's tower, Gemma 3's SigLIP) runs as ``x * sigmoid(2u)`` in place on CPU fp32
-  without autograd (``gelu_tanh``): equal to ``F.gelu(approximate="tanh")`` within fp32
-  rounding, the input untouched; with autograd, in bf16, it is ``F.gelu`` itself.
+* The vision MLPs' ``gelu_pytorch_tanh`` (Qwen3-VL's tower, Gemma 3's SigLIP) runs as
+  ``x * sigmoid(2u)`` in place on CPU fp32 without autograd (``gelu_tanh``): equal to
+  ``F.gelu(approximate="tanh")`` within fp32 rounding, the input untouched; with autograd, in
+  bf16, it is ``F.gelu`` itself.
 * Deepstack features are added with one ``index_add`` (no boolean gather, no
   ``masked_scatter`` in the graph), the frozen tower records no graph, and the LoRA step's
   loss and gradients equal those of the boolean-mask formulation.
