@@ -256,6 +256,17 @@ def test_the_last_mlp_sees_only_the_scored_rows(family):
         assert stats.num_layers == 2
 
 
+def test_model_trim_last_layer_false_keeps_every_row():
+    # model.trim_last_layer: false (build_model sets the decoder's attribute): the layout that
+    # a tensor- or context-parallel run is compared with computes every position too.
+    model = _text_model("llama")
+    batch = _text_batch(packed=True)
+    output = output_layer(model)
+    positions = batch["tokens"].numel()
+    model.trim_last_layer = False
+    assert _mlp_rows(model, lambda: forward(model, batch, output)) == [positions, positions]
+
+
 def test_a_last_layer_drawing_dropout_keeps_every_row():
     # Masks drawn for fewer rows would take other random numbers than the full forward's
     # (and tensor parallelism's): LoRA dropout while training keeps the full path.

@@ -50,6 +50,8 @@ class ModelSetupArgs(ModelFolderArgs):
     """FSDP2: free gathered parameters after each block's forward."""
     chunked_output: bool = True
     """Compute the logits chunk by chunk inside the loss (loss.num_chunks pieces), and only at scored positions (no logits for prompts or padding), so the [batch, seq, vocab] logits never exist whole, forward or backward (false: the whole logits, then the loss)."""
+    trim_last_layer: bool = True
+    """With chunked_output: the last decoder layer runs past attention (o_proj, norms, MLP) at the scored positions only, as the output layer does; equal to the full forward up to fp32 rounding (false: every position, as tensor and context parallelism, a router loss and LoRA dropout in the last layer always do; compare such layouts with it off)."""
 
     def check_settings(self) -> list[str]:
         """The selective activation-checkpointing keys need checkpointing on."""

@@ -165,6 +165,9 @@ class TransformerDecoder(nn.Module):
         super().__init__()
         self.args = args
         self.attention_backend = "auto"
+        # Whether training's forward may pass the loss's scored rows (``rows=``) to trim the
+        # last layer past attention (``model.trim_last_layer``; set by ``build_model``).
+        self.trim_last_layer = True
         self.model = DecoderModel(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()

@@ -145,6 +145,8 @@ def scored_rows_only(
     split over the ranks, which a subset of rows is not. So does a last layer that draws
     dropout masks (LoRA's ``dropout`` while training): a mask drawn for fewer rows takes other
     random numbers than the full forward's (and tensor parallelism's) would.
+    ``model.trim_last_layer: false`` (the decoder's ``trim_last_layer``) keeps every position
+    too: the layouts above then compare with a 1-process run computed the same way.
 
     Args:
         model: The decoder.
@@ -160,6 +162,7 @@ def scored_rows_only(
         or router_stats is not None
         or "labels" not in batch
         or not isinstance(model, TransformerDecoder)
+        or not model.trim_last_layer
         or tensor_parallel_size(model) > 1
         or _draws_dropout(model.layers[-1])
     ):

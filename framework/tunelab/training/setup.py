@@ -164,6 +164,8 @@ def build_model(
         _quantize_base_nf4(decoder, device, mesh)
         if expert_mesh is not None:
             experts = expert_parameters(decoder)  # the NF4 ones now
+    if isinstance(decoder, TransformerDecoder):
+        decoder.trim_last_layer = model.trim_last_layer
     if model.activation_checkpointing:
         apply_activation_checkpointing(
             decoder,
