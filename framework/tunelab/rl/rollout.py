@@ -137,6 +137,20 @@ def sample_tokens(
     return (probs / uniforms.log_().neg_()).argmax(dim=-1).to(logits.device)
 
 
+def behaviour_logps_of(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's sampled token's log-prob, on the CPU: the behaviour log-probs a sampler records.
+
+    Args:
+        log_probs: ``[rows, vocab]`` fp32 log-softmax of the logits at temperature 1, as the
+            trainer computes them.
+        tokens: ``[rows]`` the sampled tokens.
+
+    Returns:
+        ``[rows]`` fp32, so that an off-policy correction never recomputes them.
+    """
+    return log_probs.gather(-1, tokens[:, None])[:, 0].cpu()
+
+
 class RolloutEngine(Protocol):
     """What the GRPO recipe needs of a generator of completions."""
 
@@ -420,9 +434,7 @@ class ModelRolloutEngine:
                     next_tokens = sample_tokens(logits, settings, batch.generators, live.tolist())
                     sampled = next_tokens.cpu()
                     out[batch.rows[live], step] = sampled[live]
-                    # The behaviour log-prob (temperature 1, as the trainer computes it),
-                    # recorded here so an off-policy correction never recomputes it.
-                    chosen = log_probs.gather(-1, next_tokens[:, None])[:, 0].cpu()
+                    chosen = behaviour_logps_of(log_probs, next_tokens)
                     out_logps[batch.rows[live], step] = chosen[live]
                     out_lengths[batch.rows[live]] = step + 1
                     finished = live & torch.isin(sampled, stop_ids)

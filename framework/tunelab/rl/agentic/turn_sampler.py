@@ -30,7 +30,7 @@ from tunelab.distributed.frozen_base import memory_budget_bytes
 from tunelab.errors import ConfigError
 from tunelab.peft import merged_adapters
 from tunelab.rl.decoding import forwards_communicate
-from tunelab.rl.rollout import SamplingSettings, sample_tokens
+from tunelab.rl.rollout import SamplingSettings, behaviour_logps_of, sample_tokens
 from tunelab.training.reference import reshard_all
 
 __all__ = ["CachedTurnSampler"]
@@ -233,9 +233,7 @@ class CachedTurnSampler:
             next_tokens = sampled.cpu()
             live = active.nonzero()[:, 0]
             replies[live, counts[live]] = next_tokens[live]
-            # The behaviour log-prob (temperature 1, as the trainer computes it), recorded as
-            # ModelRolloutEngine records it, so an off-policy correction never recomputes it.
-            chosen = log_probs.gather(-1, sampled[:, None])[:, 0].cpu()
+            chosen = behaviour_logps_of(log_probs, sampled)
             reply_logps[live, counts[live]] = chosen[live]
             counts += active
             finished = active & (torch.isin(next_tokens, stop_ids) | (counts >= budget))
