@@ -41,6 +41,11 @@ import argparse
 import time
 from typing import NamedTuple
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -54,7 +59,6 @@ from _common import (
     median,
     parse_bench_args,
     print_table,
-    relaunch_under_torchrun,
 )
 from _saved_bytes import SavedForBackward, state_bytes, storage_keys
 from _system import PeakRSS
@@ -282,5 +286,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

@@ -35,6 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -46,7 +51,6 @@ from _common import (
     median,
     parse_bench_args,
     print_table,
-    relaunch_under_torchrun,
     seconds,
     time_collective,
 )
@@ -355,5 +359,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

@@ -27,6 +27,11 @@ parameter elements x 4 bytes x 4). Target (issue 45): TP's activations per proce
 import argparse
 import time
 
+from _launch import relaunch_under_torchrun
+
+if __name__ == "__main__":  # before the imports below: this process only relaunches
+    relaunch_under_torchrun(2)
+
 import torch
 import torch.distributed as dist
 
@@ -39,7 +44,6 @@ from _common import (
     median,
     parse_bench_args,
     print_table,
-    relaunch_under_torchrun,
 )
 from _saved_bytes import SavedForBackward, state_bytes, storage_keys
 from _system import PeakRSS
@@ -184,5 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    relaunch_under_torchrun(2)
     main()

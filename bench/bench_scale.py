@@ -118,6 +118,16 @@ def folder_bytes(path: Path) -> int:
 _RAW_BLOCK = 256 << 20
 
 
+def random_block(num_bytes: int) -> memoryview:
+    """Random bytes to write from: ``num_bytes`` of them, at most ``_RAW_BLOCK`` (the write size).
+
+    A file smaller than ``_RAW_BLOCK`` is one write of its bytes either way; drawing only those
+    spares the smallest sizes (``--smoke``) 256 MB of random numbers per call.
+    """
+    size = max(1, min(num_bytes, _RAW_BLOCK))
+    return memoryview(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy())
+
+
 def raw_write(path: Path, num_bytes: int, block: memoryview) -> None:
     """``num_bytes`` written once into a new file with one ``fsync`` (the disk's floor)."""
     with open(path, "wb", buffering=0) as handle:
@@ -192,7 +202,7 @@ def step_rows(base: Path, out: Path, size_mb: float, repeats: int, raw_io: str) 
     client.load_latest()
     total_bytes = folder_bytes(step_dir)
     my_bytes = sum(path.stat().st_size for path in rank_files(step_dir, rank))
-    block = memoryview(torch.randint(0, 256, (_RAW_BLOCK,), dtype=torch.uint8).numpy())
+    block = random_block(max(my_bytes, _DIRECT_BLOCK if raw_io == "direct" else 0))
     scratch = out / "raw"
     if is_main():
         scratch.mkdir(parents=True, exist_ok=True)
@@ -408,7 +418,7 @@ def raw_times(out: Path, num_bytes: int, repeats: int) -> list[float]:
         scratch.mkdir(parents=True, exist_ok=True)
     barrier()
     path = scratch / f"raw-{dist.get_rank()}.bin"
-    block = memoryview(torch.randint(0, 256, (_RAW_BLOCK,), dtype=torch.uint8).numpy())
+    block = random_block(num_bytes // dist.get_world_size())
     times = []
     for _ in range(repeats):
         path.unlink(missing_ok=True)
