@@ -25,6 +25,10 @@ sampled: the same schedule, the policy sent to them right after each update by a
 thread, each trainer its own shards (``RemoteRollouts``); a stop signal stops them after the
 trainers' checkpoint. With ``rollout.overlap`` (colocated async) a worker thread samples the
 next batches on a whole copy of the model while each step trains (``ThreadRollouts``).
+With an ``agentic`` section each completion is an episode of turns with tool calls
+(``EpisodeGroupSampler``), in every one of these modes: colocated, on the worker thread and on
+rollout ranks, each of which rolls out whole episodes (tools included) on its whole copy of the
+policy; the episodes, losses and checkpoints equal the colocated run's (``rollout_groups``).
 """
 
 import time
@@ -35,7 +39,7 @@ import torch
 
 import tunelab.peft as peft
 from tunelab.config import GRPOArgs, instantiate
-from tunelab.data import padded_collate_prompts
+from tunelab.data import PromptDataset, Tokenizer, padded_collate_prompts
 from tunelab.distributed import (
     DeviceMeshes,
     build_device_meshes,
@@ -170,14 +174,7 @@ def main(args: GRPOArgs) -> None:
         engine, prompt_sets, tokenizer, rows=data.loader.batch_size * args.rollout.num_generations
     )
     rewards = Rewards.from_settings(args.rewards)
-    groups = GroupSampler.from_settings(
-        engine, rewards, data.loader.dataset, args.rollout, seed=args.seed, device=device
-    )
-    if args.agentic is not None:  # episodes: turns with tool calls, one KV cache across them
-        runner = EpisodeRunner.from_settings(engine, tokenizer, args.agentic)
-        groups = EpisodeGroupSampler.from_runner(
-            runner, rewards, data.loader.dataset, args.rollout, seed=args.seed, device=device
-        )
+    groups = rollout_groups(args, engine, tokenizer, rewards, data.loader.dataset, device)
     # Greedy completions of val_dataset: no random numbers drawn, so a resume stays exact.
     validate = None
     if data.val_loader is not None:
@@ -207,11 +204,8 @@ def main(args: GRPOArgs) -> None:
         overlap = ThreadRollouts(
             model,
             replica,
-            GroupSampler.from_settings(
-                engine_copy, rewards, data.loader.dataset, args.rollout, seed=args.seed,
-                device=device,
-            ),
-        )  # fmt: skip
+            rollout_groups(args, engine_copy, tokenizer, rewards, data.loader.dataset, device),
+        )
     if max_lag:
         data.progress_extras["rollouts_in_flight"] = pipeline.state_text
 
@@ -355,15 +349,39 @@ def rollout_rank(args: GRPOArgs, split: RankSplit) -> None:
     # Prompts cut as the trainers cut theirs (longer ones keep their last tokens).
     rows = args.schedule.batch_size * args.rollout.num_generations
     bound_prompt_lengths(engine, {"dataset": prompts}, tokenizer, rows=rows)
-    groups = GroupSampler.from_settings(
-        engine, Rewards.from_settings(args.rewards), prompts, args.rollout, seed=args.seed,
-        device=device,
-    )  # fmt: skip
+    groups = rollout_groups(
+        args, engine, tokenizer, Rewards.from_settings(args.rewards), prompts, device
+    )
     model.train()
     serve_rollouts(
         split, groups, model, refill_rounds=args.rollout.dynamic_sampling_refill_rounds,
         prompts_per_round=args.schedule.batch_size,
     )  # fmt: skip
+
+
+def rollout_groups(
+    args: GRPOArgs,
+    engine: ModelRolloutEngine,
+    tokenizer: Tokenizer,
+    rewards: Rewards,
+    prompts: PromptDataset,
+    device: torch.device,
+) -> GroupSampler:
+    """The rollout phase on ``engine``'s model: completions, or episodes (``agentic``).
+
+    The same on the training processes, on the sampling thread's copy (``rollout.overlap``)
+    and on a rollout rank (``rollout.ranks``): the episode loop agrees over the ranks only
+    where forwards communicate, so a whole copy samples its episodes on its own.
+    """
+    if args.agentic is None:
+        return GroupSampler.from_settings(
+            engine, rewards, prompts, args.rollout, seed=args.seed, device=device
+        )
+    # Episodes: turns with tool calls, one KV cache across them.
+    runner = EpisodeRunner.from_settings(engine, tokenizer, args.agentic)
+    return EpisodeGroupSampler.from_runner(
+        runner, rewards, prompts, args.rollout, seed=args.seed, device=device
+    )
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ class ReplayPolicy:
         self.references = references if isinstance(references[0], list) else [references]
         self.stop_ids = set(stop_ids)
         self.settings = SamplingSettings(max_new_tokens=400, stop_ids=frozenset(stop_ids))
-        self.model = SimpleNamespace(args=SimpleNamespace(max_seq_len=8192))
+        # A model with no parameters: its forwards are local (no turn is agreed over ranks).
+        self.model = SimpleNamespace(args=SimpleNamespace(max_seq_len=8192), parameters=list)
         self.prefill_tokens = self.generated_tokens = 0
         self.entropy_sum = 0.0  # a replay samples nothing
+        self.turns = 0  # calls of turn (one per turn of the batch)
         rows = len(self.references)
         self.fed = [[] for _ in range(rows)]
         self.replies = [[] for _ in range(rows)]
@@ -30,6 +32,7 @@ class ReplayPolicy:
         return contextlib.nullcontext(self)
 
     def turn(self, new_tokens, generators, max_new_tokens):
+        self.turns += 1
         replies = []
         for row, tokens in enumerate(new_tokens):
             if tokens is None:

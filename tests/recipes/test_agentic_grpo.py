@@ -11,7 +11,10 @@ tool calls included. Plain function tools run in worker processes: a hung or cra
 is killed and read as its error (one more 2-step run). Asynchronous GRPO over episodes
 (``rollout.mode: async``, colocated): k = 0 is synchronous agentic GRPO bit for bit; with k = 1
 two runs are identical and a run whose rank 1 is SIGKILLed after a checkpoint resumes to the
-uninterrupted run, the episodes in flight restored (4-step runs).
+uninterrupted run, the episodes in flight restored (4-step runs). The same episodes rolled out on
+a sampling thread (``rollout.overlap``; SIGKILLed and resumed, its in-flight episodes equal the
+plain run's) and on a rollout rank (1 trainer + 1 rollout rank = 1 colocated process) give the
+colocated run's results.
 """
 
 import json
@@ -288,3 +291,63 @@ def test_async_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_r
     after = [m for m in untimed(out) if m["step"] > 2]
     assert after == [m for m in untimed(async_run) if m["step"] > 2]
     assert_same_exports(out, async_run)
+
+
+# -- episodes on the sampling thread (rollout.overlap) and on rollout ranks (rollout.ranks) ---
+
+TIMED_PARTS = ("generation_seconds", "agentic/generation_seconds", "agentic/tool_seconds",
+               "agentic/tools_wall_seconds")  # fmt: skip
+
+
+def untimed_in_flight(batch: dict) -> dict:
+    """A batch in flight without its rollout timings (every token, log-prob and record kept)."""
+    parts = [
+        {**part, "sums": {k: v for k, v in part["sums"].items() if k not in TIMED_PARTS}}
+        for part in batch["parts"]
+    ]
+    return {**batch, "parts": parts}
+
+
+def test_overlap_episodes_killed_and_resumed_equal_the_colocated_run(
+    async_run, sft_model, tmp_path
+):
+    """rollout.overlap: a worker thread rolls the episodes out on a whole copy of the model,
+    calling tools, while each step trains (its episode loop runs no collective beside the
+    training's). Rank 1 SIGKILLed in step 3 (step_2 committed, step 3's episodes sampled on the
+    thread in flight), then resumed with the overlap: every step equals the plain colocated run
+    (steps 1-2 logged before the kill, 3-4 after the resume)."""
+    overlap = (*ASYNC, "rollout.overlap=true")
+    out = tmp_path / "overlap"
+    command = [TUNELAB, "run", "--nproc_per_node", "2", "grpo_distributed", "--config",
+               "tiny/agentic_grpo", f"output_dir={out}", f"model.path={sft_model}", *overlap]  # fmt: skip
+    assert sigkill_rank_1(command, out, at_step=3, printed=tmp_path / "killed.out") != 0
+    (batch,) = in_flight_after_the_kill(out, committed=2)
+    # The episodes in flight are the colocated run's, token for token (tool results, recorded
+    # log-probs, advantages and counts included).
+    state = json.loads((async_run / "step_2" / "trainer_state.json").read_text())
+    (theirs,) = json.loads(json.loads(state["progress"]["rollouts_in_flight"])[0])
+    assert untimed_in_flight(batch) == untimed_in_flight(theirs)
+    assert any(r["num_tool_calls"] for r in batch["parts"][0]["records"])
+    agentic_run(out, sft_model, *overlap, "checkpoint.resume_from_checkpoint=true")
+    assert_step_logs_equal(out, async_run)  # completions.jsonl line for line, steps 1-4
+    assert untimed(out) == untimed(async_run)  # loss, grad_norm, off_policy/*, agentic/*
+    assert_same_exports(out, async_run)
+
+
+def test_episodes_on_a_rollout_rank_equal_the_colocated_run_with_as_many_trainers(
+    sft_model, tmp_path
+):
+    """rollout.ranks 1 on 2 processes (1 trainer, 1 rollout rank rolling out its episodes and
+    calling the tools) equals the colocated async run on 1 process: the same episodes, every
+    untimed metric and the exports. The episodes cross the channel as the in-flight record."""
+    split = agentic_run(tmp_path / "split", sft_model, *ASYNC, "rollout.ranks=1")
+    colocated = agentic_run(tmp_path / "colocated", sft_model, *ASYNC, nproc=1)
+    assert (split / "logs/completions.jsonl").read_bytes() == (
+        colocated / "logs/completions.jsonl"
+    ).read_bytes()
+    ours = [{k: v for k, v in m.items() if not k.startswith("async/")} for m in untimed(split)]
+    assert ours == untimed(colocated)
+    assert [m["off_policy/lag"] for m in ours] == [0, 1, 1, 1]
+    assert all(m["agentic/tool_calls"] > 0.2 for m in ours)
+    assert all(m["async/weight_transfer_bytes"] >= 0 for m in read_metrics(split))
+    assert_same_exports(split, colocated)

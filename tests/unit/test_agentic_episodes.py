@@ -117,8 +117,9 @@ def test_sampled_episodes_depend_on_their_seed_only(tiny):
         assert all(v == 0 for v, t in zip(episode.logps, episode.trained, strict=True) if not t)
 
 
-def multi_turn_episodes(tokenizer):
-    """Three episodes with tool calls, results and answers (the policy replayed)."""
+def multi_turn_episodes(tokenizer, parameters=list):
+    """Three episodes with tool calls, results and answers (the policy replayed; its model's
+    ``parameters()`` are ``parameters()``: none by default)."""
 
     def call(n, expression):
         arguments = {"expression": expression}
@@ -139,6 +140,7 @@ def multi_turn_episodes(tokenizer):
     ]  # fmt: skip
     references = [apply_chat_template(tokenizer, c, tools=[SCHEMA]) for c in conversations]
     policy = ReplayPolicy(references, tokenizer.stop_ids)
+    policy.model.parameters = parameters
     runner = EpisodeRunner(policy, tokenizer, tokenizer.chat_template, Toolbox([calculator]),
                            EpisodeLimits(max_episode_tokens=400))  # fmt: skip
     episodes = runner.run([(c[:1], {}) for c in conversations], [0, 1, 2])
@@ -185,6 +187,48 @@ def test_multi_turn_loss_equals_fp64_reference_with_tool_tokens_masked(tiny):
     # The tool and template tokens carry weight if they are not masked: the test can fail.
     real = (batch["tokens"][:, 1:] != tokenizer.pad_id).double()
     assert abs(reference_loss(real) - sums["loss"]) > 1e-2
+
+
+def test_the_episode_loop_agrees_over_ranks_only_where_forwards_communicate(
+    tiny, monkeypatch, tmp_path
+):
+    """Each turn, "does any rank go on?" is an all-reduce over the default group only where a
+    forward runs collectives (a DTensor parameter: FSDP2 shards not held gathered); a whole
+    model's loop (the sampling thread of rollout.overlap, a rollout rank) runs none, so it may
+    run beside the training's collectives. Here one more rank, by the all-reduce, goes on for
+    3 turns; this rank's episodes end after 2 (the third at its first)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    tokenizer, _ = tiny
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [DTensor.from_local(torch.zeros(4), mesh, [Replicate()])]
+        flags = []
+
+        def all_reduce(flag, *args, **kwargs):
+            flags.append(float(flag))
+            flag += 1.0 if len(flags) <= 3 else 0.0  # the other rank: 3 turns
+
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        # A whole model: this rank's own turns, no collective.
+        episodes, policy = multi_turn_episodes(tokenizer)
+        assert [e.num_turns for e in episodes] == [2, 2, 1]
+        assert (policy.turns, flags) == (2, [])
+        whole = [[m["content"] for m in e.messages] for e in episodes]
+        # A DTensor parameter: one all-reduce per turn, and the turns of the slowest rank (a
+        # third with every episode of this rank ended, whose forward the other rank needs).
+        episodes, policy = multi_turn_episodes(tokenizer, parameters=lambda: iter(sharded))
+        assert (policy.turns, flags) == (3, [1.0, 1.0, 0.0, 0.0])
+        assert [[m["content"] for m in e.messages] for e in episodes] == whole
+    finally:
+        dist.destroy_process_group()
 
 
 def test_episode_groups_score_the_whole_episode_with_the_environments_reward(tiny):

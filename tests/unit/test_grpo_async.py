@@ -267,7 +267,7 @@ def test_a_new_policy_is_sent_only_when_a_fill_samples_with_it():
     assert not RolloutPipeline(2, torch.device("cpu")).samples_with(0, 0, False)
 
 
-def test_validate_takes_colocated_async_agentic_episodes_only(tmp_path, monkeypatch, capsys):
+def test_validate_takes_async_agentic_episodes_as_single_turn_ones(tmp_path, monkeypatch, capsys):
     from tunelab.cli.main import main
 
     monkeypatch.chdir(tmp_path)
@@ -279,14 +279,21 @@ def test_validate_takes_colocated_async_agentic_episodes_only(tmp_path, monkeypa
                   *overrides])  # fmt: skip
         return info.value.code, capsys.readouterr().err
 
+    # Episodes colocated, on the sampling thread and on rollout ranks, as completions.
     for config in ("tiny/agentic_grpo", "tiny/grpo"):
-        code, err = validate(config, "rollout.mode=async")
+        for extra in ((), ("rollout.overlap=true",), ("rollout.ranks=1",)):
+            code, err = validate(config, "rollout.mode=async", *extra)
+            assert code == 0, (config, extra, err)
+    # What single-turn refuses, agentic refuses alike: refills on the sampling thread (their
+    # rounds agree over a collective), the thread in sync mode.
+    refill = ("rollout.dynamic_sampling=true", "rollout.dynamic_sampling_refill_rounds=1")
+    for config in ("tiny/agentic_grpo", "tiny/grpo"):
+        code, err = validate(config, "rollout.mode=async", "rollout.overlap=true", *refill)
+        assert code == 1 and "key 'rollout.overlap': refill rounds agree" in err, err
+        code, err = validate(config, "rollout.overlap=true")
+        assert code == 1 and "key 'rollout.overlap'" in err and "Traceback" not in err, err
+        code, err = validate(config, "rollout.mode=async", "rollout.ranks=1", *refill)
         assert code == 0, err
-    # The rollout ranks and the sampling thread build single-turn samplers only.
-    for key, value in (("ranks", "1"), ("overlap", "true")):
-        code, err = validate("tiny/agentic_grpo", "rollout.mode=async", f"rollout.{key}={value}")
-        message = f"key 'rollout.{key}': async agentic episodes are sampled colocated only"
-        assert code == 1 and message in err and "Traceback" not in err, err
     code, err = validate("tiny/grpo", "rollout.max_lag=2")
     assert code == 1, err
     assert "key 'rollout.max_lag': 2 is read only with rollout.mode: async" in err, err

@@ -391,16 +391,6 @@ class GRPOArgs(LoRARecipeArgs):
         """The rollout and reward sections' checks, and prompt + completion within the context."""
         problems = super().check_settings()
         problems += self.rollout.check_settings() + self.rewards.check_settings()
-        # Agentic episodes run async colocated: the rollout ranks and the sampling thread
-        # build single-turn samplers only.
-        if self.rollout.mode == "async" and self.agentic is not None:
-            for key, value in (("ranks", self.rollout.ranks), ("overlap", self.rollout.overlap)):
-                if value:
-                    problems.append(
-                        f"key 'rollout.{key}': async agentic episodes are sampled colocated "
-                        "only (the rollout ranks and the sampling thread sample single-turn "
-                        "completions); set rollout.ranks: 0 and rollout.overlap: false"
-                    )
         return problems + self._length_problems() + self._parallelism_problems()
 
     def _parallelism_problems(self) -> list[str]:

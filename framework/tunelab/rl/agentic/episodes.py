@@ -39,6 +39,7 @@ from tunelab.rl.agentic.tool_processes import ToolExecutor
 from tunelab.rl.agentic.toolbox import EpisodeTools, Toolbox
 from tunelab.rl.agentic.tools import ToolCall, ToolResult
 from tunelab.rl.agentic.turn_sampler import CachedTurnSampler, any_rank
+from tunelab.rl.decoding import forwards_communicate
 from tunelab.rl.rollout import ModelRolloutEngine
 
 __all__ = [
@@ -301,8 +302,11 @@ class EpisodeRunner:
         """Roll out one episode per ``(messages, row)``, each from its seed.
 
         The seed drives both the episode's sampling and its environment (``reset``), so the
-        same seed gives the same episode, tool calls and results included. A collective under
-        FSDP2: every rank calls it (with its own prompts), and they take the same turns.
+        same seed gives the same episode, tool calls and results included. A collective only
+        where forwards communicate (FSDP2 shards not held gathered: every rank calls it, with
+        its own prompts, and they take the same turns); otherwise local to this rank, so a
+        worker thread or a rollout rank may run it beside other collectives (see
+        :meth:`_another_turn`).
 
         Returns:
             The episodes, in the order of ``prompts``.
@@ -327,7 +331,7 @@ class EpisodeRunner:
             self.sampler.session(len(states), capacity),
             ThreadPoolExecutor(self.tool_workers) as pool,
         ):
-            while any_rank(any(not s.done for s in states)):
+            while self._another_turn(states):
                 turn_start = time.perf_counter()
                 limits = [
                     0
@@ -372,6 +376,20 @@ class EpisodeRunner:
             "entropy_sum": self.sampler.entropy_sum,
         }
         return episodes
+
+    def _another_turn(self, states: Sequence[_State]) -> bool:
+        """Whether to take another turn: while this rank's episodes go on, or any rank's.
+
+        Where a forward runs collectives (a parameter still a ``DTensor``: FSDP2 shards not
+        held gathered, tensor parallelism), every rank must run the same forwards, so the
+        ranks agree over the default group (one all-reduce per turn) and take turns until
+        every rank's episodes ended. Where forwards are local (one process, FSDP2 held
+        gathered, a whole copy on a sampling thread or a rollout rank, which has no default
+        group), this rank stops when its own episodes do and runs no collective. Decided
+        each turn from the model as it stands: every rank holds it alike, so they agree.
+        """
+        going_on = any(not s.done for s in states)
+        return any_rank(going_on) if forwards_communicate(self.sampler.model) else going_on
 
     def _take_reply(
         self, state: _State, reply: list[int], logps: list[float] | None
