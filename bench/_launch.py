@@ -33,18 +33,51 @@ def launch_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def torchrun(script: str | os.PathLike, args: Sequence[str], nproc: int, **kwargs: Any):
+def one_process_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what torchrun gives the one process of a 1-process job (no agent store)."""
+    return env | {
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+        "ROLE_NAME": "default", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+        "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }  # fmt: skip
+
+
+def torchrun(
+    script: str | os.PathLike,
+    args: Sequence[str],
+    nproc: int,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+):
     """Run ``script`` under ``python -m torch.distributed.run`` with ``nproc`` processes.
 
+    One process is started directly, with torchrun's environment, as ``tunelab run`` starts
+    one: the script runs the same, without the agent process, whose torch import costs ~1.5
+    CPU-s a launch.
+
+    Args:
+        script: The script to run.
+        args: Its arguments.
+        nproc: Processes.
+        env: Their environment (default: :func:`launch_env`).
+        **kwargs: For ``subprocess.run`` (where stdout and stderr go).
+
     Returns:
-        The ``subprocess.CompletedProcess`` (stdout and stderr go where ``kwargs`` say).
+        The ``subprocess.CompletedProcess``.
     """
+    env = launch_env(nproc) if env is None else env
+    if nproc == 1:
+        command = [sys.executable, str(script), *args]
+        return subprocess.run(command, env=one_process_env(env), **kwargs)
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc), "--master-port", str(free_port()),
         str(script), *args,
     ]  # fmt: skip
-    return subprocess.run(command, env=launch_env(nproc), **kwargs)
+    return subprocess.run(command, env=env, **kwargs)
 
 
 def relaunch_under_torchrun(nproc: int = 2) -> None:

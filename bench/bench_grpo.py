@@ -34,12 +34,11 @@ import importlib.util
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _common import Row, free_port, launch_env, mebibytes, parse_bench_args, print_table, seconds
+from _common import Row, launch_env, mebibytes, parse_bench_args, print_table, seconds, torchrun
 from _grpo_work import Shape, prepare, work_difference
 
 HERE = Path(__file__).resolve().parent
@@ -91,22 +90,21 @@ def trl_installed() -> bool:
 
 
 def launch(side: str, shape_file: Path, layout: str, args: argparse.Namespace, result: Path):
-    """One side on one shape in ``layout`` (``PxT``: P processes of T threads), under torchrun.
+    """One side on one shape in ``layout`` (``PxT``: P processes of T threads), under torchrun
+    (``_launch.torchrun``: one process is started with its environment, without the agent).
 
     Returns:
         The result the launch's rank 0 wrote (see ``_grpo_results.finish``).
     """
     nproc, threads = (int(n) for n in layout.split("x"))
     env = launch_env(nproc) | {"OMP_NUM_THREADS": str(threads)}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master-port", str(free_port()), str(HERE / "bench_grpo.py"), "--worker", side,
-        "--shape-file", str(shape_file), "--result", str(result),
+    worker = [
+        "--worker", side, "--shape-file", str(shape_file), "--result", str(result),
         "--steps", str(args.steps), "--prompts", str(args.prompts),
         "--num-generations", str(args.num_generations),
         "--max-new-tokens", str(args.max_new_tokens),
     ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = torchrun(HERE / "bench_grpo.py", worker, nproc, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write((done.stdout + done.stderr)[-6000:])
         raise SystemExit(f"bench_grpo: the {side} launch ({shape_file.stem}, {layout}) failed")

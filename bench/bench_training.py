@@ -1,6 +1,6 @@
 """Training throughput, memory and MFU of LoRA SFT and DPO: before and after issue 17.
 
-Run (it launches torchrun itself, once per row, with 1 and with 2 processes):
+Run (it launches its processes itself, once per row: 1, or 2 under torchrun):
 
     python bench/bench_training.py
     python bench/bench_training.py --steps 5 --seq-len 512 --wide-layers 4
