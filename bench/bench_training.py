@@ -98,6 +98,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every row (best kept)")
     parser.add_argument("--nprocs", default="1,2", help="process counts to run")
+    parser.add_argument(
+        "--peer-nprocs", default=None, help="process counts of the TRL rows (default: --nprocs)"
+    )
     parser.add_argument("--recipes", default="sft,dpo", help="sft, dpo or both")
     parser.add_argument("--models", default="wide,vocab", help="wide, vocab or both")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows")
@@ -112,12 +115,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     # Smoke: one launch per code path, not per row: the DPO rows (reference forward, DPO loss)
-    # on 2 processes in the new settings, under DDP and as TRL where installed; the SFT loss and
-    # the old settings run in the two 1-process vocabulary rows. The peak calibration multiplies
-    # 256-side matrices: 12 products of 2048 cost each worker ~2.5 CPU-s, more than its steps.
+    # on 2 processes in the new settings and under DDP, and as TRL where installed on 1 process
+    # (the script's code is the same on 2; each TRL process costs ~9 CPU-s of imports); the SFT
+    # loss and the old settings run in the two 1-process vocabulary rows. The peak calibration
+    # multiplies 256-side matrices: 12 products of 2048 cost each worker ~2.5 CPU-s, more than
+    # its steps.
     smoke = ["--wide-dim", "128", "--wide-vocab-size", "512", "--seq-len", "32", "--vocab-dim",
              "64", "--vocab-size", "4096", "--vocab-seq-len", "64", "--steps", "1", "--nprocs", "2",
-             "--recipes", "dpo", "--variants", f"after,DDP,{PEER}", "--peak-size", "256"]  # fmt: skip
+             "--peer-nprocs", "1", "--recipes", "dpo", "--variants", f"after,DDP,{PEER}",
+             "--peak-size", "256"]  # fmt: skip
     return parse_bench_args(parser, smoke)
 
 
@@ -428,13 +434,16 @@ def row_plan(args: argparse.Namespace) -> list[Plan]:
     """The rows, in table order: for each recipe and process count, every variant."""
     models = args.models.split(",")
     nprocs = [int(n) for n in args.nprocs.split(",")]
+    peer_nprocs = [int(n) for n in (args.peer_nprocs or args.nprocs).split(",")]
     plan = []
     if "wide" in models:
         for recipe in args.recipes.split(","):
-            for nproc in nprocs:
-                variants = ["before", "after"] + (["sharded", "DDP"] if nproc > 1 else [])
-                variants += ["compile"] if args.compile else []
-                variants += [PEER] if peer_installed() else []
+            for nproc in nprocs + [n for n in peer_nprocs if n not in nprocs]:
+                variants = []
+                if nproc in nprocs:
+                    variants = ["before", "after"] + (["sharded", "DDP"] if nproc > 1 else [])
+                    variants += ["compile"] if args.compile else []
+                variants += [PEER] if peer_installed() and nproc in peer_nprocs else []
                 if args.variants:
                     variants = [v for v in variants if v in args.variants.split(",")]
                 plan += [Plan("wide", recipe, nproc, variant) for variant in variants]
