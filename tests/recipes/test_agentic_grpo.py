@@ -13,8 +13,8 @@ is killed and read as its error (one more 2-step run). Asynchronous GRPO over ep
 two runs are identical and a run whose rank 1 is SIGKILLed after a checkpoint resumes to the
 uninterrupted run, the episodes in flight restored (4-step runs). The same episodes rolled out on
 a sampling thread (``rollout.overlap``; SIGKILLed and resumed, its in-flight episodes equal the
-plain run's) and on a rollout rank (1 trainer + 1 rollout rank = 1 colocated process) give the
-colocated run's results.
+plain run's) and on a rollout rank (1 trainer + 1 rollout rank = 1 colocated process, whose
+step_2 resumes on split ranks exactly) give the colocated run's results.
 """
 
 import json
@@ -339,15 +339,33 @@ def test_episodes_on_a_rollout_rank_equal_the_colocated_run_with_as_many_trainer
 ):
     """rollout.ranks 1 on 2 processes (1 trainer, 1 rollout rank rolling out its episodes and
     calling the tools) equals the colocated async run on 1 process: the same episodes, every
-    untimed metric and the exports. The episodes cross the channel as the in-flight record."""
+    untimed metric and the exports. The episodes cross the channel as the in-flight record;
+    the colocated run's step_2 (step 3's episodes in flight) resumed on split ranks ends as
+    the split run."""
     split = agentic_run(tmp_path / "split", sft_model, *ASYNC, "rollout.ranks=1")
     colocated = agentic_run(tmp_path / "colocated", sft_model, *ASYNC, nproc=1)
-    assert (split / "logs/completions.jsonl").read_bytes() == (
-        colocated / "logs/completions.jsonl"
-    ).read_bytes()
-    ours = [{k: v for k, v in m.items() if not k.startswith("async/")} for m in untimed(split)]
-    assert ours == untimed(colocated)
-    assert [m["off_policy/lag"] for m in ours] == [0, 1, 1, 1]
-    assert all(m["agentic/tool_calls"] > 0.2 for m in ours)
-    assert all(m["async/weight_transfer_bytes"] >= 0 for m in read_metrics(split))
-    assert_same_exports(split, colocated)
+
+    def assert_same_run(ours: Path, theirs: Path) -> None:
+        assert (ours / "logs/completions.jsonl").read_bytes() == (
+            theirs / "logs/completions.jsonl"
+        ).read_bytes()
+        without_transfers = [
+            {k: v for k, v in m.items() if not k.startswith("async/")} for m in untimed(ours)
+        ]
+        assert without_transfers == [
+            {k: v for k, v in m.items() if not k.startswith("async/")} for m in untimed(theirs)
+        ]
+        assert_same_exports(ours, theirs)
+
+    assert_same_run(split, colocated)
+    metrics = untimed(split)
+    assert [m["off_policy/lag"] for m in metrics] == [0, 1, 1, 1]
+    assert all(m["agentic/tool_calls"] > 0.2 for m in metrics)
+    # The adapter: policies 0 and 1 in step 1, 2 in step 2 (the later ones sample nothing).
+    sent = [m["async/weight_transfer_bytes"] for m in metrics]
+    assert sent[0] == 2 * sent[1] > 0 and sent[2:] == [0, 0], sent
+    resumed = interrupted_copy(colocated, tmp_path / "resumed", after_step=2, keep_logs=True)
+    agentic_run(
+        resumed, sft_model, *ASYNC, "rollout.ranks=1", "checkpoint.resume_from_checkpoint=true"
+    )
+    assert_same_run(resumed, split)  # steps 1-2 logged once by the colocated run
