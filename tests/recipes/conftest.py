@@ -9,14 +9,82 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tunelab.lifecycle.worker_client import LAUNCH_SERVER_ENV
+
 BIN_DIR = Path(sys.executable).parent
 TUNELAB = str(BIN_DIR / "tunelab")
 RECIPE_TIMEOUT_S = 600
+TEST_SERVER_ENV = "TUNELAB_TEST_LAUNCH_SERVER"
+"""``0``: the tests launch every ``tunelab`` command cold, without this worker's launch server."""
+COLD = {LAUNCH_SERVER_ENV: ""}
+"""``run_env(**COLD)``: a command that must start as a fresh process (its subject is that)."""
+_server: dict = {}  # This pytest worker's launch server: "process", "path", "folder"
+
+
+def launch_server() -> str | None:
+    """This pytest worker's launch server socket (``tunelab.cli.launch_server``).
+
+    Started on first use from a fresh interpreter with :func:`run_env`'s environment, so every
+    ``tunelab`` command the tests launch with it forks from pre-imported state; stopped at the
+    end of the session. None with ``TUNELAB_TEST_LAUNCH_SERVER=0``.
+    """
+    if os.environ.get(TEST_SERVER_ENV, "1") == "0":
+        return None
+    process = _server.get("process")
+    if process is None or process.poll() is not None:
+        from tunelab.cli.launch_server import start_server
+
+        stop_launch_server()
+        folder = tempfile.mkdtemp(prefix="tunelab-test-launch-")
+        path = os.path.join(folder, "socket")
+        _server.update(process=start_server(path, _base_env()), path=path, folder=folder)
+    return _server["path"]
+
+
+def stop_launch_server() -> None:
+    """Kill this worker's launch server (its running commands die with it)."""
+    process = _server.pop("process", None)
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
+    folder = _server.pop("folder", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_server_stopped_at_the_end():
+    yield
+    stop_launch_server()
+
+
+def launcher_pid(pid: int) -> int:
+    """The process that runs the ``tunelab`` command ``pid`` (itself, unless a server runs it).
+
+    A served command's own process is a stand-in; the server's child runs the command and shows
+    ``tunelab launch server child (stand-in pid PID)``.
+    """
+    process = _server.get("process")
+    if process is None:
+        return pid
+    title = f"tunelab launch server child (stand-in pid {pid})".encode()
+    for child in _own_children(process.pid):
+        if _cmdline(child).split(b"\0")[0] == title:
+            return child
+    return pid
+
+
+def _base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 def free_port() -> int:
@@ -26,9 +94,14 @@ def free_port() -> int:
 
 
 def run_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    env["OMP_NUM_THREADS"] = "1"
+    """The environment of the processes the tests start; ``tunelab`` runs on the launch server.
+
+    ``extra`` wins: ``run_env(**COLD)`` starts a command cold.
+    """
+    env = _base_env()
+    path = None if LAUNCH_SERVER_ENV in extra else launch_server()
+    if path:
+        env[LAUNCH_SERVER_ENV] = path
     env.update(extra)
     return env
 
@@ -41,7 +114,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, check: bool = True, **pop
         str(script), *args,
     ]  # fmt: skip
     result = subprocess.run(
-        command, capture_output=True, text=True, env=run_env(), timeout=RECIPE_TIMEOUT_S,
+        command, capture_output=True, text=True, env=_base_env(), timeout=RECIPE_TIMEOUT_S,
         **popen_kwargs,
     )  # fmt: skip
     if check and result.returncode != 0:
@@ -225,6 +298,11 @@ class Nodes:
 
 
 def _children(pid: int) -> list[int]:
+    """The children of ``pid``; of its served command's process if it is a stand-in."""
+    return _own_children(launcher_pid(pid))
+
+
+def _own_children(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     try:
         return [int(child) for child in children.read_text().split()]

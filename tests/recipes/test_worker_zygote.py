@@ -20,6 +20,7 @@ from tests.recipes.conftest import (
     TUNELAB,
     _children,
     _cmdline,
+    launcher_pid,
     losses_by_step,
     run_env,
 )
@@ -140,7 +141,8 @@ def test_a_killed_stand_in_takes_its_worker_along(tmp_path):
         title = _cmdline(clients[0]).split(b"\0")[0].decode()
         worker = int(re.fullmatch(r"tunelab worker client \(worker pid (\d+)\)", title)[1])
         other = next(pid for pid in workers if pid != worker)
-        os.kill(run.pid, signal.SIGSTOP)
+        launcher = launcher_pid(run.pid)  # Not its stand-in, when the launch server runs it.
+        os.kill(launcher, signal.SIGSTOP)
         try:
             os.kill(clients[0], signal.SIGKILL)  # As torchrun does to a worker that will not stop.
             killed = time.monotonic()
@@ -148,7 +150,7 @@ def test_a_killed_stand_in_takes_its_worker_along(tmp_path):
                 time.sleep(0.05)
             gone, other_alive = not _alive(worker), _alive(other)
         finally:
-            os.kill(run.pid, signal.SIGCONT)
+            os.kill(launcher, signal.SIGCONT)
         code = run.wait(RECIPE_TIMEOUT_S)
     finally:
         _kill(run)

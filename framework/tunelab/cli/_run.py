@@ -31,7 +31,13 @@ from tunelab.lifecycle.collective_timeout import PEER_CLOSED_KEY, CollectiveTime
 from tunelab.lifecycle.entry import ERROR_FILE_ENV, _recipe_parser
 from tunelab.lifecycle.preemption import REPORTED_BY_LAUNCHER_ENV, STOP_LINE_FILE_ENV, signal_name
 from tunelab.lifecycle.worker_start import WORKER_CODE, worker_arguments
-from tunelab.lifecycle.zygote import CLIENT_CODE, Zygote, start_zygote, zygote_enabled
+from tunelab.lifecycle.zygote import (
+    CLIENT_CODE,
+    Zygote,
+    discard_template,
+    start_zygote,
+    zygote_enabled,
+)
 
 USAGE = """\
 usage: tunelab run [TORCHRUN OPTIONS] RECIPE --config CONFIG [OVERRIDE ...]
@@ -114,6 +120,7 @@ def _free_port() -> int:
 
 
 def _run_one_process(recipe: Path, child_args: list[str], debug: bool) -> int:
+    discard_template()  # A served launch's zygote-to-be (launch_server): no zygote here.
     # The same environment torchrun gives a 1-process job, so the recipe takes one code path.
     env = dict(
         os.environ,
@@ -361,6 +368,7 @@ def _run_torchrun(
     try:
         if ours and zygote_enabled():
             zygote = _start_zygote(launch, recipe, debug)
+        discard_template()  # A served launch's zygote-to-be (launch_server), if unused.
         return _launch(launch, recipe, stop_line)
     finally:
         if zygote is not None:

@@ -19,6 +19,8 @@ import socket
 import struct
 import sys
 
+LAUNCH_SERVER_ENV = "TUNELAB_LAUNCH_SERVER"
+"""The launch server's Unix socket: the ``tunelab`` command hands itself to it (``tunelab.cli.launch_server``)."""
 SOCKET_ENV = "TUNELAB_ZYGOTE_SOCKET"
 """The zygote's Unix socket, set by ``tunelab run`` for the processes torchrun starts."""
 FORWARDED_SIGNALS = tuple(
@@ -50,14 +52,65 @@ def main(thresholds: tuple[int, ...]) -> None:
     _stand_in(*started)
 
 
+def hand_over_launch() -> None:
+    """In the ``tunelab`` command: have the launch server run it, and end as that run ended.
+
+    ``TUNELAB_LAUNCH_SERVER`` names the server's socket (``tunelab.cli.launch_server``).
+    The server forks a process that runs the command with this one's argv, environment,
+    working directory, umask, signal mask and stdin/stdout/stderr; this one forwards every
+    signal it can catch to it and exits with its exit code (or dies of its signal). Returns,
+    having changed nothing, when the variable is unset or the server does not serve it
+    (absent, dead, or its interpreter, flags or environment differ; ``--debug`` says why).
+    """
+    path = os.environ.get(LAUNCH_SERVER_ENV, "")
+    if not path:
+        return
+    ignored = [int(s) for s in FORWARDED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)  # Until we forward.
+    started = _start_worker(
+        path,
+        tuple(_gc_thresholds()),
+        what="command runs",
+        # The mask from before the block above (the request's own is read after it).
+        extra={
+            "ignored": ignored,
+            "pid": os.getpid(),
+            "path0": sys.path[0],
+            "mask": sorted(int(s) for s in mask),
+        },
+    )
+    if started is None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        return
+    if _debug_enabled():
+        _write_debug(f"the launch server runs this command (pid {started[1]})")
+    _stand_in(*started, group=False)
+
+
+def _gc_thresholds() -> tuple[int, ...]:
+    import gc
+
+    return gc.get_threshold()
+
+
+def _debug_enabled() -> bool:
+    return (
+        os.environ.get("TUNELAB_DEBUG", "") not in ("", "0")
+        or os.environ.get("TUNELAB_LOG_LEVEL", "").strip().upper() == "DEBUG"
+        or "--debug" in sys.argv[1:]
+    )
+
+
+def _write_debug(line: str) -> None:
+    try:
+        os.write(2, f"tunelab: debug: {line}\n".encode())
+    except OSError:
+        pass
+
+
 def _debug(line: str) -> None:
-    if os.environ.get("TUNELAB_DEBUG", "") not in ("", "0") or (
-        os.environ.get("TUNELAB_LOG_LEVEL", "").strip().upper() == "DEBUG"
-    ):
-        try:
-            os.write(2, f"tunelab: debug: {line}\n".encode())
-        except OSError:
-            pass
+    if _debug_enabled():
+        _write_debug(line)
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
@@ -70,8 +123,17 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def _start_worker(path: str, thresholds: tuple[int, ...]) -> tuple[socket.socket, int] | None:
-    """Have the zygote fork this worker; its socket and pid, or None to run it here."""
+def _start_worker(
+    path: str,
+    thresholds: tuple[int, ...],
+    what: str = "worker starts",
+    extra: dict | None = None,
+) -> tuple[socket.socket, int] | None:
+    """Have the zygote fork this worker; its socket and pid, or None to run it here.
+
+    ``what`` starts the ``--debug`` line that says why not; ``extra`` joins the request.
+    """
+    server = "the launch server" if extra is not None else "the zygote"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     committed = False
     try:
@@ -94,8 +156,10 @@ def _start_worker(path: str, thresholds: tuple[int, ...]) -> tuple[socket.socket
             "priority": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None,
             "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
             "thresholds": list(thresholds),
+            "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
             "cmdline": _read_latin1("/proc/self/cmdline"),
             "proc_environ": _read_latin1("/proc/self/environ"),
+            **(extra or {}),
         }
         payload = json.dumps(request).encode()
         socket.send_fds(sock, [_HEADER.pack(len(payload))], [0, 1, 2])
@@ -103,7 +167,7 @@ def _start_worker(path: str, thresholds: tuple[int, ...]) -> tuple[socket.socket
         answer = sock.recv(1)
         if answer != b"R":
             reason = sock.recv(4096).decode(errors="replace") if answer == b"N" else "no answer"
-            _debug(f"worker starts without the zygote: {reason}")
+            _debug(f"{what} without {server}: {reason}")
             return None
         sock.sendall(b"G")
         committed = True
@@ -112,14 +176,14 @@ def _start_worker(path: str, thresholds: tuple[int, ...]) -> tuple[socket.socket
         sock.settimeout(None)
         reply = _receive_exactly(sock, _STARTED.size)
         if len(reply) != _STARTED.size or reply[:1] != b"P":
-            _debug("worker starts without the zygote: it closed before starting the worker")
+            _debug(f"{what} without {server}: it closed before starting it")
             return None
         return sock, _STARTED.unpack(reply)[1]
     except (OSError, ValueError) as err:
         if committed:
-            _debug(f"worker starts without the zygote: {err}")
+            _debug(f"{what} without {server}: {err}")
         else:
-            _debug(f"worker starts without the zygote: {type(err).__name__}: {err}")
+            _debug(f"{what} without {server}: {type(err).__name__}: {err}")
         sock.close()
         return None
 
@@ -138,11 +202,19 @@ def _read_latin1(path: str) -> str | None:
         return None
 
 
-def _stand_in(sock: socket.socket, pid: int) -> None:
-    """Forward signals to the worker, wait for its end, and end the same way."""
+def _stand_in(sock: socket.socket, pid: int, group: bool = True) -> None:
+    """Forward signals to the worker, wait for its end, and end the same way.
+
+    ``group``: signal the worker's process group (torchrun's workers); otherwise the process
+    alone (a served ``tunelab`` command, whose one-process child is in its group and gets
+    the signal from it, as from a ``tunelab`` started directly).
+    """
 
     def forward(signum: int, frame: object) -> None:
         try:
+            if not group:
+                os.kill(pid, signum)
+                return
             os.killpg(pid, signum)  # Its group, as torchrun signals a worker's (helpers too).
         except OSError:
             try:
@@ -152,7 +224,8 @@ def _stand_in(sock: socket.socket, pid: int) -> None:
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
-    _hide_command_line(pid)
+    if group:
+        _hide_command_line(pid)
     # Stop signals that came while the worker was being started were pending: forward them now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
     reply = _receive_exactly(sock, _STARTED.size)

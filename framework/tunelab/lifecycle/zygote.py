@@ -28,6 +28,13 @@ default generator was never used in the zygote, so it holds its fixed default se
 import. One difference stays: every forked worker shares the zygote's string-hash seed
 (``PYTHONHASHSEED``), where fresh processes would each draw their own.
 
+A ``tunelab run`` forked by the launch server (``tunelab.cli.launch_server``) has the zygote's imports
+already: it forks its zygote from itself (:func:`fork_template`) before the command does
+anything, still single-threaded, and hands it the recipe, the listening socket and the
+workers' environment when :func:`start_zygote` is called; that zygote then imports only what
+the recipe adds. Its stdio is the server's (no ``-u``), so each worker it forks gets stdio as
+``python -u`` makes it (:func:`fresh_stdio`).
+
 Whenever the zygote cannot serve a worker (``TUNELAB_WORKER_ZYGOTE=0``, it failed to start,
 died, still imports after ``READY_TIMEOUT_S``, runs a thread, or the worker's interpreter,
 flags or import-relevant environment differ from its own) the client runs the recipe itself,
@@ -40,6 +47,7 @@ import ast
 import ctypes
 import gc
 import importlib
+import io
 import json
 import os
 import selectors
@@ -51,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tunelab.lifecycle.parent_death import LAUNCHER_PID_ENV
@@ -105,7 +114,7 @@ class Zygote:
         folder: Its private folder (the socket); removed by :meth:`close`.
     """
 
-    def __init__(self, process: subprocess.Popen, folder: str) -> None:
+    def __init__(self, process: subprocess.Popen | _Forked, folder: str) -> None:
         self.process = process
         self.folder = folder
 
@@ -125,6 +134,29 @@ class Zygote:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class _Forked:
+    """The few ``Popen`` methods :class:`Zygote` uses, for a zygote this process forked."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
 def start_zygote(recipe: str, worker_command: list[str], debug: bool) -> Zygote | None:
     """Start the zygote that forks this launch's workers; sets ``SOCKET_ENV`` for them.
 
@@ -142,9 +174,16 @@ def start_zygote(recipe: str, worker_command: list[str], debug: bool) -> Zygote 
     folder = tempfile.mkdtemp(prefix="tunelab-zygote-")
     path = os.path.join(folder, "socket")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    template = _template.pop() if _template else None
     try:
         listener.bind(path)
         listener.listen(128)
+        if template is not None:  # Forked with the imports already (fork_template).
+            forked = _start_template(template, listener, recipe, debug)
+            template = None
+            if forked is not None:
+                os.environ[SOCKET_ENV] = path
+                return Zygote(forked, folder)
         # The zygote's /proc command line must have room for a worker's (see _show_as).
         room = sum(len(os.fsencode(word)) + 1 for word in worker_command)
         env = dict(os.environ)
@@ -167,8 +206,120 @@ def start_zygote(recipe: str, worker_command: list[str], debug: bool) -> Zygote 
         return None
     finally:
         listener.close()  # The zygote's copy serves; a dead zygote then refuses connections.
+        if template is not None:
+            _discard(template)
     os.environ[SOCKET_ENV] = path
     return Zygote(process, folder)
+
+
+# --- a zygote forked from a served launcher (tunelab.cli.launch_server) -------------------------------------
+
+_template: list[tuple[int, socket.socket]] = []
+
+
+def fork_template() -> bool:
+    """Fork this launch's zygote now, before it knows its recipe (a served launch only).
+
+    A ``tunelab`` command forked by the launch server (``tunelab.cli.launch_server``) has the zygote's
+    imports already and is still single-threaded, untouched by the command: the child forked
+    here waits for :func:`start_zygote` to send it the recipe, the listening socket and the
+    workers' environment, then serves as a zygote started by ``ZYGOTE_CODE`` would, without
+    importing torch again. A launch that starts no zygote drops it (:func:`discard_template`);
+    it also dies with this process.
+
+    Returns:
+        True in this process; False in each worker the zygote forks, once its recipe ran (the
+        caller then ends as ``ZYGOTE_CODE`` would: by returning to the interpreter).
+    """
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        thresholds = _serve_template(theirs)
+        run_recipe(thresholds)
+        return False
+    theirs.close()
+    _template.append((pid, ours))
+    return True
+
+
+def discard_template() -> None:
+    """Kill the zygote :func:`fork_template` forked, if this launch does not use it."""
+    while _template:
+        _discard(_template.pop())
+
+
+def _discard(template: tuple[int, socket.socket]) -> None:
+    pid, sock = template
+    sock.close()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
+
+
+def _start_template(
+    template: tuple[int, socket.socket], listener: socket.socket, recipe: str, debug: bool
+) -> _Forked | None:
+    """Send the forked zygote what ``start_zygote`` would give a new one; it then imports."""
+    pid, sock = template
+    payload = json.dumps({"recipe": recipe, "environ": dict(os.environ), "debug": debug}).encode()
+    try:
+        socket.send_fds(sock, [_HEADER.pack(len(payload))], [listener.fileno()])
+        sock.sendall(payload)
+    except OSError:
+        _discard(template)
+        return None
+    sock.close()
+    return _Forked(pid)
+
+
+def _serve_template(sock: socket.socket) -> tuple[int, ...]:
+    """The forked zygote's main: wait for the launcher's request, then serve as ``serve``.
+
+    Returns only in a forked worker: the thresholds its recipe must start with.
+    """
+    launcher = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    if not _set_parent_death_signal() or os.getppid() != launcher:
+        os._exit(0)
+    try:
+        header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)  # Waits for the launcher.
+        payload = b""
+        if len(header) == _HEADER.size and len(fds) == 1:
+            size = _HEADER.unpack(header)[0]
+            while len(payload) < size:
+                chunk = sock.recv(size - len(payload))
+                if not chunk:
+                    break
+                payload += chunk
+        request = json.loads(payload)
+    except (OSError, ValueError):
+        os._exit(0)  # The launch starts no zygote.
+    os.setsid()  # As start_new_session: a terminal's Ctrl-C is for the launcher.
+    null = os.open(os.devnull, os.O_RDWR)
+    for target in (0,) if request["debug"] else (0, 1, 2):
+        os.dup2(null, target)
+    sock.detach()  # Its number is closed below, with what else the launcher had open.
+    keep = {0, 1, 2, fds[0]}
+    for name in os.listdir("/proc/self/fd"):  # What the launcher had open: not the zygote's.
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)  # The launcher's handlers are not the zygote's.
+    environ = dict(request["environ"])
+    environ.pop(LAUNCHER_PID_ENV, None)
+    os.environ.clear()
+    os.environ.update(environ)
+    _show_as(_ZYGOTE_TITLE, None)
+    return _serve(socket.socket(fileno=fds[0]), request["recipe"])
+
+
+_ZYGOTE_TITLE = "\0".join([sys.executable, "-u", "-c", ZYGOTE_CODE]) + "\0"
 
 
 # --- the zygote process ------------------------------------------------------------------------
@@ -190,6 +341,12 @@ def serve() -> None:
     listener = socket.socket(fileno=int(os.environ.pop(_LISTENER_ENV)))
     recipe = os.environ.pop(_RECIPE_ENV)
     os.environ.pop(_PAD_ENV, None)
+    run_recipe(_serve(listener, recipe))
+
+
+def _serve(listener: socket.socket, recipe: str) -> tuple[int, ...]:
+    """Import for ``recipe``, then fork workers; returns in a worker, with its thresholds."""
+    gc.set_threshold(IMPORT_THRESHOLD, *gc.get_threshold()[1:])
     baseline = dict(os.environ)
     _import_for(recipe)
     # What the imports did to the environment (torch's inductor sets its cache folder): a
@@ -197,9 +354,10 @@ def serve() -> None:
     imported = {key: os.environ.get(key) for key in baseline.keys() | os.environ.keys()}
     imported = {key: value for key, value in imported.items() if baseline.get(key) != value}
     gc.freeze()  # What the workers share: their collections never walk it.
+    _flush_stdio()  # What the imports printed is the zygote's, not a worker's to print again.
     request, fds, conn, server = _Server(listener, baseline).serve()
     _become_worker(request, fds, conn, server, imported)
-    run_recipe(tuple(request["thresholds"]))
+    return tuple(request["thresholds"])
 
 
 def _set_parent_death_signal() -> bool:
@@ -294,10 +452,16 @@ def _refusal(request: dict, baseline: dict[str, str]) -> str | None:
 class _Server:
     """The zygote's loop: fork a worker per request, report each worker's end to its client."""
 
-    def __init__(self, listener: socket.socket, baseline: dict[str, str]) -> None:
+    def __init__(
+        self,
+        listener: socket.socket,
+        baseline: dict[str, str],
+        refusal: Callable[[dict, dict[str, str]], str | None] | None = None,
+    ) -> None:
         self.listener = listener
         self.zygote_pid = os.getpid()
         self.baseline = baseline
+        self.refusal = refusal or _refusal
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, ("accept", 0))
         self.clients: dict[int, socket.socket] = {}  # worker pid -> its client's socket
@@ -338,7 +502,7 @@ class _Server:
                     raise ValueError("short request")
                 payload += chunk
             request = json.loads(payload)
-            refusal = _refusal(request, self.baseline)
+            refusal = self.refusal(request, self.baseline)
             if refusal is not None:
                 conn.sendall(b"N" + refusal.encode())
                 raise ValueError(refusal)
@@ -417,10 +581,14 @@ def _become_worker(
     conn: socket.socket,
     server: _Server,
     imported: dict[str, str | None],
+    launch: bool = False,
 ) -> None:
     """In the forked child: take on the client's process state, as a fresh worker has it.
 
     ``imported`` is what the zygote's imports changed in its environment (None: removed).
+    ``launch``: the child is a ``tunelab`` command forked by the launch server
+    (``tunelab.cli.launch_server``), not a worker: it keeps the signals its client's process ignored,
+    and neither dies with nor shows itself as its client (the client stays the command).
     """
     zygote = os.getppid()
     _set_parent_death_signal()
@@ -434,9 +602,11 @@ def _become_worker(
     for fd in fds:
         if fd > 2:
             os.close(fd)
+    ignored = set(request.get("ignored", ())) if launch else set()
     for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, at start.
+        signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, at start.
     signal.pthread_sigmask(signal.SIG_SETMASK, request["mask"])
     os.umask(request["umask"])
     if request["affinity"] is not None and hasattr(os, "sched_setaffinity"):
@@ -457,14 +627,65 @@ def _become_worker(
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    os.environ[LAUNCHER_PID_ENV] = str(zygote)  # exit_with_launcher: die with the zygote.
-    _show_as(request["cmdline"], request["proc_environ"])
+    if not launch:
+        os.environ[LAUNCHER_PID_ENV] = str(zygote)  # exit_with_launcher: die with the zygote.
+        _show_as(request["cmdline"], request["proc_environ"])
+    unbuffered = request.get("unbuffered")
+    if launch or (unbuffered is not None and unbuffered != _unbuffered()):
+        fresh_stdio(bool(unbuffered))  # A terminal's line buffering; `python -u`.
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()  # A fresh process seeds its global generator from the OS.
     sys.argv = list(request["argv"])
     if request["orig_argv"] is not None:
         sys.orig_argv = list(request["orig_argv"])
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+def _unbuffered() -> bool:
+    """Whether this process's stdio is unbuffered (``python -u``, ``PYTHONUNBUFFERED``)."""
+    return bool(getattr(sys.stdout, "write_through", False))
+
+
+def fresh_stdio(unbuffered: bool) -> None:
+    """Make ``sys.stdin``, ``stdout`` and ``stderr`` what Python makes at start for fds 0-2.
+
+    As CPython's ``create_stdio``: unbuffered (``-u``) streams are written through, and the
+    writers' buffers are raw files; buffered ones are line-buffered on a terminal (stderr
+    always). The old objects are flushed
+    left as they are (they do not own their descriptors; the process that forked this one
+    flushed them before it forked).
+
+    Args:
+        unbuffered: Whether the process is to have unbuffered stdio (``python -u``).
+    """
+    for fd, name, mode in ((0, "stdin", "rb"), (1, "stdout", "wb"), (2, "stderr", "wb")):
+        old = getattr(sys, name)
+        if old is None:
+            continue
+        raw_unbuffered = unbuffered and fd != 0
+        try:
+            buffer = open(fd, mode, buffering=0 if raw_unbuffered else -1, closefd=False)
+        except OSError:
+            continue  # Closed: Python leaves it None at start; keep what there is.
+        line_buffering = not unbuffered and (fd == 2 or os.isatty(fd))
+        stream = io.TextIOWrapper(
+            buffer,
+            encoding=old.encoding,
+            errors=old.errors,
+            newline="\n",
+            line_buffering=line_buffering,
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def _show_as(cmdline: str | None, environ: str | None) -> None:
