@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def launch_server() -> str | None:
         return None
     process = _server.get("process")
     if process is None or process.poll() is not None:
+        if threading.current_thread() is not threading.main_thread():
+            return None  # It would die with this thread (its parent-death signal): run cold.
         from tunelab.cli.launch_server import start_server
 
         stop_launch_server()
@@ -59,7 +62,10 @@ def stop_launch_server() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _launch_server_stopped_at_the_end():
+def _launch_server_for_the_session():
+    # Started before any test can change os.environ (a server started inside a test's
+    # monkeypatch would refuse every later command: their environments would differ).
+    launch_server()
     yield
     stop_launch_server()
 

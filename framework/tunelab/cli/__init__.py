@@ -6,24 +6,32 @@ Recipes and configs are found by scanning the built-in folders, never from a han
 import os as _os
 import sys as _sys
 
-if (
-    _os.environ.get("TUNELAB_LAUNCH_SERVER")
-    and _os.path.basename(getattr(_sys.modules.get("__main__"), "__file__", None) or "")
-    == "tunelab"
-):  # The `tunelab` command itself, before its heavy imports: see launch_server.py.
-    import importlib.util as _util
 
-    _spec = _util.spec_from_file_location(
-        "tunelab_worker_client",
-        _os.path.join(
-            _os.path.dirname(_os.path.dirname(__file__)), "lifecycle", "worker_client.py"
-        ),
+def _hand_over_to_a_launch_server() -> None:
+    """In the ``tunelab`` script with ``TUNELAB_LAUNCH_SERVER`` set: let the server run it.
+
+    Runs before the command's heavy imports; ``worker_client`` is loaded by path (the standard
+    library only, not ``tunelab.lifecycle``'s package). Returns when the server does not run
+    this command (see ``tunelab.cli.launch_server``); a program that imports ``tunelab.cli``
+    is never handed over.
+    """
+    main_file = getattr(_sys.modules.get("__main__"), "__file__", None) or ""
+    if not _os.environ.get("TUNELAB_LAUNCH_SERVER") or _os.path.basename(main_file) != "tunelab":
+        return
+    import importlib.util
+
+    client = _os.path.join(_os.path.dirname(_os.path.dirname(__file__)), "lifecycle")
+    spec = importlib.util.spec_from_file_location(
+        "tunelab_worker_client", _os.path.join(client, "worker_client.py")
     )
-    _client = _util.module_from_spec(_spec)
-    _spec.loader.exec_module(_client)
-    _client.hand_over_launch()  # Returns when the server does not run this command.
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.hand_over_launch()
 
-from tunelab.cli._discovery import builtin_recipes, load_recipe_args
-from tunelab.cli.main import main
+
+_hand_over_to_a_launch_server()
+
+from tunelab.cli._discovery import builtin_recipes, load_recipe_args  # noqa: E402 - after it
+from tunelab.cli.main import main  # noqa: E402
 
 __all__ = ["builtin_recipes", "load_recipe_args", "main"]
