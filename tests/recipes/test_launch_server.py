@@ -1,9 +1,9 @@
 """``tunelab`` commands run by the tests' launch server (``tunelab.cli.launch_server``).
 
 Real launches, served and cold (``COLD``): the same losses bit for bit, the same exit codes and
-lines; a SIGTERM to the command's own process (the stand-in) stops the run with its committed
-checkpoint, a SIGKILL to it takes the whole launch along, and a command whose server is gone
-or refuses it runs cold.
+lines; a SIGTERM to the command's own process (served: the stand-in) stops the run with its
+committed checkpoint, a SIGKILL to it takes the whole launch along, and a command whose server
+is gone or refuses it runs cold.
 """
 
 import contextlib
@@ -61,13 +61,18 @@ def _served():
 
 
 @contextlib.contextmanager
-def _long_served_run(out: Path):
-    """A long run the launch server runs, after its first step: (its stand-in, the launcher)."""
-    run = _start(out, "schedule.max_steps_per_epoch=null", "schedule.epochs=20")
+def _long_run(out: Path, served: bool):
+    """A long run after its first step: (its ``tunelab`` process, the process running it).
+
+    Served: the launch server runs it and the first is its stand-in; cold (``COLD``): the same.
+    """
+    run = _start(out, "schedule.max_steps_per_epoch=null", "schedule.epochs=20",
+                 env=None if served else COLD)  # fmt: skip
     try:
         _wait_for_a_step(run, out)
         launcher = launcher_pid(run.pid)
-        assert launcher != run.pid and _children(run.pid), "the launch server did not run it"
+        assert (launcher != run.pid) == served, "served by the launch server, or cold"
+        assert _children(run.pid)
         yield run, launcher
     finally:
         _kill(run)
@@ -96,10 +101,12 @@ def test_a_served_launch_trains_and_fails_as_a_cold_one(tmp_path):
     assert bad[0].stderr.startswith("tunelab: error: ") and len(bad[0].stderr.splitlines()) == 1
 
 
-def test_sigterm_to_the_stand_in_stops_the_served_run_at_a_committed_checkpoint(tmp_path):
+# The launch process's own behaviour, served and cold (the other tests run served).
+@pytest.mark.parametrize("served", [True, False], ids=["served", "cold"])
+def test_sigterm_to_the_command_stops_the_run_at_a_committed_checkpoint(tmp_path, served):
     out = tmp_path / "run"
-    with _long_served_run(out) as (run, launcher):
-        # Its zygote is the launcher's own child, forked from it; the workers are its children.
+    with _long_run(out, served) as (run, launcher):
+        # Its zygote is the launcher's own child; the workers are its children.
         zygotes = [pid for pid in _children(run.pid) if ZYGOTE_CODE.encode() in _cmdline(pid)]
         assert len(zygotes) == 1 and len(_children(zygotes[0])) == 2
         os.kill(run.pid, signal.SIGTERM)
@@ -113,9 +120,10 @@ def test_sigterm_to_the_stand_in_stops_the_served_run_at_a_committed_checkpoint(
     assert not _alive(launcher) and not [pid for pid in _naming(out) if _alive(pid)]
 
 
-def test_a_killed_stand_in_takes_its_launch_along(tmp_path):
+@pytest.mark.parametrize("served", [True, False], ids=["served", "cold"])
+def test_a_killed_command_takes_its_launch_along(tmp_path, served):
     out = tmp_path / "run"
-    with _long_served_run(out) as (run, launcher):
+    with _long_run(out, served) as (run, launcher):
         workers = [pid for pid in _naming(out) if pid != run.pid]
         assert len(workers) == 2
         os.kill(run.pid, signal.SIGKILL)
