@@ -93,9 +93,10 @@ _IMPORTS = (
 def start_server(path: str, env: dict[str, str] | None = None, log: str | None = None):
     """Start a launch server on the Unix socket ``path`` (a fresh interpreter, never a fork).
 
-    The server dies with the calling thread's process. Commands that should use it need
+    The server dies with the thread that calls this. Commands that should use it need
     ``TUNELAB_LAUNCH_SERVER=path`` and the same environment ``env`` (apart from ``TUNELAB_*``
-    and ``PYTEST_*``).
+    and ``PYTEST_*``). Give it ``OMP_NUM_THREADS=1``: otherwise numpy's OpenBLAS starts threads
+    at import, and a server with threads refuses every command (they then run cold).
 
     Args:
         path: The socket to serve (its folder must exist; a stale socket is replaced). It
