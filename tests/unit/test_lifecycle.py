@@ -111,7 +111,7 @@ WORKER = """
 import os, sys, time
 from tunelab.lifecycle import parent_death
 if {force_polling}:
-    parent_death._set_parent_death_signal = lambda signum: False
+    parent_death.set_parent_death_signal = lambda signum: False
 parent_death.exit_with_launcher()
 assert "TUNELAB_LAUNCHER_PID" not in os.environ  # Its own children must not inherit it.
 open(sys.argv[1] if len(sys.argv) > 1 else os.devnull, "w").close()

@@ -44,17 +44,17 @@ import socket
 import subprocess
 import sys
 
+from tunelab.lifecycle.parent_death import set_parent_death_signal
 from tunelab.lifecycle.worker_client import LAUNCH_SERVER_ENV  # noqa: F401 - its home here
 from tunelab.lifecycle.worker_start import IMPORT_THRESHOLD
 from tunelab.lifecycle.zygote import (
-    _ENVIRONMENT_PAD,
-    _become_worker,
-    _flush_stdio,
-    _refusal,
-    _Server,
-    _set_parent_death_signal,
-    _show_as,
+    ENVIRONMENT_PAD,
+    ForkServer,
+    become_worker,
+    flush_stdio,
+    fork_refusal,
     fork_template,
+    show_as,
     zygote_enabled,
 )
 
@@ -65,7 +65,7 @@ SERVER_CODE = "from tunelab.cli.launch_server import serve; serve()"
 _PAD_ENV = "TUNELAB_LAUNCH_SERVER_PAD"
 _LISTENER_ENV = "TUNELAB_LAUNCH_SERVER_LISTENER"
 # Room in the server's /proc command line for its children's titles and for the command
-# lines of the workers its launchers' zygotes fork (``zygote._show_as``).
+# lines of the workers its launchers' zygotes fork (``zygote.show_as``).
 _COMMAND_LINE_PAD = 16384
 # Environment variables that may differ between the server and a command it runs: nothing
 # reads them at import (tunelab reads its own when it acts; pytest names the running test).
@@ -109,7 +109,7 @@ def start_server(path: str, env: dict[str, str] | None = None, log: str | None =
         that connects before the server's imports are done waits for them.
     """
     env = dict(os.environ if env is None else env)
-    env[_PAD_ENV] = "x" * _ENVIRONMENT_PAD  # Room for the children's environments too.
+    env[_PAD_ENV] = "x" * ENVIRONMENT_PAD  # Room for the children's environments too.
     try:
         os.unlink(path)
     except OSError:
@@ -142,7 +142,7 @@ def serve() -> None:
     Returns only in a forked command, after it ran (``sys.exit`` with its code).
     """
     starter = os.getppid()
-    if not _set_parent_death_signal() or os.getppid() != starter:
+    if not set_parent_death_signal() or os.getppid() != starter:
         os._exit(0)
     os.environ.pop(_PAD_ENV, None)
     sys.path[0] = os.path.dirname(sys.executable)  # Not `python -c`'s working directory.
@@ -161,10 +161,10 @@ def serve() -> None:
     gc.set_threshold(*thresholds)  # A fresh `tunelab` command collects as usual.
     gc.collect()
     gc.freeze()  # What the commands share: their collections never walk it.
-    _flush_stdio()  # What the imports printed is the server's, not a command's.
-    request, fds, conn, server = _Server(listener, baseline, refusal).serve()
-    _become_worker(request, fds, conn, server, imported, launch=True)
-    _show_as(f"tunelab launch server child (stand-in pid {request['pid']})\0", None)
+    flush_stdio()  # What the imports printed is the server's, not a command's.
+    request, fds, conn, server = ForkServer(listener, baseline, refusal).serve()
+    become_worker(request, fds, conn, server, imported, launch=True)
+    show_as(f"tunelab launch server child (stand-in pid {request['pid']})\0", None)
     sys.path[0] = request["path0"]  # The `tunelab` script's folder, as a fresh command has.
     if _wants_zygote(request["argv"][1:]) and not fork_template():
         return  # A worker whose recipe ran: it ends as `python -c ZYGOTE_CODE` would.
@@ -204,7 +204,7 @@ def refusal(request: dict, baseline: dict[str, str]) -> str | None:
         for key in baseline.keys() | environ.keys()
         if key.startswith(_FREE_PREFIXES) or key in _FREE_KEYS
     }
-    reason = _refusal(
+    reason = fork_refusal(
         {**request, "environ": {k: v for k, v in environ.items() if k not in free}},
         {k: v for k, v in baseline.items() if k not in free},
     )

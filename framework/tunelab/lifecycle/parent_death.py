@@ -45,7 +45,7 @@ def exit_with_launcher() -> None:
     if launcher_pid is None and "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     expected_parent = launcher_pid if launcher_pid is not None else os.getppid()
-    if not (sys.platform.startswith("linux") and _set_parent_death_signal(signal.SIGKILL)):
+    if not (sys.platform.startswith("linux") and set_parent_death_signal(signal.SIGKILL)):
         threading.Thread(
             target=_watch_parent, args=(expected_parent,), daemon=True, name="tunelab-parent"
         ).start()
@@ -62,7 +62,12 @@ def _launcher_pid() -> int | None:
         return None
 
 
-def _set_parent_death_signal(signum: int) -> bool:
+def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux prctl).
+
+    Returns:
+        Whether the kernel took it (False off Linux or where prctl is missing).
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0

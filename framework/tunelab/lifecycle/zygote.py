@@ -62,7 +62,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tunelab.lifecycle.parent_death import LAUNCHER_PID_ENV
+from tunelab.lifecycle.parent_death import LAUNCHER_PID_ENV, set_parent_death_signal
 from tunelab.lifecycle.worker_client import FORWARDED_SIGNALS, SOCKET_ENV
 from tunelab.lifecycle.worker_start import IMPORT_THRESHOLD, run_recipe
 
@@ -73,7 +73,7 @@ _RECIPE_ENV = "TUNELAB_ZYGOTE_RECIPE"
 _PAD_ENV = "TUNELAB_ZYGOTE_PAD"
 _OWN_ENV = (_LISTENER_ENV, _RECIPE_ENV, _PAD_ENV)
 # Room in the zygote's /proc environment for a worker's (torchrun adds some 600 bytes).
-_ENVIRONMENT_PAD = 8192
+ENVIRONMENT_PAD = 8192
 _CLIENT_FILE = Path(__file__).with_name("worker_client.py")
 
 CLIENT_CODE = (
@@ -95,7 +95,6 @@ _PER_WORKER_KEYS = frozenset(
      LAUNCHER_PID_ENV, SOCKET_ENV}
 )  # fmt: skip
 _PER_WORKER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
-_PR_SET_PDEATHSIG = 1
 _STATUS = struct.Struct("!ci")
 _HEADER = struct.Struct("!I")
 _REQUEST_TIMEOUT_S = 30.0
@@ -184,12 +183,12 @@ def start_zygote(recipe: str, worker_command: list[str], debug: bool) -> Zygote 
             if forked is not None:
                 os.environ[SOCKET_ENV] = path
                 return Zygote(forked, folder)
-        # The zygote's /proc command line must have room for a worker's (see _show_as).
+        # The zygote's /proc command line must have room for a worker's (see show_as).
         room = sum(len(os.fsencode(word)) + 1 for word in worker_command)
         env = dict(os.environ)
         env[_LISTENER_ENV] = str(listener.fileno())
         env[_RECIPE_ENV] = recipe
-        env[_PAD_ENV] = "x" * _ENVIRONMENT_PAD
+        env[_PAD_ENV] = "x" * ENVIRONMENT_PAD
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         output = None if debug else subprocess.DEVNULL
         process = subprocess.Popen(
@@ -282,7 +281,7 @@ def _serve_template(sock: socket.socket) -> tuple[int, ...]:
     """
     launcher = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
-    if not _set_parent_death_signal() or os.getppid() != launcher:
+    if not set_parent_death_signal() or os.getppid() != launcher:
         os._exit(0)
     try:
         header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)  # Waits for the launcher.
@@ -315,7 +314,7 @@ def _serve_template(sock: socket.socket) -> tuple[int, ...]:
     environ.pop(LAUNCHER_PID_ENV, None)
     os.environ.clear()
     os.environ.update(environ)
-    _show_as(_ZYGOTE_TITLE, None)
+    show_as(_ZYGOTE_TITLE, None)
     return _serve(socket.socket(fileno=fds[0]), request["recipe"])
 
 
@@ -336,7 +335,7 @@ def serve() -> None:
     # to a worker that is being forked; fork clears the pending ones).
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
-    if not _set_parent_death_signal() or str(os.getppid()) != launcher:
+    if not set_parent_death_signal() or str(os.getppid()) != launcher:
         os._exit(0)  # No launcher, or it died before the kernel knew to tell us.
     listener = socket.socket(fileno=int(os.environ.pop(_LISTENER_ENV)))
     recipe = os.environ.pop(_RECIPE_ENV)
@@ -354,18 +353,10 @@ def _serve(listener: socket.socket, recipe: str) -> tuple[int, ...]:
     imported = {key: os.environ.get(key) for key in baseline.keys() | os.environ.keys()}
     imported = {key: value for key, value in imported.items() if baseline.get(key) != value}
     gc.freeze()  # What the workers share: their collections never walk it.
-    _flush_stdio()  # What the imports printed is the zygote's, not a worker's to print again.
-    request, fds, conn, server = _Server(listener, baseline).serve()
-    _become_worker(request, fds, conn, server, imported)
+    flush_stdio()  # What the imports printed is the zygote's, not a worker's to print again.
+    request, fds, conn, server = ForkServer(listener, baseline).serve()
+    become_worker(request, fds, conn, server, imported)
     return tuple(request["thresholds"])
-
-
-def _set_parent_death_signal() -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _import_for(recipe: str) -> None:
@@ -420,7 +411,7 @@ def recipe_imports(recipe: str) -> list[str]:
     return names
 
 
-def _refusal(request: dict, baseline: dict[str, str]) -> str | None:
+def fork_refusal(request: dict, baseline: dict[str, str]) -> str | None:
     """Why this zygote must not fork the worker ``request`` asks for, or None."""
     threads = threading.active_count()
     try:
@@ -449,7 +440,7 @@ def _refusal(request: dict, baseline: dict[str, str]) -> str | None:
     return None
 
 
-class _Server:
+class ForkServer:
     """The zygote's loop: fork a worker per request, report each worker's end to its client."""
 
     def __init__(
@@ -461,13 +452,13 @@ class _Server:
         self.listener = listener
         self.zygote_pid = os.getpid()
         self.baseline = baseline
-        self.refusal = refusal or _refusal
+        self.refusal = refusal or fork_refusal
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, ("accept", 0))
         self.clients: dict[int, socket.socket] = {}  # worker pid -> its client's socket
         self.pidfds: dict[int, int] = {}  # worker pid -> its pidfd
 
-    def serve(self) -> tuple[dict, list[int], socket.socket, _Server]:
+    def serve(self) -> tuple[dict, list[int], socket.socket, ForkServer]:
         """Serve until a fork; returns (in the forked child only) what it must become."""
         while True:
             for key, _ in self.selector.select():
@@ -575,11 +566,11 @@ def _kill_group(pid: int) -> None:
             pass
 
 
-def _become_worker(
+def become_worker(
     request: dict,
     fds: list[int],
     conn: socket.socket,
-    server: _Server,
+    server: ForkServer,
     imported: dict[str, str | None],
     launch: bool = False,
 ) -> None:
@@ -591,7 +582,7 @@ def _become_worker(
     and neither dies with nor shows itself as its client (the client stays the command).
     """
     zygote = os.getppid()
-    _set_parent_death_signal()
+    set_parent_death_signal()
     if os.getppid() != server.zygote_pid:
         os._exit(128 + signal.SIGKILL)  # The zygote died before the kernel knew to tell us.
     os.setsid()  # Its own session and group, as torchrun starts a worker.
@@ -629,7 +620,7 @@ def _become_worker(
             os.environ[key] = value
     if not launch:
         os.environ[LAUNCHER_PID_ENV] = str(zygote)  # exit_with_launcher: die with the zygote.
-        _show_as(request["cmdline"], request["proc_environ"])
+        show_as(request["cmdline"], request["proc_environ"])
     unbuffered = request.get("unbuffered")
     if launch or (unbuffered is not None and unbuffered != _unbuffered()):
         fresh_stdio(bool(unbuffered))  # A terminal's line buffering; `python -u`.
@@ -641,7 +632,8 @@ def _become_worker(
         sys.orig_argv = list(request["orig_argv"])
 
 
-def _flush_stdio() -> None:
+def flush_stdio() -> None:
+    """Flush stdout and stderr, so what this process printed is not printed again by a fork."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -688,7 +680,7 @@ def fresh_stdio(unbuffered: bool) -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-def _show_as(cmdline: str | None, environ: str | None) -> None:
+def show_as(cmdline: str | None, environ: str | None) -> None:
     """Make ``/proc/self/cmdline`` and ``environ`` show the client's (when they fit).
 
     The zygote's areas were padded for it; the C environment no longer points into the
