@@ -86,8 +86,23 @@ def launcher_pid(pid: int) -> int:
     return pid
 
 
+# Variables libraries set in this pytest process when a test imports or uses them (sklearn:
+# KMP_*, huggingface_hub: HF_XET_*, inductor: its cache folder). A launched run that uses
+# those libraries sets them itself; passed on, they would make every later command's
+# environment differ from the launch server's, and it would refuse them all (they run cold).
+_SET_BY_LIBRARIES = (
+    "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "HF_XET_HIGH_PERFORMANCE", "TORCHINDUCTOR_CACHE_DIR",
+)  # fmt: skip
+_AT_START = {key: os.environ.get(key) for key in _SET_BY_LIBRARIES}
+
+
 def _base_env() -> dict[str, str]:
     env = dict(os.environ)
+    for key, value in _AT_START.items():  # As the session started, not as imports left it.
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     env["OMP_NUM_THREADS"] = "1"
     return env
