@@ -101,14 +101,16 @@ def test_concurrent_launches_fork_from_zygotes_of_their_own_and_train_as_without
         trees = []
         for run, out in zip(runs, (first, second), strict=True):
             _wait_for_a_step(run, out)
-            trees.append(_tree(run, out))
-        for zygotes, clients, workers in trees:
+            # Checked while this run still trains: the first may end while the second starts.
+            zygotes, clients, workers = _tree(run, out)
+            forked = sorted(_children(zygotes[0])) if len(zygotes) == 1 else None
             assert len(zygotes) == 1 and len(clients) == 2, (zygotes, clients)
             # The workers are the zygote's children, each named once by its command line (the
             # stand-ins hide theirs), and /proc shows each its own rank's environment.
-            assert sorted(_children(zygotes[0])) == workers, (workers, _children(zygotes[0]))
+            assert forked == workers, (workers, forked)
             assert sorted(_environ(pid)[b"RANK"] for pid in workers) == [b"0", b"1"]
             assert not set(clients) & set(workers)
+            trees.append((zygotes, clients, workers))
         assert trees[0][0] != trees[1][0]  # A zygote each.
         codes = [run.wait(RECIPE_TIMEOUT_S) for run in runs]
     finally:
