@@ -12,6 +12,7 @@ runs the recipe itself, exactly as ``WORKER_CODE`` does.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -69,7 +70,7 @@ def hand_over_launch() -> None:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)  # Until we forward.
     started = _start_worker(
         path,
-        tuple(_gc_thresholds()),
+        gc.get_threshold(),
         what="command runs",
         # The mask from before the block above (the request's own is read after it).
         extra={
@@ -85,12 +86,6 @@ def hand_over_launch() -> None:
     if _debug_enabled():
         _write_debug(f"the launch server runs this command (pid {started[1]})")
     _stand_in(*started, group=False)
-
-
-def _gc_thresholds() -> tuple[int, ...]:
-    import gc
-
-    return gc.get_threshold()
 
 
 def _debug_enabled() -> bool:
