@@ -86,23 +86,17 @@ def launcher_pid(pid: int) -> int:
     return pid
 
 
-# Variables libraries set in this pytest process when a test imports or uses them (sklearn:
-# KMP_*, huggingface_hub: HF_XET_*, inductor: its cache folder). A launched run that uses
-# those libraries sets them itself; passed on, they would make every later command's
-# environment differ from the launch server's, and it would refuse them all (they run cold).
-_SET_BY_LIBRARIES = (
-    "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "HF_XET_HIGH_PERFORMANCE", "TORCHINDUCTOR_CACHE_DIR",
-)  # fmt: skip
-_AT_START = {key: os.environ.get(key) for key in _SET_BY_LIBRARIES}
+# The environment as this pytest worker started. Libraries a test imports or uses set
+# variables in this process (sklearn: KMP_*, huggingface_hub: HF_XET_*, inductor: its cache
+# folder and _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, and any other); a launched run that uses
+# them sets them itself. Passed on, they would make every later command's environment differ
+# from the launch server's, and it would refuse them all (they would run cold). So the tests'
+# commands get this snapshot; a test that wants a variable passes it (``run_env(NAME=value)``).
+_AT_START = dict(os.environ)
 
 
 def _base_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key, value in _AT_START.items():  # As the session started, not as imports left it.
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    env = dict(_AT_START)
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -143,13 +137,24 @@ def torchrun(script: Path, *args: str, nproc: int = 2, check: bool = True, **pop
     return result
 
 
-def tunelab_run(recipe: str, config: str, *overrides: str, nproc: int = 2, check: bool = True):
-    """Launch the real ``tunelab run`` (``nproc`` 1 runs without torchrun options)."""
+def tunelab_run(
+    recipe: str,
+    config: str,
+    *overrides: str,
+    nproc: int = 2,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+):
+    """Launch the real ``tunelab run`` (``nproc`` 1 runs without torchrun options).
+
+    ``env``: variables added to :func:`run_env`'s environment.
+    """
     launcher = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
     command = [TUNELAB, "run", *launcher, recipe, "--config", config, *overrides]
     result = subprocess.run(
-        command, capture_output=True, text=True, env=run_env(), timeout=RECIPE_TIMEOUT_S
-    )
+        command, capture_output=True, text=True, env=run_env(**(env or {})),
+        timeout=RECIPE_TIMEOUT_S,
+    )  # fmt: skip
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

@@ -47,19 +47,18 @@ REWARD = textwrap.dedent(
 )
 
 
-def test_a_reward_reads_each_prompts_images(tmp_path, monkeypatch):
+def test_a_reward_reads_each_prompts_images(tmp_path):
     (tmp_path / "image_reward.py").write_text(REWARD)
     rows, files = prompt_rows(tmp_path)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     log = tmp_path / "seen"
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    monkeypatch.setenv("PYTHONPATH", pythonpath)  # the run's environment is this one's
     tunelab_run(
         "grpo_distributed", "tiny/grpo_vl", f"output_dir={tmp_path / 'out'}",
         f"dataset.data_files={data}", "schedule.batch_size=2", "schedule.max_steps_per_epoch=1",
         f"rewards.functions=[{{_component_: image_reward.shape_colour, log: {log}}}]",
-        "rewards.weights=null",
+        "rewards.weights=null", env={"PYTHONPATH": pythonpath},
     )  # fmt: skip
     seen = [
         json.loads(line)
