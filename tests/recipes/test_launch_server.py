@@ -8,6 +8,7 @@ is gone or refuses it runs cold.
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -160,3 +161,32 @@ def test_a_command_whose_server_is_gone_or_refuses_runs_cold(tmp_path):
     assert "tunelab: debug: command runs without the launch server: ConnectionRefusedError" in (
         gone.stderr
     )
+
+
+def _limit_file_size(num_bytes: int):
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, num_bytes))
+
+    return apply
+
+
+def test_a_served_command_keeps_its_resource_limits(tmp_path):
+    # `ulimit -f` (here a preexec_fn) holds in the server's child as in the command's process:
+    # its write of a file larger than the limit fails (EFBIG), as a cold one does.
+    def copy(target: Path, limit: int | None, env: dict):
+        return subprocess.run(
+            [TUNELAB, "--debug", "cp", "lora_finetune_distributed", str(target)],
+            capture_output=True, text=True, env=run_env(**env), timeout=RECIPE_TIMEOUT_S,
+            preexec_fn=None if limit is None else _limit_file_size(limit),
+        )  # fmt: skip
+
+    whole = copy(tmp_path / "whole.py", None, {})
+    assert whole.returncode == 0 and SERVED_LINE in whole.stderr, whole.stderr
+    size = (tmp_path / "whole.py").stat().st_size
+    assert size > 4096
+    for env in ({}, COLD):
+        target = tmp_path / f"cut_{len(env)}.py"
+        cut = copy(target, 4096, env)
+        assert (SERVED_LINE in cut.stderr) == (not env), cut.stderr
+        assert cut.returncode == 1 and "File too large" in cut.stderr.splitlines()[-1], cut.stderr
+        assert list(tmp_path.glob("cut_*")) == []  # `tunelab cp` leaves no part of a copy

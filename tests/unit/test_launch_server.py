@@ -1,6 +1,7 @@
 """The launch server's rules (``tunelab.cli.launch_server``): what it refuses to run."""
 
 import os
+import resource
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from tunelab.cli import launch_server
 from tunelab.cli.launch_server import refusal
 from tunelab.lifecycle import zygote
+from tunelab.lifecycle.worker_client import resource_limits
 
 
 def _request(**changes):
@@ -70,6 +72,21 @@ def test_another_interpreter_or_flags_are_refused(single_threaded):
     flags[0] = 1 - flags[0]
     assert refusal(_request(flags=flags), dict(BASELINE)) == reason
     assert refusal(_request(warnoptions=["error"]), dict(BASELINE)) == reason
+
+
+def test_resource_limits_at_or_below_the_servers_are_served_and_above_refused(single_threaded):
+    ours = resource_limits()
+    assert refusal(_request(rlimits=ours), dict(BASELINE)) is None
+    lower = dict(ours, RLIMIT_FSIZE=[4096, 4096])  # `ulimit -f 4`: the child takes it on
+    assert refusal(_request(rlimits=lower), dict(BASELINE)) is None
+    finite = [name for name, (_, hard) in ours.items() if hard != resource.RLIM_INFINITY]
+    assert finite  # RLIMIT_NOFILE's hard limit at least
+    for name in finite:
+        soft, hard = ours[name]
+        for above in ([soft, hard + 1], [soft, resource.RLIM_INFINITY]):
+            assert refusal(_request(rlimits=dict(ours, **{name: above})), dict(BASELINE)) == (
+                f"the command's resource limit {name} is above the launch server's"
+            )
 
 
 def test_only_torchrun_launches_get_a_zygote_forked_early(monkeypatch):

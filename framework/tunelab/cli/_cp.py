@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 from tunelab.cli._discovery import builtin_recipes, suggest_builtin
 from tunelab.config import builtin_configs
 from tunelab.errors import TunelabError
+from tunelab.formats.layout import write_atomic
 
 
 def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -74,7 +74,9 @@ def run(namespace: argparse.Namespace) -> int:
         raise TunelabError(f"{dest} already exists; pass --force to overwrite it")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, dest)
+        # Whole or not at all: a failed write (a full disk, `ulimit -f`) leaves no part of the
+        # copy, and `--force` keeps the file it would have replaced.
+        write_atomic(dest, source.read_bytes(), sync=False)
     except OSError as err:
         raise TunelabError(
             f"cannot copy {namespace.name} to {dest}: {err.strerror or err}"

@@ -7,8 +7,8 @@ launches hundreds of small runs pays that for each. The launch server pays it on
 with ``python -c SERVER_CODE`` (:func:`start_server`), it imports all of that, runs no torch
 operation, stays single-threaded and serves a Unix socket. With ``TUNELAB_LAUNCH_SERVER=PATH``
 set, the ``tunelab`` command, before any heavy import (``tunelab.cli``'s first lines), hands
-its argv, environment, working directory, umask, signal mask, ignored signals and
-stdin/stdout/stderr to the server through the worker zygote's protocol (``worker_client``);
+its argv, environment, working directory, umask, resource limits, signal mask, ignored signals
+and stdin/stdout/stderr to the server through the worker zygote's protocol (``worker_client``);
 the server forks a child that takes them all on, starts a session of its own and runs the
 command's ``main`` as a fresh ``tunelab`` process would, while the command's own process stands
 in for it: it forwards every signal it can catch to the child and exits as the child exited
@@ -29,7 +29,8 @@ every module the server imported (the launcher's and the zygote's both), and its
 its own, not its stand-in's (a signal to the stand-in's group reaches the child through the
 stand-in once, as a signal to the child alone). The server refuses a command whose
 interpreter, flags or environment differ from its own, apart from ``TUNELAB_*`` and
-``PYTEST_*`` variables, which nothing reads at import; the command then runs as it always did.
+``PYTEST_*`` variables, which nothing reads at import, or one of whose hard resource limits is
+above its own (a lower one the child takes on); the command then runs as it always did.
 
 Meant for test harnesses and tools that launch many runs: the tests start one server per
 pytest worker (``tests/recipes/conftest.py``).

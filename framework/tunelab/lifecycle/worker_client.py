@@ -4,9 +4,9 @@
 (:data:`tunelab.lifecycle.zygote.CLIENT_CODE`). This module is loaded by file path, not through
 the ``tunelab`` package (whose ``__init__`` imports omegaconf and more): it imports only the
 standard library. It asks the run's zygote to fork the worker, hands it its argv, environment,
-working directory, umask, signal mask and stdin/stdout/stderr, then stands in for the worker:
-it forwards every signal it can catch to it and ends as it ended (the same exit code, or
-killed by the same signal). When the zygote is off, gone, busy with threads or too slow, it
+working directory, umask, resource limits, signal mask and stdin/stdout/stderr, then stands in
+for the worker: it forwards every signal it can catch to it and ends as it ended (the same exit
+code, or killed by the same signal). When the zygote is off, gone, busy with threads or too slow, it
 runs the recipe itself, exactly as ``WORKER_CODE`` does.
 """
 
@@ -58,8 +58,9 @@ def hand_over_launch() -> None:
 
     ``TUNELAB_LAUNCH_SERVER`` names the server's socket (``tunelab.cli.launch_server``).
     The server forks a process that runs the command with this one's argv, environment,
-    working directory, umask, signal mask and stdin/stdout/stderr; this one forwards every
-    signal it can catch to it and exits with its exit code (or dies of its signal). Returns,
+    working directory, umask, resource limits, signal mask and stdin/stdout/stderr; this one
+    forwards every signal it can catch to it and exits with its exit code (or dies of its
+    signal). Returns,
     having changed nothing, when the variable is unset or the server does not serve it
     (absent, dead, or its interpreter, flags or environment differ; ``--debug`` says why).
     """
@@ -145,6 +146,7 @@ def _start_worker(
             "environ": dict(os.environ),
             "cwd": os.getcwd(),
             "umask": _umask(),
+            "rlimits": resource_limits(),
             "affinity": sorted(os.sched_getaffinity(0))
             if hasattr(os, "sched_getaffinity")
             else None,
@@ -181,6 +183,17 @@ def _start_worker(
             _debug(f"{what} without {server}: {type(err).__name__}: {err}")
         sock.close()
         return None
+
+
+def resource_limits() -> dict[str, list[int]]:
+    """This process's resource limits (``ulimit``), by ``RLIMIT_*`` name: [soft, hard]."""
+    import resource  # Unix only, as this module.
+
+    return {
+        name: list(resource.getrlimit(getattr(resource, name)))
+        for name in dir(resource)
+        if name.startswith("RLIMIT_")
+    }
 
 
 def _umask() -> int:

@@ -8,7 +8,8 @@ of that once, runs no torch operation (no OpenMP or MKL thread pool exists) and 
 socket in a private temporary folder. torchrun keeps its own process model (error files,
 signals, restarts, rendezvous, log redirects): the process it starts for each worker is a thin
 client (``worker_client``, :data:`CLIENT_CODE`) that sends the zygote its argv, environment,
-working directory, umask, signal mask and its stdin/stdout/stderr (``SCM_RIGHTS``). The zygote
+working directory, umask, resource limits, signal mask and its stdin/stdout/stderr
+(``SCM_RIGHTS``). The zygote
 checks that it is still single-threaded (``threading`` and ``/proc/self/task``) and forks the
 worker, which takes all of that on, starts a session of its own (as torchrun's workers do) and
 runs the recipe as ``__main__`` exactly as ``WORKER_CODE`` does. The client forwards every
@@ -50,6 +51,7 @@ import importlib
 import io
 import json
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -63,7 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tunelab.lifecycle.parent_death import LAUNCHER_PID_ENV, set_parent_death_signal
-from tunelab.lifecycle.worker_client import FORWARDED_SIGNALS, SOCKET_ENV
+from tunelab.lifecycle.worker_client import FORWARDED_SIGNALS, SOCKET_ENV, resource_limits
 from tunelab.lifecycle.worker_start import IMPORT_THRESHOLD, run_recipe
 
 ZYGOTE_ENV = "TUNELAB_WORKER_ZYGOTE"
@@ -437,7 +439,23 @@ def fork_refusal(request: dict, baseline: dict[str, str]) -> str | None:
             continue
         if baseline.get(key) != environ.get(key):
             return f"the worker's environment differs from the zygote's in {key}"
+    for name, (_, hard) in request.get("rlimits", {}).items():
+        ours = resource_limits().get(name)
+        if ours is None or _above(hard, ours[1]):  # Only a privileged process may raise it.
+            return f"the worker's resource limit {name} is above the zygote's"
     return None
+
+
+def _above(limit: int, ceiling: int) -> bool:
+    infinity = resource.RLIM_INFINITY
+    return ceiling != infinity and (limit == infinity or limit > ceiling)
+
+
+def _set_resource_limits(limits: dict[str, list[int]]) -> None:
+    for name, (soft, hard) in limits.items():
+        which = getattr(resource, name)
+        if resource.getrlimit(which) != (soft, hard):
+            resource.setrlimit(which, (soft, hard))  # `ulimit -f`, `prlimit`, a preexec_fn.
 
 
 class ForkServer:
@@ -600,6 +618,7 @@ def become_worker(
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, at start.
     signal.pthread_sigmask(signal.SIG_SETMASK, request["mask"])
     os.umask(request["umask"])
+    _set_resource_limits(request.get("rlimits", {}))
     if request["affinity"] is not None and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, request["affinity"])  # torchrun's NUMA binding, taskset.
