@@ -13,8 +13,10 @@ is killed and read as its error (one more 2-step run). Asynchronous GRPO over ep
 two runs are identical and a run whose rank 1 is SIGKILLed after a checkpoint resumes to the
 uninterrupted run, the episodes in flight restored (4-step runs). The same episodes rolled out on
 a sampling thread (``rollout.overlap``; SIGKILLed and resumed, its in-flight episodes equal the
-plain run's) and on a rollout rank (1 trainer + 1 rollout rank = 1 colocated process, whose
-step_2 resumes on split ranks exactly) give the colocated run's results.
+plain run's), on a rollout rank (1 trainer + 1 rollout rank = 1 colocated process, whose
+step_2 resumes on split ranks exactly) and with refill rounds on two rollout ranks (4
+processes) give the colocated run's results; episodes rolled out with the weights gathered per
+forward (``rollout.gather_once: false``, ranks in lockstep) equal those with the weights held.
 """
 
 import json
@@ -369,3 +371,50 @@ def test_episodes_on_a_rollout_rank_equal_the_colocated_run_with_as_many_trainer
         resumed, sft_model, *ASYNC, "rollout.ranks=1", "checkpoint.resume_from_checkpoint=true"
     )
     assert_same_run(resumed, split)  # steps 1-2 logged once by the colocated run
+
+
+def test_refill_rounds_of_episodes_on_two_rollout_ranks_equal_the_colocated_ones(
+    sft_model, tmp_path
+):
+    """2 trainers + 2 rollout ranks, dynamic sampling with refill rounds (the rollout ranks
+    agree on the refills over their own group, each rolling out and calling tools for one
+    trainer) = colocated async on 2 processes: the same episodes, metrics and exports."""
+    # Groups of 2 episodes: often equal rewards, so refills are needed.
+    refill = (*ASYNC[:2], "rollout.dynamic_sampling=true", "rollout.num_generations=2",
+              "rollout.dynamic_sampling_refill_rounds=2", "schedule.max_steps_per_epoch=2",
+              "checkpoint.save_every_n_steps=null")  # fmt: skip
+    split = agentic_run(tmp_path / "split", sft_model, *refill, "rollout.ranks=2", nproc=4)
+    colocated = agentic_run(tmp_path / "colocated", sft_model, *refill)
+    assert (split / "logs/completions.jsonl").read_bytes() == (
+        colocated / "logs/completions.jsonl"
+    ).read_bytes()
+
+    def without_transfers(out: Path) -> list[dict]:
+        return [{k: v for k, v in m.items() if not k.startswith("async/")} for m in untimed(out)]
+
+    assert without_transfers(split) == without_transfers(colocated)
+    assert_same_exports(split, colocated)
+    records = episodes(split)
+    assert max(record.get("round", 0) for record in records) > 0  # refill rounds ran
+    assert any(record["num_tool_calls"] > 0 for record in records)  # the rollout ranks' tools
+
+
+def test_episodes_with_weights_gathered_per_forward_equal_those_with_weights_held(
+    sft_model, tmp_path
+):
+    """rollout.gather_once false: the adapters stay sharded DTensors while the episodes roll
+    out, so every forward all-gathers and the ranks take their turns in lockstep (a rank
+    whose episodes ended keeps stepping until every rank's have); the episodes, metrics and
+    exports equal the run that holds the weights gathered (both unmerged: merging rounds).
+    The unit test of the loop counts its all-reduces."""
+    short = ("schedule.max_steps_per_epoch=2", "checkpoint.save_every_n_steps=null",
+             "rollout.merge_adapters=false")  # fmt: skip
+    lockstep = agentic_run(tmp_path / "lockstep", sft_model, *short, "rollout.gather_once=false")
+    held = agentic_run(tmp_path / "held", sft_model, *short)
+    assert (lockstep / "logs/completions.jsonl").read_bytes() == (
+        held / "logs/completions.jsonl"
+    ).read_bytes()
+    assert untimed(lockstep) == untimed(held)
+    assert_same_exports(lockstep, held)
+    # Episodes of one and of two turns: ranks step on while their own episodes have ended.
+    assert {1, 2} <= {record["num_turns"] for record in episodes(lockstep)}
