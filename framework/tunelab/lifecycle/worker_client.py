@@ -6,8 +6,8 @@ the ``tunelab`` package (whose ``__init__`` imports omegaconf and more): it impo
 standard library. It asks the run's zygote to fork the worker, hands it its argv, environment,
 working directory, umask, resource limits, signal mask and stdin/stdout/stderr, then stands in
 for the worker: it forwards every signal it can catch to it and ends as it ended (the same exit
-code, or killed by the same signal). When the zygote is off, gone, busy with threads or too slow, it
-runs the recipe itself, exactly as ``WORKER_CODE`` does.
+code, or killed by the same signal). When the zygote is off, gone, busy with threads or too
+slow, it runs the recipe itself, exactly as ``WORKER_CODE`` does.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -60,9 +61,9 @@ def hand_over_launch() -> None:
     The server forks a process that runs the command with this one's argv, environment,
     working directory, umask, resource limits, signal mask and stdin/stdout/stderr; this one
     forwards every signal it can catch to it and exits with its exit code (or dies of its
-    signal). Returns,
-    having changed nothing, when the variable is unset or the server does not serve it
-    (absent, dead, or its interpreter, flags or environment differ; ``--debug`` says why).
+    signal). Returns, having changed nothing, when the variable is unset or the server does
+    not serve it (absent, dead, or its interpreter, flags or environment differ; ``--debug``
+    says why).
     """
     path = os.environ.get(LAUNCH_SERVER_ENV, "")
     if not path:
@@ -187,8 +188,6 @@ def _start_worker(
 
 def resource_limits() -> dict[str, list[int]]:
     """This process's resource limits (``ulimit``), by ``RLIMIT_*`` name: [soft, hard]."""
-    import resource  # Unix only, as this module.
-
     return {
         name: list(resource.getrlimit(getattr(resource, name)))
         for name in dir(resource)

@@ -9,12 +9,12 @@ socket in a private temporary folder. torchrun keeps its own process model (erro
 signals, restarts, rendezvous, log redirects): the process it starts for each worker is a thin
 client (``worker_client``, :data:`CLIENT_CODE`) that sends the zygote its argv, environment,
 working directory, umask, resource limits, signal mask and its stdin/stdout/stderr
-(``SCM_RIGHTS``). The zygote
-checks that it is still single-threaded (``threading`` and ``/proc/self/task``) and forks the
-worker, which takes all of that on, starts a session of its own (as torchrun's workers do) and
-runs the recipe as ``__main__`` exactly as ``WORKER_CODE`` does. The client forwards every
-signal it can catch to the worker's process group, and ends as the worker ended: its exit
-code, or killed by the same signal (an OOM SIGKILL looks as it always did).
+(``SCM_RIGHTS``). The zygote checks that it is still single-threaded (``threading`` and
+``/proc/self/task``) and forks the worker, which takes all of that on, starts a session of its
+own (as torchrun's workers do) and runs the recipe as ``__main__`` exactly as ``WORKER_CODE``
+does. The client forwards every signal it can catch to the worker's process group, and ends
+as the worker ended: its exit code, or killed by the same signal (an OOM SIGKILL looks as it
+always did).
 
 Lifetimes: the zygote dies with the launcher (``PR_SET_PDEATHSIG`` and the launcher's pid), and
 the launcher kills it when torchrun returns; a forked worker dies with the zygote (its own
@@ -439,8 +439,9 @@ def fork_refusal(request: dict, baseline: dict[str, str]) -> str | None:
             continue
         if baseline.get(key) != environ.get(key):
             return f"the worker's environment differs from the zygote's in {key}"
+    limits = resource_limits()
     for name, (_, hard) in request.get("rlimits", {}).items():
-        ours = resource_limits().get(name)
+        ours = limits.get(name)
         if ours is None or _above(hard, ours[1]):  # Only a privileged process may raise it.
             return f"the worker's resource limit {name} is above the zygote's"
     return None
