@@ -713,3 +713,25 @@ def test_download_offline_is_one_clear_line(tmp_path, hub_env):
 
 def test_tunelab_is_installed():
     assert TUNELAB.is_file() or shutil.which("tunelab")
+
+
+def test_the_launchers_rendezvous_method_names_are_torchs():
+    # `tunelab run` replaces torch's get_method_name (inspect.stack(), 2-3 ms a call) with a
+    # frame lookup: the rendezvous event log names the same methods.
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+
+    from tunelab.cli._run import _calling_method_name
+
+    class Handler:
+        def next_rendezvous(self, name):
+            return self._record(name)
+
+        def _record(self, name):
+            return name()
+
+    for depth in (1, 2, 3, 4):  # 0 would name the functions themselves
+        theirs = Handler().next_rendezvous(lambda d=depth: get_method_name(d))
+        ours = Handler().next_rendezvous(lambda d=depth: _calling_method_name(d))
+        assert ours == theirs
+    assert Handler().next_rendezvous(_calling_method_name) == "next_rendezvous"
+    assert _calling_method_name(10_000) == get_method_name(10_000) == "no_method_name"
