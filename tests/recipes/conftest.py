@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -100,6 +101,15 @@ def _base_env() -> dict[str, str]:
     env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def limit_file_size(num_bytes: int):
+    """A ``preexec_fn`` that caps the files the started process writes (``ulimit -f``: EFBIG)."""
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, num_bytes))
+
+    return apply
 
 
 def free_port() -> int:

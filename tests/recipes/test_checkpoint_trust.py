@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import pickle
-import resource
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,6 +18,7 @@ from tests.recipes.conftest import (
     STEPS,
     TUNELAB,
     interrupted_copy,
+    limit_file_size,
     losses_by_step,
     run_env,
     tunelab_run,
@@ -221,13 +221,6 @@ def test_stale_temporaries_are_removed_and_never_exported(crashed_and_resumed):
     assert subprocess.run([TUNELAB, "verify", str(out)]).returncode == 0
 
 
-def _limit_file_size(num_bytes):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, num_bytes))
-
-    return apply
-
-
 def test_write_failures_are_one_line_and_leave_committed_checkpoints_intact(reference, tmp_path):
     out = interrupted_copy(reference, tmp_path / "run", after_step=2)
     before = _digests(out / "step_2")
@@ -237,7 +230,7 @@ def test_write_failures_are_one_line_and_leave_committed_checkpoints_intact(refe
                "tiny/lora", f"output_dir={out}", *COMMON, "checkpoint.resume_from_checkpoint=true"]  # fmt: skip
     result = subprocess.run(
         command, capture_output=True, text=True, env=run_env(), timeout=600,
-        preexec_fn=_limit_file_size(500_000),
+        preexec_fn=limit_file_size(500_000),
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output, output[-3000:]
@@ -252,7 +245,7 @@ def test_write_failures_are_one_line_and_leave_committed_checkpoints_intact(refe
     command = [f"output_dir={out}" if c.startswith("output_dir=") else c for c in command]
     result = subprocess.run(
         command, capture_output=True, text=True, env=run_env(), timeout=600,
-        preexec_fn=_limit_file_size(1_500_000),
+        preexec_fn=limit_file_size(1_500_000),
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output, output[-3000:]

@@ -8,7 +8,6 @@ is gone or refuses it runs cold.
 
 import contextlib
 import os
-import resource
 import signal
 import subprocess
 import time
@@ -24,6 +23,7 @@ from tests.recipes.conftest import (
     _cmdline,
     launch_server,
     launcher_pid,
+    limit_file_size,
     losses_by_step,
     run_env,
 )
@@ -163,13 +163,6 @@ def test_a_command_whose_server_is_gone_or_refuses_runs_cold(tmp_path):
     )
 
 
-def _limit_file_size(num_bytes: int):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, num_bytes))
-
-    return apply
-
-
 def test_a_served_command_keeps_its_resource_limits(tmp_path):
     # `ulimit -f` (here a preexec_fn) holds in the server's child as in the command's process:
     # its write of a file larger than the limit fails (EFBIG), as a cold one does.
@@ -177,7 +170,7 @@ def test_a_served_command_keeps_its_resource_limits(tmp_path):
         return subprocess.run(
             [TUNELAB, "--debug", "cp", "lora_finetune_distributed", str(target)],
             capture_output=True, text=True, env=run_env(**env), timeout=RECIPE_TIMEOUT_S,
-            preexec_fn=None if limit is None else _limit_file_size(limit),
+            preexec_fn=None if limit is None else limit_file_size(limit),
         )  # fmt: skip
 
     whole = copy(tmp_path / "whole.py", None, {})
